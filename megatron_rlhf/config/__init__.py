@@ -1,0 +1,29 @@
+"""Configuration: YAML with ${ENV:default} and includes, typed objects, validation."""
+
+from megatron_rlhf.config.loader import ConfigError, config_to_dict, load_config, load_tree
+from megatron_rlhf.config.schema import (
+    ROLE_HEADS,
+    ROLE_NAMES,
+    TRAINABLE_ROLES,
+    ModelArchConfig,
+    ParallelConfig,
+    RLHFConfig,
+    RoleConfig,
+)
+from megatron_rlhf.config.validation import layout_problems, validate
+
+__all__ = [
+    "ConfigError",
+    "ModelArchConfig",
+    "ParallelConfig",
+    "RLHFConfig",
+    "ROLE_HEADS",
+    "ROLE_NAMES",
+    "RoleConfig",
+    "TRAINABLE_ROLES",
+    "config_to_dict",
+    "layout_problems",
+    "load_config",
+    "load_tree",
+    "validate",
+]

@@ -1,0 +1,305 @@
+"""YAML loading: ``${ENV_NAME:default}`` interpolation, ``includes:``, role model files, and
+conversion to the typed objects of schema.py with errors that name the file, the key and what is valid.
+
+Every leaf value remembers the file it came from, so an error found later (for example a TP size
+that does not divide the heads of a model defined in another file) can still name the right file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import typing
+from typing import Any, Dict, Optional, Tuple
+
+import yaml
+
+from megatron_rlhf.config.schema import ROLE_NAMES, ModelArchConfig, RLHFConfig
+
+KeyPath = Tuple[str, ...]
+Sources = Dict[KeyPath, str]
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::([^}]*))?\}")
+
+
+class ConfigError(ValueError):
+    """Invalid configuration. The message names the file, the key and what would be valid."""
+
+
+def dotted(path: KeyPath) -> str:
+    return ".".join(path) if path else "<top level>"
+
+
+# --------------------------------------------------------------------------------------------------
+# Scalars and ${ENV:default}
+
+
+def parse_scalar(text: str) -> Any:
+    """Type a scalar given as text: true/false -> bool, integers, floats, empty or null -> None,
+    anything else stays a string."""
+    stripped = text.strip()
+    lowered = stripped.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("", "null", "none", "~"):
+        return None
+    for convert in (int, float):
+        try:
+            return convert(stripped)
+        except ValueError:
+            pass
+    return text
+
+
+def interpolate(value: str, file: str, path: KeyPath) -> Any:
+    """Resolve ``${NAME:default}`` references; the environment wins over the default. A value that
+    is one reference is typed (see parse_scalar); references inside longer text are substituted."""
+
+    def lookup(match: "re.Match[str]") -> str:
+        name, default = match.group(1), match.group(2)
+        if name in os.environ:
+            return os.environ[name]
+        if default is None:
+            raise ConfigError(
+                f"{file}: {dotted(path)}: environment variable {name} is not set and "
+                f"'${{{name}}}' has no default; export {name} or write '${{{name}:default}}'"
+            )
+        return default
+
+    whole = _ENV_REF.fullmatch(value.strip())
+    if whole:
+        return parse_scalar(lookup(whole))
+    return _ENV_REF.sub(lookup, value)
+
+
+def _interpolate_tree(node: Any, file: str, path: KeyPath, sources: Sources) -> Any:
+    if isinstance(node, dict):
+        out = {}
+        for key, child in node.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{file}: {dotted(path)}: key {key!r} must be a string")
+            out[key] = _interpolate_tree(child, file, path + (key,), sources)
+        sources[path] = file
+        return out
+    sources[path] = file
+    if isinstance(node, list):
+        return [_interpolate_tree(v, file, path + (str(i),), sources) for i, v in enumerate(node)]
+    if isinstance(node, str):
+        return interpolate(node, file, path)
+    return node
+
+
+# --------------------------------------------------------------------------------------------------
+# Files and includes
+
+
+def _read_yaml(file: str, named_by: Optional[str]) -> Dict[str, Any]:
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        where = f" (named by {named_by})" if named_by else ""
+        raise ConfigError(f"{file}: no such config file{where}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{file}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: the top level must be a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+def _merge(base: Dict, base_sources: Sources, over: Dict, over_sources: Sources, at: KeyPath) -> None:
+    """Deep-merge ``over`` into ``base`` (over wins), keeping each leaf's source file."""
+    for key, value in over.items():
+        path = at + (key,)
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], base_sources, value, over_sources, path)
+            base_sources.setdefault(path, over_sources[path])
+        else:
+            base[key] = value
+            for src_path in [p for p in base_sources if p[: len(path)] == path]:
+                del base_sources[src_path]
+            base_sources.update({p: f for p, f in over_sources.items() if p[: len(path)] == path})
+
+
+def load_tree(file: str, named_by: Optional[str] = None, _stack: Tuple[str, ...] = ()) -> Tuple[Dict, Sources]:
+    """Load one YAML file with its ``includes:`` (paths relative to it, merged in order, then the
+    file's own keys on top) and ``${ENV:default}`` resolved. Returns the tree and leaf sources."""
+    file = os.path.abspath(file)
+    if file in _stack:
+        chain = " -> ".join(_stack + (file,))
+        raise ConfigError(f"{file}: includes itself through {chain}")
+    data = _read_yaml(file, named_by)
+    includes = data.pop("includes", [])
+    if isinstance(includes, str):
+        includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise ConfigError(f"{file}: includes: expected a file path or a list of file paths")
+    tree: Dict = {}
+    sources: Sources = {}
+    for include in includes:
+        inc_file = os.path.join(os.path.dirname(file), include)
+        sub, sub_sources = load_tree(inc_file, named_by=f"{file}: includes", _stack=_stack + (file,))
+        _merge(tree, sources, sub, sub_sources, ())
+    own_sources: Sources = {}
+    own = _interpolate_tree(data, file, (), own_sources)
+    _merge(tree, sources, own, own_sources, ())
+    return tree, sources
+
+
+def _attach_role_model_files(tree: Dict, sources: Sources) -> None:
+    """A role's ``model_config_file`` (relative to the file that names it) is the base of that
+    role's entry; keys in the entry itself override it."""
+    for role in ROLE_NAMES:
+        entry = tree.get(role)
+        if not isinstance(entry, dict) or entry.get("model_config_file") is None:
+            continue
+        name = entry["model_config_file"]
+        naming_file = sources[(role, "model_config_file")]
+        if not isinstance(name, str):
+            raise ConfigError(f"{naming_file}: {role}.model_config_file: expected a file path")
+        model_file = os.path.join(os.path.dirname(naming_file), name)
+        sub, sub_sources = load_tree(model_file, named_by=f"{naming_file}: {role}.model_config_file")
+        role_sources = {(role,) + p: f for p, f in sub_sources.items()}
+        role_sources[(role,)] = model_file
+        entry_sources = {p: f for p, f in sources.items() if p[:1] == (role,)}
+        merged: Dict = {}
+        _merge(merged, role_sources, sub, role_sources, (role,))
+        _merge(merged, role_sources, entry, entry_sources, (role,))
+        tree[role] = merged
+        for p in [p for p in sources if p[:1] == (role,)]:
+            del sources[p]
+        sources.update(role_sources)
+
+
+# --------------------------------------------------------------------------------------------------
+# Typed objects
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        names = [_type_name(a) for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(names) + " (or null)"
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_type(value: Any, tp: Any) -> Tuple[bool, Any]:
+    """Whether ``value`` is acceptable for ``tp``, and the value to store (ints widen to float)."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        if value is None and type(None) in typing.get_args(tp):
+            return True, None
+        for arg in typing.get_args(tp):
+            if arg is not type(None):
+                ok, converted = _check_type(value, arg)
+                if ok:
+                    return True, converted
+        return False, value
+    if origin is typing.Literal:
+        return value in typing.get_args(tp), value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if tp is str:
+        return isinstance(value, str), value
+    return isinstance(value, tp), value
+
+
+def build(cls: type, data: Any, sources: Sources, path: KeyPath, top_file: str) -> Any:
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types."""
+
+    def where(p: KeyPath) -> str:
+        probe = p
+        while probe and probe not in sources:
+            probe = probe[:-1]
+        return sources.get(probe, top_file)
+
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where(path)}: {dotted(path)}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    kwargs = {}
+    for key, value in data.items():
+        key_path = path + (key,)
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(
+                f"{where(key_path)}: {dotted(key_path)}: unknown key; {hint}valid keys here are: "
+                + ", ".join(sorted(fields))
+            )
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = build(tp, value, sources, key_path, top_file)
+            continue
+        ok, converted = _check_type(value, tp)
+        if not ok:
+            raise ConfigError(
+                f"{where(key_path)}: {dotted(key_path)}: expected {_type_name(tp)}, "
+                f"got {type(value).__name__} {value!r}"
+            )
+        kwargs[key] = converted
+    obj = cls(**kwargs)
+    if isinstance(obj, ModelArchConfig):
+        _apply_preset(obj, where(path + ("preset",)), path)
+    return obj
+
+
+def _apply_preset(model: ModelArchConfig, file: str, path: KeyPath) -> None:
+    from megatron_rlhf.models.presets import LLAMA_PRESETS
+
+    if model.preset is not None:
+        if model.preset not in LLAMA_PRESETS:
+            raise ConfigError(
+                f"{file}: {dotted(path + ('preset',))}: unknown preset {model.preset!r}; "
+                f"valid presets are: {', '.join(LLAMA_PRESETS)}"
+            )
+        explicit = {k for k, v in dataclasses.asdict(model).items() if v is not None}
+        for key, value in LLAMA_PRESETS[model.preset].items():
+            if key not in explicit:
+                setattr(model, key, value)
+    required = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                "vocab_size", "max_position_embeddings")
+    missing = [k for k in required if getattr(model, k) is None]
+    if missing:
+        from megatron_rlhf.models.presets import LLAMA_PRESETS as presets
+
+        raise ConfigError(
+            f"{file}: {dotted(path)}: missing {', '.join(missing)}; set them or name a preset "
+            f"({', '.join(presets)})"
+        )
+
+
+def load_config(file: str, world_size: Optional[int] = None) -> RLHFConfig:
+    """Load and validate the top config file (see validation.py for the layout checks)."""
+    from megatron_rlhf.config.validation import validate
+
+    tree, sources = load_tree(file)
+    _attach_role_model_files(tree, sources)
+    config = build(RLHFConfig, tree, sources, (), os.path.abspath(file))
+    config.origin = {dotted(p): f for p, f in sources.items()}
+    config.origin[""] = os.path.abspath(file)
+    validate(config, world_size)
+    return config
+
+
+def config_to_dict(config: Any) -> Dict[str, Any]:
+    """The resolved config as plain data (for printing and for saving next to outputs)."""
+    out = {}
+    for f in dataclasses.fields(config):
+        if f.metadata.get("internal"):
+            continue
+        value = getattr(config, f.name)
+        out[f.name] = config_to_dict(value) if dataclasses.is_dataclass(value) else value
+    return out
+

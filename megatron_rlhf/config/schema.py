@@ -1,0 +1,112 @@
+"""Typed configuration objects. Field names are the YAML keys; defaults are the values used when a
+key is absent. Only these keys are accepted: anything else is an error naming file and key."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Literal, Optional
+
+ROLE_NAMES = ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value")
+TRAINABLE_ROLES = ("ppo_policy", "ppo_value")
+# Which head each role's network ends in: vocabulary logits or one scalar per token.
+ROLE_HEADS = {
+    "policy": "lm",
+    "reference": "lm",
+    "ppo_policy": "lm",
+    "reward": "scalar",
+    "value": "scalar",
+    "ppo_value": "scalar",
+}
+
+
+@dataclasses.dataclass
+class ModelArchConfig:
+    """A Llama-2 style decoder: RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases,
+    untied input and output embeddings. ``preset`` fills every field not given explicitly."""
+
+    preset: Optional[str] = None
+    num_layers: Optional[int] = None
+    hidden_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_query_groups: Optional[int] = None  # None: as many KV heads as query heads
+    ffn_hidden_size: Optional[int] = None
+    vocab_size: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128
+
+    @property
+    def kv_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
+        """Vocabulary rounded up so that every TP shard has the same, aligned size (as Megatron)."""
+        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return -(-self.vocab_size // multiple) * multiple
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+
+
+@dataclasses.dataclass
+class RoleConfig:
+    """One RLHF role. Keys may come from the role's entry in the top file or from the file named
+    by ``model_config_file`` (the top file's entry wins)."""
+
+    model_config_file: Optional[str] = None
+    model: ModelArchConfig = dataclasses.field(default_factory=ModelArchConfig)
+    precision: Literal["fp32", "bf16"] = "bf16"
+    load: Optional[str] = None  # checkpoint directory to load weights from
+    # EMS: ``free_memory`` turns on every switch that applies to the role; each switch can also be
+    # set on its own (None: follow free_memory).
+    free_memory: bool = False
+    offload_weights: Optional[bool] = None
+    free_grad_buffers: Optional[bool] = None
+    offload_optimizer_state: Optional[bool] = None
+    empty_cache: bool = True  # torch.cuda.empty_cache() at this role's phase boundaries
+    micro_batch_size: int = 1
+    global_batch_size: Optional[int] = None  # trainable roles: samples per optimizer step
+    # Trainable roles only.
+    use_distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = False
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    recompute_activations: bool = False
+
+
+@dataclasses.dataclass
+class RLHFConfig:
+    seed: int = 1234
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    policy: RoleConfig = dataclasses.field(default_factory=RoleConfig)
+    reference: RoleConfig = dataclasses.field(default_factory=RoleConfig)
+    reward: RoleConfig = dataclasses.field(default_factory=RoleConfig)
+    value: RoleConfig = dataclasses.field(default_factory=RoleConfig)
+    ppo_policy: RoleConfig = dataclasses.field(default_factory=RoleConfig)
+    ppo_value: RoleConfig = dataclasses.field(default_factory=RoleConfig)
+    # Dotted key -> the file it was read from ("" -> the top file); filled by the loader.
+    origin: Dict[str, str] = dataclasses.field(
+        default_factory=dict, repr=False, compare=False, metadata={"internal": True}
+    )
+
+    def source_of(self, key: str) -> str:
+        """The file a dotted key came from (its nearest configured ancestor's, else the top file)."""
+        while key and key not in self.origin:
+            key = key.rpartition(".")[0]
+        return self.origin.get(key, self.origin.get("", "<config>"))
+
+    def role(self, name: str) -> RoleConfig:
+        if name not in ROLE_NAMES:
+            raise KeyError(f"unknown role {name!r}; roles are {', '.join(ROLE_NAMES)}")
+        return getattr(self, name)

@@ -1,0 +1,169 @@
+"""Builders of Llama-2 style Megatron GPT models with a language-model or a scalar head.
+
+A built model is a megatron ``GPTModel`` for this process's pipeline stage and TP rank (wrapped in
+``Float16Module`` for bf16). Trainable models are further wrapped in megatron DDP (see training.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rlhf.config.schema import ModelArchConfig, ParallelConfig
+
+Head = Literal["lm", "scalar"]
+
+
+def transformer_engine_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def make_transformer_config(
+    arch: ModelArchConfig,
+    parallel: ParallelConfig,
+    precision: str = "fp32",
+    recompute_activations: bool = False,
+):
+    """megatron TransformerConfig for the Llama-2 architecture (no dropout: RLHF needs the same
+    log-probs in rollout and training)."""
+    from megatron.core.transformer import TransformerConfig
+
+    on_cpu = not torch.cuda.is_available()
+    extra = {}
+    if recompute_activations:
+        extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.kv_groups,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        kv_channels=arch.hidden_size // arch.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=arch.init_method_std,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
+        bf16=precision == "bf16",
+        pipeline_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
+        use_cpu_initialization=on_cpu,
+        # Fused kernels need apex / transformer-engine; megatron's unfused paths compute the same.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        **extra,
+    )
+
+
+class ScalarHead(torch.nn.Module):
+    """One value per token: a [1, hidden] projection, replicated on every TP rank.
+
+    Takes the place of GPTModel.output_layer, with its call signature, so the rest of GPTModel
+    (pipeline stages, sequence parallel, Float16Module) works unchanged.
+    """
+
+    def __init__(self, config, hidden_size: int):
+        from megatron.core import tensor_parallel
+
+        super().__init__()
+        self.config = config
+        self.sequence_parallel = config.sequence_parallel
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=config.params_dtype))
+        with torch.no_grad():
+            master = torch.empty(1, hidden_size, dtype=torch.float32)
+            config.init_method(master)
+            self.weight.copy_(master.to(config.params_dtype))
+        # Not TP-split: grad clipping counts it once, on TP rank 0.
+        tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(self.weight)
+        if self.sequence_parallel:
+            # Its grads come from a sequence shard per TP rank: megatron all-reduces params so marked.
+            self.weight.sequence_parallel = True
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        # hidden_states: [s, b, h] (or [s/tp, b, h] under sequence parallel) -> values [s(/tp), b, 1].
+        # Under sequence parallel each rank keeps its sequence shard; gather so every TP rank
+        # returns the full sequence like a gathered LM head would.
+        values = torch.matmul(hidden_states, self.weight.t())
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+        return values, None
+
+
+def layer_spec():
+    """transformer-engine layers on GPU when installed, megatron-core's local layers otherwise."""
+    if transformer_engine_available():
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec()
+
+
+def build_model(
+    arch: ModelArchConfig,
+    parallel: ParallelConfig,
+    head: Head,
+    precision: str = "fp32",
+    recompute_activations: bool = False,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+) -> torch.nn.Module:
+    """This rank's piece of the model (its pipeline stage, its TP shard), on the platform device."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+    config = make_transformer_config(arch, parallel, precision, recompute_activations)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(),
+        vocab_size=arch.padded_vocab_size(parallel.tensor_model_parallel_size),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rotary_base),
+    )
+    if post_process and head == "scalar":
+        model.output_layer = ScalarHead(config, arch.hidden_size)
+    elif head not in ("lm", "scalar"):
+        raise ValueError(f"head must be 'lm' or 'scalar', got {head!r}")
+    model.head = head
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if precision == "bf16":
+        model = Float16Module(config, model)
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model

@@ -1,0 +1,86 @@
+"""Running a model through megatron's forward-backward schedule, so every call works under PP.
+
+A micro-batch is a dict with ``tokens`` [b, s] (int64), optional ``position_ids`` [b, s] and
+``attention_mask`` [b, 1, s, s] (bool, True = masked out; causal when absent), and whatever
+else the loss function reads. All micro-batches of one call have the same [b, s] (the pipeline
+sends fixed-shape activations between stages).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+MicroBatch = Dict[str, torch.Tensor]
+# loss_fn(output, micro_batch) -> (loss scalar, metrics dict); output: [b, s, vocab/TP] or [b, s, 1]
+LossFn = Callable[[torch.Tensor, MicroBatch], Tuple[torch.Tensor, Dict[str, Any]]]
+
+
+def model_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    tokens = mb["tokens"]
+    position_ids = mb.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    return model(tokens, position_ids, mb.get("attention_mask"))
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    micro_batches: List[MicroBatch],
+    loss_fn: Optional[LossFn] = None,
+    forward_only: bool = True,
+) -> List[Dict[str, Any]]:
+    """Run every micro-batch through the model (forward, and backward unless ``forward_only``).
+
+    Returns, on the last pipeline stage, one dict per micro-batch: the loss function's metrics, or
+    ``{"output": output}`` (detached) without a loss function. Other stages return ``[]``.
+    Megatron divides each micro-batch's loss by the number of micro-batches before backward, so
+    the gradients are those of the mean loss.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        raise ValueError("forward_backward needs at least one micro-batch")
+    if loss_fn is None and not forward_only:
+        raise ValueError("training (forward_only=False) needs a loss function")
+    batch, seq = micro_batches[0]["tokens"].shape
+    for mb in micro_batches:
+        if tuple(mb["tokens"].shape) != (batch, seq):
+            raise ValueError(
+                f"all micro-batches of one call need the same [batch, seq] shape: "
+                f"{tuple(mb['tokens'].shape)} != {(batch, seq)}"
+            )
+
+    def collect_output(output: torch.Tensor, mb: MicroBatch):
+        return output.sum() * 0.0, {"output": output.detach()}
+
+    def call_loss(fn: LossFn, mb: MicroBatch, output: torch.Tensor):
+        # megatron calls loss_func(output); the micro-batch is bound first.
+        return fn(output, mb)
+
+    def forward_step_func(data_iterator, model_chunk):
+        mb = next(data_iterator)
+        output = model_forward(model_chunk, mb)
+        return output, partial(call_loss, loss_fn or collect_output, mb)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=iter(micro_batches),
+        model=model,
+        num_microbatches=len(micro_batches),
+        seq_length=seq,
+        micro_batch_size=batch,
+        forward_only=forward_only,
+    )
+
+
+def gather_vocab_parallel(logits: torch.Tensor) -> torch.Tensor:
+    """[..., vocab/TP] per rank -> [..., vocab] on every TP rank (for tests and tools, not training)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return logits
+    return gather_from_tensor_model_parallel_region(logits)

@@ -1,0 +1,64 @@
+"""Trainable models: megatron DDP (contiguous grad buffer), the megatron optimizer (distributed or
+not), and one optimizer step over a list of micro-batches."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from megatron_rlhf.config.schema import RoleConfig
+from megatron_rlhf.models.llama import unwrap
+from megatron_rlhf.models.pipeline import LossFn, MicroBatch, forward_backward
+
+
+def wrap_for_training(model: torch.nn.Module, role: RoleConfig) -> Tuple[torch.nn.Module, Any]:
+    """Wrap ``model`` in megatron DDP and build its optimizer. Returns (ddp_model, optimizer)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = unwrap(model).config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=role.overlap_grad_reduce,
+        use_distributed_optimizer=role.use_distributed_optimizer,
+    )
+    ddp_model = DistributedDataParallel(config, ddp_config, model)
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=role.lr,
+        min_lr=role.min_lr,
+        weight_decay=role.weight_decay,
+        adam_beta1=role.adam_beta1,
+        adam_beta2=role.adam_beta2,
+        adam_eps=role.adam_eps,
+        clip_grad=role.clip_grad,
+        bf16=config.bf16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=role.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(optimizer_config, [ddp_model])
+    # Megatron builds param groups with max_lr/min_lr for its scheduler; without one, set lr here.
+    for group in optimizer.param_groups:
+        group["lr"] = role.lr
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp_model.no_sync
+    if role.overlap_grad_reduce:
+        config.grad_sync_func = ddp_model.start_grad_sync
+    return ddp_model, optimizer
+
+
+def train_step(
+    ddp_model: torch.nn.Module, optimizer: Any, micro_batches: List[MicroBatch], loss_fn: LossFn
+) -> Dict[str, Any]:
+    """One optimizer step on the mean loss over ``micro_batches`` (this DP rank's share).
+
+    Returns the per-micro-batch metrics of the loss function (last pipeline stage; empty elsewhere),
+    the grad norm, and whether the update was applied (False when a loss-scaled step overflowed).
+    """
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+    metrics = forward_backward(ddp_model, micro_batches, loss_fn, forward_only=False)
+    update_successful, grad_norm, _ = optimizer.step()
+    return {"metrics": metrics, "grad_norm": grad_norm, "update_successful": update_successful}

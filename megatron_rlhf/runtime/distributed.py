@@ -1,0 +1,94 @@
+"""Distributed start-up from torchrun's environment and megatron's parallel state.
+
+All roles share one parallel layout: megatron.core.parallel_state holds one set of TP/PP/DP groups
+per process, and EMS relies on every role living on the same ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.runtime.platform import get_platform
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """Tensor (TP), pipeline (PP) and data (DP) parallel sizes; DP = world / (TP * PP)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+
+    def data_parallel_size(self, world_size: int) -> int:
+        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        if world_size % model_parallel != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by TP*PP = "
+                f"{self.tensor_model_parallel_size}*{self.pipeline_model_parallel_size} = "
+                f"{model_parallel}; use a world size that is a multiple of {model_parallel}"
+            )
+        return world_size // model_parallel
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value is None else int(value)
+
+
+def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int = 30) -> None:
+    """Start torch.distributed from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT; a single process without them), then megatron's parallel state."""
+    from megatron.core import parallel_state
+
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    layout.data_parallel_size(world_size)  # fail before any collective starts
+    if layout.sequence_parallel and layout.tensor_model_parallel_size == 1:
+        raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
+
+    platform = get_platform()
+    platform.setup(local_rank)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(
+            backend=platform.dist_backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tensor_model_parallel_size,
+            pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        )
+    set_seed(seed)
+
+
+def set_seed(seed: int) -> None:
+    """Seed every generator. The CPU generator gets the same seed on every rank, so megatron's CPU
+    weight initialisation builds the same full weights on each TP rank before slicing its shard;
+    megatron's tracked states (model-parallel, data-parallel) are seeded per TP rank by megatron."""
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,284 @@
+"""Every adaptation that lets megatron-core's real code paths run on a machine without CUDA.
+
+megatron-core assumes a GPU in a few places: it asks ``torch.cuda`` for the current device, streams,
+events and RNG state; it creates small tensors with ``device='cuda'``; and its optimizer checks
+parameter types by their CUDA type names. Each :class:`Adaptation` below answers one such assumption,
+names the megatron-core file and line range it answers, and carries anchors: source text that must
+still be found there. :func:`apply` first checks every anchor against the installed megatron-core and
+raises if one moved or vanished, so an upgrade that changes these internals fails loudly at start-up
+instead of silently computing something else. Applied only when CUDA is absent (see platform.py).
+
+Nothing here changes what megatron computes: devices map to the CPU, synchronisation becomes a no-op
+(CPU ops are synchronous), and RNG states are those of the CPU generator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import os
+from typing import Callable, Dict, List, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# Versions whose internals these adaptations were checked against (see ../shared/MEGATRON_ON_CPU.md).
+CHECKED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """A place in megatron-core an adaptation answers: file (relative to megatron/core), 1-based
+    inclusive line range, and text that must appear in those lines."""
+
+    file: str
+    lines: Tuple[int, int]
+    anchor: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Adaptation:
+    name: str
+    why: str
+    sites: Tuple[Site, ...]
+    apply: Callable[[], None]
+
+
+# --------------------------------------------------------------------------------------------------
+# The adaptations.
+
+
+def _current_device_is_cpu() -> None:
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+
+
+class _NoOpStream:
+    """Stands for torch.cuda.Stream / Event: CPU ops complete in program order."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NoOpStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+def _streams_and_events_are_noops() -> None:
+    torch.cuda.Stream = _NoOpStream  # type: ignore[assignment,misc]
+    torch.cuda.Event = _NoOpStream  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
+    torch.cuda.default_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+
+
+_CPU_TYPE_TO_CUDA_NAME = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Maps ``device='cuda'`` (and ``cuda:N``, integer devices, ``.cuda()``, ``pin_memory=True``) to
+    the CPU, and reports CUDA type names from ``Tensor.type()`` as megatron's optimizer expects."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CPU_TYPE_TO_CUDA_NAME.get(name, name)
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and args and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+_CUDA_TO_CPU_MODE = CudaToCpuMode()
+
+
+def _cuda_device_literals_map_to_cpu() -> None:
+    # Entered once and never left: the mode stays active for the life of the process.
+    _CUDA_TO_CPU_MODE.__enter__()
+
+
+def _rng_tracker_uses_cpu_generator() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """megatron's named RNG states (data-parallel, model-parallel, expert), kept as states of
+        the CPU generator: ``add`` seeds a new named state, ``fork`` swaps it in and out."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+ADAPTATIONS: List[Adaptation] = [
+    Adaptation(
+        name="current_device_is_cpu",
+        why="tensors are allocated on torch.cuda.current_device(); on CPU that call raises",
+        sites=(
+            Site("models/common/embeddings/rotary_pos_embedding.py", (160, 163),
+                 "self.inv_freq.to(device=torch.cuda.current_device())"),
+            Site("utils.py", (625, 635), "device=torch.cuda.current_device()"),
+            Site("distributed/param_and_grad_buffer.py", (778, 810),
+                 "device=torch.cuda.current_device()"),
+            Site("pipeline_parallel/p2p_communication.py", (188, 204),
+                 "device=torch.cuda.current_device()"),
+        ),
+        apply=_current_device_is_cpu,
+    ),
+    Adaptation(
+        name="streams_and_events_are_noops",
+        why="DDP's overlapped grad sync and p2p use CUDA streams, events and synchronize",
+        sites=(
+            Site("distributed/distributed_data_parallel.py", (228, 232), "torch.cuda.Stream("),
+            Site("distributed/param_and_grad_buffer.py", (415, 424), "torch.cuda.stream("),
+            Site("distributed/param_and_grad_buffer.py", (527, 531), "torch.cuda.default_stream()"),
+            Site("pipeline_parallel/p2p_communication.py", (240, 244), "torch.cuda.synchronize()"),
+        ),
+        apply=_streams_and_events_are_noops,
+    ),
+    Adaptation(
+        name="cuda_device_literals_map_to_cpu",
+        why="optimizer, grad scaler, grad clipping and masks create tensors with device='cuda'; "
+        "the optimizer accepts only parameters whose type() is a torch.cuda.* name",
+        sites=(
+            Site("optimizer/optimizer.py", (471, 487), "device='cuda'"),
+            Site("optimizer/optimizer.py", (688, 699), "'torch.cuda.FloatTensor'"),
+            Site("optimizer/distrib_optimizer.py", (418, 435), "'torch.cuda.FloatTensor'"),
+            Site("optimizer/clip_grads.py", (88, 117), "device='cuda'"),
+            Site("optimizer/grad_scaler.py", (13, 16), "device='cuda'"),
+            Site("transformer/utils.py", (33, 36), 'device="cuda"'),
+            Site("distributed/param_and_grad_buffer.py", (766, 770), 'device="cuda"'),
+        ),
+        apply=_cuda_device_literals_map_to_cpu,
+    ),
+    Adaptation(
+        name="rng_tracker_uses_cpu_generator",
+        why="CudaRNGStatesTracker.add/fork read and set torch.cuda RNG states",
+        sites=(
+            Site("tensor_parallel/random.py", (233, 240), "torch.cuda.get_rng_state()"),
+            Site("tensor_parallel/random.py", (282, 283), "_CUDA_RNG_STATE_TRACKER_INITIALIZED = False"),
+            Site("tensor_parallel/random.py", (300, 303), "if _CUDA_RNG_STATE_TRACKER_INITIALIZED:"),
+        ),
+        apply=_rng_tracker_uses_cpu_generator,
+    ),
+]
+
+
+class MegatronInternalsChanged(RuntimeError):
+    """The installed megatron-core no longer matches what the CPU adaptations were written for."""
+
+
+def _megatron_core_dir() -> str:
+    import megatron.core
+
+    return os.path.dirname(megatron.core.__file__)
+
+
+def check_sites() -> List[str]:
+    """Every site whose anchor is no longer in its line range, as readable problems."""
+    root = _megatron_core_dir()
+    problems: List[str] = []
+    cache: Dict[str, List[str]] = {}
+    for adaptation in ADAPTATIONS:
+        for site in adaptation.sites:
+            path = os.path.join(root, site.file)
+            if site.file not in cache:
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        cache[site.file] = f.read().splitlines()
+                except OSError as e:
+                    problems.append(f"{adaptation.name}: cannot read megatron/core/{site.file}: {e}")
+                    cache[site.file] = []
+                    continue
+            first, last = site.lines
+            text = "\n".join(cache[site.file][first - 1 : last])
+            if site.anchor not in text:
+                problems.append(
+                    f"{adaptation.name}: expected {site.anchor!r} in megatron/core/{site.file} "
+                    f"lines {first}-{last}"
+                )
+    return problems
+
+
+_applied = False
+
+
+def apply() -> None:
+    """Check every site, then apply every adaptation (once per process)."""
+    global _applied
+    if _applied:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("megatron_cpu.apply() is for machines without CUDA")
+    problems = check_sites()
+    if problems:
+        version = importlib.metadata.version("megatron-core")
+        raise MegatronInternalsChanged(
+            f"megatron-core {version} differs from the internals the CPU adaptations were written "
+            f"for (checked: {', '.join(CHECKED_MEGATRON_CORE_VERSIONS)}). Re-verify each one in "
+            "megatron_rlhf/runtime/megatron_cpu.py:\n  " + "\n  ".join(problems)
+        )
+    for adaptation in ADAPTATIONS:
+        adaptation.apply()
+    _applied = True

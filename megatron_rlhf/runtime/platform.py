@@ -1,0 +1,122 @@
+"""The device platform: everything that differs between a CUDA machine and a CPU-only one.
+
+The rest of the package asks the platform for its device, its collective backend, host buffers for
+offloading, and memory figures; it never branches on ``torch.cuda.is_available()`` itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Dict
+
+import torch
+
+
+class DevicePlatform:
+    """Interface of a device platform. One instance per process (see :func:`get_platform`)."""
+
+    name: str = "abstract"
+    dist_backend: str = "gloo"
+
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    def setup(self, local_rank: int) -> None:
+        """Bind this process to its device and make megatron-core usable on it."""
+
+    def host_buffer_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An uninitialised host tensor able to hold ``tensor`` (pinned where that helps copies)."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait for all queued device work."""
+
+    def empty_cache(self) -> None:
+        """Hand cached, unused device memory back (a no-op where there is no caching allocator)."""
+
+    def memory_stats(self) -> Dict[str, int]:
+        """Allocator figures on CUDA, process RSS on CPU, in bytes."""
+        raise NotImplementedError
+
+    def reset_peak_memory_stats(self) -> None:
+        """Start a new peak-measurement window."""
+
+
+class CudaPlatform(DevicePlatform):
+    name = "cuda"
+    dist_backend = "nccl"
+
+    def __init__(self) -> None:
+        self._device = torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def setup(self, local_rank: int) -> None:
+        torch.cuda.set_device(local_rank)
+        self._device = torch.device("cuda", local_rank)
+
+    def host_buffer_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def memory_stats(self) -> Dict[str, int]:
+        stats = torch.cuda.memory_stats()
+        return {
+            "allocated": stats.get("allocated_bytes.all.current", 0),
+            "reserved": stats.get("reserved_bytes.all.current", 0),
+            "peak_allocated": stats.get("allocated_bytes.all.peak", 0),
+            "peak_reserved": stats.get("reserved_bytes.all.peak", 0),
+            "inactive_split": stats.get("inactive_split_bytes.all.current", 0),
+        }
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+
+class CpuPlatform(DevicePlatform):
+    name = "cpu"
+    dist_backend = "gloo"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def setup(self, local_rank: int) -> None:
+        from megatron_rlhf.runtime import megatron_cpu
+
+        megatron_cpu.apply()
+
+    def host_buffer_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Pinning needs an accelerator; on CPU the host copy is an ordinary allocation.
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+
+    def memory_stats(self) -> Dict[str, int]:
+        import psutil
+
+        info = psutil.Process(os.getpid()).memory_info()
+        return {"rss": info.rss}
+
+
+@functools.lru_cache(maxsize=1)
+def get_platform() -> DevicePlatform:
+    """The platform of this process: CUDA where a GPU is visible, CPU otherwise.
+
+    ``MEGATRON_RLHF_PLATFORM=cpu`` forces the CPU platform on a GPU machine (for debugging).
+    """
+    forced = os.environ.get("MEGATRON_RLHF_PLATFORM", "").strip().lower()
+    if forced not in ("", "cpu", "cuda"):
+        raise ValueError(f"MEGATRON_RLHF_PLATFORM={forced!r}: valid values are 'cpu' and 'cuda'")
+    if forced == "cpu" or (forced == "" and not torch.cuda.is_available()):
+        return CpuPlatform()
+    if not torch.cuda.is_available():
+        raise RuntimeError("MEGATRON_RLHF_PLATFORM=cuda but torch sees no CUDA device")
+    return CudaPlatform()

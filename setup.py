@@ -1,0 +1,23 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-rlhf",
+    version="0.1.0",
+    description="PPO-based RLHF on megatron-core with Efficient Memory Sharing (EMS)",
+    packages=find_packages(include=["megatron_rlhf", "megatron_rlhf.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # torch is installed first by the Makefile at its pinned version (a CPU build on CPU
+        # machines); this range admits it and never pulls a newer release.
+        "torch>=2.4",
+        "megatron-core==0.16.1",
+        "pyyaml>=6.0",
+        "psutil>=5.9",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "transformers>=4.40", "safetensors>=0.4"],
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+    entry_points={"console_scripts": []},
+)
