@@ -133,6 +133,11 @@ def build_model(
 
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+    if parallel.sequence_parallel and not transformer_engine_available():
+        raise ValueError(
+            "parallel.sequence_parallel: needs transformer-engine on a CUDA machine (megatron's "
+            "torch norm layers do not support it); set sequence_parallel: false"
+        )
     config = make_transformer_config(arch, parallel, precision, recompute_activations)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()

@@ -57,8 +57,11 @@ def forward_backward(
         return output.sum() * 0.0, {"output": output.detach()}
 
     def call_loss(fn: LossFn, mb: MicroBatch, output: torch.Tensor):
-        # megatron calls loss_func(output); the micro-batch is bound first.
-        return fn(output, mb)
+        # megatron calls loss_func(output); the micro-batch is bound first. It then divides the
+        # returned loss in place by the micro-batch count: hand it a copy, so metrics that share
+        # the loss's storage (loss.detach()) keep the true value.
+        loss, metrics = fn(output, mb)
+        return loss.clone(), metrics
 
     def forward_step_func(data_iterator, model_chunk):
         mb = next(data_iterator)

@@ -1,0 +1,30 @@
+# Set-up from nothing: a virtualenv in .venv with torch (CPU build unless TORCH_SPEC says otherwise),
+# megatron-core and this package. `make demo` runs the CPU demo; `make test` runs the test suite.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+NPROC ?= 2
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned, so that no dependency range can pull a newer (CUDA) build.
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.smoke \
+		--config examples/tiny/rlhf.yaml
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,5 @@
+"""The six RLHF roles (policy, reference, reward, value, ppo_policy, ppo_value)."""
+
+from megatron_rlhf.roles.base import Role, build_role
+
+__all__ = ["Role", "build_role"]

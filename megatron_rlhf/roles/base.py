@@ -1,0 +1,62 @@
+"""A role: one RLHF network (its TP/PP shard on this rank), its optimizer when trainable, and its
+EMS memory manager. Behaviour specific to each role (generate, log-probs, scores, PPO losses)
+builds on this."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES, RLHFConfig, RoleConfig
+from megatron_rlhf.models.llama import build_model
+from megatron_rlhf.models.pipeline import LossFn, MicroBatch, forward_backward
+from megatron_rlhf.models.training import train_step, wrap_for_training
+
+
+@dataclasses.dataclass
+class Role:
+    name: str
+    config: RoleConfig
+    model: torch.nn.Module  # megatron DDP around the network for trainable roles
+    optimizer: Optional[Any] = None
+
+    @property
+    def trainable(self) -> bool:
+        return self.optimizer is not None
+
+    @property
+    def head(self) -> str:
+        return ROLE_HEADS[self.name]
+
+    def forward(self, micro_batches: List[MicroBatch]) -> List[torch.Tensor]:
+        """Outputs per micro-batch on the last pipeline stage ([b, s, vocab/TP] or [b, s, 1]);
+        [] on other stages."""
+        self.model.eval()
+        with torch.no_grad():
+            out = forward_backward(self.model, micro_batches, forward_only=True)
+        return [o["output"] for o in out]
+
+    def train_step(self, micro_batches: List[MicroBatch], loss_fn: LossFn) -> Dict[str, Any]:
+        if not self.trainable:
+            raise RuntimeError(f"role {self.name} is not trainable")
+        self.model.train()
+        return train_step(self.model, self.optimizer, micro_batches, loss_fn)
+
+
+def build_role(name: str, config: RLHFConfig) -> Role:
+    """Build role ``name`` on this rank (needs init_distributed first)."""
+    role_config = config.role(name)
+    model = build_model(
+        role_config.model,
+        config.parallel,
+        ROLE_HEADS[name],
+        precision=role_config.precision,
+        recompute_activations=role_config.recompute_activations,
+    )
+    if name in TRAINABLE_ROLES:
+        model, optimizer = wrap_for_training(model, role_config)
+        return Role(name, role_config, model, optimizer)
+    model.eval()
+    return Role(name, role_config, model)

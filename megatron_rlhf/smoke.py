@@ -1,0 +1,93 @@
+"""Build every role of a config on this rank, run each inference role forward and each trainable
+role a few optimizer steps, and print what happened. A quick check that a config, a parallel layout
+and a machine work together, before a long PPO run.
+
+    torchrun --nproc_per_node=2 -m megatron_rlhf.smoke --config examples/tiny/rlhf.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.config import ROLE_NAMES, load_config
+from megatron_rlhf.runtime import ParallelLayout, destroy_distributed, init_distributed
+
+
+def lm_loss(output, mb):
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    labels = torch.roll(mb["tokens"], -1, dims=1)
+    loss = vocab_parallel_cross_entropy(output.float(), labels)[:, :-1].mean()
+    return loss, {"loss": loss.detach()}
+
+
+def value_loss(output, mb):
+    # Regress every token's value towards a fixed target: a loss the value head can drive down.
+    loss = ((output.float().squeeze(-1) - 1.0) ** 2).mean()
+    return loss, {"loss": loss.detach()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="top config file (rlhf.yaml)")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per trainable role")
+    parser.add_argument("--seq-length", type=int, default=32)
+    args = parser.parse_args(argv)
+    # megatron-core warns at import that it falls back to its local kernels without apex/TE.
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed")
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    config = load_config(args.config, world_size=world_size)  # every config error before any work
+    par = config.parallel
+    init_distributed(
+        ParallelLayout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.sequence_parallel),
+        seed=config.seed,
+    )
+    from megatron.core import parallel_state as ps
+
+    from megatron_rlhf.roles import build_role
+
+    rank0 = dist.get_rank() == 0
+    last_stage_tp0 = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if rank0:
+        print(f"world {world_size}: TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size} DP={dp}")
+    gen = torch.Generator().manual_seed(config.seed)
+    for name in ROLE_NAMES:
+        start = time.perf_counter()
+        role = build_role(name, config)
+        params = sum(p.numel() for p in role.model.parameters())
+        total = torch.tensor([params])
+        dist.all_reduce(total)  # every rank's shard, DP replicas counted once below
+        rc = role.config
+        tokens = torch.randint(0, rc.model.vocab_size, (rc.micro_batch_size * 2 * dp, args.seq_length), generator=gen)
+        mine = tokens.chunk(dp)[dp_rank]
+        mbs = [{"tokens": t} for t in mine.split(rc.micro_batch_size)]
+        if role.trainable:
+            losses = []
+            for _ in range(args.steps):
+                step = role.train_step(mbs, lm_loss if role.head == "lm" else value_loss)
+                if step["metrics"]:
+                    losses.append(torch.stack([m["loss"] for m in step["metrics"]]).mean().item())
+            what = "loss " + " -> ".join(f"{x:.4f}" for x in losses)
+        else:
+            outputs = role.forward(mbs)
+            what = f"output {tuple(outputs[0].shape)} per micro-batch (this TP rank's share)" if outputs else ""
+        if last_stage_tp0 and dp_rank == 0:
+            print(
+                f"[{name:>10}] {rc.precision} {role.head:>6} head, {int(total.item()) // dp:,} params "
+                f"in all shards, {time.perf_counter() - start:.1f}s: {what}",
+                flush=True,
+            )
+        del role
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

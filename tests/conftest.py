@@ -1,0 +1,51 @@
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(tmp_path: Path, nprocs: int, case: str, *args: str, timeout: int = 300, env=None):
+    """Run ``tests/workers/<case>.py`` under torchrun with ``nprocs`` processes; return the result
+    each rank saved (``torch.save`` of a dict to ``$OUT/rank<r>.pt``), indexed by rank."""
+    out = tmp_path / f"{case}_{nprocs}"
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc_per_node={nprocs}", f"--master_port={_free_port()}",
+        str(REPO / "tests" / "workers" / f"{case}.py"), str(out), *args,
+    ]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    full_env.update(env or {})
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
+
+
+@pytest.fixture
+def workers(tmp_path):
+    def run(nprocs, case, *args, **kwargs):
+        return run_workers(tmp_path, nprocs, case, *args, **kwargs)
+
+    return run

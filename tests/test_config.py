@@ -1,0 +1,173 @@
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.config import ConfigError, load_config, load_tree
+from megatron_rlhf.config.loader import interpolate
+
+ROLES = ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value")
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def tiny_setup(tmp_path: Path, top_extra: str = "", model_extra: str = "") -> Path:
+    write(tmp_path / "models" / "tiny.yaml", "model:\n  preset: tiny\n" + textwrap.dedent(model_extra))
+    roles = "".join(f"{r}:\n  model_config_file: models/tiny.yaml\n" for r in ROLES)
+    return write(tmp_path / "rlhf.yaml", roles + textwrap.dedent(top_extra))
+
+
+# --- ${ENV:default} ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [(None, True), ("False", False), ("false", False), ("TRUE", True), ("7", 7), ("0.5", 0.5),
+     ("1e-6", 1e-6), ("/data/x", "/data/x")],
+)
+def test_interpolation_types_the_value_and_env_wins(monkeypatch, env, expected):
+    monkeypatch.delenv("MRLHF_X", raising=False)
+    if env is not None:
+        monkeypatch.setenv("MRLHF_X", env)
+    value = interpolate("${MRLHF_X:True}", "f.yaml", ("a",))
+    assert value == expected and type(value) is type(expected)
+
+
+def test_interpolation_inside_text_and_missing_variable(monkeypatch):
+    monkeypatch.setenv("MRLHF_ROOT", "/scratch")
+    monkeypatch.delenv("MRLHF_UNSET", raising=False)
+    assert interpolate("${MRLHF_ROOT:/tmp}/run-${MRLHF_UNSET:1}", "f.yaml", ("a",)) == "/scratch/run-1"
+    with pytest.raises(ConfigError, match=r"f\.yaml: a\.b: environment variable MRLHF_UNSET is not set"):
+        interpolate("${MRLHF_UNSET}", "f.yaml", ("a", "b"))
+
+
+def test_env_var_reaches_the_typed_config(tmp_path, monkeypatch):
+    top = tiny_setup(tmp_path, "seed: ${MRLHF_SEED:5}\n")
+    text = top.read_text().replace(
+        "policy:\n  model_config_file: models/tiny.yaml\n",
+        "policy:\n  model_config_file: models/tiny.yaml\n  free_memory: ${free_memory_policy:True}\n",
+    )
+    top.write_text(text)
+    monkeypatch.delenv("free_memory_policy", raising=False)
+    monkeypatch.delenv("MRLHF_SEED", raising=False)
+    config = load_config(str(top))
+    assert config.policy.free_memory is True and config.seed == 5
+    monkeypatch.setenv("free_memory_policy", "False")
+    monkeypatch.setenv("MRLHF_SEED", "11")
+    config = load_config(str(top))
+    assert config.policy.free_memory is False and config.seed == 11
+
+
+# --- includes and model files -----------------------------------------------------------------
+
+def test_includes_are_relative_merged_in_order_and_overridden(tmp_path):
+    write(tmp_path / "base" / "a.yaml", "x: 1\nnested: {p: 1, q: 1}\n")
+    write(tmp_path / "base" / "b.yaml", "includes: a.yaml\nnested: {q: 2}\ny: b\n")
+    top = write(tmp_path / "top.yaml", "includes: [base/b.yaml]\nnested: {r: 3}\ny: top\n")
+    tree, sources = load_tree(str(top))
+    assert tree == {"x": 1, "nested": {"p": 1, "q": 2, "r": 3}, "y": "top"}
+    assert sources[("nested", "q")].endswith("base/b.yaml")
+    assert sources[("nested", "p")].endswith("base/a.yaml")
+    assert sources[("y",)].endswith("top.yaml")
+
+
+def test_include_cycle_and_missing_include_are_errors(tmp_path):
+    write(tmp_path / "a.yaml", "includes: b.yaml\n")
+    write(tmp_path / "b.yaml", "includes: a.yaml\n")
+    with pytest.raises(ConfigError, match="includes itself"):
+        load_tree(str(tmp_path / "a.yaml"))
+    write(tmp_path / "c.yaml", "includes: nope.yaml\n")
+    with pytest.raises(ConfigError, match=r"nope\.yaml: no such config file \(named by .*c\.yaml: includes\)"):
+        load_tree(str(tmp_path / "c.yaml"))
+
+
+def test_role_model_file_is_the_base_and_the_role_entry_wins(tmp_path):
+    top = tiny_setup(tmp_path, model_extra="precision: fp32\nmicro_batch_size: 4\n")
+    text = top.read_text().replace(
+        "ppo_policy:\n  model_config_file: models/tiny.yaml\n",
+        "ppo_policy:\n  model_config_file: models/tiny.yaml\n  micro_batch_size: 2\n",
+    )
+    top.write_text(text)
+    config = load_config(str(top))
+    assert config.policy.precision == "fp32" and config.policy.micro_batch_size == 4
+    assert config.ppo_policy.micro_batch_size == 2
+    assert config.policy.model.num_layers == 2 and config.policy.model.hidden_size == 64
+    assert config.source_of("policy.precision").endswith("models/tiny.yaml")
+    assert config.source_of("ppo_policy.micro_batch_size").endswith("rlhf.yaml")
+
+
+# --- errors that name file, key and what is valid ---------------------------------------------
+
+def test_unknown_key_names_file_key_and_suggests(tmp_path):
+    top = tiny_setup(tmp_path, model_extra="free_memroy: true\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(top))
+    message = str(err.value)
+    assert "models/tiny.yaml: policy.free_memroy: unknown key" in message
+    assert "did you mean 'free_memory'" in message
+
+
+def test_wrong_type_names_file_and_expected_type(tmp_path):
+    top = tiny_setup(tmp_path, model_extra="micro_batch_size: two\n")
+    with pytest.raises(ConfigError, match=r"tiny\.yaml: policy\.micro_batch_size: expected int, got str 'two'"):
+        load_config(str(top))
+    top = tiny_setup(tmp_path, model_extra="precision: fp8\n")
+    with pytest.raises(ConfigError, match=r"precision: expected one of 'fp32', 'bf16'"):
+        load_config(str(top))
+
+
+def test_unknown_preset_lists_valid_ones(tmp_path):
+    top = tiny_setup(tmp_path)
+    (tmp_path / "models" / "tiny.yaml").write_text("model:\n  preset: llama9\n")
+    with pytest.raises(ConfigError, match=r"unknown preset 'llama9'; valid presets are: tiny, llama2-7b"):
+        load_config(str(top))
+
+
+def test_tp_not_dividing_attention_heads(tmp_path):
+    top = tiny_setup(tmp_path, "parallel: {tensor_model_parallel_size: 3}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(top))
+    assert "rlhf.yaml: parallel.tensor_model_parallel_size: 3 does not divide policy's " \
+           "num_attention_heads=4" in str(err.value)
+    assert "valid TP: 1, 2, 4" in str(err.value)
+
+
+def test_tp_not_dividing_gqa_groups(tmp_path):
+    top = tiny_setup(tmp_path, "parallel: {tensor_model_parallel_size: 4}\n")
+    with pytest.raises(ConfigError, match=r"4 does not divide policy's num_query_groups=2 \(grouped-query attention"):
+        load_config(str(top))
+
+
+def test_world_size_not_divisible_by_tp_times_pp(tmp_path):
+    top = tiny_setup(tmp_path, "parallel: {tensor_model_parallel_size: 2, pipeline_model_parallel_size: 2}\n")
+    load_config(str(top), world_size=8)
+    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by TP\*PP = 2\*2 = 4"):
+        load_config(str(top), world_size=6)
+
+
+def test_pp_not_dividing_layers(tmp_path):
+    top = tiny_setup(tmp_path, "parallel: {pipeline_model_parallel_size: 3}\n")
+    with pytest.raises(ConfigError, match=r"3 does not divide policy's num_layers=2 .* valid PP: 1, 2"):
+        load_config(str(top))
+
+
+def test_global_batch_must_divide_by_micro_batch_times_dp(tmp_path):
+    top = tiny_setup(tmp_path)
+    text = top.read_text().replace(
+        "ppo_value:\n  model_config_file: models/tiny.yaml\n",
+        "ppo_value:\n  model_config_file: models/tiny.yaml\n  micro_batch_size: 2\n  global_batch_size: 6\n",
+    )
+    top.write_text(text)
+    load_config(str(top), world_size=1)
+    with pytest.raises(ConfigError, match=r"ppo_value\.global_batch_size: 6 is not divisible by micro_batch_size\*DP = 2\*2 = 4"):
+        load_config(str(top), world_size=2)
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    top = tiny_setup(tmp_path, "parallel: {tensor_model_parallel_size: 3, pipeline_model_parallel_size: 3}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(top))
+    assert "num_attention_heads" in str(err.value) and "num_layers" in str(err.value)

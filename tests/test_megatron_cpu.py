@@ -1,0 +1,31 @@
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_rlhf.runtime import megatron_cpu
+
+
+def test_every_adaptation_site_matches_the_installed_megatron_core():
+    assert megatron_cpu.check_sites() == []
+
+
+def test_a_moved_site_is_reported_by_name_file_and_lines(monkeypatch):
+    first = megatron_cpu.ADAPTATIONS[0]
+    moved = dataclasses.replace(first.sites[0], lines=(1, 3))
+    monkeypatch.setattr(
+        megatron_cpu, "ADAPTATIONS",
+        [dataclasses.replace(first, sites=(moved,))] + megatron_cpu.ADAPTATIONS[1:],
+    )
+    problems = megatron_cpu.check_sites()
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{first.name}: expected ")
+    assert f"megatron/core/{moved.file} lines 1-3" in problems[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU adaptations apply only without CUDA")
+def test_apply_refuses_to_run_on_changed_internals(monkeypatch):
+    monkeypatch.setattr(megatron_cpu, "_applied", False)
+    monkeypatch.setattr(megatron_cpu, "check_sites", lambda: ["x: expected 'y' in megatron/core/z.py lines 1-2"])
+    with pytest.raises(megatron_cpu.MegatronInternalsChanged, match="Re-verify each one"):
+        megatron_cpu.apply()
