@@ -72,12 +72,14 @@ def main(argv=None) -> None:
         if role.trainable:
             losses = []
             for _ in range(args.steps):
-                step = role.train_step(mbs, lm_loss if role.head == "lm" else value_loss)
+                with role.resident("training"):
+                    step = role.train_step(mbs, lm_loss if role.head == "lm" else value_loss)
                 if step["metrics"]:
                     losses.append(torch.stack([m["loss"] for m in step["metrics"]]).mean().item())
             what = "loss " + " -> ".join(f"{x:.4f}" for x in losses)
         else:
-            outputs = role.forward(mbs)
+            with role.resident("inference"):
+                outputs = role.forward(mbs)
             what = f"output {tuple(outputs[0].shape)} per micro-batch (this TP rank's share)" if outputs else ""
         if last_stage_tp0 and dp_rank == 0:
             print(

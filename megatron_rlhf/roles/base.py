@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES, RLHFConfig, RoleConfig
+from megatron_rlhf.memory.manager import WEIGHTS, EMSSwitches, RoleMemory
 from megatron_rlhf.models.llama import build_model
 from megatron_rlhf.models.pipeline import LossFn, MicroBatch, forward_backward
 from megatron_rlhf.models.training import train_step, wrap_for_training
@@ -21,6 +22,18 @@ class Role:
     config: RoleConfig
     model: torch.nn.Module  # megatron DDP around the network for trainable roles
     optimizer: Optional[Any] = None
+    memory: Optional[RoleMemory] = None
+
+    def __post_init__(self):
+        if self.memory is None:
+            self.memory = RoleMemory(
+                self.name, self.model, self.optimizer, EMSSwitches.from_role_config(self.config)
+            )
+
+    def resident(self, phase: str):
+        """``with role.resident("inference" | "training"): ...``: onload what the phase needs,
+        offload the role's switched-on kinds afterwards."""
+        return self.memory.resident(phase)
 
     @property
     def trainable(self) -> bool:
@@ -33,6 +46,7 @@ class Role:
     def forward(self, micro_batches: List[MicroBatch]) -> List[torch.Tensor]:
         """Outputs per micro-batch on the last pipeline stage ([b, s, vocab/TP] or [b, s, 1]);
         [] on other stages."""
+        self._require_weights()
         self.model.eval()
         with torch.no_grad():
             out = forward_backward(self.model, micro_batches, forward_only=True)
@@ -41,8 +55,18 @@ class Role:
     def train_step(self, micro_batches: List[MicroBatch], loss_fn: LossFn) -> Dict[str, Any]:
         if not self.trainable:
             raise RuntimeError(f"role {self.name} is not trainable")
+        self._require_weights()
         self.model.train()
-        return train_step(self.model, self.optimizer, micro_batches, loss_fn)
+        result = train_step(self.model, self.optimizer, micro_batches, loss_fn)
+        self.memory.optimizer_stepped()
+        return result
+
+    def _require_weights(self) -> None:
+        if not self.memory.is_resident(WEIGHTS):
+            raise RuntimeError(
+                f"role {self.name}: its weights are offloaded; run it inside "
+                f"`with role.resident(phase):`"
+            )
 
 
 def build_role(name: str, config: RLHFConfig) -> Role:
@@ -55,8 +79,9 @@ def build_role(name: str, config: RLHFConfig) -> Role:
         precision=role_config.precision,
         recompute_activations=role_config.recompute_activations,
     )
+    optimizer = None
     if name in TRAINABLE_ROLES:
         model, optimizer = wrap_for_training(model, role_config)
-        return Role(name, role_config, model, optimizer)
-    model.eval()
-    return Role(name, role_config, model)
+    role = Role(name, role_config, model, optimizer)
+    role.memory.offload()  # idle from birth: the next role is built with this one off the device
+    return role

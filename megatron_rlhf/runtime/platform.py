@@ -82,6 +82,21 @@ class CudaPlatform(DevicePlatform):
         torch.cuda.reset_peak_memory_stats()
 
 
+def _load_libc():
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
+
+
 class CpuPlatform(DevicePlatform):
     name = "cpu"
     dist_backend = "gloo"
@@ -98,6 +113,11 @@ class CpuPlatform(DevicePlatform):
     def host_buffer_like(self, tensor: torch.Tensor) -> torch.Tensor:
         # Pinning needs an accelerator; on CPU the host copy is an ordinary allocation.
         return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+
+    def empty_cache(self) -> None:
+        # The CPU counterpart of the CUDA allocator cache: free heap pages glibc still holds.
+        if _LIBC is not None:
+            _LIBC.malloc_trim(0)
 
     def memory_stats(self) -> Dict[str, int]:
         import psutil

@@ -1,0 +1,29 @@
+"""EMS: per-role offload/onload of weights, grad buffers and optimizer state; the memory ledger."""
+
+from megatron_rlhf.memory.ledger import MemoryLedger
+from megatron_rlhf.memory.manager import (
+    GRADS,
+    LEDGER_KINDS,
+    MAIN_PARAMS,
+    OFFLOAD_ORDER,
+    OPTIMIZER_STATE,
+    OTHER,
+    WEIGHTS,
+    EMSSwitches,
+    GradientsInUse,
+    RoleMemory,
+)
+
+__all__ = [
+    "EMSSwitches",
+    "GRADS",
+    "GradientsInUse",
+    "LEDGER_KINDS",
+    "MAIN_PARAMS",
+    "MemoryLedger",
+    "OFFLOAD_ORDER",
+    "OPTIMIZER_STATE",
+    "OTHER",
+    "RoleMemory",
+    "WEIGHTS",
+]

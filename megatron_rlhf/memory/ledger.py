@@ -1,0 +1,58 @@
+"""The memory ledger: at every onload, offload and phase end, one record per role with the
+resident device bytes of each kind (counted from the tensors' storages), plus the allocator's
+figures on CUDA or the process RSS on CPU. Written as JSON lines to ``memory.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Dict, List, Optional
+
+from megatron_rlhf.memory.manager import LEDGER_KINDS, RoleMemory
+from megatron_rlhf.runtime.platform import DevicePlatform, get_platform
+
+
+class MemoryLedger:
+    def __init__(self, path: Optional[str] = None, platform: Optional[DevicePlatform] = None):
+        """``path``: the JSONL file to append to (None: keep records in memory only)."""
+        self.path = path
+        self.platform = platform or get_platform()
+        self.roles: Dict[str, RoleMemory] = {}
+        self.records: List[dict] = []
+        self.iteration = 0
+        if path is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def track(self, memory: RoleMemory) -> None:
+        """Follow this role: its moves are recorded, and it appears in every record set."""
+        self.roles[memory.name] = memory
+        memory.on_event = self.record
+
+    def record(self, event: str, phase: str, active_role: Optional[str] = None) -> List[dict]:
+        """One record per tracked role for this moment (``event``: onload, offload, phase_end)."""
+        stats = self.platform.memory_stats()
+        now = time.time()
+        records = []
+        for name, memory in self.roles.items():
+            by_kind = memory.resident_bytes()
+            records.append(
+                {
+                    "iteration": self.iteration,
+                    "phase": phase,
+                    "event": event,
+                    "active_role": active_role,
+                    "role": name,
+                    "bytes": by_kind,
+                    "resident_bytes": sum(by_kind[k] for k in LEDGER_KINDS),
+                    "host_bytes": memory.host_bytes(),
+                    "device": stats,
+                    "time": now,
+                }
+            )
+        self.records.extend(records)
+        if self.path is not None:
+            with open(self.path, "a", encoding="utf-8") as f:
+                for r in records:
+                    f.write(json.dumps(r) + "\n")
+        return records

@@ -1,0 +1,303 @@
+"""EMS: the per-role manager that moves each kind of resident state off the device and back.
+
+Kinds, in offload order (onload is the reverse), chosen so the transient peak stays lowest:
+- ``grads``: megatron DDP's contiguous grad buffers, freed (storage resized to 0) and rebuilt
+  zeroed; every ``param.main_grad`` and bucket view stays valid (megatron's own
+  ``offload_grad_buffers`` / ``restore_grad_buffers``).
+- ``main_params``: the optimizer's fp32 master copies of bf16 weights (distributed-optimizer shards
+  or the plain optimizer's full copies), to host memory and back.
+- ``optimizer_state``: Adam's exp_avg / exp_avg_sq (and step), to host memory and back.
+- ``weights``: the parameters (DDP's contiguous param buffer where the distributed optimizer made
+  one, else each parameter), to host memory and back.
+
+Moves work on whole storages: the device storage is resized to 0 and later re-grown in place,
+so every tensor and view that refers to it (param.data, main_grad, optimizer shards, bucket
+views) stays valid and nothing needs re-pointing. Each storage has one host buffer (pinned on CUDA),
+allocated at its first offload and reused on every later round trip. Every step is idempotent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_rlhf.runtime.platform import DevicePlatform, get_platform
+
+GRADS, MAIN_PARAMS, OPTIMIZER_STATE, WEIGHTS, OTHER = (
+    "grads", "main_params", "optimizer_state", "weights", "other",
+)
+OFFLOAD_ORDER = (GRADS, MAIN_PARAMS, OPTIMIZER_STATE, WEIGHTS)
+ONLOAD_ORDER = tuple(reversed(OFFLOAD_ORDER))
+LEDGER_KINDS = (WEIGHTS, GRADS, MAIN_PARAMS, OPTIMIZER_STATE, OTHER)
+# What each phase needs on the device.
+PHASE_NEEDS = {
+    "inference": (WEIGHTS,),
+    "training": (WEIGHTS, GRADS, MAIN_PARAMS, OPTIMIZER_STATE),
+}
+
+
+class GradientsInUse(RuntimeError):
+    """Freeing the grad buffers now would discard gradients still being accumulated."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EMSSwitches:
+    """Which kinds leave the device when the role is idle (see RoleConfig)."""
+
+    offload_weights: bool = False
+    free_grad_buffers: bool = False
+    offload_optimizer_state: bool = False  # main params and Adam states together
+    empty_cache: bool = True
+
+    @classmethod
+    def from_role_config(cls, rc) -> "EMSSwitches":
+        def pick(value: Optional[bool]) -> bool:
+            return rc.free_memory if value is None else value
+
+        return cls(
+            offload_weights=pick(rc.offload_weights),
+            free_grad_buffers=pick(rc.free_grad_buffers),
+            offload_optimizer_state=pick(rc.offload_optimizer_state),
+            empty_cache=rc.empty_cache,
+        )
+
+    def kinds(self) -> tuple:
+        on = {
+            GRADS: self.free_grad_buffers,
+            MAIN_PARAMS: self.offload_optimizer_state,
+            OPTIMIZER_STATE: self.offload_optimizer_state,
+            WEIGHTS: self.offload_weights,
+        }
+        return tuple(k for k in OFFLOAD_ORDER if on[k])
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` as they are now (0 for a freed one)."""
+    seen = set()
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            continue
+        key = storage.data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += nbytes
+    return total
+
+
+def _unique_storages(tensors: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+    """One representative tensor per distinct, allocated storage, in first-seen order."""
+    seen, out = set(), []
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        out.append(t)
+    return out
+
+
+def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class _StorageMover:
+    """Moves the storages of one kind to host memory and back, reusing one host buffer per storage.
+
+    Storages are keyed by a persistent tensor that refers to them (a Parameter, DDP's param_data,
+    an optimizer-state tensor), which the mover holds so that its id stays unique.
+    """
+
+    def __init__(self, platform: DevicePlatform):
+        self.platform = platform
+        self._host: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (tensor, host bytes)
+        self._offloaded: List[torch.Tensor] = []
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._offloaded)
+
+    def offload(self, tensors: Sequence[torch.Tensor]) -> None:
+        if self._offloaded:
+            return  # already off the device
+        for t in _unique_storages(tensors):
+            storage = t.untyped_storage()
+            cached = self._host.get(id(t))
+            if cached is None or cached[1].numel() != storage.nbytes():
+                host = self.platform.host_buffer_like(torch.empty(storage.nbytes(), dtype=torch.uint8))
+                cached = self._host[id(t)] = (t, host)
+            cached[1].copy_(_bytes_view(storage), non_blocking=True)
+            self._offloaded.append(t)
+        # The copies must land before the device memory can be handed to anyone else.
+        self.platform.synchronize()
+        for t in self._offloaded:
+            t.untyped_storage().resize_(0)
+
+    def onload(self) -> None:
+        for t in self._offloaded:
+            host = self._host[id(t)][1]
+            storage = t.untyped_storage()
+            storage.resize_(host.numel())
+            _bytes_view(storage).copy_(host, non_blocking=True)
+        self._offloaded = []
+
+    def host_bytes(self) -> int:
+        return sum(host.numel() for _, host in self._host.values())
+
+
+def _inner_optimizers(optimizer) -> List:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _flatten(groups) -> Iterator[torch.Tensor]:
+    for group in groups:
+        yield from group
+
+
+class RoleMemory:
+    """EMS for one role: its model (megatron DDP for trainable roles) and optimizer (or None)."""
+
+    def __init__(
+        self,
+        name: str,
+        model: torch.nn.Module,
+        optimizer=None,
+        switches: EMSSwitches = EMSSwitches(),
+        platform: Optional[DevicePlatform] = None,
+        on_event: Optional[Callable[[str, str, str], None]] = None,
+    ):
+        self.name = name
+        self.model = model
+        self.optimizer = optimizer
+        self.switches = switches
+        self.platform = platform or get_platform()
+        self.on_event = on_event  # (event, phase, role) after each onload/offload, for the ledger
+        self._movers = {kind: _StorageMover(self.platform) for kind in (MAIN_PARAMS, OPTIMIZER_STATE, WEIGHTS)}
+        self._grads_freed = False
+        self._backward_since_step = False
+        if optimizer is not None:
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.register_hook(self._note_backward)
+
+    # -- what each kind is made of ------------------------------------------------------------
+
+    def _ddp_buffers(self) -> list:
+        """megatron DDP's _ParamAndGradBuffers (none for a model without DDP)."""
+        from megatron.core.distributed import DistributedDataParallel
+
+        if not isinstance(self.model, DistributedDataParallel):
+            return []
+        return list(self.model.buffers) + list(self.model.expert_parallel_buffers)
+
+    def tensors(self, kind: str) -> List[torch.Tensor]:
+        """The tensors whose storages make up ``kind`` for this role (possibly freed)."""
+        if kind == WEIGHTS:
+            buffers = [b.param_data for b in self._ddp_buffers() if b.param_data is not None]
+            in_buffers = {id(p) for b in self._ddp_buffers() if b.param_data is not None for p in b.params}
+            return buffers + [p for p in self.model.parameters() if id(p) not in in_buffers]
+        if kind == GRADS:
+            return [b.grad_data for b in self._ddp_buffers() if b.grad_data is not None]
+        if self.optimizer is None:
+            return []
+        out: List[torch.Tensor] = []
+        for opt in _inner_optimizers(self.optimizer):
+            if kind == MAIN_PARAMS:
+                if hasattr(opt, "shard_fp32_from_float16_groups"):
+                    out.extend(_flatten(opt.shard_fp32_from_float16_groups))
+                elif hasattr(opt, "fp32_from_float16_groups"):
+                    out.extend(_flatten(opt.fp32_from_float16_groups))
+            elif kind == OPTIMIZER_STATE:
+                for state in opt.optimizer.state.values():
+                    out.extend(v for v in state.values() if torch.is_tensor(v))
+        return out
+
+    def other_tensors(self) -> List[torch.Tensor]:
+        """Module buffers (e.g. rotary frequencies): small, never moved."""
+        # nn.Module.buffers: megatron DDP shadows the method with its list of grad buffers.
+        return list(torch.nn.Module.buffers(self.model))
+
+    def resident_bytes(self) -> Dict[str, int]:
+        """Device bytes per kind, counted from the storages as they are now."""
+        return {
+            kind: storage_bytes(self.other_tensors() if kind == OTHER else self.tensors(kind))
+            for kind in LEDGER_KINDS
+        }
+
+    def host_bytes(self) -> int:
+        return sum(m.host_bytes() for m in self._movers.values())
+
+    # -- moves --------------------------------------------------------------------------------
+
+    def _note_backward(self, grad):
+        self._backward_since_step = True
+        return grad
+
+    def optimizer_stepped(self) -> None:
+        """Called after each optimizer step: the accumulated gradients have been consumed."""
+        self._backward_since_step = False
+
+    def is_resident(self, kind: str) -> bool:
+        if kind == GRADS:
+            return not self._grads_freed
+        return not self._movers[kind].offloaded
+
+    def offload(self, kinds: Optional[Sequence[str]] = None) -> None:
+        """Move ``kinds`` (default: the role's switched-on kinds) off the device, grads first."""
+        kinds = self.switches.kinds() if kinds is None else tuple(kinds)
+        for kind in OFFLOAD_ORDER:
+            if kind not in kinds or not self.is_resident(kind):
+                continue
+            if kind == GRADS:
+                self._free_grads()
+            else:
+                self._movers[kind].offload(self.tensors(kind))
+        if self.switches.empty_cache:
+            self.platform.empty_cache()
+
+    def onload(self, kinds: Sequence[str] = OFFLOAD_ORDER) -> None:
+        """Bring ``kinds`` back (weights first, grads last)."""
+        for kind in ONLOAD_ORDER:
+            if kind not in kinds or self.is_resident(kind):
+                continue
+            if kind == GRADS:
+                self.model.restore_grad_buffers(synchronize=False)
+                self._grads_freed = False
+            else:
+                self._movers[kind].onload()
+        self.platform.synchronize()
+
+    def _free_grads(self) -> None:
+        if not self._ddp_buffers():
+            return
+        if self._backward_since_step:
+            raise GradientsInUse(
+                f"{self.name}: backward ran since the last optimizer step, so its grad buffers hold "
+                "gradients still being accumulated; freeing them now would discard them. Finish the "
+                "step first, or offload without 'grads'."
+            )
+        self.model.offload_grad_buffers(synchronize=True, empty_cache=False)
+        self._grads_freed = True
+
+    @contextlib.contextmanager
+    def resident(self, phase: str = "inference") -> Iterator[None]:
+        """On the device for ``phase`` ('inference': weights; 'training': every kind), and off
+        again (the switched-on kinds) when the block ends."""
+        if phase not in PHASE_NEEDS:
+            raise ValueError(f"phase must be one of {', '.join(PHASE_NEEDS)}, got {phase!r}")
+        self.onload(PHASE_NEEDS[phase])
+        self._emit("onload", phase)
+        try:
+            yield
+        finally:
+            self.offload()
+            self._emit("offload", phase)
+
+    def _emit(self, event: str, phase: str) -> None:
+        if self.on_event is not None:
+            self.on_event(event, phase, self.name)
