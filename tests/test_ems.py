@@ -2,6 +2,12 @@ import pytest
 import torch
 
 from megatron_rlhf.memory import GRADS, MAIN_PARAMS, OPTIMIZER_STATE, WEIGHTS
+from tests.conftest import run_workers
+
+
+@pytest.fixture(scope="module")
+def ems_units(tmp_path_factory):
+    return run_workers(tmp_path_factory.mktemp("ems_units"), 1, "ems_units")[0]
 
 
 def assert_same(a: dict, b: dict, what: str):
@@ -26,3 +32,90 @@ def test_training_with_full_offload_between_steps_is_bit_identical(workers):
             bf16 = "bf16" in key
             assert (on["resident"][MAIN_PARAMS] > 0) == bf16, key
             assert on["resident"][OPTIMIZER_STATE] > 0 and on["resident"][GRADS] > 0
+
+
+def test_moves_are_idempotent_reuse_host_buffers_and_protect_gradients(ems_units):
+    r = ems_units
+    before, after = r["idempotent_offload_host_bytes"]
+    assert before == after > 0
+    assert r["onload_twice_same"]
+    assert r["host_buffers_reused"]
+    inference = r["inference_resident"]
+    assert inference[WEIGHTS] > 0
+    assert inference[GRADS] == inference[MAIN_PARAMS] == inference[OPTIMIZER_STATE] == 0
+    assert "backward ran since the last optimizer step" in r["grads_in_use"], r["grads_in_use"]
+    assert r["grads_kept"] > 0
+    assert r["grads_freed_after_step"] == 0
+
+
+def test_freeing_grads_and_optimizer_state_lowers_rss_on_cpu(ems_units):
+    r = ems_units["rss"]
+    print(f"RSS {r['before'] / 2**20:.1f} -> {r['after'] / 2**20:.1f} MiB; freed state "
+          f"{r['freed_state_bytes'] / 2**20:.1f} MiB {r['by_kind']}")
+    drop = r["before"] - r["after"]
+    assert r["freed_state_bytes"] > 100 * 2**20, r
+    assert drop >= 0.8 * r["freed_state_bytes"], (
+        f"RSS fell by {drop / 2**20:.1f} MiB, less than 80% of the "
+        f"{r['freed_state_bytes'] / 2**20:.1f} MiB of grads and optimizer state freed"
+    )
+    assert r["after_kinds"][GRADS] == r["after_kinds"][OPTIMIZER_STATE] == 0
+
+
+STATE_KINDS = (WEIGHTS, GRADS, MAIN_PARAMS, OPTIMIZER_STATE)
+# Module buffers are never moved: the stated constant on top of the active role's state. For the
+# tiny model that is RoPE's inverse frequencies, head_dim / 2 = 8 fp32 values (32 bytes) per role.
+OTHER_CONSTANT_BYTES = 6 * 32
+
+
+def state_bytes(record):
+    return sum(record["bytes"][k] for k in STATE_KINDS)
+
+
+def moments(records):
+    """Records grouped by the moment they describe (one record per role each)."""
+    groups = {}
+    for r in records:
+        groups.setdefault((r["time"], r["event"], r["active_role"], r["phase"], r["iteration"]), []).append(r)
+    return list(groups.values())
+
+
+def test_with_free_memory_only_the_active_role_is_resident(workers):
+    import json
+
+    for rank_result in workers(2, "ems_six_roles", "on"):
+        records = rank_result["records"]
+        with open(rank_result["path"]) as f:
+            assert [json.loads(line) for line in f] == records
+        full = rank_result["full_bytes"]
+        assert {r["role"] for r in records} == set(full) and len(full) == 6
+        for moment in moments(records):
+            assert len(moment) == 6
+            other = sum(r["bytes"]["other"] for r in moment)
+            assert other <= OTHER_CONSTANT_BYTES
+            event, active = moment[0]["event"], moment[0]["active_role"]
+            for r in moment:
+                if event == "onload" and r["role"] == active:
+                    expected = dict(full[active])
+                    if r["iteration"] == 0:  # Adam's state is created by the first step
+                        expected[OPTIMIZER_STATE] = 0
+                    # Inference needs weights only; training needs every kind.
+                    assert {k: r["bytes"][k] for k in STATE_KINDS} == {k: expected[k] for k in STATE_KINDS}
+                else:
+                    assert state_bytes(r) == 0, (event, active, r["role"], r["bytes"])
+            total = sum(state_bytes(r) for r in moment)
+            if event == "onload" and moment[0]["iteration"] == 1:
+                assert total == state_bytes({"bytes": full[active]})
+        # Trainable roles really carried every kind while training.
+        for name in ("ppo_policy", "ppo_value"):
+            assert all(full[name][k] > 0 for k in (WEIGHTS, GRADS, OPTIMIZER_STATE)), full[name]
+
+
+def test_without_free_memory_every_role_stays_resident(workers):
+    for rank_result in workers(2, "ems_six_roles", "off"):
+        full = rank_result["full_bytes"]
+        expected_total = sum(state_bytes({"bytes": b}) for b in full.values())
+        after_training = [m for m in moments(rank_result["records"]) if m[0]["iteration"] == 1]
+        for moment in after_training:
+            assert sum(state_bytes(r) for r in moment) == expected_total
+            for r in moment:
+                assert r["bytes"][WEIGHTS] == full[r["role"]][WEIGHTS] > 0

@@ -1,0 +1,96 @@
+"""EMS behaviours on one process: idempotent moves, host buffers reused across round trips,
+refusal to free gradients mid-accumulation, phase needs, and RSS actually released on CPU."""
+
+import torch
+from common import save, setup, tiny_arch
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+from megatron_rlhf.config.schema import RoleConfig
+from megatron_rlhf.memory import GRADS, MAIN_PARAMS, OFFLOAD_ORDER, OPTIMIZER_STATE, WEIGHTS, GradientsInUse
+from megatron_rlhf.memory.manager import EMSSwitches
+from megatron_rlhf.models.llama import build_model
+from megatron_rlhf.models.pipeline import forward_backward
+from megatron_rlhf.models.training import wrap_for_training
+from megatron_rlhf.roles.base import Role
+from megatron_rlhf.runtime import get_platform
+
+parallel = setup(1, 1)
+result = {}
+
+
+def lm_loss(output, mb):
+    labels = torch.roll(mb["tokens"], -1, dims=1)
+    loss = vocab_parallel_cross_entropy(output.float(), labels).mean()
+    return loss, {"loss": loss.detach()}
+
+
+def make_role(arch, precision="bf16", **switches):
+    rc = RoleConfig(precision=precision, lr=1e-3, **switches)
+    model, optimizer = wrap_for_training(build_model(arch, parallel, "lm", precision=precision), rc)
+    return Role("ppo_policy", rc, model, optimizer)
+
+
+arch = tiny_arch()
+role = make_role(arch, free_memory=True)
+mbs = [{"tokens": torch.randint(0, arch.vocab_size, (2, 16))} for _ in range(2)]
+with role.resident("training"):
+    role.train_step(mbs, lm_loss)
+memory = role.memory
+
+# Idempotence and reuse: a second offload moves nothing; host buffers survive round trips.
+memory.offload()
+host_ptrs = sorted(h.data_ptr() for _, h in memory._movers[OPTIMIZER_STATE]._host.values())
+host_bytes = memory.host_bytes()
+memory.offload()
+result["idempotent_offload_host_bytes"] = (host_bytes, memory.host_bytes())
+with role.resident("training"):
+    weights = {n: p.detach().clone() for n, p in role.model.named_parameters()}
+    memory.onload()  # onloading what is resident is a no-op
+    result["onload_twice_same"] = all(torch.equal(weights[n], p) for n, p in role.model.named_parameters())
+result["host_buffers_reused"] = host_ptrs == sorted(
+    h.data_ptr() for _, h in memory._movers[OPTIMIZER_STATE]._host.values()
+) and memory.host_bytes() == host_bytes
+result["host_bytes_equal_moved_state"] = host_bytes
+
+# An inference phase brings back the weights alone.
+with role.resident("inference"):
+    result["inference_resident"] = memory.resident_bytes()
+
+# Gradients mid-accumulation are never silently discarded.
+with role.resident("training"):
+    role.model.zero_grad_buffer()
+    forward_backward(role.model, mbs, lm_loss, forward_only=False)  # backward, no step yet
+    try:
+        memory.offload([GRADS])
+        result["grads_in_use"] = "offloaded"
+    except GradientsInUse as e:
+        result["grads_in_use"] = str(e)
+    result["grads_kept"] = memory.resident_bytes()[GRADS]
+    role.train_step(mbs, lm_loss)  # a completed step consumes them: freeing is allowed again
+memory.offload([GRADS])
+result["grads_freed_after_step"] = memory.resident_bytes()[GRADS]
+
+# RSS: freeing grad buffers and optimizer state (host buffers already allocated by a first round
+# trip) gives their bytes back to the OS.
+import gc
+
+big = tiny_arch(hidden_size=512, ffn_hidden_size=1536, num_attention_heads=8, num_query_groups=4, vocab_size=4096)
+role = make_role(big, precision="bf16", free_grad_buffers=True, offload_optimizer_state=True)
+big_mbs = [{"tokens": torch.randint(0, big.vocab_size, (1, 16))}]
+for _ in range(2):
+    with role.resident("training"):
+        role.train_step(big_mbs, lm_loss)
+platform = get_platform()
+gc.collect()
+role.memory.onload()
+platform.empty_cache()
+before_bytes = role.memory.resident_bytes()
+rss_before = platform.memory_stats()["rss"]
+role.memory.offload()
+gc.collect()
+platform.empty_cache()
+rss_after = platform.memory_stats()["rss"]
+freed = sum(before_bytes[k] for k in (GRADS, MAIN_PARAMS, OPTIMIZER_STATE))
+result["rss"] = {"before": rss_before, "after": rss_after, "freed_state_bytes": freed,
+                 "by_kind": before_bytes, "after_kinds": role.memory.resident_bytes()}
+save(result)
