@@ -119,3 +119,13 @@ def test_without_free_memory_every_role_stays_resident(workers):
             assert sum(state_bytes(r) for r in moment) == expected_total
             for r in moment:
                 assert r["bytes"][WEIGHTS] == full[r["role"]][WEIGHTS] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_offload_uses_pinned_memory_and_returns_device_memory(workers):
+    r = workers(1, "ems_gpu")[0]
+    assert r["pinned"] and all(r["pinned"])
+    state = r["during"] - r["before"]
+    assert state > 100 * 2**20, r
+    # Back within 5% of the level before the role was onloaded.
+    assert abs(r["after"] - r["before"]) <= 0.05 * r["before"], r

@@ -1,0 +1,232 @@
+"""EMS benchmark: for one model size, the offload and onload time of each kind of state, the memory
+before and after, the ratio of a training step's time with EMS to without, and the peak memory of
+all six roles colocated with EMS on and off. Everything is measured side by side in one run.
+
+    python bench/ems.py --preset tiny
+    python bench/ems.py --hidden 1024 --layers 8 --heads 16 --groups 4 --ffn 2816 --vocab 32000
+    torchrun --nproc_per_node=8 bench/ems.py --preset llama2-7b --tp 8      # on GPUs
+
+Memory figures are the allocator's on CUDA (allocated / reserved) and the process RSS on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, ModelArchConfig, ParallelConfig, RoleConfig  # noqa: E402
+from megatron_rlhf.memory import GRADS, MAIN_PARAMS, OFFLOAD_ORDER, OPTIMIZER_STATE, WEIGHTS, MemoryLedger  # noqa: E402
+from megatron_rlhf.models.llama import build_model  # noqa: E402
+from megatron_rlhf.models.presets import LLAMA_PRESETS  # noqa: E402
+from megatron_rlhf.models.training import wrap_for_training  # noqa: E402
+from megatron_rlhf.roles.base import Role  # noqa: E402
+from megatron_rlhf.runtime import ParallelLayout, destroy_distributed, get_platform, init_distributed  # noqa: E402
+
+MiB = 2**20
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(LLAMA_PRESETS), help="architecture preset")
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--heads", type=int)
+    p.add_argument("--groups", type=int)
+    p.add_argument("--ffn", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--steps", type=int, default=5, help="timed training steps each way")
+    p.add_argument("--repeats", type=int, default=3, help="timed round trips per kind")
+    p.add_argument("--no-six-roles", action="store_true", help="skip the six-role colocation")
+    p.add_argument("--json", help="also write the figures to this JSON file")
+    args = p.parse_args()
+    fields = dict(LLAMA_PRESETS[args.preset]) if args.preset else {}
+    for flag, key in (("hidden", "hidden_size"), ("layers", "num_layers"), ("heads", "num_attention_heads"),
+                      ("groups", "num_query_groups"), ("ffn", "ffn_hidden_size"), ("vocab", "vocab_size")):
+        if getattr(args, flag) is not None:
+            fields[key] = getattr(args, flag)
+    missing = [k for k in ("hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size", "vocab_size")
+               if k not in fields]
+    if missing:
+        p.error(f"give --preset or every one of --hidden --layers --heads --ffn --vocab (missing {missing})")
+    fields.setdefault("max_position_embeddings", max(args.seq_length, 256))
+    return args, ModelArchConfig(**fields)
+
+
+def memory_figure(platform) -> int:
+    stats = platform.memory_stats()
+    return stats.get("allocated", stats.get("rss", 0))
+
+
+def lm_loss(output, mb):
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    labels = torch.roll(mb["tokens"], -1, dims=1)
+    loss = vocab_parallel_cross_entropy(output.float(), labels).mean()
+    return loss, {"loss": loss.detach()}
+
+
+def make_role(name, arch, parallel, args, free_memory):
+    rc = RoleConfig(precision=args.precision, lr=1e-5, free_memory=free_memory,
+                    micro_batch_size=args.micro_batch_size)
+    model = build_model(arch, parallel, ROLE_HEADS[name], precision=args.precision)
+    optimizer = None
+    if name in ("ppo_policy", "ppo_value"):
+        model, optimizer = wrap_for_training(model, rc)
+    return Role(name, rc, model, optimizer)
+
+
+def batch(arch, args, device):
+    tokens = torch.randint(0, arch.vocab_size, (args.micro_batch_size, args.seq_length), device=device)
+    return [{"tokens": tokens}]
+
+
+def per_kind_round_trips(role, args, platform):
+    """Offload then onload each kind alone, ``repeats`` times; median seconds and memory."""
+    rows = []
+    memory = role.memory
+    for kind in OFFLOAD_ORDER:
+        size = memory.resident_bytes()[kind]
+        off_times, on_times = [], []
+        for _ in range(args.repeats):
+            platform.synchronize()
+            platform.empty_cache()
+            before = memory_figure(platform)
+            t0 = time.perf_counter()
+            memory.offload([kind])
+            platform.synchronize()
+            t1 = time.perf_counter()
+            platform.empty_cache()
+            after = memory_figure(platform)
+            t2 = time.perf_counter()
+            memory.onload([kind])
+            t3 = time.perf_counter()
+            off_times.append(t1 - t0)
+            on_times.append(t3 - t2)
+        rows.append({
+            "kind": kind, "bytes": size,
+            "offload_s": statistics.median(off_times), "onload_s": statistics.median(on_times),
+            "memory_before": before, "memory_after_offload": after,
+        })
+    return rows
+
+
+def step_times(role, arch, args, platform, ems: bool):
+    mbs = batch(arch, args, platform.device)
+    times = []
+    for i in range(args.steps + 1):
+        platform.synchronize()
+        t0 = time.perf_counter()
+        if ems:
+            with role.resident("training"):
+                role.train_step(mbs, lm_loss)
+        else:
+            role.train_step(mbs, lm_loss)
+        platform.synchronize()
+        if i > 0:  # the first step allocates the optimizer state
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def six_role_peak(arch, parallel, args, platform, free_memory: bool):
+    """One pass over the six roles (forward, or a training step) with the ledger; the peak figure."""
+    ledger = MemoryLedger()
+    platform.reset_peak_memory_stats()
+    roles = {}
+    for name in ROLE_NAMES:
+        roles[name] = make_role(name, arch, parallel, args, free_memory)
+        ledger.track(roles[name].memory)
+        roles[name].memory.offload()
+    mbs = batch(arch, args, platform.device)
+    for name in ROLE_NAMES:
+        role = roles[name]
+        if role.trainable:
+            with role.resident("training"):
+                role.train_step(mbs, lm_loss if role.head == "lm" else value_loss)
+        else:
+            with role.resident("inference"):
+                role.forward(mbs)
+    ledger.record("phase_end", "iteration")
+    stats = [r["device"] for r in ledger.records]
+    resident = max(sum(r["resident_bytes"] for r in ledger.records if r["time"] == t)
+                   for t in {r["time"] for r in ledger.records})
+    del roles
+    return {
+        "peak_resident_state_bytes": resident,
+        "peak_allocated": max(s.get("peak_allocated", s.get("rss", 0)) for s in stats),
+        "peak_reserved": max(s.get("peak_reserved", s.get("rss", 0)) for s in stats),
+    }
+
+
+def value_loss(output, mb):
+    loss = (output.float() ** 2).mean()
+    return loss, {"loss": loss.detach()}
+
+
+def main():
+    warnings.filterwarnings("ignore")
+    args, arch = parse_args()
+    init_distributed(ParallelLayout(args.tp, args.pp), seed=1)
+    platform = get_platform()
+    parallel = ParallelConfig(args.tp, args.pp)
+    rank0 = torch.distributed.get_rank() == 0
+    say = print if rank0 else (lambda *a, **k: None)
+
+    say(f"device: {platform.name}; model: {dataclasses.asdict(arch)}; TP={args.tp} PP={args.pp} "
+        f"{args.precision}, seq {args.seq_length}, micro-batch {args.micro_batch_size}")
+    role = make_role("ppo_policy", arch, parallel, args, free_memory=True)
+    mbs = batch(arch, args, platform.device)
+    with role.resident("training"):
+        role.train_step(mbs, lm_loss)  # creates Adam's state
+    role.memory.onload()
+    figures = {"round_trips": per_kind_round_trips(role, args, platform)}
+
+    say(f"\n{'kind':<16}{'MiB':>10}{'offload ms':>12}{'onload ms':>12}{'GB/s off':>10}"
+        f"{'mem before MiB':>16}{'after MiB':>11}")
+    for r in figures["round_trips"]:
+        rate = r["bytes"] / r["offload_s"] / 1e9 if r["offload_s"] > 0 else float("nan")
+        say(f"{r['kind']:<16}{r['bytes'] / MiB:>10.1f}{r['offload_s'] * 1e3:>12.2f}{r['onload_s'] * 1e3:>12.2f}"
+            f"{rate:>10.2f}{r['memory_before'] / MiB:>16.1f}{r['memory_after_offload'] / MiB:>11.1f}")
+
+    plain = step_times(role, arch, args, platform, ems=False)
+    with_ems = step_times(role, arch, args, platform, ems=True)
+    figures["step_s"] = {"without_ems": plain, "with_ems": with_ems, "ratio": with_ems / plain}
+    say(f"\ntraining step: {plain * 1e3:.1f} ms without EMS, {with_ems * 1e3:.1f} ms with a full "
+        f"onload/offload around it: ratio {with_ems / plain:.2f}")
+    del role
+
+    if not args.no_six_roles:
+        off = six_role_peak(arch, parallel, args, platform, free_memory=False)
+        on = six_role_peak(arch, parallel, args, platform, free_memory=True)
+        figures["six_roles"] = {"ems_off": off, "ems_on": on}
+        label = "allocated/reserved" if platform.name == "cuda" else "RSS"
+        say(f"\nsix roles colocated: peak resident role state {off['peak_resident_state_bytes'] / MiB:.1f} MiB "
+            f"with EMS off, {on['peak_resident_state_bytes'] / MiB:.1f} MiB on (ratio "
+            f"{on['peak_resident_state_bytes'] / off['peak_resident_state_bytes']:.2f}); peak {label} "
+            f"{off['peak_allocated'] / MiB:.1f}/{off['peak_reserved'] / MiB:.1f} MiB off, "
+            f"{on['peak_allocated'] / MiB:.1f}/{on['peak_reserved'] / MiB:.1f} MiB on")
+        if platform.name == "cpu":
+            say("  (on CPU the host copies live in the same RAM and RSS never falls back across the "
+                "two runs, so RSS is no measure of colocation here: read the resident role state)")
+    if args.json and rank0:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

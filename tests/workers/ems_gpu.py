@@ -1,0 +1,41 @@
+"""On CUDA: host buffers are pinned, and after a role trains and is offloaded, allocated device
+memory returns to within 5% of its level before the role was onloaded."""
+
+import torch
+from common import save, setup, tiny_arch
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+from megatron_rlhf.config.schema import RoleConfig
+from megatron_rlhf.models.llama import build_model
+from megatron_rlhf.models.training import wrap_for_training
+from megatron_rlhf.roles.base import Role
+
+
+def lm_loss(output, mb):
+    labels = torch.roll(mb["tokens"], -1, dims=1)
+    loss = vocab_parallel_cross_entropy(output.float(), labels).mean()
+    return loss, {"loss": loss.detach()}
+
+
+parallel = setup(1, 1)
+arch = tiny_arch(hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16, num_query_groups=4,
+                 num_layers=4, vocab_size=8192)
+rc = RoleConfig(precision="bf16", lr=1e-5, free_memory=True)
+model, optimizer = wrap_for_training(build_model(arch, parallel, "lm", precision="bf16"), rc)
+role = Role("ppo_policy", rc, model, optimizer)
+role.memory.offload()
+# Other tenants of the device (the idle roles' leftovers, activations of the caller): a fixed
+# ballast, so "the level before" is a real level and 5% of it a meaningful bound.
+ballast = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+before = torch.cuda.memory_allocated()
+tokens = torch.randint(0, arch.vocab_size, (2, 256), device="cuda")
+for _ in range(2):
+    with role.resident("training"):
+        role.train_step([{"tokens": tokens}], lm_loss)
+        during = torch.cuda.memory_allocated()
+torch.cuda.synchronize()
+after = torch.cuda.memory_allocated()
+pinned = [h.is_pinned() for mover in role.memory._movers.values() for _, h in mover._host.values()]
+save({"before": before, "during": during, "after": after, "pinned": pinned})
