@@ -38,9 +38,12 @@ def main(argv=None) -> None:
     parser.add_argument("--config", required=True, help="top config file (rlhf.yaml)")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per trainable role")
     parser.add_argument("--seq-length", type=int, default=32)
+    parser.add_argument("--output-dir", default="outputs/smoke", help="where memory.jsonl goes")
     args = parser.parse_args(argv)
-    # megatron-core warns at import that it falls back to its local kernels without apex/TE.
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed")
+    # megatron-core and torch warn about fallbacks and deprecations in their own internals;
+    # MEGATRON_RLHF_WARNINGS=1 shows them.
+    if not os.environ.get("MEGATRON_RLHF_WARNINGS"):
+        warnings.simplefilter("ignore", (UserWarning, FutureWarning))
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config = load_config(args.config, world_size=world_size)  # every config error before any work
@@ -51,6 +54,7 @@ def main(argv=None) -> None:
     )
     from megatron.core import parallel_state as ps
 
+    from megatron_rlhf.memory import MemoryLedger
     from megatron_rlhf.roles import build_role
 
     rank0 = dist.get_rank() == 0
@@ -59,9 +63,15 @@ def main(argv=None) -> None:
     if rank0:
         print(f"world {world_size}: TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size} DP={dp}")
     gen = torch.Generator().manual_seed(config.seed)
+    ledger_path = os.path.join(args.output_dir, "memory.jsonl")
+    if rank0 and os.path.exists(ledger_path):
+        os.remove(ledger_path)  # this run's ledger, not appended to an earlier one
+    ledger = MemoryLedger(ledger_path if rank0 else None)
+    roles = {}
     for name in ROLE_NAMES:
         start = time.perf_counter()
-        role = build_role(name, config)
+        role = roles[name] = build_role(name, config)
+        ledger.track(role.memory)
         params = sum(p.numel() for p in role.model.parameters())
         total = torch.tensor([params])
         dist.all_reduce(total)  # every rank's shard, DP replicas counted once below
@@ -87,7 +97,20 @@ def main(argv=None) -> None:
                 f"in all shards, {time.perf_counter() - start:.1f}s: {what}",
                 flush=True,
             )
-        del role
+    ledger.record("phase_end", "smoke")
+    if rank0:
+        moments = {}
+        for r in ledger.records:
+            moments[(r["time"], r["event"])] = moments.get((r["time"], r["event"]), 0) + r["resident_bytes"]
+        onloaded = {}
+        for r in ledger.records:
+            onloaded[r["role"]] = max(onloaded.get(r["role"], 0), r["resident_bytes"])
+        full = sum(onloaded.values())
+        print(
+            f"memory (rank 0): peak resident role state {max(moments.values()) / 2**20:.2f} MiB at any "
+            f"moment; the six roles together {full / 2**20:.2f} MiB; "
+            f"{len(ledger.records)} ledger records in {ledger_path}"
+        )
     destroy_distributed()
 
 
