@@ -172,3 +172,27 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+def local_state_dict(model: torch.nn.Module) -> dict:
+    """This rank's weights under the local-layer names of sharding.py (whatever the layer spec)."""
+    from megatron_rlhf.models.sharding import to_local_layer_names
+
+    return to_local_layer_names({k: v for k, v in unwrap(model).state_dict().items()})
+
+
+def load_local_state_dict(model: torch.nn.Module, state_dict: dict) -> None:
+    """Load weights given under local-layer names; every weight of the model must be given."""
+    from megatron_rlhf.models.sharding import to_te_layer_names
+
+    inner = unwrap(model)
+    if transformer_engine_available():
+        state_dict = to_te_layer_names(state_dict)
+    expected = {k for k in inner.state_dict() if not k.endswith("._extra_state")}
+    missing, unexpected = expected - set(state_dict), set(state_dict) - expected
+    if missing or unexpected:
+        raise ValueError(
+            f"state dict does not fit the model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+    inner.load_state_dict(state_dict, strict=False)

@@ -7,7 +7,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from megatron_rlhf.config.schema import RoleConfig
-from megatron_rlhf.models.llama import build_model, unwrap
+from megatron_rlhf.models.llama import build_model, load_local_state_dict, local_state_dict
 from megatron_rlhf.models.pipeline import forward_backward, gather_vocab_parallel
 from megatron_rlhf.models.sharding import merge_state_dicts, shard_state_dict
 from megatron_rlhf.models.training import train_step, wrap_for_training
@@ -32,7 +32,7 @@ def outputs(model, head):
 
 
 def local_state(model):
-    return {k: v.clone() for k, v in unwrap(model).state_dict().items() if not k.endswith("_extra_state")}
+    return {k: v.detach().cpu().clone() for k, v in local_state_dict(model).items()}
 
 
 result = {}
@@ -50,7 +50,7 @@ for head in ("lm", "scalar"):
             full, arch.num_layers, arch.padded_vocab_size(tp), tp, ps.get_tensor_model_parallel_rank(),
             pp, ps.get_pipeline_model_parallel_rank(), head=head,
         )
-        unwrap(model).load_state_dict(shard, strict=True)
+        load_local_state_dict(model, shard)
         got = outputs(model, head)
         key = f"{head}_tp{tp}_pp{pp}" + ("_sp" if sp else "")
         result[key] = None if got is None else (got - reference).abs().max().item()
@@ -82,5 +82,5 @@ for _ in range(4):
     if step["metrics"]:
         losses.append(torch.stack([m["loss"] for m in step["metrics"]]).mean().item())
 result["bf16_losses"] = losses
-result["bf16_param_dtype"] = str(next(unwrap(ddp).parameters()).dtype)
+result["bf16_param_dtype"] = str(next(ddp.parameters()).dtype)
 save(result)
