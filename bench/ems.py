@@ -25,10 +25,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, ModelArchConfig, ParallelConfig, RoleConfig  # noqa: E402
-from megatron_rlhf.memory import GRADS, MAIN_PARAMS, OFFLOAD_ORDER, OPTIMIZER_STATE, WEIGHTS, MemoryLedger  # noqa: E402
+from megatron_rlhf.memory import OFFLOAD_ORDER, MemoryLedger  # noqa: E402
 from megatron_rlhf.models.llama import build_model  # noqa: E402
 from megatron_rlhf.models.presets import LLAMA_PRESETS  # noqa: E402
-from megatron_rlhf.models.training import wrap_for_training  # noqa: E402
+from megatron_rlhf.models.training import next_token_loss, wrap_for_training  # noqa: E402
 from megatron_rlhf.roles.base import Role  # noqa: E402
 from megatron_rlhf.runtime import ParallelLayout, destroy_distributed, get_platform, init_distributed  # noqa: E402
 
@@ -70,14 +70,6 @@ def parse_args():
 def memory_figure(platform) -> int:
     stats = platform.memory_stats()
     return stats.get("allocated", stats.get("rss", 0))
-
-
-def lm_loss(output, mb):
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    labels = torch.roll(mb["tokens"], -1, dims=1)
-    loss = vocab_parallel_cross_entropy(output.float(), labels).mean()
-    return loss, {"loss": loss.detach()}
 
 
 def make_role(name, arch, parallel, args, free_memory):
@@ -133,9 +125,9 @@ def step_times(role, arch, args, platform, ems: bool):
         t0 = time.perf_counter()
         if ems:
             with role.resident("training"):
-                role.train_step(mbs, lm_loss)
+                role.train_step(mbs, next_token_loss)
         else:
-            role.train_step(mbs, lm_loss)
+            role.train_step(mbs, next_token_loss)
         platform.synchronize()
         if i > 0:  # the first step allocates the optimizer state
             times.append(time.perf_counter() - t0)
@@ -156,7 +148,7 @@ def six_role_peak(arch, parallel, args, platform, free_memory: bool):
         role = roles[name]
         if role.trainable:
             with role.resident("training"):
-                role.train_step(mbs, lm_loss if role.head == "lm" else value_loss)
+                role.train_step(mbs, next_token_loss if role.head == "lm" else value_loss)
         else:
             with role.resident("inference"):
                 role.forward(mbs)
@@ -191,7 +183,7 @@ def main():
     role = make_role("ppo_policy", arch, parallel, args, free_memory=True)
     mbs = batch(arch, args, platform.device)
     with role.resident("training"):
-        role.train_step(mbs, lm_loss)  # creates Adam's state
+        role.train_step(mbs, next_token_loss)  # creates Adam's state
     role.memory.onload()
     figures = {"round_trips": per_kind_round_trips(role, args, platform)}
 

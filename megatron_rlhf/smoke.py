@@ -16,15 +16,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.config import ROLE_NAMES, load_config
+from megatron_rlhf.models.training import next_token_loss
 from megatron_rlhf.runtime import ParallelLayout, destroy_distributed, init_distributed
-
-
-def lm_loss(output, mb):
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    labels = torch.roll(mb["tokens"], -1, dims=1)
-    loss = vocab_parallel_cross_entropy(output.float(), labels)[:, :-1].mean()
-    return loss, {"loss": loss.detach()}
 
 
 def value_loss(output, mb):
@@ -83,7 +76,7 @@ def main(argv=None) -> None:
             losses = []
             for _ in range(args.steps):
                 with role.resident("training"):
-                    step = role.train_step(mbs, lm_loss if role.head == "lm" else value_loss)
+                    step = role.train_step(mbs, next_token_loss if role.head == "lm" else value_loss)
                 if step["metrics"]:
                     losses.append(torch.stack([m["loss"] for m in step["metrics"]]).mean().item())
             what = "loss " + " -> ".join(f"{x:.4f}" for x in losses)

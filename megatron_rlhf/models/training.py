@@ -62,3 +62,13 @@ def train_step(
     metrics = forward_backward(ddp_model, micro_batches, loss_fn, forward_only=False)
     update_successful, grad_norm, _ = optimizer.step()
     return {"metrics": metrics, "grad_norm": grad_norm, "update_successful": update_successful}
+
+
+def next_token_loss(output: torch.Tensor, mb: MicroBatch) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """Mean next-token cross-entropy of vocab-parallel logits ``output`` [b, s, vocab/TP] against
+    ``mb["tokens"]`` [b, s] shifted by one (the last position has no target)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    labels = torch.roll(mb["tokens"], -1, dims=1)
+    loss = vocab_parallel_cross_entropy(output.float(), labels)[:, :-1].mean()
+    return loss, {"loss": loss.detach()}

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.config.schema import ModelArchConfig, ParallelConfig
 from megatron_rlhf.models.presets import LLAMA_PRESETS
-from megatron_rlhf.runtime import ParallelLayout, init_distributed, set_seed
+from megatron_rlhf.runtime import ParallelLayout, init_distributed
 
 OUT_DIR = sys.argv[1]
 ARGS = sys.argv[2:]

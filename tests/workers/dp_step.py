@@ -4,11 +4,10 @@ data-parallel ranks the world has. Args: distributed optimizer on/off ("dist"/"l
 import torch
 from common import ARGS, save, setup, tiny_arch
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from megatron_rlhf.config.schema import RoleConfig
 from megatron_rlhf.models.llama import build_model, unwrap
-from megatron_rlhf.models.training import train_step, wrap_for_training
+from megatron_rlhf.models.training import next_token_loss, train_step, wrap_for_training
 
 use_dist_opt = ARGS[0] == "dist"
 precision = ARGS[1] if len(ARGS) > 1 else "fp32"
@@ -26,10 +25,6 @@ ddp, optimizer = wrap_for_training(
 )
 
 
-def lm_loss(output, mb):
-    labels = torch.roll(mb["tokens"], -1, dims=1)
-    loss = vocab_parallel_cross_entropy(output.float(), labels).mean()
-    return loss, {"loss": loss.detach()}
 
 
 def snapshot():
@@ -38,7 +33,7 @@ def snapshot():
 
 initial = snapshot()
 for _ in range(3):
-    train_step(ddp, optimizer, micro_batches, lm_loss)
+    train_step(ddp, optimizer, micro_batches, next_token_loss)
 params = snapshot()
 moved = max((params[k] - initial[k]).abs().max().item() for k in params)
 save({"params": params, "dp": dp, "moved": moved})

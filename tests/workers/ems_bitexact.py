@@ -5,21 +5,17 @@ Covers TP=2 and DP=2 (2 processes), distributed optimizer on and off, fp32 and b
 import torch
 from common import save, setup, tiny_arch
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from megatron_rlhf.config.schema import RoleConfig
-from megatron_rlhf.memory import OFFLOAD_ORDER, EMSSwitches
+from megatron_rlhf.memory import OFFLOAD_ORDER
 from megatron_rlhf.models.llama import build_model
+from megatron_rlhf.models.training import next_token_loss, wrap_for_training
 from megatron_rlhf.roles.base import Role
 from megatron_rlhf.runtime import set_seed
 
 arch = tiny_arch()
 
 
-def lm_loss(output, mb):
-    labels = torch.roll(mb["tokens"], -1, dims=1)
-    loss = vocab_parallel_cross_entropy(output.float(), labels).mean()
-    return loss, {"loss": loss.detach()}
 
 
 def optimizer_tensors(optimizer):
@@ -39,8 +35,6 @@ def optimizer_tensors(optimizer):
 def run(precision, dist_opt, ems):
     set_seed(11)
     rc = RoleConfig(precision=precision, lr=1e-3, use_distributed_optimizer=dist_opt, free_memory=ems)
-    from megatron_rlhf.models.training import wrap_for_training
-
     model = build_model(arch, parallel, "lm", precision=precision)
     model, optimizer = wrap_for_training(model, rc)
     role = Role("ppo_policy", rc, model, optimizer)
@@ -51,7 +45,7 @@ def run(precision, dist_opt, ems):
         batch = torch.randint(0, arch.vocab_size, (4, 16), generator=gen).chunk(dp)[dp_rank]
         mbs = [{"tokens": t} for t in batch.split(1)]
         with role.resident("training"):
-            step = role.train_step(mbs, lm_loss)
+            step = role.train_step(mbs, next_token_loss)
         if ems:
             moved.append({k: role.memory.resident_bytes()[k] for k in OFFLOAD_ORDER})
         losses += [m["loss"].item() for m in step["metrics"]]

@@ -3,18 +3,13 @@ memory returns to within 5% of its level before the role was onloaded."""
 
 import torch
 from common import save, setup, tiny_arch
-from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from megatron_rlhf.config.schema import RoleConfig
 from megatron_rlhf.models.llama import build_model
-from megatron_rlhf.models.training import wrap_for_training
+from megatron_rlhf.models.training import next_token_loss, wrap_for_training
 from megatron_rlhf.roles.base import Role
 
 
-def lm_loss(output, mb):
-    labels = torch.roll(mb["tokens"], -1, dims=1)
-    loss = vocab_parallel_cross_entropy(output.float(), labels).mean()
-    return loss, {"loss": loss.detach()}
 
 
 parallel = setup(1, 1)
@@ -33,7 +28,7 @@ before = torch.cuda.memory_allocated()
 tokens = torch.randint(0, arch.vocab_size, (2, 256), device="cuda")
 for _ in range(2):
     with role.resident("training"):
-        role.train_step([{"tokens": tokens}], lm_loss)
+        role.train_step([{"tokens": tokens}], next_token_loss)
         during = torch.cuda.memory_allocated()
 torch.cuda.synchronize()
 after = torch.cuda.memory_allocated()

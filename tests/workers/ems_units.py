@@ -3,14 +3,12 @@ refusal to free gradients mid-accumulation, phase needs, and RSS actually releas
 
 import torch
 from common import save, setup, tiny_arch
-from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from megatron_rlhf.config.schema import RoleConfig
-from megatron_rlhf.memory import GRADS, MAIN_PARAMS, OFFLOAD_ORDER, OPTIMIZER_STATE, WEIGHTS, GradientsInUse
-from megatron_rlhf.memory.manager import EMSSwitches
+from megatron_rlhf.memory import GRADS, MAIN_PARAMS, OPTIMIZER_STATE, GradientsInUse
 from megatron_rlhf.models.llama import build_model
 from megatron_rlhf.models.pipeline import forward_backward
-from megatron_rlhf.models.training import wrap_for_training
+from megatron_rlhf.models.training import next_token_loss, wrap_for_training
 from megatron_rlhf.roles.base import Role
 from megatron_rlhf.runtime import get_platform
 
@@ -18,10 +16,6 @@ parallel = setup(1, 1)
 result = {}
 
 
-def lm_loss(output, mb):
-    labels = torch.roll(mb["tokens"], -1, dims=1)
-    loss = vocab_parallel_cross_entropy(output.float(), labels).mean()
-    return loss, {"loss": loss.detach()}
 
 
 def make_role(arch, precision="bf16", **switches):
@@ -34,7 +28,7 @@ arch = tiny_arch()
 role = make_role(arch, free_memory=True)
 mbs = [{"tokens": torch.randint(0, arch.vocab_size, (2, 16))} for _ in range(2)]
 with role.resident("training"):
-    role.train_step(mbs, lm_loss)
+    role.train_step(mbs, next_token_loss)
 memory = role.memory
 
 # Idempotence and reuse: a second offload moves nothing; host buffers survive round trips.
@@ -59,14 +53,14 @@ with role.resident("inference"):
 # Gradients mid-accumulation are never silently discarded.
 with role.resident("training"):
     role.model.zero_grad_buffer()
-    forward_backward(role.model, mbs, lm_loss, forward_only=False)  # backward, no step yet
+    forward_backward(role.model, mbs, next_token_loss, forward_only=False)  # backward, no step yet
     try:
         memory.offload([GRADS])
         result["grads_in_use"] = "offloaded"
     except GradientsInUse as e:
         result["grads_in_use"] = str(e)
     result["grads_kept"] = memory.resident_bytes()[GRADS]
-    role.train_step(mbs, lm_loss)  # a completed step consumes them: freeing is allowed again
+    role.train_step(mbs, next_token_loss)  # a completed step consumes them: freeing is allowed again
 memory.offload([GRADS])
 result["grads_freed_after_step"] = memory.resident_bytes()[GRADS]
 
@@ -79,7 +73,7 @@ role = make_role(big, precision="bf16", free_grad_buffers=True, offload_optimize
 big_mbs = [{"tokens": torch.randint(0, big.vocab_size, (1, 16))}]
 for _ in range(2):
     with role.resident("training"):
-        role.train_step(big_mbs, lm_loss)
+        role.train_step(big_mbs, next_token_loss)
 platform = get_platform()
 gc.collect()
 role.memory.onload()

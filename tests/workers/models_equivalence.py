@@ -4,13 +4,12 @@ for both heads; and a bf16 TP2xPP2 model trains (loss falls). Run with 4 process
 import torch
 from common import ARGS, save, setup, tiny_arch
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from megatron_rlhf.config.schema import RoleConfig
 from megatron_rlhf.models.llama import build_model, load_local_state_dict, local_state_dict
 from megatron_rlhf.models.pipeline import forward_backward, gather_vocab_parallel
 from megatron_rlhf.models.sharding import merge_state_dicts, shard_state_dict
-from megatron_rlhf.models.training import train_step, wrap_for_training
+from megatron_rlhf.models.training import next_token_loss, train_step, wrap_for_training
 
 arch = tiny_arch(vocab_size=100)  # not a multiple of the padding: exercises vocab padding
 gen = torch.Generator().manual_seed(0)
@@ -70,15 +69,11 @@ model = build_model(arch, parallel, "lm", precision="bf16")
 ddp, optimizer = wrap_for_training(model, RoleConfig(precision="bf16", lr=1e-2))
 
 
-def lm_loss(output, mb):
-    labels = torch.roll(mb["tokens"], -1, dims=1)
-    loss = vocab_parallel_cross_entropy(output.float(), labels).mean()
-    return loss, {"loss": loss.detach()}
 
 
 losses = []
 for _ in range(4):
-    step = train_step(ddp, optimizer, micro_batches, lm_loss)
+    step = train_step(ddp, optimizer, micro_batches, next_token_loss)
     if step["metrics"]:
         losses.append(torch.stack([m["loss"] for m in step["metrics"]]).mean().item())
 result["bf16_losses"] = losses
