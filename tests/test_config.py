@@ -171,3 +171,11 @@ def test_every_problem_is_reported_at_once(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(str(top))
     assert "num_attention_heads" in str(err.value) and "num_layers" in str(err.value)
+
+
+def test_errors_name_the_file_a_role_key_came_from_through_model_file_includes(tmp_path):
+    top = tiny_setup(tmp_path)
+    write(tmp_path / "models" / "common.yaml", "model:\n  hiden_size: 64\n")
+    (tmp_path / "models" / "tiny.yaml").write_text("includes: common.yaml\nmodel:\n  preset: tiny\n")
+    with pytest.raises(ConfigError, match=r"models/common\.yaml: policy\.model\.hiden_size: unknown key; did you mean 'hidden_size'"):
+        load_config(str(top))

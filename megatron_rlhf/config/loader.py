@@ -163,16 +163,15 @@ def _attach_role_model_files(tree: Dict, sources: Sources) -> None:
             raise ConfigError(f"{naming_file}: {role}.model_config_file: expected a file path")
         model_file = os.path.join(os.path.dirname(naming_file), name)
         sub, sub_sources = load_tree(model_file, named_by=f"{naming_file}: {role}.model_config_file")
-        role_sources = {(role,) + p: f for p, f in sub_sources.items()}
-        role_sources[(role,)] = model_file
-        entry_sources = {p: f for p, f in sources.items() if p[:1] == (role,)}
         merged: Dict = {}
-        _merge(merged, role_sources, sub, role_sources, (role,))
-        _merge(merged, role_sources, entry, entry_sources, (role,))
+        merged_sources: Sources = {(role,): model_file}
+        _merge(merged, merged_sources, sub, {(role,) + p: f for p, f in sub_sources.items()}, (role,))
+        entry_sources = {p: f for p, f in sources.items() if p[:1] == (role,)}
+        _merge(merged, merged_sources, entry, entry_sources, (role,))
         tree[role] = merged
-        for p in [p for p in sources if p[:1] == (role,)]:
+        for p in entry_sources:
             del sources[p]
-        sources.update(role_sources)
+        sources.update(merged_sources)
 
 
 # --------------------------------------------------------------------------------------------------
