@@ -1,0 +1,229 @@
+"""PPO math as small pure tensor functions (no Megatron, no process groups).
+
+Shapes: ``B`` sequences, ``T`` response positions. ``mask`` [B, T] is 1.0 at response tokens that
+count and 0.0 elsewhere (padding, prompt). Masked reductions average over the counted tokens of
+the whole batch; a batch with no counted token gives 0, never NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+
+# --------------------------------------------------------------------------------------------------
+# Masked reductions
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Sum of ``x`` where ``mask`` is set. x, mask: same shape."""
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim=dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Mean of ``x`` over the positions where ``mask`` is set (0 where there are none)."""
+    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``x`` over the masked positions (Bessel-corrected when ``unbiased``)."""
+    mean = masked_mean(x, mask)
+    count = mask.sum()
+    var = masked_sum((x - mean) ** 2, mask) / count.clamp(min=1)
+    if unbiased and count > 1:
+        var = var * count / (count - 1)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked positions; ``shift_mean=False`` keeps the mean.
+    Masked-out positions come back as 0."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask
+
+
+# --------------------------------------------------------------------------------------------------
+# KL penalty and controllers
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens' log-probs. [B, T] -> [B, T].
+
+    k1: log p - log q (unbiased, can be negative).  k3: (q/p - 1) - log(q/p) (unbiased, >= 0,
+    lower variance; Schulman's estimator).
+    """
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"KL estimator must be 'k1' or 'k3', got {estimator!r}")
+
+
+@dataclasses.dataclass
+class FixedKLController:
+    """A constant KL coefficient."""
+
+    value: float
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class AdaptiveKLController:
+    """Ziegler et al. (2019): move the coefficient so the observed KL approaches ``target``, by at
+    most 20% of the error per ``horizon`` samples."""
+
+    value: float
+    target: float
+    horizon: int
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+# --------------------------------------------------------------------------------------------------
+# Rewards
+
+
+def clip_rewards(scores: torch.Tensor, clip: Optional[float]) -> torch.Tensor:
+    """Scores clipped to [-clip, clip] (unchanged when clip is None)."""
+    return scores if clip is None else scores.clamp(-clip, clip)
+
+
+class RunningMoments:
+    """Running mean and standard deviation of every score seen (parallel-merge of batch moments)."""
+
+    def __init__(self) -> None:
+        self.mean = 0.0
+        self.var = 1.0  # population variance of everything seen
+        self.count = 0
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.var)
+
+    def update(self, x: torch.Tensor) -> Tuple[float, float]:
+        """Fold a batch [N] in; returns that batch's mean and (unbiased) std."""
+        x = x.detach().double().flatten()
+        n = x.numel()
+        if n == 0:
+            return self.mean, self.std
+        batch_mean = x.mean().item()
+        batch_var = x.var(unbiased=False).item()
+        total = self.count + n
+        delta = batch_mean - self.mean
+        m2 = self.var * self.count + batch_var * n + delta**2 * self.count * n / total
+        self.mean += delta * n / total
+        self.var = m2 / total
+        self.count = total
+        return batch_mean, (x.std().item() if n > 1 else 0.0)
+
+    def normalize(self, x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+        return (x - self.mean) / (self.std + eps)
+
+    def state_dict(self) -> Dict[str, float]:
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state: Dict[str, float]) -> None:
+        self.mean, self.var, self.count = state["mean"], state["var"], int(state["count"])
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last counted position of each row [B, T] -> [B] (-1 for an empty row)."""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask > 0, positions, torch.full_like(positions, -1)).max(dim=1).values
+
+
+def token_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards [B, T]: -kl_coef * kl at every counted token, plus the sequence score
+    [B] at its last counted token. Rows with no counted token get nothing."""
+    rewards = -kl_coef * kl * mask
+    last = last_token_index(mask)
+    rows = torch.nonzero(last >= 0).flatten()
+    rewards[rows, last[rows]] += scores[rows].to(rewards.dtype)
+    return rewards
+
+
+# --------------------------------------------------------------------------------------------------
+# Advantages
+
+
+def gae_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation. rewards, values, mask: [B, T] -> (advantages, returns), [B, T].
+
+    A position whose successor is not counted is terminal (its next value is 0). Masked-out
+    positions get advantage and return 0.
+    """
+    B, T = rewards.shape
+    advantages = torch.zeros_like(rewards)
+    next_advantage = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)
+    next_value = torch.zeros_like(next_advantage)
+    next_mask = torch.zeros_like(next_advantage)
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value * next_mask - values[:, t]
+        advantage = (delta + gamma * lam * next_mask * next_advantage) * mask[:, t]
+        advantages[:, t] = advantage
+        next_advantage, next_value, next_mask = advantage, values[:, t], mask[:, t].to(rewards.dtype)
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+# --------------------------------------------------------------------------------------------------
+# Losses
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio: float,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Clipped surrogate objective (as a loss to minimise). All inputs [B, T]; returns the token-mean
+    loss and metrics: clip fraction and the k1/k3-style approximate KL to the rollout policy."""
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).to(logprobs.dtype), mask)
+        approx_kl = masked_mean(0.5 * log_ratio**2, mask)
+    return loss, {"clipfrac": clipfrac, "approx_kl": approx_kl}
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: Optional[float],
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Clipped value loss 0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped within clip_range of
+    the rollout values (no clipping when clip_range is None). [B, T] inputs; token-mean loss."""
+    unclipped = (values - returns) ** 2
+    if clip_range is None:
+        return 0.5 * masked_mean(unclipped, mask), {"clipfrac": torch.zeros((), dtype=values.dtype)}
+    clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    clipped = (clipped_values - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).to(values.dtype), mask)
+    return loss, {"clipfrac": clipfrac}
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution at each position: [B, T, V] -> [B, T]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)

@@ -1,0 +1,188 @@
+"""PPO math against direct reference formulas written as plain Python loops over lists."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from megatron_rlhf import ppo
+
+# Masks with the edge cases: a full row, a right-padded row, a length-1 response, an all-masked
+# row, and a row with leading padding (left-padded).
+MASK = [
+    [1, 1, 1, 1, 1],
+    [1, 1, 1, 0, 0],
+    [1, 0, 0, 0, 0],
+    [0, 0, 0, 0, 0],
+    [0, 0, 1, 1, 1],
+]
+
+
+def rand(rows, cols, seed):
+    rng = random.Random(seed)
+    return [[rng.uniform(-2, 2) for _ in range(cols)] for _ in range(rows)]
+
+
+def t(x):
+    return torch.tensor(x, dtype=torch.float64)
+
+
+def ref_gae(rewards, values, mask, gamma, lam):
+    adv_rows, ret_rows = [], []
+    for r, v, m in zip(rewards, values, mask):
+        T = len(r)
+        adv = [0.0] * T
+        for i in range(T):
+            if not m[i]:
+                continue
+            # Sum over the counted positions from i up to the end of its contiguous span.
+            total, j, discount = 0.0, i, 1.0
+            while j < T and m[j]:
+                next_v = v[j + 1] if j + 1 < T and m[j + 1] else 0.0
+                delta = r[j] + gamma * next_v - v[j]
+                total += discount * delta
+                discount *= gamma * lam
+                j += 1
+            adv[i] = total
+        adv_rows.append(adv)
+        ret_rows.append([(a + vv) if mm else 0.0 for a, vv, mm in zip(adv, v, m)])
+    return adv_rows, ret_rows
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.99, 1.0), (0.9, 0.0)])
+def test_gae_equals_the_direct_sum_of_discounted_td_errors(gamma, lam):
+    rewards, values = rand(5, 5, 1), rand(5, 5, 2)
+    adv, ret = ppo.gae_advantages(t(rewards), t(values), t(MASK), gamma, lam)
+    ref_adv, ref_ret = ref_gae(rewards, values, MASK, gamma, lam)
+    torch.testing.assert_close(adv, t(ref_adv), rtol=0, atol=1e-12)
+    torch.testing.assert_close(ret, t(ref_ret), rtol=0, atol=1e-12)
+    assert adv[3].abs().sum() == 0 and ret[3].abs().sum() == 0  # all-masked row
+    assert adv[2, 0].item() == pytest.approx(rewards[2][0] - values[2][0])  # length-1 response
+
+
+def test_kl_estimators():
+    logp, ref = rand(5, 5, 3), rand(5, 5, 4)
+    k1 = ppo.kl_penalty(t(logp), t(ref), "k1")
+    k3 = ppo.kl_penalty(t(logp), t(ref), "k3")
+    for i in range(5):
+        for j in range(5):
+            log_r = ref[i][j] - logp[i][j]
+            assert k1[i, j].item() == pytest.approx(logp[i][j] - ref[i][j], abs=1e-12)
+            assert k3[i, j].item() == pytest.approx(math.exp(log_r) - log_r - 1, abs=1e-12)
+            assert k3[i, j].item() >= 0
+    with pytest.raises(ValueError, match="'k1' or 'k3'"):
+        ppo.kl_penalty(t(logp), t(ref), "k2")
+
+
+def test_token_rewards_put_the_score_on_the_last_counted_token():
+    kl, scores = rand(5, 5, 5), [1.5, -2.0, 3.0, 7.0, 0.25]
+    got = ppo.token_rewards(t(scores), t(kl), 0.1, t(MASK))
+    for i in range(5):
+        last = max((j for j in range(5) if MASK[i][j]), default=None)
+        for j in range(5):
+            expected = -0.1 * kl[i][j] if MASK[i][j] else 0.0
+            if j == last:
+                expected += scores[i]
+            assert got[i, j].item() == pytest.approx(expected, abs=1e-12)
+    assert ppo.last_token_index(t(MASK)).tolist() == [4, 2, 0, -1, 4]
+
+
+def ref_masked_mean(x, mask):
+    vals = [v for row, mrow in zip(x, mask) for v, m in zip(row, mrow) if m]
+    return sum(vals) / len(vals) if vals else 0.0
+
+
+def test_masked_statistics_and_whitening():
+    x = rand(5, 5, 6)
+    vals = [v for row, mrow in zip(x, MASK) for v, m in zip(row, mrow) if m]
+    mean = sum(vals) / len(vals)
+    var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
+    assert ppo.masked_mean(t(x), t(MASK)).item() == pytest.approx(mean, abs=1e-12)
+    assert ppo.masked_var(t(x), t(MASK)).item() == pytest.approx(var, abs=1e-12)
+    white = ppo.masked_whiten(t(x), t(MASK), eps=0.0)
+    for i in range(5):
+        for j in range(5):
+            expected = (x[i][j] - mean) / math.sqrt(var) if MASK[i][j] else 0.0
+            assert white[i, j].item() == pytest.approx(expected, abs=1e-10)
+    empty = torch.zeros(5, 5, dtype=torch.float64)
+    assert ppo.masked_mean(t(x), empty).item() == 0.0  # no counted token: 0, not NaN
+
+
+def test_policy_loss_is_the_clipped_surrogate():
+    logp, old, adv = rand(5, 5, 7), rand(5, 5, 8), rand(5, 5, 9)
+    old = [[o * 0.3 + lp for o, lp in zip(orow, lrow)] for orow, lrow in zip(old, logp)]  # ratios near 1
+    clip = 0.2
+    loss, metrics = ppo.policy_loss(t(logp), t(old), t(adv), t(MASK), clip)
+    per_token, clipped_flags = [], []
+    for i in range(5):
+        lrow, crow = [], []
+        for j in range(5):
+            ratio = math.exp(logp[i][j] - old[i][j])
+            a = adv[i][j]
+            unclipped, clipped = -a * ratio, -a * min(max(ratio, 1 - clip), 1 + clip)
+            lrow.append(max(unclipped, clipped))
+            crow.append(1.0 if clipped > unclipped else 0.0)
+        per_token.append(lrow)
+        clipped_flags.append(crow)
+    assert loss.item() == pytest.approx(ref_masked_mean(per_token, MASK), abs=1e-12)
+    assert metrics["clipfrac"].item() == pytest.approx(ref_masked_mean(clipped_flags, MASK), abs=1e-12)
+    assert 0 < metrics["clipfrac"].item() < 1
+
+
+def test_value_loss_is_the_clipped_squared_error():
+    v, old, ret = rand(5, 5, 10), rand(5, 5, 11), rand(5, 5, 12)
+    loss, metrics = ppo.value_loss(t(v), t(old), t(ret), t(MASK), 0.5)
+    per_token = []
+    for i in range(5):
+        row = []
+        for j in range(5):
+            vc = old[i][j] + min(max(v[i][j] - old[i][j], -0.5), 0.5)
+            row.append(0.5 * max((v[i][j] - ret[i][j]) ** 2, (vc - ret[i][j]) ** 2))
+        per_token.append(row)
+    assert loss.item() == pytest.approx(ref_masked_mean(per_token, MASK), abs=1e-12)
+    unclipped_loss, _ = ppo.value_loss(t(v), t(old), t(ret), t(MASK), None)
+    expected = ref_masked_mean([[0.5 * (a - b) ** 2 for a, b in zip(vr, rr)] for vr, rr in zip(v, ret)], MASK)
+    assert unclipped_loss.item() == pytest.approx(expected, abs=1e-12)
+    assert metrics["clipfrac"].item() > 0
+
+
+def test_entropy_from_logits():
+    logits = rand(6, 7, 13)
+    got = ppo.entropy_from_logits(t(logits).view(2, 3, 7))
+    for k, row in enumerate(logits):
+        z = sum(math.exp(v) for v in row)
+        probs = [math.exp(v) / z for v in row]
+        assert got.view(-1)[k].item() == pytest.approx(-sum(p * math.log(p) for p in probs), abs=1e-6)
+
+
+def test_adaptive_kl_controller_moves_toward_the_target_with_a_bounded_step():
+    ctl = ppo.AdaptiveKLController(value=0.2, target=6.0, horizon=10000)
+    ctl.update(current_kl=12.0, n_steps=256)  # error clipped to +0.2
+    assert ctl.value == pytest.approx(0.2 * (1 + 0.2 * 256 / 10000))
+    ctl.update(current_kl=3.0, n_steps=256)  # error -0.5 clipped to -0.2
+    assert ctl.value == pytest.approx(0.2 * (1 + 0.2 * 256 / 10000) * (1 - 0.2 * 256 / 10000))
+    fixed = ppo.FixedKLController(0.05)
+    fixed.update(100.0, 256)
+    assert fixed.value == 0.05
+
+
+def test_running_moments_equal_the_moments_of_everything_seen():
+    rng = random.Random(14)
+    moments, seen = ppo.RunningMoments(), []
+    for n in (7, 1, 12, 3):
+        batch = [rng.gauss(3.0, 2.0) for _ in range(n)]
+        seen += batch
+        batch_mean, batch_std = moments.update(torch.tensor(batch, dtype=torch.float64))
+        assert batch_mean == pytest.approx(sum(batch) / n)
+        mean = sum(seen) / len(seen)
+        assert moments.mean == pytest.approx(mean, abs=1e-12)
+        assert moments.var == pytest.approx(sum((v - mean) ** 2 for v in seen) / len(seen), abs=1e-12)
+    restored = ppo.RunningMoments()
+    restored.load_state_dict(moments.state_dict())
+    assert restored.normalize(torch.tensor([5.0])).item() == pytest.approx((5.0 - moments.mean) / moments.std, abs=1e-6)
+
+
+def test_clip_rewards():
+    assert ppo.clip_rewards(t([-9.0, 0.5, 9.0]), 5.0).tolist() == [-5.0, 0.5, 5.0]
+    assert ppo.clip_rewards(t([-9.0]), None).tolist() == [-9.0]
