@@ -30,7 +30,7 @@ from megatron_rlhf.models.llama import build_model  # noqa: E402
 from megatron_rlhf.models.presets import LLAMA_PRESETS  # noqa: E402
 from megatron_rlhf.models.training import next_token_loss, wrap_for_training  # noqa: E402
 from megatron_rlhf.roles.base import Role  # noqa: E402
-from megatron_rlhf.runtime import ParallelLayout, destroy_distributed, get_platform, init_distributed  # noqa: E402
+from megatron_rlhf.runtime import destroy_distributed, get_platform, init_distributed  # noqa: E402
 
 MiB = 2**20
 
@@ -172,9 +172,9 @@ def value_loss(output, mb):
 def main():
     warnings.filterwarnings("ignore")
     args, arch = parse_args()
-    init_distributed(ParallelLayout(args.tp, args.pp), seed=1)
-    platform = get_platform()
     parallel = ParallelConfig(args.tp, args.pp)
+    init_distributed(parallel, seed=1)
+    platform = get_platform()
     rank0 = torch.distributed.get_rank() == 0
     say = print if rank0 else (lambda *a, **k: None)
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.config import ROLE_NAMES, load_config
 from megatron_rlhf.models.training import next_token_loss
-from megatron_rlhf.runtime import ParallelLayout, destroy_distributed, init_distributed
+from megatron_rlhf.runtime import destroy_distributed, init_distributed
 
 
 def value_loss(output, mb):
@@ -41,10 +41,7 @@ def main(argv=None) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config = load_config(args.config, world_size=world_size)  # every config error before any work
     par = config.parallel
-    init_distributed(
-        ParallelLayout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.sequence_parallel),
-        seed=config.seed,
-    )
+    init_distributed(par, seed=config.seed)
     from megatron.core import parallel_state as ps
 
     from megatron_rlhf.memory import MemoryLedger

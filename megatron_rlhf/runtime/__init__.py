@@ -1,7 +1,6 @@
 """Process start-up, megatron parallel state and the device platform."""
 
 from megatron_rlhf.runtime.distributed import (
-    ParallelLayout,
     destroy_distributed,
     init_distributed,
     set_seed,
@@ -10,7 +9,6 @@ from megatron_rlhf.runtime.platform import DevicePlatform, get_platform
 
 __all__ = [
     "DevicePlatform",
-    "ParallelLayout",
     "destroy_distributed",
     "get_platform",
     "init_distributed",

@@ -6,7 +6,6 @@ per process, and EMS relies on every role living on the same ranks.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import random
@@ -15,26 +14,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_rlhf.config.schema import ParallelConfig
 from megatron_rlhf.runtime.platform import get_platform
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelLayout:
-    """Tensor (TP), pipeline (PP) and data (DP) parallel sizes; DP = world / (TP * PP)."""
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    sequence_parallel: bool = False
-
-    def data_parallel_size(self, world_size: int) -> int:
-        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-        if world_size % model_parallel != 0:
-            raise ValueError(
-                f"world size {world_size} is not divisible by TP*PP = "
-                f"{self.tensor_model_parallel_size}*{self.pipeline_model_parallel_size} = "
-                f"{model_parallel}; use a world size that is a multiple of {model_parallel}"
-            )
-        return world_size // model_parallel
 
 
 def _env_int(name: str, default: int) -> int:
@@ -42,7 +23,7 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
-def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: int = 30) -> None:
+def init_distributed(layout: ParallelConfig, seed: int = 1234, timeout_minutes: int = 30) -> None:
     """Start torch.distributed from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR, MASTER_PORT; a single process without them), then megatron's parallel state."""
     from megatron.core import parallel_state
@@ -50,7 +31,12 @@ def init_distributed(layout: ParallelLayout, seed: int = 1234, timeout_minutes: 
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
-    layout.data_parallel_size(world_size)  # fail before any collective starts
+    model_parallel = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
+    if world_size % model_parallel != 0:  # fail before any collective starts
+        raise ValueError(
+            f"world size {world_size} is not divisible by TP*PP = {layout.tensor_model_parallel_size}"
+            f"*{layout.pipeline_model_parallel_size} = {model_parallel}"
+        )
     if layout.sequence_parallel and layout.tensor_model_parallel_size == 1:
         raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
 

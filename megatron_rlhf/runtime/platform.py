@@ -128,15 +128,5 @@ class CpuPlatform(DevicePlatform):
 
 @functools.lru_cache(maxsize=1)
 def get_platform() -> DevicePlatform:
-    """The platform of this process: CUDA where a GPU is visible, CPU otherwise.
-
-    ``MEGATRON_RLHF_PLATFORM=cpu`` forces the CPU platform on a GPU machine (for debugging).
-    """
-    forced = os.environ.get("MEGATRON_RLHF_PLATFORM", "").strip().lower()
-    if forced not in ("", "cpu", "cuda"):
-        raise ValueError(f"MEGATRON_RLHF_PLATFORM={forced!r}: valid values are 'cpu' and 'cuda'")
-    if forced == "cpu" or (forced == "" and not torch.cuda.is_available()):
-        return CpuPlatform()
-    if not torch.cuda.is_available():
-        raise RuntimeError("MEGATRON_RLHF_PLATFORM=cuda but torch sees no CUDA device")
-    return CudaPlatform()
+    """The platform of this process: CUDA where a GPU is visible, CPU otherwise."""
+    return CudaPlatform() if torch.cuda.is_available() else CpuPlatform()

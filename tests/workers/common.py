@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.config.schema import ModelArchConfig, ParallelConfig
 from megatron_rlhf.models.presets import LLAMA_PRESETS
-from megatron_rlhf.runtime import ParallelLayout, init_distributed
+from megatron_rlhf.runtime import init_distributed
 
 OUT_DIR = sys.argv[1]
 ARGS = sys.argv[2:]
@@ -24,8 +24,9 @@ def setup(tp: int = 1, pp: int = 1, sp: bool = False, seed: int = 1234) -> Paral
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    init_distributed(ParallelLayout(tp, pp, sp), seed=seed)
-    return ParallelConfig(tp, pp, sp)
+    parallel = ParallelConfig(tp, pp, sp)
+    init_distributed(parallel, seed=seed)
+    return parallel
 
 
 def rank() -> int:
