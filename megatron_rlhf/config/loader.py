@@ -271,11 +271,9 @@ def _apply_preset(model: ModelArchConfig, file: str, path: KeyPath) -> None:
                 "vocab_size", "max_position_embeddings")
     missing = [k for k in required if getattr(model, k) is None]
     if missing:
-        from megatron_rlhf.models.presets import LLAMA_PRESETS as presets
-
         raise ConfigError(
             f"{file}: {dotted(path)}: missing {', '.join(missing)}; set them or name a preset "
-            f"({', '.join(presets)})"
+            f"({', '.join(LLAMA_PRESETS)})"
         )
 
 
