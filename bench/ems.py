@@ -30,6 +30,7 @@ from megatron_rlhf.models.llama import build_model  # noqa: E402
 from megatron_rlhf.models.presets import LLAMA_PRESETS  # noqa: E402
 from megatron_rlhf.models.training import next_token_loss, wrap_for_training  # noqa: E402
 from megatron_rlhf.roles.base import Role  # noqa: E402
+from megatron_rlhf.smoke import value_loss  # noqa: E402
 from megatron_rlhf.runtime import destroy_distributed, get_platform, init_distributed  # noqa: E402
 
 MiB = 2**20
@@ -154,19 +155,12 @@ def six_role_peak(arch, parallel, args, platform, free_memory: bool):
                 role.forward(mbs)
     ledger.record("phase_end", "iteration")
     stats = [r["device"] for r in ledger.records]
-    resident = max(sum(r["resident_bytes"] for r in ledger.records if r["time"] == t)
-                   for t in {r["time"] for r in ledger.records})
     del roles
     return {
-        "peak_resident_state_bytes": resident,
+        "peak_resident_state_bytes": ledger.peak_resident_bytes(),
         "peak_allocated": max(s.get("peak_allocated", s.get("rss", 0)) for s in stats),
         "peak_reserved": max(s.get("peak_reserved", s.get("rss", 0)) for s in stats),
     }
-
-
-def value_loss(output, mb):
-    loss = (output.float() ** 2).mean()
-    return loss, {"loss": loss.detach()}
 
 
 def main():

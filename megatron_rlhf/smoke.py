@@ -89,15 +89,12 @@ def main(argv=None) -> None:
             )
     ledger.record("phase_end", "smoke")
     if rank0:
-        moments = {}
-        for r in ledger.records:
-            moments[(r["time"], r["event"])] = moments.get((r["time"], r["event"]), 0) + r["resident_bytes"]
         onloaded = {}
         for r in ledger.records:
             onloaded[r["role"]] = max(onloaded.get(r["role"], 0), r["resident_bytes"])
         full = sum(onloaded.values())
         print(
-            f"memory (rank 0): peak resident role state {max(moments.values()) / 2**20:.2f} MiB at any "
+            f"memory (rank 0): peak resident role state {ledger.peak_resident_bytes() / 2**20:.2f} MiB at any "
             f"moment; the six roles together {full / 2**20:.2f} MiB; "
             f"{len(ledger.records)} ledger records in {ledger_path}"
         )

@@ -75,7 +75,7 @@ def moments(records):
     """Records grouped by the moment they describe (one record per role each)."""
     groups = {}
     for r in records:
-        groups.setdefault((r["time"], r["event"], r["active_role"], r["phase"], r["iteration"]), []).append(r)
+        groups.setdefault(r["moment"], []).append(r)
     return list(groups.values())
 
 
@@ -105,6 +105,9 @@ def test_with_free_memory_only_the_active_role_is_resident(workers):
             total = sum(state_bytes(r) for r in moment)
             if event == "onload" and moment[0]["iteration"] == 1:
                 assert total == state_bytes({"bytes": full[active]})
+        peak = max(sum(state_bytes(r) + r["bytes"]["other"] for r in m) for m in moments(records))
+        assert rank_result["peak"] == peak == max(state_bytes({"bytes": b}) for b in full.values()) + \
+            sum(r["bytes"]["other"] for r in moments(records)[0])
         # Trainable roles really carried every kind while training.
         for name in ("ppo_policy", "ppo_value"):
             assert all(full[name][k] > 0 for k in (WEIGHTS, GRADS, OPTIMIZER_STATE)), full[name]

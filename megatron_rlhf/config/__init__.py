@@ -1,6 +1,6 @@
 """Configuration: YAML with ${ENV:default} and includes, typed objects, validation."""
 
-from megatron_rlhf.config.loader import ConfigError, config_to_dict, load_config, load_tree
+from megatron_rlhf.config.loader import ConfigError, load_config, load_tree
 from megatron_rlhf.config.schema import (
     ROLE_HEADS,
     ROLE_NAMES,
@@ -21,7 +21,6 @@ __all__ = [
     "ROLE_NAMES",
     "RoleConfig",
     "TRAINABLE_ROLES",
-    "config_to_dict",
     "layout_problems",
     "load_config",
     "load_tree",

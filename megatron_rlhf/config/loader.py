@@ -289,14 +289,3 @@ def load_config(file: str, world_size: Optional[int] = None) -> RLHFConfig:
     validate(config, world_size)
     return config
 
-
-def config_to_dict(config: Any) -> Dict[str, Any]:
-    """The resolved config as plain data (for printing and for saving next to outputs)."""
-    out = {}
-    for f in dataclasses.fields(config):
-        if f.metadata.get("internal"):
-            continue
-        value = getattr(config, f.name)
-        out[f.name] = config_to_dict(value) if dataclasses.is_dataclass(value) else value
-    return out
-

@@ -21,6 +21,7 @@ class MemoryLedger:
         self.roles: Dict[str, RoleMemory] = {}
         self.records: List[dict] = []
         self.iteration = 0
+        self.moments = 0  # record sets written so far; each record carries its set's number
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
@@ -38,6 +39,7 @@ class MemoryLedger:
             by_kind = memory.resident_bytes()
             records.append(
                 {
+                    "moment": self.moments,
                     "iteration": self.iteration,
                     "phase": phase,
                     "event": event,
@@ -50,9 +52,17 @@ class MemoryLedger:
                     "time": now,
                 }
             )
+        self.moments += 1
         self.records.extend(records)
         if self.path is not None:
             with open(self.path, "a", encoding="utf-8") as f:
                 for r in records:
                     f.write(json.dumps(r) + "\n")
         return records
+
+    def peak_resident_bytes(self) -> int:
+        """The most role-state bytes resident at any recorded moment, summed over the roles."""
+        totals: Dict[int, int] = {}
+        for r in self.records:
+            totals[r["moment"]] = totals.get(r["moment"], 0) + r["resident_bytes"]
+        return max(totals.values(), default=0)

@@ -74,22 +74,6 @@ class EMSSwitches:
         return tuple(k for k in OFFLOAD_ORDER if on[k])
 
 
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` as they are now (0 for a freed one)."""
-    seen = set()
-    total = 0
-    for t in tensors:
-        storage = t.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes == 0:
-            continue
-        key = storage.data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += nbytes
-    return total
-
-
 def _unique_storages(tensors: Iterable[torch.Tensor]) -> List[torch.Tensor]:
     """One representative tensor per distinct, allocated storage, in first-seen order."""
     seen, out = set(), []
@@ -100,6 +84,11 @@ def _unique_storages(tensors: Iterable[torch.Tensor]) -> List[torch.Tensor]:
         seen.add(storage.data_ptr())
         out.append(t)
     return out
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` as they are now (0 for a freed one)."""
+    return sum(t.untyped_storage().nbytes() for t in _unique_storages(tensors))
 
 
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -159,7 +159,6 @@ def build_model(
         model.output_layer = ScalarHead(config, arch.hidden_size)
     elif head not in ("lm", "scalar"):
         raise ValueError(f"head must be 'lm' or 'scalar', got {head!r}")
-    model.head = head
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if precision == "bf16":

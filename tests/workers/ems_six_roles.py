@@ -40,4 +40,4 @@ for iteration in range(2):
             roles[name].train_step([{"tokens": t} for t in tokens.split(2)], loss)
             full_bytes[name] = roles[name].memory.resident_bytes()
     ledger.record("phase_end", "iteration")
-save({"records": ledger.records, "full_bytes": full_bytes, "path": path})
+save({"records": ledger.records, "full_bytes": full_bytes, "path": path, "peak": ledger.peak_resident_bytes()})
