@@ -160,7 +160,7 @@ def test_global_batch_must_divide_by_micro_batch_times_dp(tmp_path):
         "ppo_value:\n  model_config_file: models/tiny.yaml\n",
         "ppo_value:\n  model_config_file: models/tiny.yaml\n  micro_batch_size: 2\n  global_batch_size: 6\n",
     )
-    top.write_text(text)
+    top.write_text(text + "ppo: {rollout_batch_size: 24}\n")
     load_config(str(top), world_size=1)
     with pytest.raises(ConfigError, match=r"ppo_value\.global_batch_size: 6 is not divisible by micro_batch_size\*DP = 2\*2 = 4"):
         load_config(str(top), world_size=2)

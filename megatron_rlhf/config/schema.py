@@ -4,6 +4,7 @@ key is absent. Only these keys are accepted: anything else is an error naming fi
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Dict, Literal, Optional
 
 ROLE_NAMES = ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value")
@@ -86,12 +87,82 @@ class RoleConfig:
 
 
 @dataclasses.dataclass
+class RewardRoleConfig(RoleConfig):
+    """The reward role: a scalar-head model scoring the last response token (``type: model``), or a
+    rule function ``function: module:callable`` (or ``path/to/file.py:callable``, relative to the
+    file that names it) called as ``fn(prompts: list[str], responses: list[str]) -> list[float]``."""
+
+    type: Literal["model", "function"] = "model"
+    function: Optional[str] = None
+
+
+@dataclasses.dataclass
+class TokenizerConfig:
+    """``char``: the built-in character tokenizer (ids: pad 0, bos 1, eos 2, then ``alphabet``);
+    ``hf``: a Hugging Face ``tokenizers`` JSON file at ``path`` (relative to the config file)."""
+
+    type: Literal["char", "hf"] = "char"
+    path: Optional[str] = None
+    alphabet: Optional[str] = None  # char only; None: printable ASCII
+    bos_token: Optional[str] = "<s>"  # hf only: token strings; None: no such token
+    eos_token: Optional[str] = "</s>"
+    pad_token: Optional[str] = None  # None: the eos token pads
+
+
+@dataclasses.dataclass
+class DataConfig:
+    prompt_file: Optional[str] = None  # JSONL, one {"prompt": "..."} per line; relative to the config
+    max_prompt_length: int = 128  # tokens; longer prompts keep their last tokens
+    shuffle: bool = True  # reshuffled every pass over the data, from the run's seed
+    tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
+
+
+@dataclasses.dataclass
+class GenerationConfig:
+    max_new_tokens: int = 128
+    greedy: bool = False
+    temperature: float = 1.0  # also applied to every log-prob PPO computes, so ratios match sampling
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+
+
+@dataclasses.dataclass
+class PPOConfig:
+    iterations: int = 100
+    rollout_batch_size: int = 64  # prompts per iteration, over all data-parallel ranks
+    ppo_epochs: int = 1  # passes over each rollout; each pass has rollout/global_batch_size steps
+    clip_ratio: float = 0.2
+    value_clip: Optional[float] = 0.2
+    kl_coef: float = 0.05
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    adaptive_kl: bool = False  # Ziegler et al.: steer kl_coef towards kl_target
+    kl_target: float = 6.0
+    kl_horizon: int = 10000
+    gamma: float = 1.0
+    lam: float = 0.95
+    reward_clip: Optional[float] = None
+    normalize_reward: bool = False  # divide scores by the running std of every score seen
+    whiten_advantages: bool = True
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    output_dir: str = "outputs/ppo"  # --output-dir wins; relative to the working directory
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+@dataclasses.dataclass
 class RLHFConfig:
     seed: int = 1234
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
+    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     policy: RoleConfig = dataclasses.field(default_factory=RoleConfig)
     reference: RoleConfig = dataclasses.field(default_factory=RoleConfig)
-    reward: RoleConfig = dataclasses.field(default_factory=RoleConfig)
+    reward: RewardRoleConfig = dataclasses.field(default_factory=RewardRoleConfig)
     value: RoleConfig = dataclasses.field(default_factory=RoleConfig)
     ppo_policy: RoleConfig = dataclasses.field(default_factory=RoleConfig)
     ppo_value: RoleConfig = dataclasses.field(default_factory=RoleConfig)
@@ -105,6 +176,20 @@ class RLHFConfig:
         while key and key not in self.origin:
             key = key.rpartition(".")[0]
         return self.origin.get(key, self.origin.get("", "<config>"))
+
+    def path_of(self, key: str) -> Optional[str]:
+        """A path-valued key resolved against the directory of the file that set it."""
+        value = self
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value is None or os.path.isabs(value):
+            return value
+        return os.path.join(os.path.dirname(self.source_of(key)), value)
+
+    @property
+    def model_roles(self) -> tuple:
+        """The roles that are networks (all but a function reward)."""
+        return tuple(r for r in ROLE_NAMES if not (r == "reward" and self.reward.type == "function"))
 
     def role(self, name: str) -> RoleConfig:
         if name not in ROLE_NAMES:

@@ -41,7 +41,8 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
         else:
             dp = world_size // (tp * pp)
 
-    for role in ROLE_NAMES:
+    problems.extend(_reward_problems(config))
+    for role in config.model_roles:
         rc = config.role(role)
         m = rc.model
         at = f"{role}.model"
@@ -92,6 +93,7 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
                     f"{rc.micro_batch_size}*{dp} = {step}; use a multiple of {step}"
                 )
 
+    problems.extend(_run_problems(config, dp))
     # Weight sync copies or shares trained weights into the inference role: same network.
     for trained, serving in (("ppo_policy", "policy"), ("ppo_value", "value")):
         if config.role(trained).model != config.role(serving).model:
@@ -99,6 +101,90 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
                 f"{config.source_of(trained + '.model')}: {trained}.model: differs from "
                 f"{serving}.model ({config.source_of(serving + '.model')}); weight sync needs the "
                 "same architecture"
+            )
+    return problems
+
+
+def _reward_problems(config: RLHFConfig) -> List[str]:
+    reward = config.reward
+    if reward.type == "function":
+        if not reward.function or ":" not in reward.function:
+            return [
+                f"{config.source_of('reward.function')}: reward.function: reward.type is 'function', "
+                f"so name the rule as 'module:callable' or 'file.py:callable', got {reward.function!r}"
+            ]
+    elif reward.function is not None:
+        return [
+            f"{config.source_of('reward.function')}: reward.function: set, but reward.type is "
+            "'model'; set reward.type: function to use it, or remove it"
+        ]
+    return []
+
+
+def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
+    """Data, generation and PPO batch settings."""
+    problems: List[str] = []
+    ppo, gen, data = config.ppo, config.generation, config.data
+
+    def bad(key: str, message: str) -> None:
+        problems.append(f"{config.source_of(key)}: {key}: {message}")
+
+    for key, value, low in (
+        ("ppo.iterations", ppo.iterations, 1),
+        ("ppo.rollout_batch_size", ppo.rollout_batch_size, 1),
+        ("ppo.ppo_epochs", ppo.ppo_epochs, 1),
+        ("generation.max_new_tokens", gen.max_new_tokens, 1),
+        ("generation.top_k", gen.top_k, 0),
+        ("data.max_prompt_length", data.max_prompt_length, 1),
+    ):
+        if value < low:
+            bad(key, f"must be >= {low}, got {value}")
+    if gen.temperature <= 0:
+        bad("generation.temperature", f"must be > 0 (use greedy: true for argmax), got {gen.temperature}")
+    if not 0 < gen.top_p <= 1:
+        bad("generation.top_p", f"must be in (0, 1], got {gen.top_p}")
+    if not 0 <= ppo.lam <= 1 or not 0 <= ppo.gamma <= 1:
+        bad("ppo.lam" if not 0 <= ppo.lam <= 1 else "ppo.gamma", "must be in [0, 1]")
+    if data.tokenizer.type == "hf" and not data.tokenizer.path:
+        bad("data.tokenizer.path", "tokenizer type 'hf' needs the path of a tokenizer.json file")
+    if data.tokenizer.type == "char" and data.tokenizer.path:
+        bad("data.tokenizer.path", "set, but the tokenizer type is 'char'; set type: hf or remove it")
+    longest = data.max_prompt_length + gen.max_new_tokens
+    for role in config.model_roles:
+        limit = config.role(role).model.max_position_embeddings
+        if longest > limit:
+            bad(
+                "data.max_prompt_length",
+                f"max_prompt_length + generation.max_new_tokens = {longest} exceeds {role}'s "
+                f"max_position_embeddings={limit}",
+            )
+            break
+    if dp is None or problems:
+        return problems
+    if ppo.rollout_batch_size % dp:
+        bad("ppo.rollout_batch_size", f"{ppo.rollout_batch_size} is not divisible by DP = {dp}")
+        return problems
+    per_rank = ppo.rollout_batch_size // dp
+    for role in config.model_roles:
+        rc = config.role(role)
+        if role in TRAINABLE_ROLES:
+            step = rc.global_batch_size or ppo.rollout_batch_size
+            if ppo.rollout_batch_size % step:
+                bad(
+                    f"{role}.global_batch_size",
+                    f"{step} does not divide ppo.rollout_batch_size={ppo.rollout_batch_size}; "
+                    "each PPO epoch splits the rollout into optimizer steps of this size",
+                )
+            elif (step // dp) % rc.micro_batch_size:
+                bad(
+                    f"{role}.micro_batch_size",
+                    f"{rc.micro_batch_size} does not divide the per-rank step of {step // dp} samples",
+                )
+        elif per_rank % rc.micro_batch_size:
+            bad(
+                f"{role}.micro_batch_size",
+                f"{rc.micro_batch_size} does not divide the per-rank rollout of {per_rank} samples "
+                f"(ppo.rollout_batch_size={ppo.rollout_batch_size} / DP={dp})",
             )
     return problems
 

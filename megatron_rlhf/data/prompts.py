@@ -1,0 +1,87 @@
+"""Prompt data: a JSONL file of ``{"prompt": "..."}`` lines, tokenized once, served in batches.
+
+Every rank reads the same file and draws the same global order (seeded per pass); each
+data-parallel rank takes its contiguous slice of every global batch.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Dict, List
+
+import torch
+
+from megatron_rlhf.data.tokenizer import Tokenizer
+
+
+def read_prompts(path: str) -> List[str]:
+    """The prompts of a JSONL file, with errors that name the file and line."""
+    prompts = []
+    try:
+        f = open(path, encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: prompt file not found (data.prompt_file)") from None
+    with f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise ValueError(f'{path}:{number}: expected an object with a string "prompt", got {line.strip()[:80]}')
+            prompts.append(record["prompt"])
+    if not prompts:
+        raise ValueError(f"{path}: no prompts in the file")
+    return prompts
+
+
+class PromptDataset:
+    """Tokenized prompts (bos first when the tokenizer has one; longer than ``max_length`` keeps
+    the last tokens) and a position in an endless, per-pass shuffled order."""
+
+    def __init__(self, prompts: List[str], tokenizer: Tokenizer, max_length: int, seed: int, shuffle: bool = True):
+        self.texts = prompts
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.shuffle = shuffle
+        bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+        self.token_ids = [(bos + tokenizer.encode(p))[-max_length:] for p in prompts]
+        for i, ids in enumerate(self.token_ids):
+            if not ids:
+                raise ValueError(f"prompt {i} ({prompts[i]!r}) encodes to no tokens")
+        self.consumed = 0  # prompts served so far, over all ranks
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def _order(self, epoch: int) -> List[int]:
+        if not self.shuffle:
+            return list(range(len(self)))
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self), generator=gen).tolist()
+
+    def next_batch(self, global_size: int, dp_rank: int, dp_size: int) -> Dict[str, object]:
+        """This DP rank's share of the next ``global_size`` prompts: ``tokens`` [b, P] right-padded
+        with the pad id, ``lengths`` [b], ``texts``, ``indices`` (into the file)."""
+        indices = []
+        while len(indices) < global_size:
+            epoch, offset = divmod(self.consumed, len(self))
+            take = min(global_size - len(indices), len(self) - offset)
+            indices.extend(self._order(epoch)[offset : offset + take])
+            self.consumed += take
+        per_rank = global_size // dp_size
+        mine = indices[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        ids = [self.token_ids[i] for i in mine]
+        lengths = torch.tensor([len(x) for x in ids])
+        tokens = torch.full((len(ids), int(lengths.max())), self.tokenizer.pad_id, dtype=torch.long)
+        for row, x in enumerate(ids):
+            tokens[row, : len(x)] = torch.tensor(x)
+        return {"tokens": tokens, "lengths": lengths, "texts": [self.texts[i] for i in mine], "indices": mine}
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        self.consumed = int(state["consumed"])

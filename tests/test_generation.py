@@ -1,0 +1,72 @@
+import pytest
+import torch
+
+from megatron_rlhf.generation import SamplingParams, filter_logits, right_pad, sample_next
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    from tests.conftest import run_workers
+
+    return run_workers(tmp_path_factory.mktemp("gen"), 4, "generation_equivalence")
+
+
+def test_cached_greedy_equals_argmax_of_the_full_forward(generated):
+    r = generated[0]
+    assert torch.equal(r["tp1"][0], r["nocache"][0]) and torch.equal(r["tp1"][1], r["nocache"][1])
+    assert r["tp1"][1].tolist() == [6, 6, 6, 6]  # no EOS: every row runs to max_new_tokens
+    assert torch.equal(r["tp1_left"][0], r["tp1"][0])
+
+
+@pytest.mark.parametrize("layout", ["tp2_pp1", "tp1_pp2", "tp2_pp2"])
+def test_greedy_under_tp_and_pp_equals_tp1(generated, layout):
+    for rank_result in generated:
+        assert torch.equal(rank_result[layout][0], rank_result["tp1"][0]), layout
+        assert torch.equal(rank_result[layout][1], rank_result["tp1"][1])
+
+
+def test_rows_end_at_eos_and_are_padded_after(generated):
+    r = generated[0]
+    tokens, produced = r["tp1_eos"]
+    assert torch.equal(tokens, r["nocache_eos"][0]) and torch.equal(produced, r["nocache_eos"][1])
+    assert produced[0] == 3 and tokens[0, 3 + 2] == r["eos"]
+    for row, n in enumerate([3, 7, 5, 1]):
+        response = tokens[row, n : n + produced[row]]
+        assert (response[:-1] != r["eos"]).all()  # the first EOS ends the row
+        assert produced[row] == 6 or response[-1] == r["eos"]
+        assert (tokens[row, n + produced[row] :] == 0).all()
+    for rank_result in generated:
+        assert torch.equal(rank_result["tp2_pp2_eos"][0], tokens)
+
+
+def test_sampling_agrees_on_every_rank_and_stays_in_the_vocabulary(generated):
+    tokens, produced = generated[0]["sampled"]
+    for rank_result in generated[1:]:
+        assert torch.equal(rank_result["sampled"][0], tokens)
+    assert tokens.max() < 100 and produced.tolist() == [8, 8, 8, 8]
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).log_softmax(-1)
+    assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[False, False, True, True, True]]
+    probs = logits.exp()[0]  # 0.64, 0.24, 0.09, ...
+    kept = ~torch.isinf(filter_logits(logits, top_p=0.8))[0]
+    assert kept.tolist() == [True, True, False, False, False] and probs[:1].sum() < 0.8 <= probs[:2].sum()
+    assert (~torch.isinf(filter_logits(logits, top_p=0.01))).sum() == 1  # the top token always stays
+
+
+def test_sampling_follows_the_filtered_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(20000, 4)
+    params = SamplingParams(max_new_tokens=1, temperature=0.5, top_k=3)
+    drawn = sample_next(logits, params, torch.Generator().manual_seed(0))
+    freq = torch.bincount(drawn, minlength=4).float() / drawn.numel()
+    expected = torch.softmax(torch.tensor([2.0, 1.0, 0.0]) / 0.5, -1)
+    assert freq[3] == 0 and torch.allclose(freq[:3], expected, atol=0.015)
+    assert sample_next(logits[:2], SamplingParams(max_new_tokens=1, greedy=True)).tolist() == [0, 0]
+
+
+def test_right_pad_moves_left_padded_prompts():
+    left = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 1]])
+    assert right_pad(left, torch.tensor([2, 4]), 0, "left").tolist() == [[5, 6, 0, 0], [7, 8, 9, 1]]
+    with pytest.raises(ValueError, match="padding_side"):
+        right_pad(left, torch.tensor([2, 4]), 0, "middle")

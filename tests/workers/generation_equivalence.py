@@ -1,0 +1,85 @@
+"""Greedy generation with the KV cache under TP=2, PP=2 and TP2xPP2 equals TP=1, and TP=1 equals
+step-by-step argmax of the full forward without a cache. Also: left-padded prompts, EOS, and
+sampling that agrees across TP ranks. Run with 4 processes."""
+
+import torch
+from common import save, setup, tiny_arch
+from megatron.core import parallel_state as ps
+
+from megatron_rlhf.generation import SamplingParams, generate
+from megatron_rlhf.models.llama import build_model, load_local_state_dict, local_state_dict
+from megatron_rlhf.models.pipeline import forward_backward, gather_vocab_parallel
+from megatron_rlhf.models.sharding import merge_state_dicts, shard_state_dict
+
+VOCAB = 100
+arch = tiny_arch(vocab_size=VOCAB)
+gen = torch.Generator().manual_seed(0)
+lengths = torch.tensor([3, 7, 5, 1])
+prompts = torch.randint(3, VOCAB, (4, 7), generator=gen)
+for row, n in enumerate(lengths.tolist()):
+    prompts[row, n:] = 0  # right padding
+left = torch.zeros_like(prompts)
+for row, n in enumerate(lengths.tolist()):
+    left[row, 7 - n :] = prompts[row, :n]
+GREEDY = SamplingParams(max_new_tokens=6, greedy=True, pad_id=0)
+
+
+def argmax_without_cache(model, params):
+    """Lockstep decoding where every step runs the full forward over the whole prefix."""
+    width = int(lengths.max()) + params.max_new_tokens
+    tokens = torch.zeros(4, width, dtype=torch.long)
+    tokens[:, :7] = prompts
+    done = torch.zeros(4, dtype=torch.bool)
+    produced = torch.zeros(4, dtype=torch.long)
+    for position in range(int(lengths.min()), width):
+        logits = gather_vocab_parallel(forward_backward(model, [{"tokens": tokens[:, :position]}])[0]["output"])
+        nxt = logits[:, -1, :VOCAB].argmax(-1)
+        for row in range(4):
+            if position < lengths[row]:
+                continue
+            if done[row]:
+                continue
+            tokens[row, position] = nxt[row]
+            produced[row] += 1
+            if produced[row] >= params.max_new_tokens or (params.eos_id is not None and nxt[row] == params.eos_id):
+                done[row] = True
+        if done.all():
+            break
+    used = int((lengths + produced).max())
+    return tokens[:, :used], produced
+
+
+def as_tuple(g):
+    return g.tokens.cpu(), g.response_lengths.cpu()
+
+
+result = {}
+parallel = setup(1, 1)
+model = build_model(arch, parallel, "lm")
+full = merge_state_dicts([[{k: v.detach().clone() for k, v in local_state_dict(model).items()}]], arch.num_layers, VOCAB, "lm")
+result["nocache"] = argmax_without_cache(model, GREEDY)
+result["tp1"] = as_tuple(generate(model, prompts, lengths, GREEDY, VOCAB))
+result["tp1_left"] = as_tuple(generate(model, left, lengths, GREEDY, VOCAB, padding_side="left"))
+# EOS: the token row 0 emits third becomes the end token; every row stops at its first one.
+eos = int(result["nocache"][0][0, 3 + 2])
+with_eos = SamplingParams(max_new_tokens=6, greedy=True, eos_id=eos, pad_id=0)
+result["eos"] = eos
+result["tp1_eos"] = as_tuple(generate(model, prompts, lengths, with_eos, VOCAB))
+result["nocache_eos"] = argmax_without_cache(model, with_eos)
+del model
+
+for tp, pp in ((2, 1), (1, 2), (2, 2)):
+    parallel = setup(tp, pp)
+    model = build_model(arch, parallel, "lm")
+    shard = shard_state_dict(
+        full, arch.num_layers, arch.padded_vocab_size(tp), tp, ps.get_tensor_model_parallel_rank(),
+        pp, ps.get_pipeline_model_parallel_rank(), head="lm",
+    )
+    load_local_state_dict(model, shard)
+    result[f"tp{tp}_pp{pp}"] = as_tuple(generate(model, prompts, lengths, GREEDY, VOCAB))
+    if (tp, pp) == (2, 2):
+        result["tp2_pp2_eos"] = as_tuple(generate(model, prompts, lengths, with_eos, VOCAB))
+        sampling = SamplingParams(max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, pad_id=0)
+        g = torch.Generator().manual_seed(7)
+        result["sampled"] = as_tuple(generate(model, prompts, lengths, sampling, VOCAB, generator=g))
+save(result)
