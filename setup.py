@@ -14,6 +14,9 @@ setup(
         "pyyaml>=6.0",
         "psutil>=5.9",
         "numpy",
+        "tokenizers>=0.15",
+        "tqdm>=4.60",
+        "tensorboard>=2.10",
     ],
     extras_require={
         "test": ["pytest>=8", "transformers>=4.40", "safetensors>=0.4"],

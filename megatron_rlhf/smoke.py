@@ -15,7 +15,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.config import ROLE_NAMES, load_config
+from megatron_rlhf.config import load_config
 from megatron_rlhf.models.training import next_token_loss
 from megatron_rlhf.runtime import destroy_distributed, init_distributed
 
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
         os.remove(ledger_path)  # this run's ledger, not appended to an earlier one
     ledger = MemoryLedger(ledger_path if rank0 else None)
     roles = {}
-    for name in ROLE_NAMES:
+    for name in config.model_roles:
         start = time.perf_counter()
         role = roles[name] = build_role(name, config)
         ledger.track(role.memory)

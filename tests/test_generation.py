@@ -25,6 +25,20 @@ def test_greedy_under_tp_and_pp_equals_tp1(generated, layout):
         assert torch.equal(rank_result[layout][1], rank_result["tp1"][1])
 
 
+@pytest.mark.parametrize("layout", ["tp1", "tp2_pp1", "tp2_pp2"])
+def test_vocab_parallel_log_probs_and_entropy_equal_the_full_softmax(generated, layout):
+    """Over the tokenizer's vocabulary only (the padded rows of the output layer excluded)."""
+    ref_logp, ref_entropy = generated[0]["stats_reference"]
+    checked = 0
+    for rank_result in generated:
+        got = rank_result[f"stats_{layout}"]
+        if got is None:  # not the last pipeline stage
+            continue
+        assert torch.allclose(got[0], ref_logp, atol=1e-5) and torch.allclose(got[1], ref_entropy, atol=1e-5)
+        checked += 1
+    assert checked >= 2
+
+
 def test_rows_end_at_eos_and_are_padded_after(generated):
     r = generated[0]
     tokens, produced = r["tp1_eos"]

@@ -79,6 +79,11 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
                 f"{config.source_of(pp_key)}: {pp_key}: {pp} does not divide {role}'s "
                 f"num_layers={m.num_layers} ({file}); valid PP: {_divisors(m.num_layers)}"
             )
+        if rc.load is not None:
+            problems.append(
+                f"{config.source_of(role + '.load')}: {role}.load: loading Megatron checkpoints is "
+                "not supported by this version; remove the key to start from the seeded initialisation"
+            )
         if rc.micro_batch_size < 1:
             problems.append(
                 f"{config.source_of(role + '.micro_batch_size')}: {role}.micro_batch_size: must be "

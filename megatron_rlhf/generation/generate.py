@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.generation.sampling import SamplingParams, sample_next
 from megatron_rlhf.models.llama import unwrap
+from megatron_rlhf.models.pipeline import broadcast_from_last_stage
 
 
 @dataclasses.dataclass
@@ -75,16 +76,6 @@ def _forward_chunk(model, tokens: torch.Tensor, start: int, context, hidden_size
     return output[:, -1, :]
 
 
-def _from_last_stage(tokens: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return tokens
-    buffer = tokens if tokens is not None else torch.empty_like(like)
-    dist.broadcast(buffer, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
-    return buffer
-
-
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -129,7 +120,7 @@ def generate(
                 context.enable_decode_mode()
             fed = position
             sampled = None if logits is None else sample_next(logits[:, :vocab_size], params, generator)
-            sampled = _from_last_stage(sampled, like=response_lengths)
+            sampled = broadcast_from_last_stage(sampled, (batch,), torch.long, device)
             in_prompt = position < lengths
             generating = ~in_prompt & ~done
             tokens[:, position] = torch.where(in_prompt, tokens[:, position], torch.where(generating, sampled, params.pad_id))

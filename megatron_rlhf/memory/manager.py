@@ -169,6 +169,7 @@ class RoleMemory:
         self._movers = {kind: _StorageMover(self.platform) for kind in (MAIN_PARAMS, OPTIMIZER_STATE, WEIGHTS)}
         self._grads_freed = False
         self._backward_since_step = False
+        self.weights_owner: Optional["RoleMemory"] = None  # set by share_weights_with
         if optimizer is not None:
             for p in model.parameters():
                 if p.requires_grad:
@@ -184,8 +185,16 @@ class RoleMemory:
             return []
         return list(self.model.buffers) + list(self.model.expert_parallel_buffers)
 
+    def share_weights_with(self, owner: "RoleMemory") -> None:
+        """This role's parameters now alias ``owner``'s storage: its weights move with the owner's
+        (onload and offload act on the owner's) and are counted once, on the owner."""
+        self.weights_owner = owner
+        self._movers[WEIGHTS] = _StorageMover(self.platform)  # its own host copies are obsolete
+
     def tensors(self, kind: str) -> List[torch.Tensor]:
         """The tensors whose storages make up ``kind`` for this role (possibly freed)."""
+        if kind == WEIGHTS and self.weights_owner is not None:
+            return []
         if kind == WEIGHTS:
             buffers = [b.param_data for b in self._ddp_buffers() if b.param_data is not None]
             in_buffers = {id(p) for b in self._ddp_buffers() if b.param_data is not None for p in b.params}
@@ -234,6 +243,8 @@ class RoleMemory:
     def is_resident(self, kind: str) -> bool:
         if kind == GRADS:
             return not self._grads_freed
+        if kind == WEIGHTS and self.weights_owner is not None:
+            return self.weights_owner.is_resident(WEIGHTS)
         return not self._movers[kind].offloaded
 
     def offload(self, kinds: Optional[Sequence[str]] = None) -> None:
@@ -244,6 +255,8 @@ class RoleMemory:
                 continue
             if kind == GRADS:
                 self._free_grads()
+            elif kind == WEIGHTS and self.weights_owner is not None:
+                self.weights_owner.offload([WEIGHTS])
             else:
                 self._movers[kind].offload(self.tensors(kind))
         if self.switches.empty_cache:
@@ -257,6 +270,8 @@ class RoleMemory:
             if kind == GRADS:
                 self.model.restore_grad_buffers(synchronize=False)
                 self._grads_freed = False
+            elif kind == WEIGHTS and self.weights_owner is not None:
+                self.weights_owner.onload([WEIGHTS])
             else:
                 self._movers[kind].onload()
         self.platform.synchronize()

@@ -87,3 +87,19 @@ def gather_vocab_parallel(logits: torch.Tensor) -> torch.Tensor:
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return logits
     return gather_from_tensor_model_parallel_region(logits)
+
+
+def broadcast_from_last_stage(tensor, shape, dtype, device) -> torch.Tensor:
+    """A tensor computed on the last pipeline stage (``tensor``; None elsewhere), on every stage."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return tensor
+    tensor = torch.empty(shape, dtype=dtype, device=device) if tensor is None else tensor.contiguous()
+    dist.broadcast(
+        tensor,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return tensor

@@ -5,7 +5,7 @@ builds on this."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -14,6 +14,9 @@ from megatron_rlhf.memory.manager import WEIGHTS, EMSSwitches, RoleMemory
 from megatron_rlhf.models.llama import build_model
 from megatron_rlhf.models.pipeline import LossFn, MicroBatch, forward_backward
 from megatron_rlhf.models.training import train_step, wrap_for_training
+from megatron_rlhf.runtime.distributed import set_seed
+
+Reduce = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -43,13 +46,18 @@ class Role:
     def head(self) -> str:
         return ROLE_HEADS[self.name]
 
-    def forward(self, micro_batches: List[MicroBatch]) -> List[torch.Tensor]:
-        """Outputs per micro-batch on the last pipeline stage ([b, s, vocab/TP] or [b, s, 1]);
-        [] on other stages."""
+    def forward(self, micro_batches: List[MicroBatch], reduce: Optional[Reduce] = None) -> List[torch.Tensor]:
+        """Per micro-batch on the last pipeline stage: the output ([b, s, vocab/TP] or [b, s, 1]),
+        or ``reduce(output, micro_batch)`` when given (so full logits need not be kept); [] on
+        other stages."""
         self._require_weights()
         self.model.eval()
+
+        def keep(output, mb):
+            return output.sum() * 0.0, {"output": output if reduce is None else reduce(output, mb)}
+
         with torch.no_grad():
-            out = forward_backward(self.model, micro_batches, forward_only=True)
+            out = forward_backward(self.model, micro_batches, keep, forward_only=True)
         return [o["output"] for o in out]
 
     def train_step(self, micro_batches: List[MicroBatch], loss_fn: LossFn) -> Dict[str, Any]:
@@ -70,8 +78,13 @@ class Role:
 
 
 def build_role(name: str, config: RLHFConfig) -> Role:
-    """Build role ``name`` on this rank (needs init_distributed first)."""
+    """Build role ``name`` on this rank (needs init_distributed first).
+
+    Every network is initialised from the run's seed, so roles of one architecture and head start
+    from the same weights, as if loaded from one checkpoint: reference equals the initial policy.
+    """
     role_config = config.role(name)
+    set_seed(config.seed)
     model = build_model(
         role_config.model,
         config.parallel,

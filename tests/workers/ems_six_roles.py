@@ -18,6 +18,8 @@ flag = "True" if ARGS[0] == "on" else "False"
 for role in ROLE_NAMES:
     os.environ[f"free_memory_{role}"] = flag
 config = load_config("examples/tiny/rlhf.yaml", world_size=int(os.environ["WORLD_SIZE"]))
+config.reward.type, config.reward.function = "model", None  # the demo scores by rule; here a network
+config.reward.free_memory = flag == "True"
 setup(config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size)
 path = os.path.join(OUT_DIR, f"memory_rank{dist.get_rank()}.jsonl")
 ledger = MemoryLedger(path)

@@ -10,6 +10,7 @@ from megatron_rlhf.generation import SamplingParams, generate
 from megatron_rlhf.models.llama import build_model, load_local_state_dict, local_state_dict
 from megatron_rlhf.models.pipeline import forward_backward, gather_vocab_parallel
 from megatron_rlhf.models.sharding import merge_state_dicts, shard_state_dict
+from megatron_rlhf.models.vocab_parallel import token_entropy, token_log_probs
 
 VOCAB = 100
 arch = tiny_arch(vocab_size=VOCAB)
@@ -49,6 +50,16 @@ def argmax_without_cache(model, params):
     return tokens[:, :used], produced
 
 
+def stats(model):
+    """Log-probs of the next token and entropies at temperature 0.7, over the tokenizer's vocabulary
+    only, computed on vocab-parallel logits (last stage; None elsewhere)."""
+    out = forward_backward(model, [{"tokens": prompts}])
+    if not out:
+        return None
+    logits = out[0]["output"]
+    return token_log_probs(logits, torch.roll(prompts, -1, 1), VOCAB, 0.7), token_entropy(logits, VOCAB, 0.7)
+
+
 def as_tuple(g):
     return g.tokens.cpu(), g.response_lengths.cpu()
 
@@ -58,6 +69,10 @@ parallel = setup(1, 1)
 model = build_model(arch, parallel, "lm")
 full = merge_state_dicts([[{k: v.detach().clone() for k, v in local_state_dict(model).items()}]], arch.num_layers, VOCAB, "lm")
 result["nocache"] = argmax_without_cache(model, GREEDY)
+full_logits = forward_backward(model, [{"tokens": prompts}])[0]["output"][..., :VOCAB] / 0.7
+logp = torch.log_softmax(full_logits, -1)
+result["stats_reference"] = (logp.gather(-1, torch.roll(prompts, -1, 1).unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1))
+result["stats_tp1"] = stats(model)
 result["tp1"] = as_tuple(generate(model, prompts, lengths, GREEDY, VOCAB))
 result["tp1_left"] = as_tuple(generate(model, left, lengths, GREEDY, VOCAB, padding_side="left"))
 # EOS: the token row 0 emits third becomes the end token; every row stops at its first one.
@@ -77,6 +92,7 @@ for tp, pp in ((2, 1), (1, 2), (2, 2)):
     )
     load_local_state_dict(model, shard)
     result[f"tp{tp}_pp{pp}"] = as_tuple(generate(model, prompts, lengths, GREEDY, VOCAB))
+    result[f"stats_tp{tp}_pp{pp}"] = stats(model)
     if (tp, pp) == (2, 2):
         result["tp2_pp2_eos"] = as_tuple(generate(model, prompts, lengths, with_eos, VOCAB))
         sampling = SamplingParams(max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, pad_id=0)

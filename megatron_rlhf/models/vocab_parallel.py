@@ -1,0 +1,48 @@
+"""Per-token statistics of vocab-parallel logits [b, s, V/TP] without gathering the vocabulary.
+
+The output layer is padded beyond the tokenizer's vocabulary (for TP divisibility); those rows are
+never sampled, so they are excluded here too, and the log-probs PPO uses are those of the
+distribution generation samples from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _real_vocab_logits(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    logits = logits.float() / temperature
+    per_rank = logits.shape[-1]
+    first = ps.get_tensor_model_parallel_rank() * per_rank
+    if first + per_rank <= vocab_size:
+        return logits
+    padded = torch.arange(first, first + per_rank, device=logits.device) >= vocab_size
+    # Finite, so that p * log p stays 0 (not NaN) for the excluded rows.
+    return logits.masked_fill(padded, -1e30)
+
+
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+    """log p(labels) under softmax(logits / temperature) over the real vocabulary: [b, s]."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    return -vocab_parallel_cross_entropy(_real_vocab_logits(logits, vocab_size, temperature), labels)
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) over the real vocabulary at each position: [b, s]."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    logits = _real_vocab_logits(logits, vocab_size, temperature)
+    group = ps.get_tensor_model_parallel_group()
+    top = logits.max(dim=-1, keepdim=True).values
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - top
+    exp = shifted.exp()
+    sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1)])
+    dist.all_reduce(sums, group=group)
+    # H = log Z - E[shifted], with Z = sum exp(shifted).
+    return sums[0].log() - sums[1] / sums[0]

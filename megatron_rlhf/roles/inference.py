@@ -1,0 +1,62 @@
+"""What the inference roles compute over a rollout: per-token log-probs (policy, reference),
+per-token values (value) and sequence scores (reward model). Each result is assembled on the last
+pipeline stage and handed to every stage, so every rank holds the whole rollout.
+
+Layout: ``tokens`` [B, S] is prompt then response, right-padded; position t of a [B, S-1] result
+belongs to the action "emit token t+1" (see Generated.action_mask).
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+
+from megatron_rlhf.models.pipeline import MicroBatch, broadcast_from_last_stage
+from megatron_rlhf.models.vocab_parallel import token_log_probs
+from megatron_rlhf.roles.base import Reduce, Role
+
+
+def split_rows(size: int, **columns: torch.Tensor) -> List[MicroBatch]:
+    """The rows of every column, cut into micro-batches of ``size`` rows."""
+    rows = next(iter(columns.values())).shape[0]
+    if rows % size:
+        raise ValueError(f"{rows} rows do not split into micro-batches of {size}")
+    return [{k: v[i : i + size] for k, v in columns.items()} for i in range(0, rows, size)]
+
+
+def _rows(role: Role, micro_batches: Sequence[MicroBatch], reduce: Reduce, tail: tuple) -> torch.Tensor:
+    outputs = role.forward(list(micro_batches), reduce)
+    rows = sum(mb["tokens"].shape[0] for mb in micro_batches)
+    local = torch.cat(outputs).float() if outputs else None
+    return broadcast_from_last_stage(local, (rows, *tail), torch.float32, micro_batches[0]["tokens"].device)
+
+
+def log_probs(role: Role, tokens: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+    """log p(token t+1 | tokens <= t) for an LM-head role: [B, S] -> [B, S-1]."""
+
+    def reduce(output, mb):
+        labels = torch.roll(mb["tokens"], -1, dims=1)
+        return token_log_probs(output, labels, vocab_size, temperature)[:, :-1]
+
+    return _rows(role, split_rows(role.config.micro_batch_size, tokens=tokens), reduce, (tokens.shape[1] - 1,))
+
+
+def values(role: Role, tokens: torch.Tensor) -> torch.Tensor:
+    """Value of each state t (before token t+1) from a scalar-head role: [B, S] -> [B, S-1]."""
+
+    def reduce(output, mb):
+        return output.float().squeeze(-1)[:, :-1]
+
+    return _rows(role, split_rows(role.config.micro_batch_size, tokens=tokens), reduce, (tokens.shape[1] - 1,))
+
+
+def scores(role: Role, tokens: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
+    """A reward model's score of each sequence: its scalar output at ``last_index`` [B] (the
+    last response token). [B, S] -> [B]."""
+
+    def reduce(output, mb):
+        return output.float().squeeze(-1).gather(1, mb["last_index"].unsqueeze(1)).squeeze(1)
+
+    mbs = split_rows(role.config.micro_batch_size, tokens=tokens, last_index=last_index)
+    return _rows(role, mbs, reduce, ())

@@ -1,0 +1,37 @@
+"""The PPO losses as megatron loss functions: they read a trainable role's output for one
+micro-batch and call the pure math of megatron_rlhf.ppo.
+
+A PPO micro-batch carries ``tokens`` [b, S] and, per action position [b, S-1]: ``action_mask``,
+``old_log_probs``, ``advantages`` (policy) or ``old_values``, ``returns`` (value).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_rlhf import ppo
+from megatron_rlhf.models.pipeline import LossFn
+from megatron_rlhf.models.vocab_parallel import token_entropy, token_log_probs
+
+
+def policy_loss_fn(vocab_size: int, temperature: float, clip_ratio: float) -> LossFn:
+    def loss_fn(output, mb):
+        labels = torch.roll(mb["tokens"], -1, dims=1)
+        logp = token_log_probs(output, labels, vocab_size, temperature)[:, :-1]
+        mask = mb["action_mask"]
+        loss, stats = ppo.policy_loss(logp, mb["old_log_probs"], mb["advantages"], mask, clip_ratio)
+        entropy = ppo.masked_mean(token_entropy(output.detach(), vocab_size, temperature)[:, :-1], mask)
+        return loss, {"loss": loss.detach(), "entropy": entropy, **stats}
+
+    return loss_fn
+
+
+def value_loss_fn(clip_range: Optional[float]) -> LossFn:
+    def loss_fn(output, mb):
+        predicted = output.float().squeeze(-1)[:, :-1]
+        loss, stats = ppo.value_loss(predicted, mb["old_values"], mb["returns"], mb["action_mask"], clip_range)
+        return loss, {"loss": loss.detach(), **stats}
+
+    return loss_fn

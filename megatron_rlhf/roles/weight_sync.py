@@ -1,0 +1,56 @@
+"""Weight sync: after training, the inference role (policy, value) serves the trained weights
+(ppo_policy, ppo_value).
+
+All roles share one parallel layout, so the two networks' shards match name by name. Where the
+dtypes match too, the inference role's parameters become views of the trained role's storage once,
+at start-up: no copy ever, and one copy of the weights in memory. Otherwise (e.g. fp32 training
+serving a bf16 policy) the weights are copied after every training phase.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from megatron_rlhf.memory.manager import WEIGHTS
+from megatron_rlhf.models.llama import unwrap
+from megatron_rlhf.roles.base import Role
+
+
+class WeightSync:
+    def __init__(self, trained: Role, serving: Role):
+        self.trained, self.serving = trained, serving
+        src = dict(unwrap(trained.model).named_parameters())
+        dst = dict(unwrap(serving.model).named_parameters())
+        mismatched = [n for n in src if n not in dst or dst[n].shape != src[n].shape]
+        if mismatched or src.keys() != dst.keys():
+            raise ValueError(
+                f"weight sync {trained.name} -> {serving.name}: the networks differ "
+                f"(first mismatching parameters: {(mismatched or sorted(set(dst) ^ set(src)))[:3]})"
+            )
+        self.pairs = [(src[n], dst[n]) for n in src]
+        self.shared = all(s.dtype == d.dtype for s, d in self.pairs)
+        if self.shared:
+            with self._both_onloaded():
+                for s, d in self.pairs:
+                    d.data = s.data
+                serving.memory.share_weights_with(trained.memory)
+
+    def __call__(self) -> None:
+        """Bring the serving role up to date (nothing to do when it shares the storage)."""
+        if self.shared:
+            return
+        with self._both_onloaded(), torch.no_grad():
+            for s, d in self.pairs:
+                d.copy_(s)
+
+    @contextlib.contextmanager
+    def _both_onloaded(self):
+        self.trained.memory.onload([WEIGHTS])
+        self.serving.memory.onload([WEIGHTS])
+        try:
+            yield
+        finally:
+            self.serving.memory.offload()
+            self.trained.memory.offload()
