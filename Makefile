@@ -19,9 +19,13 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
-demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.smoke \
-		--config examples/tiny/rlhf.yaml
+# The demo's synthetic prompts, regenerated when their generator changes.
+examples/tiny/prompts.jsonl: examples/tiny/make_prompts.py
+	$(PYTHON) examples/tiny/make_prompts.py $@
+
+demo: $(STAMP) examples/tiny/prompts.jsonl
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.train \
+		--config examples/tiny/rlhf.yaml --overwrite
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from megatron_rlhf.config.loader import ConfigError
-from megatron_rlhf.config.schema import ROLE_NAMES, TRAINABLE_ROLES, RLHFConfig
+from megatron_rlhf.config.schema import TRAINABLE_ROLES, RLHFConfig
 
 
 def _divisors(n: int) -> str:

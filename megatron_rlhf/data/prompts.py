@@ -39,7 +39,9 @@ def read_prompts(path: str) -> List[str]:
 
 class PromptDataset:
     """Tokenized prompts (bos first when the tokenizer has one; longer than ``max_length`` keeps
-    the last tokens) and a position in an endless, per-pass shuffled order."""
+    the last tokens) and a position in an endless, per-pass shuffled order. A batch never spans
+    two passes (the tail of a pass that cannot fill one is skipped), unless the whole file is
+    smaller than a batch."""
 
     def __init__(self, prompts: List[str], tokenizer: Tokenizer, max_length: int, seed: int, shuffle: bool = True):
         self.texts = prompts
@@ -65,6 +67,10 @@ class PromptDataset:
     def next_batch(self, global_size: int, dp_rank: int, dp_size: int) -> Dict[str, object]:
         """This DP rank's share of the next ``global_size`` prompts: ``tokens`` [b, P] right-padded
         with the pad id, ``lengths`` [b], ``texts``, ``indices`` (into the file)."""
+        epoch, offset = divmod(self.consumed, len(self))
+        if offset + global_size > len(self) >= global_size:
+            # The rest of this pass cannot fill a batch: drop it, so no batch repeats a prompt.
+            self.consumed += len(self) - offset
         indices = []
         while len(indices) < global_size:
             epoch, offset = divmod(self.consumed, len(self))

@@ -1,0 +1,114 @@
+"""The PPO entry point end to end on the tiny example (2 processes, gloo): the demo learns, EMS
+changes no number, and bad input stops the run before any model is built."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, _free_port
+
+FREE_MEMORY_VARS = [f"free_memory_{r}" for r in ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value")]
+
+
+def train(out: Path, *args: str, nprocs: int = 2, env=None, config="examples/tiny/rlhf.yaml", check=True, timeout=600):
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}", f"--master_port={_free_port()}",
+        "-m", "megatron_rlhf.train", "--config", str(config), "--output-dir", str(out), *args,
+    ]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1")
+    full_env.update(env or {})
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def metrics(out: Path):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def without_times(rows):
+    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
+
+
+@pytest.fixture(scope="module")
+def demo_runs(tmp_path_factory):
+    """The full demo (as `make demo` runs it), with free_memory on for every role and off."""
+    base = tmp_path_factory.mktemp("demo")
+    on = train(base / "on", env={v: "True" for v in FREE_MEMORY_VARS})
+    off = train(base / "off", env={v: "False" for v in FREE_MEMORY_VARS})
+    return base, on, off
+
+
+def test_the_demo_learns(demo_runs):
+    base, on, _ = demo_runs
+    rows = metrics(base / "on")
+    assert [r["iteration"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 30
+    first = sum(r["reward/mean"] for r in rows[:5]) / 5
+    last = sum(r["reward/mean"] for r in rows[-5:]) / 5
+    assert last > first + 0.2, (first, last)
+    assert "done:" in on.stdout and "iter" in on.stdout
+
+
+def test_free_memory_changes_no_number(demo_runs):
+    base, _, _ = demo_runs
+    assert without_times(metrics(base / "on")) == without_times(metrics(base / "off"))
+
+
+def test_metrics_ledger_and_tensorboard_are_written(demo_runs):
+    base, _, _ = demo_runs
+    rows = metrics(base / "on")
+    for key in ("iteration", "reward/mean", "kl/mean", "loss/policy", "loss/value", "time/iteration_s"):
+        assert all(key in r for r in rows), key
+    # The reference is the initial policy: no KL before the first update, KL after it.
+    assert rows[0]["kl/mean"] == 0.0 and any(r["kl/mean"] != 0.0 for r in rows[1:])
+    assert list((base / "on" / "tensorboard").glob("events.out.tfevents.*"))
+    ledger = [json.loads(line) for line in (base / "on" / "memory.jsonl").read_text().splitlines()]
+    assert {r["role"] for r in ledger} == {"policy", "reference", "value", "ppo_policy", "ppo_value"}
+    # policy shares ppo_policy's storage: it counts no weights of its own; ppo_policy's go to host
+    # memory between phases when every role frees its memory, and stay when none does.
+    assert all(r["bytes"]["weights"] == 0 for r in ledger if r["role"] == "policy")
+    idle = [r for r in ledger if r["role"] == "ppo_policy" and r["active_role"] == "reference"]
+    assert idle and all(r["bytes"]["weights"] == 0 for r in idle)
+    ledger_off = [json.loads(line) for line in (base / "off" / "memory.jsonl").read_text().splitlines()]
+    assert all(r["bytes"]["weights"] > 0 for r in ledger_off if r["role"] == "ppo_policy")
+
+
+def test_reward_model_under_pipeline_parallelism(tmp_path):
+    """A scalar-head reward model instead of the rule, on 2 pipeline stages."""
+    config = tmp_path / "rlhf.yaml"
+    config.write_text(
+        f"includes: {REPO / 'examples/tiny/rlhf.yaml'}\n"
+        "reward: {type: model, function: null, free_memory: true}\n"
+    )
+    train(tmp_path / "out", "--iterations", "2", config=config, env={"TP": "1", "PP": "2"})
+    rows = metrics(tmp_path / "out")
+    assert len(rows) == 2 and all(abs(r["reward/mean"]) < 10 for r in rows)
+    assert rows[0]["reward/mean"] != 0.0 and rows[0]["kl/mean"] == 0.0
+
+
+def test_an_existing_run_is_not_overwritten(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    proc = train(out, check=False, nprocs=1, env={"TP": "1"})
+    assert proc.returncode != 0 and "already holds a run" in proc.stderr and "--overwrite" in proc.stderr
+    assert (out / "metrics.jsonl").read_text() == '{"iteration": 1}\n'
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"PROMPT_FILE": "/nonexistent/prompts.jsonl"}, "/nonexistent/prompts.jsonl: prompt file not found"),
+        ({"ROLLOUT_BATCH_SIZE": "6"}, "ppo_policy.global_batch_size: 8 does not divide ppo.rollout_batch_size=6"),
+        ({"MAX_NEW_TOKENS": "300"}, "exceeds policy's max_position_embeddings=256"),
+    ],
+)
+def test_bad_input_stops_before_any_model_is_built(tmp_path, env, message):
+    proc = train(tmp_path / "out", check=False, nprocs=1, env={"TP": "1", **env})
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
