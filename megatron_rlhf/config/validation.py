@@ -3,6 +3,7 @@ roles that must share an architecture. Run before any model is built."""
 
 from __future__ import annotations
 
+import os
 from typing import List, Optional
 
 from megatron_rlhf.config.loader import ConfigError
@@ -79,10 +80,11 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
                 f"{config.source_of(pp_key)}: {pp_key}: {pp} does not divide {role}'s "
                 f"num_layers={m.num_layers} ({file}); valid PP: {_divisors(m.num_layers)}"
             )
-        if rc.load is not None:
+        load = config.path_of(role + ".load")
+        if load is not None and not os.path.isfile(os.path.join(load, "megatron_rlhf_model.json")):
             problems.append(
-                f"{config.source_of(role + '.load')}: {role}.load: loading Megatron checkpoints is "
-                "not supported by this version; remove the key to start from the seeded initialisation"
+                f"{config.source_of(role + '.load')}: {role}.load: {load} is not a model checkpoint "
+                "(no megatron_rlhf_model.json); write one with tools/convert_hf_to_megatron.py"
             )
         if rc.micro_batch_size < 1:
             problems.append(

@@ -165,3 +165,19 @@ def merge_state_dicts(
                     tensor = tensor[:vocab_size]
                 full[key] = tensor
     return full
+
+
+def stage_of(key: str, num_layers: int, pp_size: int) -> int:
+    """The pipeline stage that holds full-state-dict key ``key``."""
+    match = _LAYER_KEY.match(key)
+    if match:
+        return int(match.group(1)) // (num_layers // pp_size)
+    return 0 if key.startswith("embedding.") else pp_size - 1
+
+
+def merge_tensor(key: str, tp_pieces: List[torch.Tensor], vocab_size: int, head: str = "lm") -> torch.Tensor:
+    """One full tensor (vocabulary padding dropped) from its TP pieces; ``key`` full or local."""
+    vocab = _vocab_keys(head)
+    match = _LAYER_KEY.match(key)
+    tensor = _join(match.group(2) if match else key, tp_pieces, vocab)
+    return tensor[:vocab_size] if key in vocab else tensor

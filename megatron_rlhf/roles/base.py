@@ -11,7 +11,7 @@ import torch
 
 from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES, RLHFConfig, RoleConfig
 from megatron_rlhf.memory.manager import WEIGHTS, EMSSwitches, RoleMemory
-from megatron_rlhf.models.llama import build_model
+from megatron_rlhf.models.llama import build_model, load_local_state_dict
 from megatron_rlhf.models.pipeline import LossFn, MicroBatch, forward_backward
 from megatron_rlhf.models.training import train_step, wrap_for_training
 from megatron_rlhf.runtime.distributed import set_seed
@@ -77,11 +77,26 @@ class Role:
             )
 
 
+def _load_weights(model: torch.nn.Module, name: str, config: RLHFConfig) -> None:
+    from megatron.core import parallel_state as ps
+
+    from megatron_rlhf.checkpoint import load_model_shard
+
+    par = config.parallel
+    shard = load_model_shard(
+        config.path_of(name + ".load"), config.role(name).model, ROLE_HEADS[name],
+        par.tensor_model_parallel_size, ps.get_tensor_model_parallel_rank(),
+        par.pipeline_model_parallel_size, ps.get_pipeline_model_parallel_rank(),
+    )
+    load_local_state_dict(model, shard)
+
+
 def build_role(name: str, config: RLHFConfig) -> Role:
     """Build role ``name`` on this rank (needs init_distributed first).
 
-    Every network is initialised from the run's seed, so roles of one architecture and head start
-    from the same weights, as if loaded from one checkpoint: reference equals the initial policy.
+    Weights come from the role's ``load`` checkpoint (any TP/PP it was written at), else from the
+    run's seed, so that roles of one architecture and head start from the same weights, as if
+    loaded from one checkpoint: reference equals the initial policy.
     """
     role_config = config.role(name)
     set_seed(config.seed)
@@ -92,6 +107,8 @@ def build_role(name: str, config: RLHFConfig) -> Role:
         precision=role_config.precision,
         recompute_activations=role_config.recompute_activations,
     )
+    if role_config.load is not None:
+        _load_weights(model, name, config)
     optimizer = None
     if name in TRAINABLE_ROLES:
         model, optimizer = wrap_for_training(model, role_config)

@@ -1,0 +1,144 @@
+"""Hugging Face Llama <-> Megatron model checkpoints at any TP/PP, streaming tensor by tensor.
+
+hf_to_megatron writes one (TP rank, PP rank) shard at a time, reading each Hugging Face tensor
+from its memory-mapped file when that shard needs it, so host memory holds about one shard plus
+one full tensor. megatron_to_hf maps one pipeline stage's shards (mmap) and writes one safetensors
+file per transformer layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+
+from megatron_rlhf.checkpoint import hf_llama
+from megatron_rlhf.checkpoint.model_files import (
+    CheckpointError,
+    HFCheckpointReader,
+    full_tensors,
+    read_model_meta,
+    save_shard,
+    write_atomically,
+    write_model_meta,
+)
+from megatron_rlhf.models.sharding import shard_state_dict, stage_of
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", disable=None)
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; a Hugging Face model directory has a config.json") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e.msg})") from None
+
+
+def detect_head(hf_config: dict) -> str:
+    architectures = hf_config.get("architectures") or ["LlamaForCausalLM"]
+    return "scalar" if any("SequenceClassification" in a for a in architectures) else "lm"
+
+
+def hf_to_megatron(
+    hf_dir: str,
+    output: str,
+    tp: int = 1,
+    pp: int = 1,
+    head: Optional[str] = None,
+    dtype: Optional[str] = None,
+    make_vocab_size_divisible_by: int = 128,
+    overwrite: bool = False,
+) -> None:
+    config = read_hf_config(hf_dir)
+    head = head or detect_head(config)
+    arch = hf_llama.arch_from_hf_config(config, os.path.join(hf_dir, "config.json"))
+    arch.make_vocab_size_divisible_by = make_vocab_size_divisible_by
+    if head == "scalar" and config.get("num_labels", 1) != 1 and len(config.get("id2label", {0: 0})) != 1:
+        raise CheckpointError(f"{hf_dir}/config.json: a reward model needs one label (a scalar score)")
+    for name, size, what in ((f"TP={tp}", arch.num_attention_heads, "num_attention_heads"),
+                             (f"TP={tp}", arch.kv_groups, "num_key_value_heads"),
+                             (f"TP={tp}", arch.ffn_hidden_size, "intermediate_size")):
+        if size % tp:
+            raise CheckpointError(f"{name} does not divide {what}={size}")
+    if arch.num_layers % pp:
+        raise CheckpointError(f"PP={pp} does not divide num_hidden_layers={arch.num_layers}")
+    reader = HFCheckpointReader(hf_dir)
+    reader.check(hf_llama.expected_hf_shapes(arch, head))  # before anything is written
+    torch_dtype = DTYPES[dtype] if dtype else reader.get("model.embed_tokens.weight").dtype
+    keys = hf_llama.megatron_keys(arch)
+    padded = arch.padded_vocab_size(tp)
+
+    def fill(tmp: str) -> None:
+        bar = _progress(len(keys) * tp, f"HF -> Megatron TP={tp} PP={pp}")
+        for pp_rank in range(pp):
+            stage_keys = [k for k in keys if stage_of(k, arch.num_layers, pp) == pp_rank]
+            for tp_rank in range(tp):
+                shard = {}
+                for key in stage_keys:
+                    full = hf_llama.megatron_tensor(key, reader.get, arch, head).to(torch_dtype)
+                    shard.update(shard_state_dict({key: full}, arch.num_layers, padded, tp, tp_rank, pp, pp_rank, head=head))
+                    bar.update(1)
+                save_shard(tmp, tp_rank, pp_rank, pp, shard)
+                del shard
+        bar.close()
+        write_model_meta(tmp, arch, head, torch_dtype, tp, pp)
+
+    write_atomically(output, fill, overwrite)
+
+
+def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrite: bool = False) -> None:
+    from safetensors.torch import save_file
+
+    arch, meta = read_model_meta(root)
+    head = meta["head"]
+    torch_dtype = DTYPES[dtype] if dtype else getattr(torch, meta["dtype"])
+    keys = hf_llama.megatron_keys(arch)
+
+    def file_of(key: str) -> int:
+        # 0: embeddings; 1..L: transformer layers; L+1: final norm and head.
+        if key.startswith("decoder.layers."):
+            return int(key.split(".")[2]) + 1
+        return 0 if key.startswith("embedding.") else arch.num_layers + 1
+
+    count = arch.num_layers + 2
+    names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+    def fill(tmp: str) -> None:
+        bar = _progress(len(keys), "Megatron -> HF")
+        weight_map, pending, current, total_bytes = {}, {}, None, 0
+        for key, tensor in full_tensors(root):
+            index = file_of(key)
+            if current is not None and index != current:
+                save_file(pending, os.path.join(tmp, names[current]), metadata={"format": "pt"})
+                pending = {}
+            current = index
+            for name, part in hf_llama.hf_tensors(key, tensor, arch, head):
+                pending[name] = part.to(torch_dtype).contiguous()
+                weight_map[name] = names[index]
+                total_bytes += pending[name].numel() * pending[name].element_size()
+            bar.update(1)
+        if pending:
+            save_file(pending, os.path.join(tmp, names[current]), metadata={"format": "pt"})
+        bar.close()
+        if len(weight_map) != len(hf_llama.expected_hf_shapes(arch, head)):
+            raise CheckpointError(f"{root}: the checkpoint lacks tensors ({len(weight_map)} written)")
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=1)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_llama.hf_config_from_arch(arch, head, torch_dtype), f, indent=1)
+
+    write_atomically(output, fill, overwrite)
+
+

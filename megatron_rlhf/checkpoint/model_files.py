@@ -1,0 +1,233 @@
+"""Megatron model checkpoints on disk, and reading Hugging Face checkpoint files tensor by tensor.
+
+Layout of a model checkpoint directory (Megatron-LM's own, so its tools recognise it):
+  latest_checkpointed_iteration.txt      "release"
+  megatron_rlhf_model.json               architecture, head, dtype, TP and PP it was written at
+  release/mp_rank_TT[_PPP]/model_optim_rng.pt   {"model": that rank's state dict}
+Every directory is written under a temporary name and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import struct
+from typing import Callable, Dict, Iterator, Tuple
+
+import torch
+
+from megatron_rlhf.config.schema import ModelArchConfig
+from megatron_rlhf.models.sharding import StateDict, merge_tensor, shard_state_dict
+
+META_FILE = "megatron_rlhf_model.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, truncated or does not fit; the message names the file."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Atomic directories
+
+
+def write_atomically(final_dir: str, fill: Callable[[str], None], overwrite: bool = False) -> None:
+    """Run ``fill(tmp_dir)`` and rename the finished directory to ``final_dir``. A failure
+    leaves ``final_dir`` as it was (absent, or the old contents) and removes the partial one."""
+    final_dir = os.path.abspath(final_dir)
+    if os.path.exists(final_dir) and not overwrite:
+        raise CheckpointError(f"{final_dir} exists; choose another output or pass --overwrite")
+    parent = os.path.dirname(final_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(final_dir)}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        fill(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(final_dir):
+        old = tmp + ".old"
+        os.rename(final_dir, old)
+        os.rename(tmp, final_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final_dir)
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron model checkpoints
+
+
+def shard_file(root: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    name = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+    return os.path.join(root, "release", name, "model_optim_rng.pt")
+
+
+def write_model_meta(root: str, arch: ModelArchConfig, head: str, dtype: torch.dtype, tp: int, pp: int) -> None:
+    meta = {"arch": dataclasses.asdict(arch), "head": head, "dtype": str(dtype).replace("torch.", ""), "tp": tp, "pp": pp}
+    with open(os.path.join(root, META_FILE), "w") as f:
+        json.dump(meta, f, indent=1)
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("release")
+
+
+def save_shard(root: str, tp_rank: int, pp_rank: int, pp_size: int, state: StateDict) -> None:
+    path = shard_file(root, tp_rank, pp_rank, pp_size)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({"model": state, "checkpoint_version": 3.0}, path)
+
+
+def read_model_meta(root: str) -> Tuple[ModelArchConfig, dict]:
+    path = os.path.join(root, META_FILE)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{root}: not a megatron-rlhf model checkpoint (no {META_FILE})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e.msg})") from None
+    return ModelArchConfig(**meta["arch"]), meta
+
+
+def load_shard(root: str, tp_rank: int, pp_rank: int, pp_size: int) -> StateDict:
+    path = shard_file(root, tp_rank, pp_rank, pp_size)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing shard (TP rank {tp_rank}, PP rank {pp_rank})")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["model"]
+    except Exception as e:
+        raise CheckpointError(f"{path}: unreadable or truncated shard ({e})") from None
+
+
+def full_tensors(root: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    """The full (TP=1, PP=1) state dict of a model checkpoint, one tensor at a time: only one
+    stage's shards are mapped (mmap) at once, and one full tensor is built at a time."""
+    from megatron_rlhf.models.sharding import stage_layers
+
+    arch, meta = read_model_meta(root)
+    tp, pp, head = meta["tp"], meta["pp"], meta["head"]
+    for pp_rank in range(pp):
+        shards = [load_shard(root, t, pp_rank, pp) for t in range(tp)]
+        first_layer = stage_layers(arch.num_layers, pp, pp_rank).start
+        for key in shards[0]:
+            if key.startswith("decoder.layers."):
+                _, _, number, rest = key.split(".", 3)
+                full_key = f"decoder.layers.{int(number) + first_layer}.{rest}"
+            else:
+                full_key = key
+            yield full_key, merge_tensor(key, [s[key] for s in shards], arch.vocab_size, head)
+        del shards
+
+
+def load_model_shard(root: str, arch: ModelArchConfig, head: str, tp: int, tp_rank: int, pp: int, pp_rank: int) -> StateDict:
+    """This rank's state dict for layout (tp, pp) from a checkpoint written at any layout."""
+    saved_arch, meta = read_model_meta(root)
+    fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
+    differs = [f"{f}: checkpoint {getattr(saved_arch, f)} vs config {getattr(arch, f)}" for f in fields
+               if getattr(saved_arch, f) != getattr(arch, f)]
+    if saved_arch.kv_groups == arch.kv_groups:
+        differs = [d for d in differs if not d.startswith("num_query_groups")]
+    if differs or meta["head"] != head:
+        raise CheckpointError(
+            f"{root}: does not fit the configured model: "
+            + "; ".join(differs + ([f"head: checkpoint {meta['head']} vs role {head}"] if meta["head"] != head else []))
+        )
+    padded = arch.padded_vocab_size(tp)
+    if (meta["tp"], meta["pp"]) == (tp, pp) and saved_arch.padded_vocab_size(tp) == padded:
+        return dict(load_shard(root, tp_rank, pp_rank, pp))
+    # Another layout: rebuild the full tensors and cut this rank's piece (reads every shard).
+    out: StateDict = {}
+    for key, tensor in full_tensors(root):
+        out.update(shard_state_dict({key: tensor}, arch.num_layers, padded, tp, tp_rank, pp, pp_rank, head=head))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Hugging Face checkpoint files
+
+
+def _safetensors_header(path: str) -> Dict[str, dict]:
+    """The tensor table of a .safetensors file, checked against the file's size."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path}: truncated (no safetensors header)")
+        (length,) = struct.unpack("<Q", raw)
+        if 8 + length > size:
+            raise CheckpointError(f"{path}: truncated (header of {length} bytes, file of {size})")
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    if 8 + length + end > size:
+        last = max(header, key=lambda n: header[n]["data_offsets"][1])
+        raise CheckpointError(f"{path}: truncated: tensor {last} needs {8 + length + end} bytes, the file has {size}")
+    return header
+
+
+class HFCheckpointReader:
+    """Tensors of a Hugging Face model directory (safetensors or .bin, sharded or not), read one
+    at a time; shapes are known before any tensor data is read."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.files: Dict[str, str] = {}  # tensor name -> file
+        self.shapes: Dict[str, Tuple[int, ...]] = {}
+        self._open: Dict[str, object] = {}
+        names = os.listdir(directory) if os.path.isdir(directory) else []
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"{directory}: no such directory")
+        safetensors = sorted(n for n in names if n.endswith(".safetensors"))
+        bins = sorted(n for n in names if n.endswith(".bin") and n.startswith("pytorch_model"))
+        index = next((n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json") if n in names), None)
+        if index:
+            with open(os.path.join(directory, index)) as f:
+                listed = set(json.load(f)["weight_map"].values())
+            missing = sorted(n for n in listed if n not in names)
+            if missing:
+                raise CheckpointError(f"{os.path.join(directory, index)}: names files that are missing: {', '.join(missing)}")
+        if safetensors:
+            for name in safetensors:
+                path = os.path.join(directory, name)
+                for tensor, info in _safetensors_header(path).items():
+                    self.files[tensor], self.shapes[tensor] = path, tuple(info["shape"])
+        elif bins:
+            for name in bins:
+                path = os.path.join(directory, name)
+                state = self._load_bin(path)
+                for tensor, value in state.items():
+                    self.files[tensor], self.shapes[tensor] = path, tuple(value.shape)
+        else:
+            raise CheckpointError(f"{directory}: no *.safetensors or pytorch_model*.bin files")
+
+    def _load_bin(self, path: str):
+        if path not in self._open:
+            try:
+                self._open[path] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:
+                raise CheckpointError(f"{path}: unreadable or truncated ({e})") from None
+        return self._open[path]
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.files[name]
+        if path.endswith(".bin"):
+            return self._load_bin(path)[name]
+        from safetensors import safe_open
+
+        if path not in self._open:
+            self._open[path] = safe_open(path, framework="pt")
+        return self._open[path].get_tensor(name)
+
+    def check(self, expected: Dict[str, Tuple[int, ...]]) -> None:
+        """Every expected tensor present with its shape, else an error naming file and tensor."""
+        for name, shape in expected.items():
+            if name not in self.files:
+                raise CheckpointError(f"{self.directory}: tensor {name} is missing")
+            if self.shapes[name] != tuple(shape):
+                raise CheckpointError(
+                    f"{self.files[name]}: tensor {name} has shape {list(self.shapes[name])}, "
+                    f"config.json implies {list(shape)}"
+                )

@@ -1,0 +1,24 @@
+"""Load a Megatron model checkpoint into a model at layout (TP, PP) and return its full outputs on
+fixed tokens. Args: CHECKPOINT_DIR TP PP."""
+
+import torch
+from common import ARGS, save, setup
+from megatron.core import parallel_state as ps
+
+from megatron_rlhf.checkpoint import load_model_shard
+from megatron_rlhf.checkpoint.model_files import read_model_meta
+from megatron_rlhf.models.llama import build_model, load_local_state_dict
+from megatron_rlhf.models.pipeline import forward_backward, gather_vocab_parallel
+
+root, tp, pp = ARGS[0], int(ARGS[1]), int(ARGS[2])
+arch, meta = read_model_meta(root)
+parallel = setup(tp, pp)
+model = build_model(arch, parallel, meta["head"])
+load_local_state_dict(model, load_model_shard(root, arch, meta["head"], tp, ps.get_tensor_model_parallel_rank(), pp, ps.get_pipeline_model_parallel_rank()))
+tokens = torch.randint(0, arch.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+out = forward_backward(model, [{"tokens": tokens}])
+result = {"tokens": tokens, "output": None}
+if out:
+    output = out[0]["output"]
+    result["output"] = gather_vocab_parallel(output)[..., : arch.vocab_size] if meta["head"] == "lm" else output
+save(result)
