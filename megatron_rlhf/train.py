@@ -25,6 +25,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-dir", help="where metrics, the memory ledger and TensorBoard go (default: trainer.output_dir)")
     parser.add_argument("--overwrite", action="store_true", help="replace the metrics of an earlier run in the output directory")
     parser.add_argument("--iterations", type=int, help="override ppo.iterations")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in the output directory (as trainer.resume: auto)")
     return parser.parse_args(argv)
 
 
@@ -40,11 +42,18 @@ def prepare(args: argparse.Namespace, world_size: int):
             raise ConfigError(f"--iterations: must be >= 1, got {args.iterations}")
         config.ppo.iterations = args.iterations
     output_dir = args.output_dir or config.trainer.output_dir
+    if args.resume:
+        config.trainer.resume = "auto"
+    resume_from = None
+    if config.trainer.resume == "auto":
+        from megatron_rlhf.checkpoint.ppo_state import latest_checkpoint
+
+        resume_from = latest_checkpoint(output_dir)
     metrics_path = os.path.join(output_dir, "metrics.jsonl")
-    if os.path.exists(metrics_path) and not args.overwrite:
+    if os.path.exists(metrics_path) and not args.overwrite and resume_from is None:
         raise ConfigError(
-            f"{metrics_path} exists: {output_dir} already holds a run; choose another --output-dir "
-            "or pass --overwrite to replace it"
+            f"{metrics_path} exists: {output_dir} already holds a run (and no checkpoint to resume "
+            "from); choose another --output-dir or pass --overwrite to replace it"
         )
     tokenizer = build_tokenizer(config.data.tokenizer, config.path_of("data.tokenizer.path"))
     for role in ("policy", "reference", "ppo_policy"):
@@ -64,20 +73,25 @@ def prepare(args: argparse.Namespace, world_size: int):
     if config.reward.type == "function":
         base = os.path.dirname(config.source_of("reward.function"))
         reward_function = load_reward_function(config.reward.function, base)
-    return config, output_dir, tokenizer, dataset, reward_function
+    return config, output_dir, tokenizer, dataset, reward_function, resume_from
 
 
 class RunLog:
     """Rank 0's outputs: metrics.jsonl, TensorBoard, the progress bar and one line per iteration."""
 
-    def __init__(self, output_dir: str, config: RLHFConfig, enabled: bool):
+    def __init__(self, output_dir: str, config: RLHFConfig, enabled: bool, resumed_at: int = 0):
         self.enabled = enabled
         self.writer = self.bar = None
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
         self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
-        open(self.metrics_path, "w").close()
+        kept = []  # on resume: the iterations the checkpoint covers; later ones are redone
+        if resumed_at and os.path.exists(self.metrics_path):
+            with open(self.metrics_path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["iteration"] <= resumed_at]
+        with open(self.metrics_path, "w") as f:
+            f.writelines(kept)
         if config.trainer.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -86,7 +100,8 @@ class RunLog:
             from tqdm import tqdm
 
             # disable=None: no bar when stderr is not a terminal (logs, CI); the lines still print.
-            self.bar = tqdm(total=config.ppo.iterations, desc="PPO", unit="it", file=sys.stderr, dynamic_ncols=True, disable=None)
+            self.bar = tqdm(total=config.ppo.iterations, initial=resumed_at, desc="PPO", unit="it",
+                            file=sys.stderr, dynamic_ncols=True, disable=None)
 
     def log(self, metrics: dict, total: int) -> None:
         if not self.enabled:
@@ -134,7 +149,7 @@ def main(argv=None) -> Optional[list]:
         warnings.simplefilter("ignore", (UserWarning, FutureWarning, DeprecationWarning))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        config, output_dir, tokenizer, dataset, reward_function = prepare(args, world_size)
+        config, output_dir, tokenizer, dataset, reward_function, resume_from = prepare(args, world_size)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr)
@@ -142,6 +157,7 @@ def main(argv=None) -> Optional[list]:
 
     import torch.distributed as dist
 
+    from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint, save_ppo_checkpoint
     from megatron_rlhf.controller import PPOController
     from megatron_rlhf.memory import MemoryLedger
     from megatron_rlhf.runtime import destroy_distributed, init_distributed
@@ -149,20 +165,28 @@ def main(argv=None) -> Optional[list]:
     init_distributed(config.parallel, seed=config.seed)
     rank0 = dist.get_rank() == 0
     started = time.perf_counter()
-    log = RunLog(output_dir, config, enabled=rank0)
     ledger_path = os.path.join(output_dir, "memory.jsonl")
-    if rank0 and os.path.exists(ledger_path):
+    if rank0 and os.path.exists(ledger_path) and resume_from is None:
         os.remove(ledger_path)  # --overwrite: this run's ledger, not appended to the old one
     controller = PPOController(config, dataset, tokenizer, reward_function, MemoryLedger(ledger_path if rank0 else None))
+    if resume_from is not None:
+        load_ppo_checkpoint(controller, resume_from)
+        if rank0:
+            print(f"resumed from {resume_from} (iteration {controller.iteration})", flush=True)
+    log = RunLog(output_dir, config, enabled=rank0, resumed_at=controller.iteration)
     history = []
+    interval = config.trainer.save_interval
     try:
-        for _ in range(config.ppo.iterations):
+        while controller.iteration < config.ppo.iterations:
             metrics = controller.step()
             history.append(metrics)
             log.log(metrics, config.ppo.iterations)
+            last = controller.iteration == config.ppo.iterations
+            if (interval and controller.iteration % interval == 0) or (last and config.trainer.save_at_end):
+                save_ppo_checkpoint(controller, output_dir)
     finally:
         log.close()
-    if rank0:
+    if rank0 and history:
         print(_summary(history, time.perf_counter() - started), flush=True)
         prompt, response = controller.last_samples[0]
         print(f"sample: {prompt!r} -> {response!r}", flush=True)

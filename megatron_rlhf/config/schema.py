@@ -150,6 +150,9 @@ class TrainerConfig:
     output_dir: str = "outputs/ppo"  # --output-dir wins; relative to the working directory
     tensorboard: bool = True
     progress_bar: bool = True
+    save_interval: int = 0  # PPO checkpoint every N iterations (0: only at the end)
+    save_at_end: bool = True
+    resume: Literal["never", "auto"] = "never"  # auto: continue from the output dir's latest checkpoint
 
 
 @dataclasses.dataclass

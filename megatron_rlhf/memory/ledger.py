@@ -24,6 +24,10 @@ class MemoryLedger:
         self.moments = 0  # record sets written so far; each record carries its set's number
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            if os.path.exists(path):  # a resumed run appends: number its moments after the old ones
+                with open(path, "rb") as f:
+                    last = f.read().splitlines()[-1:] or [b"{}"]
+                self.moments = json.loads(last[0]).get("moment", -1) + 1
 
     def track(self, memory: RoleMemory) -> None:
         """Follow this role: its moves are recorded, and it appears in every record set."""

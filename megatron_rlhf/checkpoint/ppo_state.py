@@ -1,0 +1,172 @@
+"""PPO checkpoints: everything needed to continue a run as if it had never stopped.
+
+    OUTPUT/checkpoints/
+      latest                          the name of the newest complete checkpoint (written last)
+      iter_0000010/
+        trainer_state.pt              iteration, KL coefficient, running reward moments, data
+                                      position, RNG states, the layout it was written at
+        ppo_policy/, ppo_value/       model checkpoints (model_files.py layout: loadable at any
+                                      TP/PP, convertible to Hugging Face) plus optim/:
+          optim/mp_rank_TT_PPP.pt              the optimizer's common state (DP rank 0)
+          optim/mp_rank_TT_PPP_param_state.pt  distributed-optimizer shards gathered over DP
+                                               (megatron's DP-zero format: loads at any DP size)
+
+A checkpoint is written into a hidden temporary directory by every rank, renamed into place by
+rank 0 once all ranks are done, and only then named in ``latest``: a save that dies midway leaves
+the previous checkpoint complete and ``latest`` pointing to it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.checkpoint.model_files import (
+    CheckpointError,
+    load_model_shard,
+    save_shard,
+    write_model_meta,
+)
+from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES
+from megatron_rlhf.models.llama import load_local_state_dict, local_state_dict, unwrap
+
+LATEST = "latest"
+
+
+def checkpoints_dir(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
+
+
+def latest_checkpoint(output_dir: str) -> Optional[str]:
+    """The newest complete checkpoint of a run, or None when it has none."""
+    pointer = os.path.join(checkpoints_dir(output_dir), LATEST)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as f:
+        name = f.read().strip()
+    path = os.path.join(checkpoints_dir(output_dir), name)
+    if not os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        raise CheckpointError(f"{pointer} names {name}, which is not a complete checkpoint")
+    return path
+
+
+def _layout():
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_world_size(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "dp": ps.get_data_parallel_world_size(), "dp_rank": ps.get_data_parallel_rank(),
+    }
+
+
+def _optim_files(role_dir: str, tp_rank: int, pp_rank: int):
+    base = os.path.join(role_dir, "optim", f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
+    return base + ".pt", base + "_param_state.pt"
+
+
+def save_ppo_checkpoint(controller, output_dir: str) -> str:
+    """Save the controller's state after its current iteration (collective: every rank calls it)."""
+    layout = _layout()
+    name = f"iter_{controller.iteration:07d}"
+    root = checkpoints_dir(output_dir)
+    final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp")
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    for role_name in TRAINABLE_ROLES:
+        role = controller.roles[role_name]
+        role_dir = os.path.join(tmp, role_name)
+        common_file, param_file = _optim_files(role_dir, layout["tp_rank"], layout["pp_rank"])
+        with role.resident("training"):
+            if layout["dp_rank"] == 0:
+                weights = {k: v.detach().cpu().clone() for k, v in local_state_dict(role.model).items()}
+                save_shard(role_dir, layout["tp_rank"], layout["pp_rank"], layout["pp"], weights)
+                os.makedirs(os.path.dirname(common_file), exist_ok=True)
+                torch.save(role.optimizer.state_dict(), common_file)
+            if role.config.use_distributed_optimizer:
+                role.optimizer.save_parameter_state(param_file)  # collective over DP; DP rank 0 writes
+        if rank0:
+            param = next(unwrap(role.model).parameters())
+            write_model_meta(role_dir, role.config.model, ROLE_HEADS[role_name], param.dtype, layout["tp"], layout["pp"])
+    dist.barrier()
+    if rank0:
+        torch.save(
+            {
+                "iteration": controller.iteration,
+                "kl_coef": controller.kl_controller.value,
+                "score_moments": controller.score_moments.state_dict(),
+                "dataset": controller.dataset.state_dict(),
+                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+                "layout": {k: layout[k] for k in ("tp", "pp", "dp")},
+            },
+            os.path.join(tmp, "trainer_state.pt"),
+        )
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        pointer_tmp = os.path.join(root, f".{LATEST}.tmp")
+        with open(pointer_tmp, "w") as f:
+            f.write(name)
+        os.replace(pointer_tmp, os.path.join(root, LATEST))
+    dist.barrier()
+    return final
+
+
+def _load_parameter_state(optimizer, path: str) -> None:
+    """megatron's DP-zero loader copies every per-parameter optimizer-state entry from the file,
+    but torch.optim.Adam keeps a per-parameter ``step`` that the file does not hold (megatron
+    saves it in the param groups, and load_state_dict has already restored it). Set the steps
+    aside while the shards load. megatron also hands every parameter the same step tensor, which
+    torch.optim.Adam increments in place once per parameter: give each its own."""
+    states = [inner.optimizer.state for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
+    steps = [{p: s.pop("step") for p, s in state.items() if "step" in s} for state in states]
+    try:
+        optimizer.load_parameter_state(path)
+    finally:
+        for state, saved in zip(states, steps):
+            for p, step in saved.items():
+                state[p]["step"] = step.clone()
+
+
+def load_ppo_checkpoint(controller, path: str) -> None:
+    """Restore the controller from checkpoint ``path`` (collective). TP and PP must be those it
+    was written at (the optimizer state is per model-parallel rank); DP may differ."""
+    layout = _layout()
+    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    saved = state["layout"]
+    if (saved["tp"], saved["pp"]) != (layout["tp"], layout["pp"]):
+        raise CheckpointError(
+            f"{path}: written at TP={saved['tp']} PP={saved['pp']}; resume with the same TP and PP "
+            f"(now TP={layout['tp']} PP={layout['pp']}); DP may differ"
+        )
+    for role_name in TRAINABLE_ROLES:
+        role = controller.roles[role_name]
+        role_dir = os.path.join(path, role_name)
+        common_file, param_file = _optim_files(role_dir, layout["tp_rank"], layout["pp_rank"])
+        # no_grad: fp32 main params can be views of the (grad-requiring) parameters.
+        with role.resident("training"), torch.no_grad():
+            shard = load_model_shard(role_dir, role.config.model, ROLE_HEADS[role_name], layout["tp"],
+                                     layout["tp_rank"], layout["pp"], layout["pp_rank"])
+            load_local_state_dict(role.model, shard)
+            role.optimizer.reload_model_params()
+            role.optimizer.load_state_dict(torch.load(common_file, weights_only=False))
+            if role.config.use_distributed_optimizer:
+                if not os.path.isfile(param_file):
+                    raise CheckpointError(f"{param_file}: missing (the run used the distributed optimizer)")
+                _load_parameter_state(role.optimizer, param_file)
+    controller.iteration = state["iteration"]
+    controller.ledger.iteration = state["iteration"]
+    controller.kl_controller.value = state["kl_coef"]
+    controller.score_moments.load_state_dict(state["score_moments"])
+    controller.dataset.load_state_dict(state["dataset"])
+    random.setstate(state["rng"]["python"])
+    np.random.set_state(state["rng"]["numpy"])
+    torch.set_rng_state(state["rng"]["torch"])

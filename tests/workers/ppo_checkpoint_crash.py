@@ -1,0 +1,47 @@
+"""A PPO checkpoint save that dies midway (an exception inside the writer) leaves the previous
+checkpoint complete, `latest` pointing to it, and loadable. Run with 1 process (TP=1)."""
+
+import os
+
+import torch
+from common import OUT_DIR, save
+
+from megatron_rlhf.checkpoint import ppo_state
+from megatron_rlhf.controller import PPOController
+from megatron_rlhf.memory import MemoryLedger
+from megatron_rlhf.runtime import init_distributed
+from megatron_rlhf.train import parse_args, prepare
+
+os.environ["TP"] = "1"
+config, _, tokenizer, dataset, reward_fn, _ = prepare(parse_args(["--config", "examples/tiny/rlhf.yaml", "--output-dir", OUT_DIR]), 1)
+config.ppo.rollout_batch_size = 8
+init_distributed(config.parallel, seed=config.seed)
+controller = PPOController(config, dataset, tokenizer, reward_fn, MemoryLedger(None))
+controller.step()
+first = ppo_state.save_ppo_checkpoint(controller, OUT_DIR)
+controller.step()
+
+real_save = torch.save
+
+
+def failing_save(obj, path, *args, **kwargs):
+    if "ppo_value" in str(path) and "optim" in str(path):
+        raise OSError("disk full (simulated)")
+    return real_save(obj, path, *args, **kwargs)
+
+
+ppo_state.torch.save = failing_save
+error = None
+try:
+    ppo_state.save_ppo_checkpoint(controller, OUT_DIR)
+except OSError as e:
+    error = str(e)
+ppo_state.torch.save = real_save
+
+latest = ppo_state.latest_checkpoint(OUT_DIR)
+fresh = PPOController(config, dataset, tokenizer, reward_fn, MemoryLedger(None))
+ppo_state.load_ppo_checkpoint(fresh, latest)
+save({
+    "error": error, "first": first, "latest": latest, "resumed_iteration": fresh.iteration,
+    "listing": sorted(os.listdir(os.path.join(OUT_DIR, "checkpoints"))),
+})
