@@ -17,9 +17,11 @@ setup(
         "tokenizers>=0.15",
         "tqdm>=4.60",
         "tensorboard>=2.10",
+        "safetensors>=0.4",
     ],
     extras_require={
-        "test": ["pytest>=8", "transformers>=4.40", "safetensors>=0.4"],
+        "test": ["pytest>=8", "transformers>=4.40", "matplotlib>=3.5"],
+        "report": ["matplotlib>=3.5"],
         "gpu": ["transformer-engine[pytorch]"],
     },
     entry_points={"console_scripts": []},

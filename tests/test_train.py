@@ -78,6 +78,20 @@ def test_metrics_ledger_and_tensorboard_are_written(demo_runs):
     assert all(r["bytes"]["weights"] > 0 for r in ledger_off if r["role"] == "ppo_policy")
 
 
+def test_memory_report_draws_the_timeline_beside_the_plan(demo_runs, tmp_path):
+    import subprocess
+
+    base, _, _ = demo_runs
+    png = tmp_path / "timeline.png"
+    proc = subprocess.run(
+        [sys.executable, "tools/memory_report.py", str(base / "on"), "--config", "examples/tiny/rlhf.yaml", "--png", str(png)],
+        cwd=REPO, capture_output=True, text=True, env=dict(os.environ, TP="2"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "peak:" in proc.stdout and "largest role: ppo_policy" in proc.stdout
+
+
 def test_reward_model_under_pipeline_parallelism(tmp_path):
     """A scalar-head reward model instead of the rule, on 2 pipeline stages."""
     config = tmp_path / "rlhf.yaml"

@@ -1,0 +1,218 @@
+"""The memory planner: each role's device memory by kind and by phase, from the config alone.
+
+State bytes (weights, grads, main params, optimizer state) are exact: they count the same tensors
+megatron allocates, including the distributed optimizer's buffer padding, for the most loaded
+pipeline stage. Activations and the KV cache are estimates (formulas below).
+
+A PPO iteration has six phases; in each, the active role holds what the phase needs and every
+other role holds what its EMS switches keep resident. The peak phase bounds the device memory
+the run needs (plus the framework's own overhead, which is not modelled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Optional, Tuple
+
+from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES, ModelArchConfig, RLHFConfig, RoleConfig
+from megatron_rlhf.memory.manager import GRADS, MAIN_PARAMS, OPTIMIZER_STATE, OTHER, WEIGHTS, EMSSwitches
+
+KINDS = (WEIGHTS, GRADS, MAIN_PARAMS, OPTIMIZER_STATE, OTHER)
+TRANSIENT = ("activations", "kv_cache")
+BYTES = {"fp32": 4, "bf16": 2}
+# (phase, active role, what the active role needs besides its state)
+PHASES = (
+    ("generate", "policy", "kv_cache"),
+    ("reference", "reference", "activations"),
+    ("reward", "reward", "activations"),
+    ("value", "value", "activations"),
+    ("train_policy", "ppo_policy", "activations"),
+    ("train_value", "ppo_value", "activations"),
+)
+# Weight sync shares storage: the serving role's weights are the trained role's.
+WEIGHT_OWNER = {"policy": "ppo_policy", "value": "ppo_value"}
+
+
+def param_numels(arch: ModelArchConfig, head: str, tp: int, pp: int, pp_rank: int) -> List[int]:
+    """Element counts of this rank's parameters, in module order (megatron local layers)."""
+    h, hd = arch.hidden_size, arch.hidden_size // arch.num_attention_heads
+    vocab = arch.padded_vocab_size(tp) // tp
+    out: List[int] = []
+    if pp_rank == 0:
+        out.append(vocab * h)
+    per_layer = [
+        h,  # input norm
+        (arch.num_attention_heads + 2 * arch.kv_groups) * hd // tp * h,  # fused QKV
+        h * arch.num_attention_heads * hd // tp,  # attention output
+        h,  # pre-MLP norm
+        2 * arch.ffn_hidden_size // tp * h,  # [gate; up]
+        h * arch.ffn_hidden_size // tp,  # down
+    ]
+    out += per_layer * (arch.num_layers // pp)
+    if pp_rank == pp - 1:
+        out += [h, (vocab if head == "lm" else 1) * h]  # final norm, output layer or scalar head
+    return out
+
+
+def _ddp_buffer_numel(numels: List[int], dp: int, distributed_optimizer: bool) -> int:
+    """Elements of megatron DDP's contiguous buffer (one bucket): with the distributed optimizer
+    every parameter starts 64-aligned and the end is padded to lcm(DP, 128)."""
+    if not distributed_optimizer:
+        return sum(numels)
+    end = 0
+    for i, n in enumerate(reversed(numels)):  # megatron fills the buffer in reverse order
+        start = end if i == 0 else math.ceil(end / 64) * 64
+        end = start + n
+    divisor = math.lcm(dp, 128)
+    return math.ceil(end / divisor) * divisor
+
+
+def state_bytes(rc: RoleConfig, head: str, trainable: bool, tp: int, pp: int, dp: int, pp_rank: int,
+                dp_rank: int = 0) -> Dict[str, int]:
+    """Device bytes of each kind of one role's state on the rank (pp_rank, dp_rank)."""
+    arch = rc.model
+    numels = param_numels(arch, head, tp, pp, pp_rank)
+    width = BYTES[rc.precision]
+    out = dict.fromkeys(KINDS, 0)
+    # OTHER (module buffers) stays 0: the model registers none; megatron keeps the rotary
+    # frequencies (head_dim / 2 floats) as a plain attribute.
+    if not trainable:
+        out[WEIGHTS] = sum(numels) * width
+        return out
+    dist_opt = rc.use_distributed_optimizer
+    buffer = _ddp_buffer_numel(numels, dp, dist_opt)
+    out[WEIGHTS] = (buffer if dist_opt else sum(numels)) * width
+    out[GRADS] = buffer * 4  # grads reduced in fp32
+    # What this DP rank's optimizer owns: its 1/DP slice of the buffer (parameters only).
+    owned = _owned_elements(numels, buffer, dp, dp_rank) if dist_opt else [n for n in numels]
+    owned_total = sum(owned)
+    if rc.precision == "bf16":
+        out[MAIN_PARAMS] = owned_total * 4
+    # Adam: exp_avg and exp_avg_sq in fp32, and torch's per-parameter step (a 4-byte tensor).
+    out[OPTIMIZER_STATE] = owned_total * 8 + 4 * sum(1 for n in owned if n)
+    return out
+
+
+def _owned_elements(numels: List[int], buffer: int, dp: int, dp_rank: int = 0) -> List[int]:
+    """Per parameter, how many of its elements fall in DP rank ``dp_rank``'s shard of the buffer."""
+    shard = buffer // dp
+    lo, hi = dp_rank * shard, (dp_rank + 1) * shard
+    owned, end = [], 0
+    for i, n in enumerate(reversed(numels)):
+        start = end if i == 0 else math.ceil(end / 64) * 64
+        end = start + n
+        owned.append(max(0, min(end, hi) - max(start, lo)))
+    return owned
+
+
+def activation_bytes(arch: ModelArchConfig, head: str, micro_batch: int, seq: int, tp: int, pp: int,
+                     precision: str, recompute: bool, training: bool) -> int:
+    """Estimate of the activations one micro-batch keeps on a stage (Korthikanti et al. 2022,
+    without sequence parallelism, no dropout masks): per layer s*b*h*(10 + 24/TP) * bytes/2
+    plus the attention scores 5*a*s^2*b/TP * bytes/2 (unfused attention), and the fp32 logits.
+    With full recomputation only each layer's input is kept. A forward-only pass keeps about one
+    layer's worth at a time."""
+    width = BYTES[precision]
+    s, b, h, a = seq, micro_batch, arch.hidden_size, arch.num_attention_heads
+    per_layer = s * b * h * (10 + 24 / tp) * width / 2 + 5 * a * s * s * b / tp * width / 2
+    layers = arch.num_layers // pp
+    logits = s * b * (arch.padded_vocab_size(tp) // tp if head == "lm" else 1) * 4
+    if not training:
+        return int(per_layer + logits)
+    kept = s * b * h * width * layers if recompute else per_layer * layers
+    return int(kept + 2 * logits)  # logits and their fp32 softmax for the loss
+
+
+def kv_cache_bytes(arch: ModelArchConfig, batch: int, seq: int, tp: int, pp: int, precision: str) -> int:
+    """Keys and values of every layer on the stage for ``batch`` sequences of ``seq`` tokens."""
+    hd = arch.hidden_size // arch.num_attention_heads
+    return 2 * (arch.num_layers // pp) * batch * seq * (arch.kv_groups // tp) * hd * BYTES[precision]
+
+
+@dataclasses.dataclass
+class Plan:
+    roles: Dict[str, Dict[str, int]]  # role -> kind -> bytes (resident when active)
+    transient: Dict[str, Dict[str, int]]  # role -> activations / kv_cache
+    phases: Dict[str, int]  # phase -> total device bytes
+    resident: Dict[str, Dict[str, Dict[str, int]]]  # phase -> role -> kind -> bytes
+    peak_phase: str
+    layout: Dict[str, int]
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.phases[self.peak_phase]
+
+
+def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSwitches]] = None,
+         seq_length: Optional[int] = None) -> Plan:
+    """The memory of one PPO iteration on the most loaded rank (the stage with most state)."""
+    par = config.parallel
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    dp = world_size // (tp * pp)
+    seq = seq_length or (config.data.max_prompt_length + config.generation.max_new_tokens)
+    rollout_per_rank = config.ppo.rollout_batch_size // dp
+    switches = switches or {r: EMSSwitches.from_role_config(config.role(r)) for r in config.model_roles}
+    roles: Dict[str, Dict[str, int]] = {}
+    transient: Dict[str, Dict[str, int]] = {}
+    for name in config.model_roles:
+        rc = config.role(name)
+        trainable = name in TRAINABLE_ROLES
+        stages = [state_bytes(rc, ROLE_HEADS[name], trainable, tp, pp, dp, r) for r in range(pp)]
+        roles[name] = max(stages, key=lambda s: sum(s.values()))
+        transient[name] = {
+            "activations": activation_bytes(rc.model, ROLE_HEADS[name], rc.micro_batch_size, seq, tp, pp, rc.precision,
+                                            rc.recompute_activations, trainable),
+            "kv_cache": kv_cache_bytes(rc.model, rollout_per_rank, seq, tp, pp, rc.precision) if name == "policy" else 0,
+        }
+    for serving, owner in WEIGHT_OWNER.items():
+        if serving in roles and config.role(serving).precision == config.role(owner).precision:
+            roles[serving] = dict(roles[serving], **{WEIGHTS: 0})
+    needs = {"policy": (WEIGHTS,), "reference": (WEIGHTS,), "reward": (WEIGHTS,), "value": (WEIGHTS,),
+             "ppo_policy": (WEIGHTS, GRADS, MAIN_PARAMS, OPTIMIZER_STATE), "ppo_value": (WEIGHTS, GRADS, MAIN_PARAMS, OPTIMIZER_STATE)}
+    phases, resident = {}, {}
+    for phase, active, extra in PHASES:
+        if active not in roles:
+            continue
+        active_owner = WEIGHT_OWNER.get(active)
+        table = {}
+        for name, kinds in roles.items():
+            kept = set(KINDS) - set(switches[name].kinds())
+            if name == active:
+                kept |= set(needs[name])
+            if name == active_owner:
+                kept.add(WEIGHTS)  # the active role runs on these weights
+            table[name] = {k: v for k, v in kinds.items() if k in kept}
+        table.setdefault(active, {})[extra] = transient[active][extra]
+        resident[phase] = table
+        phases[phase] = sum(sum(t.values()) for t in table.values())
+    peak = max(phases, key=phases.get)
+    return Plan(roles, transient, phases, resident, peak, {"tp": tp, "pp": pp, "dp": dp, "seq": seq})
+
+
+def recommend(config: RLHFConfig, world_size: int, budget: int, seq_length: Optional[int] = None) -> Tuple[Optional[Dict[str, EMSSwitches]], Plan]:
+    """The least offloading that fits ``budget`` bytes: starting from every switch off, turn on
+    one at a time the switch that lowers the peak most (or, where phases tie at the peak, the sum
+    over phases most), until it fits. Returns (switches, plan); switches is None when even
+    everything offloaded does not fit."""
+    off = EMSSwitches(offload_weights=False, free_grad_buffers=False, offload_optimizer_state=False)
+    chosen = {r: off for r in config.model_roles}
+    current = plan(config, world_size, chosen, seq_length)
+    options = [(r, f) for r in config.model_roles for f in ("offload_weights", "free_grad_buffers", "offload_optimizer_state")
+               if r in TRAINABLE_ROLES or f == "offload_weights"]
+    def score(p: Plan) -> Tuple[int, int]:
+        return p.peak_bytes, sum(p.phases.values())
+
+    while current.peak_bytes > budget:
+        best = None
+        for role, field in options:
+            if getattr(chosen[role], field):
+                continue
+            trial = dict(chosen, **{role: dataclasses.replace(chosen[role], **{field: True})})
+            candidate = plan(config, world_size, trial, seq_length)
+            if best is None or score(candidate) < score(best[1]):
+                best = (trial, candidate)
+        if best is None or score(best[1]) >= score(current):
+            return None, current
+        chosen, current = best
+    return chosen, current

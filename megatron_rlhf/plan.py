@@ -1,0 +1,81 @@
+"""Plan a run's device memory before launching it: ``python -m megatron_rlhf.plan --config rlhf.yaml
+[--world-size N] [--gpu-memory 80GiB]``. Needs no GPU and builds no model."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from megatron_rlhf.config import load_config
+from megatron_rlhf.config.loader import ConfigError
+from megatron_rlhf.memory.planner import KINDS, TRANSIENT, Plan, plan, recommend
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 80GiB, 40GB or 1073741824")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def format_plan(p: Plan) -> str:
+    cols = KINDS[:-1] + TRANSIENT
+    lines = [f"layout: TP={p.layout['tp']} PP={p.layout['pp']} DP={p.layout['dp']}, sequence {p.layout['seq']} tokens; "
+             "per GPU, most loaded pipeline stage"]
+    lines.append(f"{'role':<11}" + "".join(f"{c:>17}" for c in cols))
+    for role, kinds in p.roles.items():
+        row = {**kinds, **p.transient[role]}
+        lines.append(f"{role:<11}" + "".join(f"{human(row.get(c, 0)):>17}" for c in cols))
+    lines.append("")
+    lines.append("phase          resident on the device")
+    for phase, total in p.phases.items():
+        mark = "  <- peak" if phase == p.peak_phase else ""
+        lines.append(f"{phase:<14} {human(total):>12}{mark}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="megatron_rlhf.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--world-size", type=int, default=None, help="GPUs in the job (default: TP*PP)")
+    parser.add_argument("--gpu-memory", type=parse_bytes, help="device memory per GPU, e.g. 80GiB: recommend the least offloading that fits")
+    parser.add_argument("--seq-length", type=int, help="default: data.max_prompt_length + generation.max_new_tokens")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config)
+        par = config.parallel
+        world = args.world_size or par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+        config = load_config(args.config, world_size=world)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    configured = plan(config, world, seq_length=args.seq_length)
+    print("with the configured EMS switches:")
+    print(format_plan(configured))
+    if args.gpu_memory:
+        switches, fitted = recommend(config, world, args.gpu_memory, args.seq_length)
+        print()
+        if switches is None:
+            print(f"does not fit in {human(args.gpu_memory)}: even with every role offloaded the peak is "
+                  f"{human(fitted.peak_bytes)} ({fitted.peak_phase}), {human(fitted.peak_bytes - args.gpu_memory)} over; "
+                  "raise TP/PP, enable recompute_activations or lower micro-batch and sequence sizes")
+            return 1
+        on = [f"{role}: {', '.join(s.kinds())}" for role, s in switches.items() if s.kinds()]
+        print(f"fits in {human(args.gpu_memory)} with peak {human(fitted.peak_bytes)} ({fitted.peak_phase}) "
+              f"when these leave the device while idle: {'; '.join(on) if on else 'nothing'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+import os
+
+import pytest
+
+from megatron_rlhf.config import load_config
+from megatron_rlhf.memory import planner
+
+
+def test_planned_state_bytes_equal_the_ledger_under_several_layouts(workers):
+    checked = 0
+    for rank_result in workers(4, "planner_state"):
+        for row in rank_result["result"]:
+            for kind, measured in row["measured"].items():
+                planned = row["planned"][kind]
+                assert abs(planned - measured) <= 0.01 * max(measured, 1), (row["layout"], row["role"], kind, planned, measured)
+                checked += measured > 0
+    assert checked > 50
+
+
+def test_peak_phase_and_recommendation_for_a_budget(monkeypatch):
+    for key in ("TP", "PP"):
+        monkeypatch.delenv(key, raising=False)
+    for role in ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value"):
+        monkeypatch.setenv(f"free_memory_{role}", "False")
+    config = load_config(os.path.join("examples", "tiny", "rlhf.yaml"), world_size=2)
+    everything = planner.plan(config, 2)
+    # Without EMS every phase holds every role's state, plus its active role's transient memory.
+    state = sum(sum(kinds.values()) for kinds in everything.roles.values())
+    assert all(total >= state for total in everything.phases.values())
+    switches, fitted = planner.recommend(config, 2, budget=int(everything.peak_bytes * 0.7))
+    assert switches is not None and fitted.peak_bytes <= everything.peak_bytes * 0.7
+    assert any(s.kinds() for s in switches.values())
+    impossible, best = planner.recommend(config, 2, budget=1000)
+    assert impossible is None and best.peak_bytes > 1000
+
+
+@pytest.mark.parametrize("tp, pp, dp", [(1, 1, 1), (2, 1, 4), (1, 2, 2)])
+def test_kv_cache_and_weight_formulas(tp, pp, dp):
+    from megatron_rlhf.config.schema import ModelArchConfig
+
+    arch = ModelArchConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                           ffn_hidden_size=128, vocab_size=100, max_position_embeddings=256)
+    assert planner.kv_cache_bytes(arch, 3, 10, tp, pp, "bf16") == 2 * (4 // pp) * 3 * 10 * (2 // tp) * 16 * 2
+    # Every rank's share: TP-split matrices once over the TP ranks, norms on each TP rank.
+    shares = sum(sum(planner.param_numels(arch, "lm", tp, pp, r)) for r in range(pp)) * tp
+    norms = (4 * 2 + 1) * 64
+    matrices = arch.padded_vocab_size(tp) * 64 * 2 + 4 * ((4 + 2 * 2) * 16 * 64 + 64 * 64 + 2 * 128 * 64 + 64 * 128)
+    assert shares == matrices + norms * tp
+
+
+def test_plan_command_prints_the_table_and_answers_a_budget():
+    import subprocess
+    import sys
+
+    def plan(*args):
+        env = {k: v for k, v in os.environ.items() if k not in ("TP", "PP") and not k.startswith("free_memory_")}
+        return subprocess.run([sys.executable, "-m", "megatron_rlhf.plan", "--config", "examples/tiny/rlhf.yaml", *args],
+                              capture_output=True, text=True, env=env)
+
+    fits = plan("--gpu-memory", "2MiB")
+    assert fits.returncode == 0 and "<- peak" in fits.stdout and "fits in 2.00 MiB" in fits.stdout
+    assert "ppo_policy" in fits.stdout and "kv_cache" in fits.stdout
+    too_small = plan("--gpu-memory", "100KiB")
+    assert too_small.returncode == 1 and "does not fit in 100.00 KiB" in too_small.stdout and "over" in too_small.stdout
+    bad = plan("--gpu-memory", "lots")
+    assert bad.returncode == 2 and "expected a size such as 80GiB" in bad.stderr
