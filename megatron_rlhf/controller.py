@@ -95,8 +95,7 @@ class PPOController:
         self.iteration += 1
         self.ledger.iteration = self.iteration
         start = time.perf_counter()
-        rollout, texts = self._rollout()
-        generated_at = time.perf_counter()
+        rollout, texts, generate_s = self._rollout()
         shaped = self._advantages(rollout)
         train_metrics = self._train(rollout)
         for sync in self.syncs:
@@ -113,7 +112,7 @@ class PPOController:
         if isinstance(self.kl_controller, ppo.AdaptiveKLController):
             self.kl_controller.update(metrics["kl/sequence_mean"], self.config.ppo.rollout_batch_size)
         end = time.perf_counter()
-        metrics["time/generate_s"] = generated_at - start
+        metrics["time/generate_s"] = generate_s
         metrics["time/iteration_s"] = end - start
         self.last_samples = texts
         return {"iteration": self.iteration, **metrics}
@@ -127,9 +126,11 @@ class PPOController:
         )
         policy, temperature = self.roles["policy"], cfg.generation.temperature
         with policy.resident("inference"):
+            started = time.perf_counter()
             gen = generate(
                 policy.model, batch["tokens"].to(self.device), batch["lengths"], self.sampling, self.vocab_size, generator
             )
+            generate_s = time.perf_counter() - started
             old_log_probs = inference.log_probs(policy, gen.tokens, self.vocab_size, temperature)
         with self.roles["reference"].resident("inference"):
             ref_log_probs = inference.log_probs(self.roles["reference"], gen.tokens, self.vocab_size, temperature)
@@ -149,7 +150,7 @@ class PPOController:
             gen.tokens, gen.prompt_lengths, gen.response_lengths, gen.action_mask(),
             old_log_probs, ref_log_probs, old_values, scores,
         )
-        return rollout, list(zip(batch["texts"], responses))
+        return rollout, list(zip(batch["texts"], responses)), generate_s
 
     def _advantages(self, r: Rollout) -> Dict[str, float]:
         """Fill r.advantages and r.returns; returns the KL metrics."""

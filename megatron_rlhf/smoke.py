@@ -89,10 +89,7 @@ def main(argv=None) -> None:
             )
     ledger.record("phase_end", "smoke")
     if rank0:
-        onloaded = {}
-        for r in ledger.records:
-            onloaded[r["role"]] = max(onloaded.get(r["role"], 0), r["resident_bytes"])
-        full = sum(onloaded.values())
+        full = sum(ledger.role_peak_bytes().values())
         print(
             f"memory (rank 0): peak resident role state {ledger.peak_resident_bytes() / 2**20:.2f} MiB at any "
             f"moment; the six roles together {full / 2**20:.2f} MiB; "

@@ -191,12 +191,9 @@ def main(argv=None) -> Optional[list]:
         prompt, response = controller.last_samples[0]
         print(f"sample: {prompt!r} -> {response!r}", flush=True)
         ledger = controller.ledger
-        largest = {}
-        for r in ledger.records:
-            largest[r["role"]] = max(largest.get(r["role"], 0), r["resident_bytes"])
         print(
             f"memory (rank 0): at most {ledger.peak_resident_bytes() / 2**20:.2f} MiB of role state resident "
-            f"at once; {sum(largest.values()) / 2**20:.2f} MiB if every role stayed resident; ledger in {ledger_path}",
+            f"at once; {sum(ledger.role_peak_bytes().values()) / 2**20:.2f} MiB if every role stayed resident; ledger in {ledger_path}",
             flush=True,
         )
     destroy_distributed()

@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     records = read_ledger(os.path.join(args.output_dir, "memory.jsonl"))
     first_iterations = {r["iteration"] for r in records}
     keep = sorted(first_iterations)[: args.iterations + 1]  # iteration 0: start-up
-    moments = timeline([r for r in records if r["iteration"] in keep])
+    drawn = [r for r in records if r["iteration"] in keep]
+    moments = timeline(drawn)
     series = sorted({key for _, table, _ in moments for key, v in table.items() if v})
     totals = [sum(table.values()) for _, table, _ in moments]
 
@@ -99,9 +100,8 @@ def main(argv=None) -> int:
 
     peak = max(range(len(totals)), key=totals.__getitem__)
     by_role = defaultdict(int)
-    for _, table, _ in moments:
-        for (role, _kind), v in table.items():
-            by_role[role] = max(by_role[role], sum(w for (r2, _k), w in table.items() if r2 == role))
+    for r in drawn:
+        by_role[r["role"]] = max(by_role[r["role"]], r["resident_bytes"])
     largest = max(by_role, key=by_role.get)
     print(f"peak: {human(totals[peak])} of role state at '{moments[peak][0]}'")
     print(f"largest role: {largest} ({human(by_role[largest])} when resident)")

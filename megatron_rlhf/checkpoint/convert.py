@@ -67,11 +67,10 @@ def hf_to_megatron(
     arch.make_vocab_size_divisible_by = make_vocab_size_divisible_by
     if head == "scalar" and config.get("num_labels", 1) != 1 and len(config.get("id2label", {0: 0})) != 1:
         raise CheckpointError(f"{hf_dir}/config.json: a reward model needs one label (a scalar score)")
-    for name, size, what in ((f"TP={tp}", arch.num_attention_heads, "num_attention_heads"),
-                             (f"TP={tp}", arch.kv_groups, "num_key_value_heads"),
-                             (f"TP={tp}", arch.ffn_hidden_size, "intermediate_size")):
+    for size, what in ((arch.num_attention_heads, "num_attention_heads"), (arch.kv_groups, "num_key_value_heads"),
+                       (arch.ffn_hidden_size, "intermediate_size")):
         if size % tp:
-            raise CheckpointError(f"{name} does not divide {what}={size}")
+            raise CheckpointError(f"TP={tp} does not divide {what}={size}")
     if arch.num_layers % pp:
         raise CheckpointError(f"PP={pp} does not divide num_hidden_layers={arch.num_layers}")
     reader = HFCheckpointReader(hf_dir)

@@ -177,9 +177,9 @@ class HFCheckpointReader:
         self.files: Dict[str, str] = {}  # tensor name -> file
         self.shapes: Dict[str, Tuple[int, ...]] = {}
         self._open: Dict[str, object] = {}
-        names = os.listdir(directory) if os.path.isdir(directory) else []
         if not os.path.isdir(directory):
             raise CheckpointError(f"{directory}: no such directory")
+        names = os.listdir(directory)
         safetensors = sorted(n for n in names if n.endswith(".safetensors"))
         bins = sorted(n for n in names if n.endswith(".bin") and n.startswith("pytorch_model"))
         index = next((n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json") if n in names), None)

@@ -34,6 +34,7 @@ from megatron_rlhf.checkpoint.model_files import (
     write_model_meta,
 )
 from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES
+from megatron_rlhf.memory.manager import inner_optimizers
 from megatron_rlhf.models.llama import load_local_state_dict, local_state_dict, unwrap
 
 LATEST = "latest"
@@ -126,7 +127,7 @@ def _load_parameter_state(optimizer, path: str) -> None:
     saves it in the param groups, and load_state_dict has already restored it). Set the steps
     aside while the shards load. megatron also hands every parameter the same step tensor, which
     torch.optim.Adam increments in place once per parameter: give each its own."""
-    states = [inner.optimizer.state for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
+    states = [inner.optimizer.state for inner in inner_optimizers(optimizer)]
     steps = [{p: s.pop("step") for p, s in state.items() if "step" in s} for state in states]
     try:
         optimizer.load_parameter_state(path)

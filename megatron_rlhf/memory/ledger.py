@@ -64,6 +64,13 @@ class MemoryLedger:
                     f.write(json.dumps(r) + "\n")
         return records
 
+    def role_peak_bytes(self) -> Dict[str, int]:
+        """Per role, the most of its state ever resident: what it would hold if it never left."""
+        peaks: Dict[str, int] = {}
+        for r in self.records:
+            peaks[r["role"]] = max(peaks.get(r["role"], 0), r["resident_bytes"])
+        return peaks
+
     def peak_resident_bytes(self) -> int:
         """The most role-state bytes resident at any recorded moment, summed over the roles."""
         totals: Dict[int, int] = {}

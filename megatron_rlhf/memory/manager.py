@@ -139,7 +139,8 @@ class _StorageMover:
         return sum(host.numel() for _, host in self._host.values())
 
 
-def _inner_optimizers(optimizer) -> List:
+def inner_optimizers(optimizer) -> List:
+    """The megatron optimizers inside a ChainedOptimizer (or the optimizer itself)."""
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
@@ -204,7 +205,7 @@ class RoleMemory:
         if self.optimizer is None:
             return []
         out: List[torch.Tensor] = []
-        for opt in _inner_optimizers(self.optimizer):
+        for opt in inner_optimizers(self.optimizer):
             if kind == MAIN_PARAMS:
                 if hasattr(opt, "shard_fp32_from_float16_groups"):
                     out.extend(_flatten(opt.shard_fp32_from_float16_groups))

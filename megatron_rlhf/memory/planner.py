@@ -16,9 +16,8 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES, ModelArchConfig, RLHFConfig, RoleConfig
-from megatron_rlhf.memory.manager import GRADS, MAIN_PARAMS, OPTIMIZER_STATE, OTHER, WEIGHTS, EMSSwitches
+from megatron_rlhf.memory.manager import GRADS, LEDGER_KINDS as KINDS, MAIN_PARAMS, OPTIMIZER_STATE, PHASE_NEEDS, WEIGHTS, EMSSwitches
 
-KINDS = (WEIGHTS, GRADS, MAIN_PARAMS, OPTIMIZER_STATE, OTHER)
 TRANSIENT = ("activations", "kv_cache")
 BYTES = {"fp32": 4, "bf16": 2}
 # (phase, active role, what the active role needs besides its state)
@@ -55,17 +54,24 @@ def param_numels(arch: ModelArchConfig, head: str, tp: int, pp: int, pp_rank: in
     return out
 
 
+def _buffer_ranges(numels: List[int]) -> List[Tuple[int, int]]:
+    """[start, end) of each parameter in megatron DDP's contiguous buffer under the distributed
+    optimizer (one bucket): filled in reverse module order, every parameter 64-aligned."""
+    ranges, end = [], 0
+    for n in reversed(numels):
+        start = math.ceil(end / 64) * 64
+        end = start + n
+        ranges.append((start, end))
+    return ranges
+
+
 def _ddp_buffer_numel(numels: List[int], dp: int, distributed_optimizer: bool) -> int:
-    """Elements of megatron DDP's contiguous buffer (one bucket): with the distributed optimizer
-    every parameter starts 64-aligned and the end is padded to lcm(DP, 128)."""
+    """Elements of megatron DDP's contiguous buffer: with the distributed optimizer the end of the
+    aligned parameters is padded to lcm(DP, 128)."""
     if not distributed_optimizer:
         return sum(numels)
-    end = 0
-    for i, n in enumerate(reversed(numels)):  # megatron fills the buffer in reverse order
-        start = end if i == 0 else math.ceil(end / 64) * 64
-        end = start + n
     divisor = math.lcm(dp, 128)
-    return math.ceil(end / divisor) * divisor
+    return math.ceil(_buffer_ranges(numels)[-1][1] / divisor) * divisor
 
 
 def state_bytes(rc: RoleConfig, head: str, trainable: bool, tp: int, pp: int, dp: int, pp_rank: int,
@@ -85,7 +91,7 @@ def state_bytes(rc: RoleConfig, head: str, trainable: bool, tp: int, pp: int, dp
     out[WEIGHTS] = (buffer if dist_opt else sum(numels)) * width
     out[GRADS] = buffer * 4  # grads reduced in fp32
     # What this DP rank's optimizer owns: its 1/DP slice of the buffer (parameters only).
-    owned = _owned_elements(numels, buffer, dp, dp_rank) if dist_opt else [n for n in numels]
+    owned = _owned_elements(numels, buffer, dp, dp_rank) if dist_opt else numels
     owned_total = sum(owned)
     if rc.precision == "bf16":
         out[MAIN_PARAMS] = owned_total * 4
@@ -98,12 +104,7 @@ def _owned_elements(numels: List[int], buffer: int, dp: int, dp_rank: int = 0) -
     """Per parameter, how many of its elements fall in DP rank ``dp_rank``'s shard of the buffer."""
     shard = buffer // dp
     lo, hi = dp_rank * shard, (dp_rank + 1) * shard
-    owned, end = [], 0
-    for i, n in enumerate(reversed(numels)):
-        start = end if i == 0 else math.ceil(end / 64) * 64
-        end = start + n
-        owned.append(max(0, min(end, hi) - max(start, lo)))
-    return owned
+    return [max(0, min(end, hi) - max(start, lo)) for start, end in _buffer_ranges(numels)]
 
 
 def activation_bytes(arch: ModelArchConfig, head: str, micro_batch: int, seq: int, tp: int, pp: int,
@@ -168,8 +169,6 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
     for serving, owner in WEIGHT_OWNER.items():
         if serving in roles and config.role(serving).precision == config.role(owner).precision:
             roles[serving] = dict(roles[serving], **{WEIGHTS: 0})
-    needs = {"policy": (WEIGHTS,), "reference": (WEIGHTS,), "reward": (WEIGHTS,), "value": (WEIGHTS,),
-             "ppo_policy": (WEIGHTS, GRADS, MAIN_PARAMS, OPTIMIZER_STATE), "ppo_value": (WEIGHTS, GRADS, MAIN_PARAMS, OPTIMIZER_STATE)}
     phases, resident = {}, {}
     for phase, active, extra in PHASES:
         if active not in roles:
@@ -179,7 +178,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
         for name, kinds in roles.items():
             kept = set(KINDS) - set(switches[name].kinds())
             if name == active:
-                kept |= set(needs[name])
+                kept |= set(PHASE_NEEDS["training" if name in TRAINABLE_ROLES else "inference"])
             if name == active_owner:
                 kept.add(WEIGHTS)  # the active role runs on these weights
             table[name] = {k: v for k, v in kinds.items() if k in kept}

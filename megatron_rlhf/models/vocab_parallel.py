@@ -30,6 +30,11 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
     return -vocab_parallel_cross_entropy(_real_vocab_logits(logits, vocab_size, temperature), labels)
 
 
+def next_token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+    """log p(token t+1 | tokens <= t): logits [b, s, V/TP], tokens [b, s] -> [b, s-1]."""
+    return token_log_probs(logits, torch.roll(tokens, -1, dims=1), vocab_size, temperature)[:, :-1]
+
+
 @torch.no_grad()
 def token_entropy(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) over the real vocabulary at each position: [b, s]."""

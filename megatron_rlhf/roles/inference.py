@@ -13,8 +13,13 @@ from typing import List, Sequence
 import torch
 
 from megatron_rlhf.models.pipeline import MicroBatch, broadcast_from_last_stage
-from megatron_rlhf.models.vocab_parallel import token_log_probs
+from megatron_rlhf.models.vocab_parallel import next_token_log_probs
 from megatron_rlhf.roles.base import Reduce, Role
+
+
+def state_values(output: torch.Tensor) -> torch.Tensor:
+    """A scalar head's output [b, s, 1] as the value of each state before an action: [b, s-1]."""
+    return output.float().squeeze(-1)[:, :-1]
 
 
 def split_rows(size: int, **columns: torch.Tensor) -> List[MicroBatch]:
@@ -36,8 +41,7 @@ def log_probs(role: Role, tokens: torch.Tensor, vocab_size: int, temperature: fl
     """log p(token t+1 | tokens <= t) for an LM-head role: [B, S] -> [B, S-1]."""
 
     def reduce(output, mb):
-        labels = torch.roll(mb["tokens"], -1, dims=1)
-        return token_log_probs(output, labels, vocab_size, temperature)[:, :-1]
+        return next_token_log_probs(output, mb["tokens"], vocab_size, temperature)
 
     return _rows(role, split_rows(role.config.micro_batch_size, tokens=tokens), reduce, (tokens.shape[1] - 1,))
 
@@ -46,7 +50,7 @@ def values(role: Role, tokens: torch.Tensor) -> torch.Tensor:
     """Value of each state t (before token t+1) from a scalar-head role: [B, S] -> [B, S-1]."""
 
     def reduce(output, mb):
-        return output.float().squeeze(-1)[:, :-1]
+        return state_values(output)
 
     return _rows(role, split_rows(role.config.micro_batch_size, tokens=tokens), reduce, (tokens.shape[1] - 1,))
 

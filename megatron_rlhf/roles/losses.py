@@ -9,17 +9,15 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 from megatron_rlhf import ppo
 from megatron_rlhf.models.pipeline import LossFn
-from megatron_rlhf.models.vocab_parallel import token_entropy, token_log_probs
+from megatron_rlhf.models.vocab_parallel import next_token_log_probs, token_entropy
+from megatron_rlhf.roles.inference import state_values
 
 
 def policy_loss_fn(vocab_size: int, temperature: float, clip_ratio: float) -> LossFn:
     def loss_fn(output, mb):
-        labels = torch.roll(mb["tokens"], -1, dims=1)
-        logp = token_log_probs(output, labels, vocab_size, temperature)[:, :-1]
+        logp = next_token_log_probs(output, mb["tokens"], vocab_size, temperature)
         mask = mb["action_mask"]
         loss, stats = ppo.policy_loss(logp, mb["old_log_probs"], mb["advantages"], mask, clip_ratio)
         entropy = ppo.masked_mean(token_entropy(output.detach(), vocab_size, temperature)[:, :-1], mask)
@@ -30,7 +28,7 @@ def policy_loss_fn(vocab_size: int, temperature: float, clip_ratio: float) -> Lo
 
 def value_loss_fn(clip_range: Optional[float]) -> LossFn:
     def loss_fn(output, mb):
-        predicted = output.float().squeeze(-1)[:, :-1]
+        predicted = state_values(output)
         loss, stats = ppo.value_loss(predicted, mb["old_values"], mb["returns"], mb["action_mask"], clip_range)
         return loss, {"loss": loss.detach(), **stats}
 
