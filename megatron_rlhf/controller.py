@@ -128,7 +128,8 @@ class PPOController:
         with policy.resident("inference"):
             started = time.perf_counter()
             gen = generate(
-                policy.model, batch["tokens"].to(self.device), batch["lengths"], self.sampling, self.vocab_size, generator
+                policy.model, batch["tokens"].to(self.device), batch["lengths"], self.sampling, self.vocab_size, generator,
+                batch_size=cfg.generation.batch_size,
             )
             generate_s = time.perf_counter() - started
             old_log_probs = inference.log_probs(policy, gen.tokens, self.vocab_size, temperature)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from typing import Optional, Tuple
 
 from megatron_rlhf.config import load_config
 from megatron_rlhf.config.loader import ConfigError
@@ -45,6 +46,26 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
+def memory_report(config, world_size: int, gpu_memory: Optional[int] = None,
+                  seq_length: Optional[int] = None) -> Tuple[str, bool]:
+    """The per-role table and the phases with the configured EMS switches, and with ``gpu_memory``
+    the least offloading that fits. Returns (text, whether it fits: True without a budget)."""
+    lines = ["with the configured EMS switches:", format_plan(plan(config, world_size, seq_length=seq_length))]
+    if not gpu_memory:
+        return "\n".join(lines), True
+    switches, fitted = recommend(config, world_size, gpu_memory, seq_length)
+    lines.append("")
+    if switches is None:
+        lines.append(f"does not fit in {human(gpu_memory)}: even with every role offloaded the peak is "
+                     f"{human(fitted.peak_bytes)} ({fitted.peak_phase}), {human(fitted.peak_bytes - gpu_memory)} over; "
+                     "raise TP/PP, enable recompute_activations or lower micro-batch and sequence sizes")
+        return "\n".join(lines), False
+    on = [f"{role}: {', '.join(s.kinds())}" for role, s in switches.items() if s.kinds()]
+    lines.append(f"fits in {human(gpu_memory)} with peak {human(fitted.peak_bytes)} ({fitted.peak_phase}) "
+                 f"when these leave the device while idle: {'; '.join(on) if on else 'nothing'}")
+    return "\n".join(lines), True
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="megatron_rlhf.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
@@ -53,28 +74,16 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-length", type=int, help="default: data.max_prompt_length + generation.max_new_tokens")
     args = parser.parse_args(argv)
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, check_inputs=False)  # planning needs none of its files
         par = config.parallel
         world = args.world_size or par.tensor_model_parallel_size * par.pipeline_model_parallel_size
-        config = load_config(args.config, world_size=world)
+        config = load_config(args.config, world_size=world, check_inputs=False)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    configured = plan(config, world, seq_length=args.seq_length)
-    print("with the configured EMS switches:")
-    print(format_plan(configured))
-    if args.gpu_memory:
-        switches, fitted = recommend(config, world, args.gpu_memory, args.seq_length)
-        print()
-        if switches is None:
-            print(f"does not fit in {human(args.gpu_memory)}: even with every role offloaded the peak is "
-                  f"{human(fitted.peak_bytes)} ({fitted.peak_phase}), {human(fitted.peak_bytes - args.gpu_memory)} over; "
-                  "raise TP/PP, enable recompute_activations or lower micro-batch and sequence sizes")
-            return 1
-        on = [f"{role}: {', '.join(s.kinds())}" for role, s in switches.items() if s.kinds()]
-        print(f"fits in {human(args.gpu_memory)} with peak {human(fitted.peak_bytes)} ({fitted.peak_phase}) "
-              f"when these leave the device while idle: {'; '.join(on) if on else 'nothing'}")
-    return 0
+    text, fits = memory_report(config, world, args.gpu_memory, args.seq_length)
+    print(text)
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":

@@ -14,9 +14,10 @@ import time
 import warnings
 from typing import Optional
 
-from megatron_rlhf.config import load_config
+from megatron_rlhf.config import input_problems, load_config
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.config.schema import RLHFConfig
+from megatron_rlhf.plan import parse_bytes
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -27,7 +28,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, help="override ppo.iterations")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in the output directory (as trainer.resume: auto)")
-    return parser.parse_args(argv)
+    dry = parser.add_argument_group("dry run (no torchrun, no GPU: print the resolved config, the layout and memory per role)")
+    dry.add_argument("--dry-run", action="store_true", help="print what a launch would do and exit")
+    dry.add_argument("--world-size", type=_positive_int, help="processes of the planned launch (default: $WORLD_SIZE, else TP*PP)")
+    dry.add_argument("--nproc-per-node", type=_positive_int, help="processes per node (default: $LOCAL_WORLD_SIZE, else the world size)")
+    dry.add_argument("--gpu-memory", type=parse_bytes, help="device memory per GPU, e.g. 80GiB: check that the plan fits")
+    args = parser.parse_args(argv)
+    if not args.dry_run and (args.world_size or args.nproc_per_node or args.gpu_memory):
+        parser.error("--world-size, --nproc-per-node and --gpu-memory go with --dry-run (a launch takes them from torchrun)")
+    return args
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
+    return int(text)
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    from megatron_rlhf.dry_run import dry_run
+
+    try:
+        world_size = args.world_size or (int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
+        if world_size is None:
+            par = load_config(args.config, check_inputs=False).parallel
+            world_size = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+        nproc = args.nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        return dry_run(args.config, world_size, nproc, args.gpu_memory)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def prepare(args: argparse.Namespace, world_size: int):
@@ -36,7 +66,10 @@ def prepare(args: argparse.Namespace, world_size: int):
     from megatron_rlhf.data import PromptDataset, build_tokenizer, read_prompts
     from megatron_rlhf.roles.reward_function import load_reward_function
 
-    config = load_config(args.config, world_size=world_size)
+    config = load_config(args.config, world_size=world_size, check_inputs=False)
+    problems = input_problems(config, needs_prompts=True)
+    if problems:
+        raise ConfigError("missing input:\n  " + "\n  ".join(problems))
     if args.iterations is not None:
         if args.iterations < 1:
             raise ConfigError(f"--iterations: must be >= 1, got {args.iterations}")
@@ -64,8 +97,6 @@ def prepare(args: argparse.Namespace, world_size: int):
                 f"than the tokenizer's vocabulary ({tokenizer.vocab_size}); use at least {tokenizer.vocab_size}"
             )
     prompt_file = config.path_of("data.prompt_file")
-    if prompt_file is None:
-        raise ConfigError(f"{config.source_of('data')}: data.prompt_file: not set; name a JSONL file of {{\"prompt\": ...}} lines")
     dataset = PromptDataset(read_prompts(prompt_file), tokenizer, config.data.max_prompt_length, config.seed, config.data.shuffle)
     if len(dataset) < config.ppo.rollout_batch_size:
         warnings.warn(f"{prompt_file}: {len(dataset)} prompts, fewer than one rollout batch; prompts repeat within a batch")
@@ -147,6 +178,8 @@ def main(argv=None) -> Optional[list]:
     if not os.environ.get("MEGATRON_RLHF_WARNINGS"):
         # megatron-core and torch warn about fallbacks in their own internals; =1 shows them.
         warnings.simplefilter("ignore", (UserWarning, FutureWarning, DeprecationWarning))
+    if args.dry_run:
+        sys.exit(_dry_run(args))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         config, output_dir, tokenizer, dataset, reward_function, resume_from = prepare(args, world_size)

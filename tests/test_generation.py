@@ -51,6 +51,9 @@ def test_rows_end_at_eos_and_are_padded_after(generated):
         assert (tokens[row, n + produced[row] :] == 0).all()
     for rank_result in generated:
         assert torch.equal(rank_result["tp2_pp2_eos"][0], tokens)
+        # Decoded 3 rows at a time (generation.batch_size): the same rows, padded to one width.
+        assert torch.equal(rank_result["tp2_pp2_eos_by_3"][0], tokens)
+        assert torch.equal(rank_result["tp2_pp2_eos_by_3"][1], produced)
 
 
 def test_sampling_agrees_on_every_rank_and_stays_in_the_vocabulary(generated):

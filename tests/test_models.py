@@ -48,3 +48,15 @@ def test_dp2_training_step_equals_dp1_on_the_same_global_batch(workers, optimize
             torch.testing.assert_close(got, expected, rtol=0, atol=1e-6, msg=f"{optimizer}: {name}")
     # The steps really moved the weights (not a comparison of untouched initial values).
     assert dp1["moved"] > 1e-4
+
+
+def test_activation_recompute_trains_as_without(workers):
+    """Full recomputation (megatron's CheckpointFunction, RNG states saved and restored) on CPU."""
+    import torch
+
+    plain = workers(1, "dp_step", "dist", "fp32")[0]
+    recomputed = workers(1, "dp_step", "dist", "fp32", "recompute")[0]
+    assert plain["recompute"] is None and recomputed["recompute"] == "full"
+    for name, expected in plain["params"].items():
+        torch.testing.assert_close(recomputed["params"][name], expected, rtol=0, atol=1e-6, msg=name)
+    assert recomputed["moved"] > 1e-4

@@ -10,7 +10,7 @@ from megatron_rlhf.config.schema import (
     RLHFConfig,
     RoleConfig,
 )
-from megatron_rlhf.config.validation import layout_problems, validate
+from megatron_rlhf.config.validation import input_problems, layout_problems, validate
 
 __all__ = [
     "ConfigError",
@@ -21,6 +21,7 @@ __all__ = [
     "ROLE_NAMES",
     "RoleConfig",
     "TRAINABLE_ROLES",
+    "input_problems",
     "layout_problems",
     "load_config",
     "load_tree",

@@ -277,8 +277,9 @@ def _apply_preset(model: ModelArchConfig, file: str, path: KeyPath) -> None:
         )
 
 
-def load_config(file: str, world_size: Optional[int] = None) -> RLHFConfig:
-    """Load and validate the top config file (see validation.py for the layout checks)."""
+def load_config(file: str, world_size: Optional[int] = None, check_inputs: bool = True) -> RLHFConfig:
+    """Load and validate the top config file (see validation.py for the checks); ``check_inputs``
+    False skips the checks that the files it names exist (a dry run on another machine)."""
     from megatron_rlhf.config.validation import validate
 
     tree, sources = load_tree(file)
@@ -286,6 +287,6 @@ def load_config(file: str, world_size: Optional[int] = None) -> RLHFConfig:
     config = build(RLHFConfig, tree, sources, (), os.path.abspath(file))
     config.origin = {dotted(p): f for p, f in sources.items()}
     config.origin[""] = os.path.abspath(file)
-    validate(config, world_size)
+    validate(config, world_size, check_inputs)
     return config
 

@@ -124,6 +124,7 @@ class GenerationConfig:
     temperature: float = 1.0  # also applied to every log-prob PPO computes, so ratios match sampling
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
+    batch_size: Optional[int] = None  # rows decoded at once per DP rank (KV cache size); None: the whole rollout
 
 
 @dataclasses.dataclass

@@ -80,12 +80,6 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
                 f"{config.source_of(pp_key)}: {pp_key}: {pp} does not divide {role}'s "
                 f"num_layers={m.num_layers} ({file}); valid PP: {_divisors(m.num_layers)}"
             )
-        load = config.path_of(role + ".load")
-        if load is not None and not os.path.isfile(os.path.join(load, "megatron_rlhf_model.json")):
-            problems.append(
-                f"{config.source_of(role + '.load')}: {role}.load: {load} is not a model checkpoint "
-                "(no megatron_rlhf_model.json); write one with tools/convert_hf_to_megatron.py"
-            )
         if rc.micro_batch_size < 1:
             problems.append(
                 f"{config.source_of(role + '.micro_batch_size')}: {role}.micro_batch_size: must be "
@@ -146,14 +140,14 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
     ):
         if value < low:
             bad(key, f"must be >= {low}, got {value}")
+    if gen.batch_size is not None and gen.batch_size < 1:
+        bad("generation.batch_size", f"must be >= 1 (or null: the whole per-rank rollout at once), got {gen.batch_size}")
     if gen.temperature <= 0:
         bad("generation.temperature", f"must be > 0 (use greedy: true for argmax), got {gen.temperature}")
     if not 0 < gen.top_p <= 1:
         bad("generation.top_p", f"must be in (0, 1], got {gen.top_p}")
     if not 0 <= ppo.lam <= 1 or not 0 <= ppo.gamma <= 1:
         bad("ppo.lam" if not 0 <= ppo.lam <= 1 else "ppo.gamma", "must be in [0, 1]")
-    if data.tokenizer.type == "hf" and not data.tokenizer.path:
-        bad("data.tokenizer.path", "tokenizer type 'hf' needs the path of a tokenizer.json file")
     if data.tokenizer.type == "char" and data.tokenizer.path:
         bad("data.tokenizer.path", "set, but the tokenizer type is 'char'; set type: hf or remove it")
     longest = data.max_prompt_length + gen.max_new_tokens
@@ -196,8 +190,37 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
     return problems
 
 
-def validate(config: RLHFConfig, world_size: Optional[int] = None) -> None:
-    """Raise ConfigError listing every layout problem (all of them, not just the first)."""
-    problems = layout_problems(config, world_size)
+def input_problems(config: RLHFConfig, needs_prompts: bool = False) -> List[str]:
+    """Files the config names that are not on this machine: role checkpoints (``load``), the HF
+    tokenizer, the prompt file (and, with ``needs_prompts``, a prompt file not set at all)."""
+    problems: List[str] = []
+
+    def missing(key: str, message: str) -> None:
+        problems.append(f"{config.source_of(key)}: {key}: {message}")
+
+    for role in config.model_roles:
+        load = config.path_of(role + ".load")
+        if load is not None and not os.path.isfile(os.path.join(load, "megatron_rlhf_model.json")):
+            missing(role + ".load", f"{load} is not a model checkpoint (no megatron_rlhf_model.json); "
+                    "write one with tools/convert_hf_to_megatron.py")
+    tokenizer = config.data.tokenizer
+    if tokenizer.type == "hf":
+        path = config.path_of("data.tokenizer.path")
+        if not path:
+            missing("data.tokenizer.path", "tokenizer type 'hf' needs the path of a tokenizer.json file")
+        elif not os.path.isfile(path):
+            missing("data.tokenizer.path", f"{path}: no such file (expected a Hugging Face tokenizer.json)")
+    prompt_file = config.path_of("data.prompt_file")
+    if prompt_file is None and needs_prompts:
+        missing("data.prompt_file", 'not set; name a JSONL file of {"prompt": ...} lines')
+    elif prompt_file is not None and not os.path.isfile(prompt_file):
+        missing("data.prompt_file", f"{prompt_file}: no such file (expected JSONL, one {{\"prompt\": ...}} per line)")
+    return problems
+
+
+def validate(config: RLHFConfig, world_size: Optional[int] = None, check_inputs: bool = True) -> None:
+    """Raise ConfigError listing every problem of the layout (and, with ``check_inputs``, of the
+    files the config names): all of them, not just the first."""
+    problems = layout_problems(config, world_size) + (input_problems(config) if check_inputs else [])
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))

@@ -85,13 +85,27 @@ def generate(
     vocab_size: int,
     generator: Optional[torch.Generator] = None,
     padding_side: Literal["left", "right"] = "right",
+    batch_size: Optional[int] = None,
 ) -> Generated:
     """Responses to a batch of prompts [B, P] (``prompt_lengths`` [B] real tokens each).
 
     Every rank of the model-parallel group calls this with the same prompts and gets the same
     result. ``vocab_size``: the tokenizer's vocabulary; the padded rows of the output layer are
     never sampled. ``generator`` drives sampling; seed it alike on every rank of the group.
+    ``batch_size``: decode at most this many rows at once (the KV cache scales with it).
     """
+    if batch_size is not None and batch_size < prompts.shape[0]:
+        parts = [
+            generate(model, prompts[i : i + batch_size], prompt_lengths[i : i + batch_size], params, vocab_size,
+                     generator, padding_side)
+            for i in range(0, prompts.shape[0], batch_size)
+        ]
+        width = max(p.tokens.shape[1] for p in parts)
+        return Generated(
+            torch.cat([torch.nn.functional.pad(p.tokens, (0, width - p.tokens.shape[1]), value=params.pad_id) for p in parts]),
+            torch.cat([p.prompt_lengths for p in parts]),
+            torch.cat([p.response_lengths for p in parts]),
+        )
     from megatron.core.inference.contexts import StaticInferenceContext
 
     if prompts.dim() != 2 or prompt_lengths.shape != prompts.shape[:1]:

@@ -153,6 +153,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
     dp = world_size // (tp * pp)
     seq = seq_length or (config.data.max_prompt_length + config.generation.max_new_tokens)
     rollout_per_rank = config.ppo.rollout_batch_size // dp
+    decoded_at_once = min(rollout_per_rank, config.generation.batch_size or rollout_per_rank)
     switches = switches or {r: EMSSwitches.from_role_config(config.role(r)) for r in config.model_roles}
     roles: Dict[str, Dict[str, int]] = {}
     transient: Dict[str, Dict[str, int]] = {}
@@ -164,7 +165,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
         transient[name] = {
             "activations": activation_bytes(rc.model, ROLE_HEADS[name], rc.micro_batch_size, seq, tp, pp, rc.precision,
                                             rc.recompute_activations, trainable),
-            "kv_cache": kv_cache_bytes(rc.model, rollout_per_rank, seq, tp, pp, rc.precision) if name == "policy" else 0,
+            "kv_cache": kv_cache_bytes(rc.model, decoded_at_once, seq, tp, pp, rc.precision) if name == "policy" else 0,
         }
     for serving, owner in WEIGHT_OWNER.items():
         if serving in roles and config.role(serving).precision == config.role(owner).precision:

@@ -4,7 +4,7 @@
 All roles share one parallel layout, so the two networks' shards match name by name. Where the
 dtypes match too, the inference role's parameters become views of the trained role's storage once,
 at start-up: no copy ever, and one copy of the weights in memory. Otherwise (e.g. fp32 training
-serving a bf16 policy) the weights are copied after every training phase.
+serving a bf16 policy) the weights are copied at start-up and after every training phase.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ class WeightSync:
                 for s, d in self.pairs:
                     d.data = s.data
                 serving.memory.share_weights_with(trained.memory)
+        else:
+            self()  # serve the trained role's starting weights: only it needs a `load` checkpoint
 
     def __call__(self) -> None:
         """Bring the serving role up to date (nothing to do when it shares the storage)."""

@@ -171,6 +171,26 @@ def _rng_tracker_uses_cpu_generator() -> None:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
+def _recompute_keeps_no_cuda_rng_state() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    # Activation recompute saves and restores the CPU state, the CUDA state and the tracker's
+    # states around each recomputed block. There is no CUDA generator here: an empty state and a
+    # no-op restore (the CPU generator and the tracker, which holds CPU states, are still restored).
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+    # Backward reaches the engine through Tensor.backward, which the device mode handles, and a
+    # mode is off while its handler runs: the forward that recompute re-runs inside backward must
+    # get the mode back to keep device='cuda' on the CPU.
+    recompute_backward = mrandom.CheckpointFunction.backward
+
+    def backward_with_cpu_devices(ctx, *grads):
+        with _CUDA_TO_CPU_MODE:
+            return recompute_backward(ctx, *grads)
+
+    mrandom.CheckpointFunction.backward = staticmethod(backward_with_cpu_devices)
+
+
 ADAPTATIONS: List[Adaptation] = [
     Adaptation(
         name="current_device_is_cpu",
@@ -221,6 +241,18 @@ ADAPTATIONS: List[Adaptation] = [
             Site("tensor_parallel/random.py", (300, 303), "if _CUDA_RNG_STATE_TRACKER_INITIALIZED:"),
         ),
         apply=_rng_tracker_uses_cpu_generator,
+    ),
+    Adaptation(
+        name="recompute_keeps_no_cuda_rng_state",
+        why="activation recompute (CheckpointFunction) saves and restores torch.cuda RNG states, "
+        "and re-runs forward code inside backward, out of reach of the device mode",
+        sites=(
+            Site("tensor_parallel/random.py", (444, 450), "cuda_rng_state = _get_cuda_rng_state("),
+            Site("tensor_parallel/random.py", (454, 459), "_set_cuda_rng_state("),
+            Site("tensor_parallel/random.py", (512, 516), "ctx.rng_states = _get_all_rng_states()"),
+            Site("tensor_parallel/random.py", (530, 560), "outputs = ctx.run_function(*detached_inputs)"),
+        ),
+        apply=_recompute_keeps_no_cuda_rng_state,
     ),
 ]
 

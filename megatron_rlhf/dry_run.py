@@ -1,0 +1,118 @@
+"""The dry run of ``megatron_rlhf.train --dry-run``: what a launch would do, without a process group,
+a GPU or a model. It prints the resolved config, the parallel layout (process groups, and per role
+the network, batch sizes and EMS switches) and each role's memory by kind from the planner, so a
+70B plan can be checked on a laptop. Files the config names that are missing here are listed, not
+fatal: the checkpoints usually live only on the cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional
+
+import yaml
+
+from megatron_rlhf.config import input_problems, load_config
+from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES, RLHFConfig
+from megatron_rlhf.memory.manager import EMSSwitches
+from megatron_rlhf.memory.planner import WEIGHT_OWNER, param_numels
+from megatron_rlhf.plan import memory_report
+
+
+def rank_groups(tp: int, pp: int, dp: int) -> Dict[str, List[List[int]]]:
+    """Global ranks of each TP, DP and PP group in megatron's default order (tp-cp-ep-dp-pp):
+    rank = tp_rank + TP * (dp_rank + DP * pp_rank)."""
+    def rank(t: int, d: int, p: int) -> int:
+        return t + tp * (d + dp * p)
+
+    return {
+        "tp": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "dp": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pp": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
+    }
+
+
+def resolved_config_text(config: RLHFConfig) -> str:
+    tree = dataclasses.asdict(config)
+    tree.pop("origin")
+    return yaml.safe_dump(tree, sort_keys=False, default_flow_style=False).rstrip()
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def _span(ranks: List[int]) -> str:
+    if len(ranks) == 1:
+        return str(ranks[0])
+    return f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else ",".join(map(str, ranks))
+
+
+def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str:
+    par = config.parallel
+    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    dp = world_size // (tp * pp)
+    nodes = -(-world_size // nproc_per_node)
+    groups = rank_groups(tp, pp, dp)
+    node_of = lambda r: r // nproc_per_node  # noqa: E731 (torchrun numbers ranks node by node)
+    tp_in_node = all(len({node_of(r) for r in g}) == 1 for g in groups["tp"])
+    lines = [
+        f"{world_size} processes = {nodes} node(s) x {nproc_per_node}; TP={tp} PP={pp} DP={dp} for every role "
+        f"(sequence parallel {'on' if par.sequence_parallel else 'off'})",
+        f"  tensor-parallel groups: {len(groups['tp'])} of {tp} ranks ({'each within one node' if tp_in_node else 'SPANNING NODES: TP all-reduces cross the network; keep TP <= GPUs per node'}), "
+        f"first {_span(groups['tp'][0])}",
+        f"  data-parallel groups: {len(groups['dp'])} of {dp} ranks, first {_span(groups['dp'][0])}",
+        "  pipeline stages: " + "; ".join(
+            f"{s}: ranks {_span(sorted(g[s] for g in groups['pp']))}" for s in range(pp)),
+        "",
+        f"{'role':<11}{'network':<14}{'params':>9}  {'head':<8}{'dtype':<6}{'layers/stage':>13}{'micro':>7}"
+        f"{'global':>8}{'accum':>7}  {'optimizer':<11}{'leaves the device when idle'}",
+    ]
+    for role in config.model_roles:
+        rc = config.role(role)
+        arch = rc.model
+        params = sum(param_numels(arch, ROLE_HEADS[role], 1, 1, 0))
+        network = arch.preset or f"h{arch.hidden_size}x{arch.num_layers}"
+        if role in TRAINABLE_ROLES:
+            step = rc.global_batch_size or config.ppo.rollout_batch_size
+            global_batch, accum = str(step), str(step // (rc.micro_batch_size * dp))
+            optimizer = "Adam, dist" if rc.use_distributed_optimizer else "Adam"
+        else:
+            global_batch = accum = optimizer = "-"
+        kinds = [k for k in EMSSwitches.from_role_config(rc).kinds() if role in TRAINABLE_ROLES or k == "weights"]
+        owner = WEIGHT_OWNER.get(role)
+        if owner and rc.precision == config.role(owner).precision:
+            kinds = [k for k in kinds if k != "weights"] + [f"(weights are {owner}'s)"]
+        lines.append(
+            f"{role:<11}{network:<14}{_count(params):>9}  {ROLE_HEADS[role]:<8}{rc.precision:<6}"
+            f"{arch.num_layers // pp:>13}{rc.micro_batch_size:>7}{global_batch:>8}{accum:>7}  {optimizer:<11}"
+            f"{', '.join(kinds) or 'nothing'}"
+        )
+        if rc.load:
+            lines.append(f"{'':<11}load: {config.path_of(role + '.load')}")
+    if config.reward.type == "function":
+        lines.append(f"{'reward':<11}rule function {config.reward.function} (no network)")
+    return "\n".join(lines)
+
+
+def dry_run(config_file: str, world_size: int, nproc_per_node: Optional[int] = None,
+            gpu_memory: Optional[int] = None) -> int:
+    """Print the plan of a launch. Returns 0, or 1 when ``gpu_memory`` is given and the run cannot
+    fit. Raises ConfigError for a config or layout the run would refuse."""
+    config = load_config(config_file, world_size=world_size, check_inputs=False)
+    nproc_per_node = nproc_per_node or world_size
+    print(f"# resolved config ({config_file}, environment applied)")
+    print(resolved_config_text(config))
+    print("\n# parallel layout")
+    print(layout_text(config, world_size, nproc_per_node))
+    print("\n# device memory per GPU, by role and kind (planner: state exact, activations and KV cache estimated)")
+    text, fits = memory_report(config, world_size, gpu_memory)
+    print(text)
+    missing = input_problems(config, needs_prompts=True)
+    if missing:
+        print("\n# not found on this machine (a real launch stops on these)")
+        print("\n".join(f"  {m}" for m in missing))
+    print("\ndry run: nothing was launched")
+    return 0 if fits else 1
