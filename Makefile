@@ -28,6 +28,7 @@ demo: $(STAMP) examples/tiny/prompts.jsonl
 		--config examples/tiny/rlhf.yaml --overwrite
 
 test: $(STAMP)
+	bash tests/setup_slurm.sh
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests
 
 clean:

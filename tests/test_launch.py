@@ -1,0 +1,225 @@
+"""The cluster launch: linted scripts, run_ppo.sh's input checks, the dry run's figures against
+closed-form formulas, and a real single-node Slurm running run_ppo.sbatch."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+RUN_PPO = REPO / "examples" / "llama2" / "run_ppo.sh"
+SBATCH = REPO / "examples" / "llama2" / "slurm" / "run_ppo.sbatch"
+GIB = 2**30
+LAUNCH_VARS = ("TP", "PP", "NNODES", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+               "ROLLOUT_BATCH_SIZE", "ITERATIONS", "OUTPUT_DIR", "PROMPT_FILE", "KL_COEF", "MAX_NEW_TOKENS")
+
+
+def _tool(name: str) -> str:
+    """A linter installed by the test extras (next to this interpreter), else on PATH."""
+    path = Path(sys.executable).parent / name
+    found = str(path) if path.exists() else shutil.which(name)
+    assert found, f"{name} is not installed: `pip install -e .[test]` installs it"
+    return found
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith(("free_memory_", "SLURM_"))}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHON"] = sys.executable
+    env.update(extra)
+    return env
+
+
+def _shell_scripts():
+    return sorted(REPO.glob("examples/**/*.sh")) + sorted(REPO.glob("examples/**/*.sbatch")) + \
+        sorted(REPO.glob("tests/*.sh")) + [REPO / ".ci" / "run"]
+
+
+def test_shell_scripts_pass_shellcheck(tmp_path):
+    scripts = _shell_scripts()
+    assert RUN_PPO in scripts and SBATCH in scripts
+    result = subprocess.run([_tool("shellcheck"), "--shell=bash", *map(str, scripts)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The linter really lints: an unquoted expansion is reported.
+    bad = tmp_path / "bad.sh"
+    bad.write_text("#!/bin/bash\necho $1\n")
+    assert subprocess.run([_tool("shellcheck"), str(bad)], capture_output=True).returncode != 0
+
+
+def test_dockerfile_passes_hadolint(tmp_path):
+    result = subprocess.run([_tool("hadolint"), str(REPO / "docker" / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nRUN apt-get install curl\n")
+    assert subprocess.run([_tool("hadolint"), str(bad)], capture_output=True).returncode != 0
+
+
+def _run_ppo(tmp_path, **env):
+    # PYTHON=false: were anything launched, the script would exit 1, not 2.
+    return subprocess.run(["bash", str(RUN_PPO)], cwd=tmp_path, env=_env(PYTHON="false", **env),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_run_ppo_refuses_bad_inputs_before_launching(tmp_path):
+    bad = _run_ppo(tmp_path, MODEL_SIZE="70b", TP="16", PP="3", ROLLOUT_BATCH_SIZE="100", free_memory_value="maybe",
+                   POLICY_LOAD="no/such/ckpt", PROMPT_FILE="prompts.jsonl")
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    err = bad.stderr
+    for expected in (
+        "free_memory_value=maybe: expected True or False",
+        "NNODES*GPUS_PER_NODE = 4*8 = 32 GPUs is not divisible by TP*PP = 16*3",
+        "TP=16 does not divide the policy model's (70b) 8 key-value heads",
+        "PP=3 does not divide the policy model's (70b) 80 layers",
+        "NNODES=4: a multi-node launch needs MASTER_ADDR",
+        "POLICY_LOAD=no/such/ckpt: not a converted checkpoint (no megatron_rlhf_model.json)",
+        "REWARD_LOAD is not set",
+        "TOKENIZER is not set",
+        "PROMPT_FILE=prompts.jsonl: no such file",
+        "run_ppo.sh: nothing was launched",
+    ):
+        assert expected in err, f"missing {expected!r} in:\n{err}"
+
+    # Sizes that do not divide the data-parallel layout.
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    batches = _run_ppo(tmp_path, MODEL_SIZE="tiny", GPUS_PER_NODE="4", TP="2", ROLLOUT_BATCH_SIZE="12",
+                       TRAIN_GLOBAL_BATCH_SIZE="6", TRAIN_MICRO_BATCH_SIZE="2", PROMPT_FILE="prompts.jsonl")
+    assert batches.returncode == 2
+    assert "TRAIN_GLOBAL_BATCH_SIZE=6 is not divisible by TRAIN_MICRO_BATCH_SIZE*DP = 2*2" in batches.stderr
+    assert "INFERENCE_MICRO_BATCH_SIZE=4 does not divide the per-rank rollout of 6" in batches.stderr
+
+    unknown = _run_ppo(tmp_path, MODEL_SIZE="65b")
+    assert unknown.returncode == 2 and "MODEL_SIZE=65b: expected one of tiny, 7b, 13b, 70b" in unknown.stderr
+
+    ok = _run_ppo(tmp_path, MODEL_SIZE="tiny", PROMPT_FILE="prompts.jsonl", CHECK_ONLY="1")
+    assert ok.returncode == 0 and "inputs checked: tiny, 2 GPUs (TP=2 PP=1 DP=1)" in ok.stdout, ok.stderr
+
+
+def _llama2_70b_numels(tp: int, pp: int):
+    """Parameters of Llama-2-70B's most loaded pipeline stage on one TP rank, from the architecture
+    (h 8192, 80 layers, 64 heads of 128, 8 KV heads, FFN 28672, vocabulary 32000 padded to a
+    multiple of 128*TP), for the LM head and the scalar (reward/value) head."""
+    h, layers, heads, kv, head_dim, ffn = 8192, 80, 64, 8, 128, 28672
+    vocab = -(-32000 // (128 * tp)) * (128 * tp)
+    layer = (2 * h  # two RMSNorms, replicated on every TP rank
+             + h * (heads + 2 * kv) * head_dim // tp  # fused QKV
+             + heads * head_dim * h // tp  # attention output
+             + 2 * ffn * h // tp + ffn * h // tp)  # SwiGLU gate+up, down
+    body = layer * layers // pp
+    first = body + vocab * h // tp  # embedding
+    last = {"lm": body + h + vocab * h // tp, "scalar": body + h + h}  # final norm, output layer / score head
+    return {head: max(first, last[head]) for head in ("lm", "scalar")}
+
+
+def _table(text: str):
+    """The per-role memory table of the dry run: role -> kind -> bytes."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("role") and "weights" in line and "grads" in line)
+    kinds = lines[start].split()[1:]
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    table = {}
+    for line in lines[start + 1:]:
+        if not line.strip():
+            break
+        role, *cells = line.split()
+        values = [float(v) * units[u] for v, u in zip(cells[::2], cells[1::2])]
+        table[role] = dict(zip(kinds, values))
+    return table
+
+
+def test_dry_run_of_llama2_70b_on_4_nodes_of_8_gpus_matches_the_formulas(tmp_path):
+    result = subprocess.run(["bash", str(RUN_PPO)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env=_env(DRY_RUN="1", MODEL_SIZE="70b", NNODES="4", GPUS_PER_NODE="8"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "32 processes = 4 node(s) x 8; TP=8 PP=2 DP=2" in out and "each within one node" in out
+    assert "preset: llama2-70b" in out  # the resolved config
+    assert "(a real launch stops here)" in result.stderr and "POLICY_LOAD is not set" in result.stderr
+    table = _table(out)
+    assert set(table) == {"policy", "reference", "reward", "value", "ppo_policy", "ppo_value"}
+    n = _llama2_70b_numels(tp=8, pp=2)
+    dp = 2
+
+    def close(got, expected, what):
+        # The table prints 2 decimals of GiB; megatron's buffer padding adds < 0.01%.
+        assert abs(got - expected) <= 0.005 * expected + 0.006 * GIB, f"{what}: table {got / GIB:.3f} GiB, formula {expected / GIB:.3f} GiB"
+
+    for role, head in (("ppo_policy", "lm"), ("ppo_value", "scalar")):
+        row = table[role]
+        close(row["weights"], 2 * n[head], f"{role} weights (bf16)")
+        close(row["grads"], 4 * n[head], f"{role} grads (fp32 grad buffer)")
+        close(row["main_params"], 4 * n[head] / dp, f"{role} fp32 main params, sharded over DP={dp}")
+        close(row["optimizer_state"], 8 * n[head] / dp, f"{role} Adam exp_avg + exp_avg_sq, sharded over DP={dp}")
+    close(table["reference"]["weights"], 2 * n["lm"], "reference weights")
+    close(table["reward"]["weights"], 2 * n["scalar"], "reward weights")
+    # policy and value serve ppo_policy's and ppo_value's weights: none of their own.
+    assert table["policy"]["weights"] == 0 and table["value"]["weights"] == 0
+    assert table["policy"]["kv_cache"] > 0 and "<- peak" in out and "fits in 80.00 GiB" in out
+
+
+def test_train_dry_run_resolves_the_environment_and_checks_the_layout(tmp_path):
+    def dry(*args, **env):
+        return subprocess.run([sys.executable, "-m", "megatron_rlhf.train", "--config", "examples/llama2/rlhf.yaml",
+                               "--dry-run", *args], cwd=REPO, env=_env(**env), capture_output=True, text=True, timeout=120)
+
+    ok = dry("--world-size", "16", "--nproc-per-node", "8", KL_COEF="0.123", TP="8", PP="1")
+    assert ok.returncode == 0, ok.stderr
+    assert "kl_coef: 0.123" in ok.stdout and "16 processes = 2 node(s) x 8; TP=8 PP=1 DP=2" in ok.stdout
+    assert "# not found on this machine" in ok.stdout and "data.prompt_file: not set" in ok.stdout
+    assert "dry run: nothing was launched" in ok.stdout
+    bad = dry("--world-size", "16", TP="3")
+    assert bad.returncode == 2
+    assert "parallel.tensor_model_parallel_size" in bad.stderr and "valid TP" in bad.stderr
+    too_small = dry("--world-size", "8", "--gpu-memory", "10GiB", TP="8")
+    assert too_small.returncode == 1 and "does not fit in 10.00 GiB" in too_small.stdout
+    misuse = subprocess.run([sys.executable, "-m", "megatron_rlhf.train", "--config", "examples/tiny/rlhf.yaml",
+                             "--world-size", "2"], cwd=REPO, env=_env(), capture_output=True, text=True)
+    assert misuse.returncode == 2 and "go with --dry-run" in misuse.stderr
+
+
+@pytest.mark.parametrize("tp, pp, dp", [(2, 2, 2), (8, 2, 2), (1, 4, 3)])
+def test_rank_groups_follow_megatron(tp, pp, dp):
+    from megatron.core.parallel_state import RankGenerator
+
+    from megatron_rlhf.dry_run import rank_groups
+
+    megatron = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    ours = rank_groups(tp, pp, dp)
+    for kind in ("tp", "dp", "pp"):
+        assert sorted(ours[kind]) == sorted(megatron.get_ranks(kind)), kind
+
+
+@pytest.fixture
+def slurm(tmp_path):
+    from tests.slurm_cluster import LocalSlurm, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = LocalSlurm(tmp_path / "slurm")
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+def test_sbatch_on_a_single_node_slurm_runs_ppo(slurm, tmp_path):
+    from tests.conftest import _free_port
+
+    out = tmp_path / "run"
+    env = _env(**{k: v for k, v in slurm.env.items() if k == "SLURM_CONF"},
+               MODEL_SIZE="tiny", GPUS_PER_NODE="2", ITERATIONS="2", OUTPUT_DIR=str(out), MASTER_PORT=str(_free_port()))
+    # --gpus-per-node=0: this cluster has CPUs only (the script asks for 8 GPUs per node).
+    job = subprocess.run(["sbatch", "--wait", "--parsable", "--nodes=1", "--gpus-per-node=0",
+                          f"--output={tmp_path}/job-%j.out", str(SBATCH)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    log = "\n".join(p.read_text() for p in tmp_path.glob("job-*.out"))
+    assert job.returncode == 0, f"sbatch: {job.stdout}{job.stderr}\njob output:\n{log}\n{slurm.logs()}"
+    assert "inputs checked: tiny, 2 GPUs (TP=2 PP=1 DP=1)" in log
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert re.search(r"done: 2 iterations", log)
