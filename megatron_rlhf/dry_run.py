@@ -56,8 +56,8 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
     dp = world_size // (tp * pp)
     nodes = -(-world_size // nproc_per_node)
     groups = rank_groups(tp, pp, dp)
-    node_of = lambda r: r // nproc_per_node  # noqa: E731 (torchrun numbers ranks node by node)
-    tp_in_node = all(len({node_of(r) for r in g}) == 1 for g in groups["tp"])
+    # torchrun numbers ranks node by node.
+    tp_in_node = all(len({r // nproc_per_node for r in g}) == 1 for g in groups["tp"])
     lines = [
         f"{world_size} processes = {nodes} node(s) x {nproc_per_node}; TP={tp} PP={pp} DP={dp} for every role "
         f"(sequence parallel {'on' if par.sequence_parallel else 'off'})",

@@ -6,7 +6,7 @@ def test_weight_sync_shares_storage_or_copies(workers):
         assert r["shared"] and r["same_storage"] and r["policy_weight_bytes"] == 0
         assert r["owner_onloaded_with_policy"] and r["owner_offloaded_after"]
         assert r["shared_equal_after_step"]
-        assert not r["copy_shared"] and not r["stale_before_sync"] and r["copied"]
+        assert not r["copy_shared"] and r["copied_at_start"] and not r["stale_before_sync"] and r["copied"]
 
 
 def test_reward_function_from_a_file_or_a_module(tmp_path):

@@ -1,5 +1,5 @@
 """Weight sync between a trained role and its inference role, TP=2: shared storage when dtypes
-match (no copy, counted once, moved together), a copy after each step when they do not."""
+match (no copy, counted once, moved together), a copy at start-up and after each step when they do not."""
 
 import os
 
@@ -45,8 +45,13 @@ with policy.resident("inference"), ppo_policy.resident("inference"):
 config.policy.precision = "bf16"
 policy16 = build_role("policy", config)
 ppo32 = build_role("ppo_policy", config)
+with ppo32.resident("inference"), torch.no_grad():
+    for p in params(ppo32):
+        p.add_(0.01)  # the trained role starts elsewhere (its own checkpoint): serving must follow
 sync16 = WeightSync(ppo32, policy16)
 result["copy_shared"] = sync16.shared
+with policy16.resident("inference"), ppo32.resident("inference"):
+    result["copied_at_start"] = all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(params(ppo32), params(policy16)))
 with ppo32.resident("training"):
     ppo32.train_step(mbs, next_token_loss)
 with policy16.resident("inference"), ppo32.resident("inference"):
