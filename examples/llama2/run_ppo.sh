@@ -198,5 +198,5 @@ if [[ -n ${MASTER_ADDR:-} ]]; then
 else
   launch+=(--standalone)
 fi
-echo "run_ppo.sh: $MODEL_SIZE on $world GPUs (TP=$TP PP=$PP DP=$dp) on $(hostname), output $OUTPUT_DIR"
+echo "run_ppo.sh: $MODEL_SIZE on $world GPUs (TP=$TP PP=$PP DP=$dp) on ${HOSTNAME:-$(uname -n)}, output $OUTPUT_DIR"
 exec "$PYTHON" -m torch.distributed.run "${launch[@]}" -m megatron_rlhf.train --config "$CONFIG" "$@"
