@@ -64,3 +64,18 @@ def test_plan_command_prints_the_table_and_answers_a_budget():
     assert too_small.returncode == 1 and "does not fit in 100.00 KiB" in too_small.stdout and "over" in too_small.stdout
     bad = plan("--gpu-memory", "lots")
     assert bad.returncode == 2 and "expected a size such as 80GiB" in bad.stderr
+
+
+def test_pipeline_training_keeps_up_to_pp_micro_batches_of_activations(monkeypatch):
+    """1F1B: the first stage runs PP forwards before its first backward."""
+    monkeypatch.setenv("TP", "1")
+    monkeypatch.setenv("PP", "2")
+    config = load_config(os.path.join("examples", "tiny", "rlhf.yaml"), world_size=2)
+    p = planner.plan(config, 2)
+    rc = config.ppo_policy
+    one = planner.activation_bytes(rc.model, "lm", rc.micro_batch_size, p.layout["seq"], 1, 2, rc.precision,
+                                   rc.recompute_activations, True)
+    assert p.transient["ppo_policy"]["activations"] == 2 * one  # 4 micro-batches per step, PP=2 in flight
+    inference = planner.activation_bytes(config.reference.model, "lm", config.reference.micro_batch_size,
+                                         p.layout["seq"], 1, 2, "fp32", False, False)
+    assert p.transient["reference"]["activations"] == inference

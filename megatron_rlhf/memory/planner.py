@@ -2,7 +2,8 @@
 
 State bytes (weights, grads, main params, optimizer state) are exact: they count the same tensors
 megatron allocates, including the distributed optimizer's buffer padding, for the most loaded
-pipeline stage. Activations and the KV cache are estimates (formulas below).
+pipeline stage. Activations and the KV cache are estimates (formulas below); a trainable role under
+pipeline parallelism holds up to PP micro-batches of activations (1F1B's warm-up on the first stage).
 
 A PPO iteration has six phases; in each, the active role holds what the phase needs and every
 other role holds what its EMS switches keep resident. The peak phase bounds the device memory
@@ -131,6 +132,11 @@ def kv_cache_bytes(arch: ModelArchConfig, batch: int, seq: int, tp: int, pp: int
     return 2 * (arch.num_layers // pp) * batch * seq * (arch.kv_groups // tp) * hd * BYTES[precision]
 
 
+def _micro_batches_per_step(config: RLHFConfig, role: str, dp: int) -> int:
+    rc = config.role(role)
+    return max(1, (rc.global_batch_size or config.ppo.rollout_batch_size) // (rc.micro_batch_size * dp))
+
+
 @dataclasses.dataclass
 class Plan:
     roles: Dict[str, Dict[str, int]]  # role -> kind -> bytes (resident when active)
@@ -162,9 +168,11 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
         trainable = name in TRAINABLE_ROLES
         stages = [state_bytes(rc, ROLE_HEADS[name], trainable, tp, pp, dp, r) for r in range(pp)]
         roles[name] = max(stages, key=lambda s: sum(s.values()))
+        # 1F1B: the first stage holds up to PP micro-batches' activations before its first backward.
+        in_flight = min(pp, _micro_batches_per_step(config, name, dp)) if trainable else 1
         transient[name] = {
-            "activations": activation_bytes(rc.model, ROLE_HEADS[name], rc.micro_batch_size, seq, tp, pp, rc.precision,
-                                            rc.recompute_activations, trainable),
+            "activations": in_flight * activation_bytes(rc.model, ROLE_HEADS[name], rc.micro_batch_size, seq, tp, pp,
+                                                        rc.precision, rc.recompute_activations, trainable),
             "kv_cache": kv_cache_bytes(rc.model, decoded_at_once, seq, tp, pp, rc.precision) if name == "policy" else 0,
         }
     for serving, owner in WEIGHT_OWNER.items():
