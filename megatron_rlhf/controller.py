@@ -189,7 +189,7 @@ class PPOController:
         cfg = self.config
         role = self.roles[name]
         rows = columns["tokens"].shape[0]
-        step_rows = (role.config.global_batch_size or cfg.ppo.rollout_batch_size) // self.dp_size
+        step_rows = cfg.samples_per_step(name) // self.dp_size
         collected: List[Dict[str, torch.Tensor]] = []
         grad_norms = []
         with role.resident("training"):

@@ -11,11 +11,11 @@ from typing import Dict, List, Optional
 
 import yaml
 
-from megatron_rlhf.config import input_problems, load_config
+from megatron_rlhf.config import input_problems
 from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES, RLHFConfig
 from megatron_rlhf.memory.manager import EMSSwitches
-from megatron_rlhf.memory.planner import WEIGHT_OWNER, param_numels
-from megatron_rlhf.plan import memory_report
+from megatron_rlhf.memory.planner import micro_batches_per_step, param_numels, weight_owner
+from megatron_rlhf.plan import load_for_planning, memory_report
 
 
 def rank_groups(tp: int, pp: int, dp: int) -> Dict[str, List[List[int]]]:
@@ -76,14 +76,13 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
         params = sum(param_numels(arch, ROLE_HEADS[role], 1, 1, 0))
         network = arch.preset or f"h{arch.hidden_size}x{arch.num_layers}"
         if role in TRAINABLE_ROLES:
-            step = rc.global_batch_size or config.ppo.rollout_batch_size
-            global_batch, accum = str(step), str(step // (rc.micro_batch_size * dp))
+            global_batch, accum = str(config.samples_per_step(role)), str(micro_batches_per_step(config, role, dp))
             optimizer = "Adam, dist" if rc.use_distributed_optimizer else "Adam"
         else:
             global_batch = accum = optimizer = "-"
         kinds = [k for k in EMSSwitches.from_role_config(rc).kinds() if role in TRAINABLE_ROLES or k == "weights"]
-        owner = WEIGHT_OWNER.get(role)
-        if owner and rc.precision == config.role(owner).precision:
+        owner = weight_owner(config, role)
+        if owner:
             kinds = [k for k in kinds if k != "weights"] + [f"(weights are {owner}'s)"]
         lines.append(
             f"{role:<11}{network:<14}{_count(params):>9}  {ROLE_HEADS[role]:<8}{rc.precision:<6}"
@@ -97,11 +96,12 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
     return "\n".join(lines)
 
 
-def dry_run(config_file: str, world_size: int, nproc_per_node: Optional[int] = None,
+def dry_run(config_file: str, world_size: Optional[int] = None, nproc_per_node: Optional[int] = None,
             gpu_memory: Optional[int] = None) -> int:
-    """Print the plan of a launch. Returns 0, or 1 when ``gpu_memory`` is given and the run cannot
-    fit. Raises ConfigError for a config or layout the run would refuse."""
-    config = load_config(config_file, world_size=world_size, check_inputs=False)
+    """Print the plan of a launch on ``world_size`` processes (default: TP*PP). Returns 0, or 1 when
+    ``gpu_memory`` is given and the run cannot fit. Raises ConfigError for a config or layout the
+    run would refuse."""
+    config, world_size = load_for_planning(config_file, world_size)
     nproc_per_node = nproc_per_node or world_size
     print(f"# resolved config ({config_file}, environment applied)")
     print(resolved_config_text(config))

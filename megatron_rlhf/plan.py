@@ -8,7 +8,7 @@ import re
 import sys
 from typing import Optional, Tuple
 
-from megatron_rlhf.config import load_config
+from megatron_rlhf.config import RLHFConfig, load_config, validate
 from megatron_rlhf.config.loader import ConfigError
 from megatron_rlhf.memory.planner import KINDS, TRANSIENT, Plan, plan, recommend
 
@@ -46,6 +46,16 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
+def load_for_planning(config_file: str, world_size: Optional[int] = None) -> Tuple[RLHFConfig, int]:
+    """The config validated for ``world_size`` (default: TP*PP), and that world size. The files it
+    names are not checked: planning needs none of them."""
+    config = load_config(config_file, check_inputs=False)
+    par = config.parallel
+    world_size = world_size or par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+    validate(config, world_size, check_inputs=False)
+    return config, world_size
+
+
 def memory_report(config, world_size: int, gpu_memory: Optional[int] = None,
                   seq_length: Optional[int] = None) -> Tuple[str, bool]:
     """The per-role table and the phases with the configured EMS switches, and with ``gpu_memory``
@@ -74,10 +84,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-length", type=int, help="default: data.max_prompt_length + generation.max_new_tokens")
     args = parser.parse_args(argv)
     try:
-        config = load_config(args.config, check_inputs=False)  # planning needs none of its files
-        par = config.parallel
-        world = args.world_size or par.tensor_model_parallel_size * par.pipeline_model_parallel_size
-        config = load_config(args.config, world_size=world, check_inputs=False)
+        config, world = load_for_planning(args.config, args.world_size)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -49,11 +49,8 @@ def _dry_run(args: argparse.Namespace) -> int:
     from megatron_rlhf.dry_run import dry_run
 
     try:
-        world_size = args.world_size or (int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
-        if world_size is None:
-            par = load_config(args.config, check_inputs=False).parallel
-            world_size = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
-        nproc = args.nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or None
+        nproc = args.nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
         return dry_run(args.config, world_size, nproc, args.gpu_memory)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Dict, Optional
 
+from tests.conftest import _free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "scontrol")
 
 
@@ -29,12 +31,6 @@ def unavailable_reason() -> Optional[str]:
     if os.geteuid() != 0:
         return "a local Slurm cluster needs root (slurmd runs job steps as the submitting user)"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalSlurm:

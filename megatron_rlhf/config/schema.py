@@ -195,6 +195,10 @@ class RLHFConfig:
         """The roles that are networks (all but a function reward)."""
         return tuple(r for r in ROLE_NAMES if not (r == "reward" and self.reward.type == "function"))
 
+    def samples_per_step(self, role: str) -> int:
+        """Samples per optimizer step of a trainable role, over all DP ranks (default: the rollout)."""
+        return self.role(role).global_batch_size or self.ppo.rollout_batch_size
+
     def role(self, name: str) -> RoleConfig:
         if name not in ROLE_NAMES:
             raise KeyError(f"unknown role {name!r}; roles are {', '.join(ROLE_NAMES)}")

@@ -169,7 +169,7 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
     for role in config.model_roles:
         rc = config.role(role)
         if role in TRAINABLE_ROLES:
-            step = rc.global_batch_size or ppo.rollout_batch_size
+            step = config.samples_per_step(role)
             if ppo.rollout_batch_size % step:
                 bad(
                     f"{role}.global_batch_size",

@@ -132,9 +132,16 @@ def kv_cache_bytes(arch: ModelArchConfig, batch: int, seq: int, tp: int, pp: int
     return 2 * (arch.num_layers // pp) * batch * seq * (arch.kv_groups // tp) * hd * BYTES[precision]
 
 
-def _micro_batches_per_step(config: RLHFConfig, role: str, dp: int) -> int:
-    rc = config.role(role)
-    return max(1, (rc.global_batch_size or config.ppo.rollout_batch_size) // (rc.micro_batch_size * dp))
+def micro_batches_per_step(config: RLHFConfig, role: str, dp: int) -> int:
+    """Micro-batches each DP rank runs per optimizer step of a trainable role."""
+    return max(1, config.samples_per_step(role) // (config.role(role).micro_batch_size * dp))
+
+
+def weight_owner(config: RLHFConfig, role: str) -> Optional[str]:
+    """The trained role whose weights ``role`` serves without a copy (weight sync shares the
+    storage when the dtypes match), or None."""
+    owner = WEIGHT_OWNER.get(role)
+    return owner if owner and config.role(role).precision == config.role(owner).precision else None
 
 
 @dataclasses.dataclass
@@ -169,14 +176,14 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
         stages = [state_bytes(rc, ROLE_HEADS[name], trainable, tp, pp, dp, r) for r in range(pp)]
         roles[name] = max(stages, key=lambda s: sum(s.values()))
         # 1F1B: the first stage holds up to PP micro-batches' activations before its first backward.
-        in_flight = min(pp, _micro_batches_per_step(config, name, dp)) if trainable else 1
+        in_flight = min(pp, micro_batches_per_step(config, name, dp)) if trainable else 1
         transient[name] = {
             "activations": in_flight * activation_bytes(rc.model, ROLE_HEADS[name], rc.micro_batch_size, seq, tp, pp,
                                                         rc.precision, rc.recompute_activations, trainable),
             "kv_cache": kv_cache_bytes(rc.model, decoded_at_once, seq, tp, pp, rc.precision) if name == "policy" else 0,
         }
-    for serving, owner in WEIGHT_OWNER.items():
-        if serving in roles and config.role(serving).precision == config.role(owner).precision:
+    for serving in WEIGHT_OWNER:
+        if serving in roles and weight_owner(config, serving):
             roles[serving] = dict(roles[serving], **{WEIGHTS: 0})
     phases, resident = {}, {}
     for phase, active, extra in PHASES:
