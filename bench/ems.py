@@ -27,10 +27,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, ModelArchConfig, ParallelConfig, RoleConfig  # noqa: E402
 from megatron_rlhf.memory import OFFLOAD_ORDER, MemoryLedger  # noqa: E402
 from megatron_rlhf.models.llama import build_model  # noqa: E402
-from megatron_rlhf.models.presets import LLAMA_PRESETS  # noqa: E402
-from megatron_rlhf.models.training import next_token_loss, wrap_for_training  # noqa: E402
-from megatron_rlhf.roles.base import Role  # noqa: E402
-from megatron_rlhf.smoke import value_loss  # noqa: E402
+from megatron_rlhf.config.presets import LLAMA_PRESETS  # noqa: E402
+from megatron_rlhf.models.training import next_token_loss, scalar_regression_loss, wrap_for_training  # noqa: E402
+from megatron_rlhf.roles.base import assemble_role  # noqa: E402
 from megatron_rlhf.runtime import destroy_distributed, get_platform, init_distributed  # noqa: E402
 
 MiB = 2**20
@@ -80,7 +79,7 @@ def make_role(name, arch, parallel, args, free_memory):
     optimizer = None
     if name in ("ppo_policy", "ppo_value"):
         model, optimizer = wrap_for_training(model, rc)
-    return Role(name, rc, model, optimizer)
+    return assemble_role(name, rc, model, optimizer)
 
 
 def batch(arch, args, device):
@@ -149,7 +148,7 @@ def six_role_peak(arch, parallel, args, platform, free_memory: bool):
         role = roles[name]
         if role.trainable:
             with role.resident("training"):
-                role.train_step(mbs, next_token_loss if role.head == "lm" else value_loss)
+                role.train_step(mbs, next_token_loss if role.head == "lm" else scalar_regression_loss)
         else:
             with role.resident("inference"):
                 role.forward(mbs)

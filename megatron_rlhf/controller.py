@@ -15,17 +15,20 @@ every role brought onto the device only for its phase (EMS). Every rank runs thi
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 from typing import Dict, List, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_rlhf import ppo
-from megatron_rlhf.config.schema import RLHFConfig
+from megatron_rlhf.config.schema import SERVED_WEIGHTS, RLHFConfig
 from megatron_rlhf.data import PromptDataset, Tokenizer
 from megatron_rlhf.generation import SamplingParams, generate
 from megatron_rlhf.memory import MemoryLedger
+from megatron_rlhf.models.batches import split_rows
 from megatron_rlhf.models.pipeline import broadcast_from_last_stage
 from megatron_rlhf.roles import Role, build_role
 from megatron_rlhf.roles import inference
@@ -78,8 +81,8 @@ class PPOController:
             self.roles[name] = build_role(name, config)
             ledger.track(self.roles[name].memory)
         self.syncs = [
-            WeightSync(self.roles["ppo_policy"], self.roles["policy"]),
-            WeightSync(self.roles["ppo_value"], self.roles["value"]),
+            WeightSync(self.roles[trained], self.roles[serving], share=config.weight_owner(serving) is not None)
+            for serving, trained in SERVED_WEIGHTS.items()
         ]
         p = config.ppo
         self.kl_controller = (
@@ -116,6 +119,27 @@ class PPOController:
         metrics["time/iteration_s"] = end - start
         self.last_samples = texts
         return {"iteration": self.iteration, **metrics}
+
+    # -- resumable state ----------------------------------------------------------------------
+
+    def state_dict(self) -> Dict:
+        """Everything besides the trained roles that the next iteration depends on."""
+        return {
+            "iteration": self.iteration,
+            "kl_coef": self.kl_controller.value,
+            "score_moments": self.score_moments.state_dict(),
+            "dataset": self.dataset.state_dict(),
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        }
+
+    def load_state_dict(self, state: Dict) -> None:
+        self.iteration = self.ledger.iteration = state["iteration"]
+        self.kl_controller.value = state["kl_coef"]
+        self.score_moments.load_state_dict(state["score_moments"])
+        self.dataset.load_state_dict(state["dataset"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        torch.set_rng_state(state["rng"]["torch"])
 
     def _rollout(self):
         cfg = self.config
@@ -199,7 +223,7 @@ class PPOController:
                     cfg.seed + 7_919 * self.iteration + 104_729 * epoch)).to(columns["tokens"].device)
                 for first in range(0, rows, step_rows):
                     picked = order[first : first + step_rows]
-                    mbs = inference.split_rows(role.config.micro_batch_size, **{k: v[picked] for k, v in columns.items()})
+                    mbs = split_rows(role.config.micro_batch_size, **{k: v[picked] for k, v in columns.items()})
                     result = role.train_step(mbs, loss_fn)
                     collected.extend(result["metrics"])
                     grad_norms.append(float(result["grad_norm"] or 0.0))

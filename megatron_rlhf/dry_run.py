@@ -6,16 +6,83 @@ fatal: the checkpoints usually live only on the cluster."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from typing import Dict, List, Optional
+import re
+from typing import Dict, List, Optional, Tuple
 
 import yaml
 
-from megatron_rlhf.config import input_problems
+from megatron_rlhf.config import input_problems, load_config, validate
 from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES, RLHFConfig
+from megatron_rlhf.config.validation import weight_sharing_notes
 from megatron_rlhf.memory.manager import EMSSwitches
-from megatron_rlhf.memory.planner import micro_batches_per_step, param_numels, weight_owner
-from megatron_rlhf.plan import load_for_planning, memory_report
+from megatron_rlhf.memory.planner import KINDS, TRANSIENT, Plan, micro_batches_per_step, param_numels, plan, recommend
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 80GiB, 40GB or 1073741824")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def format_plan(p: Plan) -> str:
+    cols = KINDS[:-1] + TRANSIENT
+    lines = [f"layout: TP={p.layout['tp']} PP={p.layout['pp']} DP={p.layout['dp']}, sequence {p.layout['seq']} tokens; "
+             "per GPU, most loaded pipeline stage"]
+    lines.append(f"{'role':<11}" + "".join(f"{c:>17}" for c in cols))
+    for role, kinds in p.roles.items():
+        row = {**kinds, **p.transient[role]}
+        lines.append(f"{role:<11}" + "".join(f"{human(row.get(c, 0)):>17}" for c in cols))
+    lines.append("")
+    lines.append("phase          resident on the device")
+    for phase, total in p.phases.items():
+        mark = "  <- peak" if phase == p.peak_phase else ""
+        lines.append(f"{phase:<14} {human(total):>12}{mark}")
+    return "\n".join(lines)
+
+
+def load_for_planning(config_file: str, world_size: Optional[int] = None) -> Tuple[RLHFConfig, int]:
+    """The config validated for ``world_size`` (default: TP*PP), and that world size. The files it
+    names are not checked: planning needs none of them."""
+    config = load_config(config_file, check_inputs=False)
+    par = config.parallel
+    world_size = world_size or par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+    validate(config, world_size, check_inputs=False)
+    return config, world_size
+
+
+def memory_report(config, world_size: int, gpu_memory: Optional[int] = None,
+                  seq_length: Optional[int] = None) -> Tuple[str, bool]:
+    """The per-role table and the phases with the configured EMS switches, and with ``gpu_memory``
+    the least offloading that fits. Returns (text, whether it fits: True without a budget)."""
+    lines = ["with the configured EMS switches:", format_plan(plan(config, world_size, seq_length=seq_length))]
+    if not gpu_memory:
+        return "\n".join(lines), True
+    switches, fitted = recommend(config, world_size, gpu_memory, seq_length)
+    lines.append("")
+    if switches is None:
+        lines.append(f"does not fit in {human(gpu_memory)}: even with every role offloaded the peak is "
+                     f"{human(fitted.peak_bytes)} ({fitted.peak_phase}), {human(fitted.peak_bytes - gpu_memory)} over; "
+                     "raise TP/PP, enable recompute_activations or lower micro-batch and sequence sizes")
+        return "\n".join(lines), False
+    on = [f"{role}: {', '.join(s.kinds())}" for role, s in switches.items() if s.kinds()]
+    lines.append(f"fits in {human(gpu_memory)} with peak {human(fitted.peak_bytes)} ({fitted.peak_phase}) "
+                 f"when these leave the device while idle: {'; '.join(on) if on else 'nothing'}")
+    return "\n".join(lines), True
+
+
 
 
 def rank_groups(tp: int, pp: int, dp: int) -> Dict[str, List[List[int]]]:
@@ -81,7 +148,7 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
         else:
             global_batch = accum = optimizer = "-"
         kinds = [k for k in EMSSwitches.from_role_config(rc).kinds() if role in TRAINABLE_ROLES or k == "weights"]
-        owner = weight_owner(config, role)
+        owner = config.weight_owner(role)
         if owner:
             kinds = [k for k in kinds if k != "weights"] + [f"(weights are {owner}'s)"]
         lines.append(
@@ -93,22 +160,26 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
             lines.append(f"{'':<11}load: {config.path_of(role + '.load')}")
     if config.reward.type == "function":
         lines.append(f"{'reward':<11}rule function {config.reward.function} (no network)")
+    lines.extend(f"note: {n}" for n in weight_sharing_notes(config))
     return "\n".join(lines)
 
 
 def dry_run(config_file: str, world_size: Optional[int] = None, nproc_per_node: Optional[int] = None,
-            gpu_memory: Optional[int] = None) -> int:
-    """Print the plan of a launch on ``world_size`` processes (default: TP*PP). Returns 0, or 1 when
+            gpu_memory: Optional[int] = None, seq_length: Optional[int] = None, memory_only: bool = False) -> int:
+    """Print the plan of a launch on ``world_size`` processes (default: TP*PP): the resolved config,
+    the layout and the memory per role (``memory_only``: the memory alone). Returns 0, or 1 when
     ``gpu_memory`` is given and the run cannot fit. Raises ConfigError for a config or layout the
     run would refuse."""
     config, world_size = load_for_planning(config_file, world_size)
-    nproc_per_node = nproc_per_node or world_size
+    text, fits = memory_report(config, world_size, gpu_memory, seq_length)
+    if memory_only:
+        print(text)
+        return 0 if fits else 1
     print(f"# resolved config ({config_file}, environment applied)")
     print(resolved_config_text(config))
     print("\n# parallel layout")
-    print(layout_text(config, world_size, nproc_per_node))
+    print(layout_text(config, world_size, nproc_per_node or world_size))
     print("\n# device memory per GPU, by role and kind (planner: state exact, activations and KV cache estimated)")
-    text, fits = memory_report(config, world_size, gpu_memory)
     print(text)
     missing = input_problems(config, needs_prompts=True)
     if missing:

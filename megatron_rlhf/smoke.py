@@ -16,14 +16,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.config import load_config
-from megatron_rlhf.models.training import next_token_loss
+from megatron_rlhf.models.training import next_token_loss, scalar_regression_loss
 from megatron_rlhf.runtime import destroy_distributed, init_distributed
-
-
-def value_loss(output, mb):
-    # Regress every token's value towards a fixed target: a loss the value head can drive down.
-    loss = ((output.float().squeeze(-1) - 1.0) ** 2).mean()
-    return loss, {"loss": loss.detach()}
 
 
 def main(argv=None) -> None:
@@ -73,7 +67,7 @@ def main(argv=None) -> None:
             losses = []
             for _ in range(args.steps):
                 with role.resident("training"):
-                    step = role.train_step(mbs, next_token_loss if role.head == "lm" else value_loss)
+                    step = role.train_step(mbs, next_token_loss if role.head == "lm" else scalar_regression_loss)
                 if step["metrics"]:
                     losses.append(torch.stack([m["loss"] for m in step["metrics"]]).mean().item())
             what = "loss " + " -> ".join(f"{x:.4f}" for x in losses)

@@ -14,10 +14,9 @@ import time
 import warnings
 from typing import Optional
 
-from megatron_rlhf.config import input_problems, load_config
-from megatron_rlhf.config.loader import ConfigError
+from megatron_rlhf.config import ConfigError, input_problems, load_config
 from megatron_rlhf.config.schema import RLHFConfig
-from megatron_rlhf.plan import parse_bytes
+from megatron_rlhf.dry_run import parse_bytes
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -200,7 +199,7 @@ def main(argv=None) -> Optional[list]:
         os.remove(ledger_path)  # --overwrite: this run's ledger, not appended to the old one
     controller = PPOController(config, dataset, tokenizer, reward_function, MemoryLedger(ledger_path if rank0 else None))
     if resume_from is not None:
-        load_ppo_checkpoint(controller, resume_from)
+        controller.load_state_dict(load_ppo_checkpoint(controller.roles, resume_from))
         if rank0:
             print(f"resumed from {resume_from} (iteration {controller.iteration})", flush=True)
     log = RunLog(output_dir, config, enabled=rank0, resumed_at=controller.iteration)
@@ -213,7 +212,7 @@ def main(argv=None) -> Optional[list]:
             log.log(metrics, config.ppo.iterations)
             last = controller.iteration == config.ppo.iterations
             if (interval and controller.iteration % interval == 0) or (last and config.trainer.save_at_end):
-                save_ppo_checkpoint(controller, output_dir)
+                save_ppo_checkpoint(controller.roles, controller.state_dict(), output_dir)
     finally:
         log.close()
     if rank0 and history:

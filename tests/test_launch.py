@@ -60,43 +60,62 @@ def test_dockerfile_passes_hadolint(tmp_path):
 
 
 def _run_ppo(tmp_path, **env):
-    # PYTHON=false: were anything launched, the script would exit 1, not 2.
-    return subprocess.run(["bash", str(RUN_PPO)], cwd=tmp_path, env=_env(PYTHON="false", **env),
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(["bash", str(RUN_PPO)], cwd=tmp_path, env=_env(**env), capture_output=True, text=True, timeout=60)
 
 
 def test_run_ppo_refuses_bad_inputs_before_launching(tmp_path):
+    # Every rule comes from megatron_rlhf.launch and the config's validation, naming the variables.
     bad = _run_ppo(tmp_path, MODEL_SIZE="70b", TP="16", PP="3", ROLLOUT_BATCH_SIZE="100", free_memory_value="maybe",
                    POLICY_LOAD="no/such/ckpt", PROMPT_FILE="prompts.jsonl")
     assert bad.returncode == 2, bad.stdout + bad.stderr
     err = bad.stderr
     for expected in (
-        "free_memory_value=maybe: expected True or False",
-        "NNODES*GPUS_PER_NODE = 4*8 = 32 GPUs is not divisible by TP*PP = 16*3",
-        "TP=16 does not divide the policy model's (70b) 8 key-value heads",
-        "PP=3 does not divide the policy model's (70b) 80 layers",
+        "value.free_memory (environment variable free_memory_value=maybe): expected bool",
+        "(environment variable TP=16): world size 32 is not divisible by TP*PP = 16*3 = 48",
+        "(environment variable TP=16): 16 does not divide policy, reference, reward, value, ppo_policy, ppo_value's "
+        "num_query_groups=8",
+        "(environment variable PP=3): 3 does not divide policy, reference, reward, value, ppo_policy, ppo_value's "
+        "num_layers=80",
         "NNODES=4: a multi-node launch needs MASTER_ADDR",
-        "POLICY_LOAD=no/such/ckpt: not a converted checkpoint (no megatron_rlhf_model.json)",
+        f"(environment variable POLICY_LOAD={tmp_path}/no/such/ckpt): {tmp_path}/no/such/ckpt is not a model checkpoint",
         "REWARD_LOAD is not set",
-        "TOKENIZER is not set",
-        "PROMPT_FILE=prompts.jsonl: no such file",
+        "data.tokenizer.path (environment variable TOKENIZER, not set): tokenizer type 'hf' needs the path",
+        f"(environment variable PROMPT_FILE={tmp_path}/prompts.jsonl): {tmp_path}/prompts.jsonl: no such file",
         "run_ppo.sh: nothing was launched",
     ):
         assert expected in err, f"missing {expected!r} in:\n{err}"
+    assert "Traceback" not in err
 
     # Sizes that do not divide the data-parallel layout.
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
     batches = _run_ppo(tmp_path, MODEL_SIZE="tiny", GPUS_PER_NODE="4", TP="2", ROLLOUT_BATCH_SIZE="12",
                        TRAIN_GLOBAL_BATCH_SIZE="6", TRAIN_MICRO_BATCH_SIZE="2", PROMPT_FILE="prompts.jsonl")
     assert batches.returncode == 2
-    assert "TRAIN_GLOBAL_BATCH_SIZE=6 is not divisible by TRAIN_MICRO_BATCH_SIZE*DP = 2*2" in batches.stderr
-    assert "INFERENCE_MICRO_BATCH_SIZE=4 does not divide the per-rank rollout of 6" in batches.stderr
+    assert "(environment variable TRAIN_GLOBAL_BATCH_SIZE=6): 6 is not divisible by micro_batch_size*DP = 2*2" \
+        in batches.stderr, batches.stderr
+    assert "(environment variable INFERENCE_MICRO_BATCH_SIZE=4): 4 does not divide the per-rank rollout of 6" \
+        in batches.stderr, batches.stderr
 
     unknown = _run_ppo(tmp_path, MODEL_SIZE="65b")
     assert unknown.returncode == 2 and "MODEL_SIZE=65b: expected one of tiny, 7b, 13b, 70b" in unknown.stderr
 
     ok = _run_ppo(tmp_path, MODEL_SIZE="tiny", PROMPT_FILE="prompts.jsonl", CHECK_ONLY="1")
     assert ok.returncode == 0 and "inputs checked: tiny, 2 GPUs (TP=2 PP=1 DP=1)" in ok.stdout, ok.stderr
+
+
+def test_run_ppo_finds_the_repository_venv_and_says_when_the_package_is_missing(tmp_path):
+    missing = _run_ppo(tmp_path, PYTHON="false", MODEL_SIZE="tiny")
+    assert missing.returncode == 2
+    assert "PYTHON=false cannot import megatron_rlhf and torch; run 'make install'" in missing.stderr
+    if not (REPO / ".venv" / "bin" / "python").exists():
+        pytest.skip("no .venv in the repository (make install creates it)")
+    # As after `make demo`: nothing activated, no PYTHON, a PATH without the venv.
+    env = {k: v for k, v in _env().items() if k not in ("PYTHON", "VIRTUAL_ENV")}
+    env["PATH"] = "/usr/bin:/bin"
+    plan = subprocess.run(["bash", str(RUN_PPO)], cwd=tmp_path, env=dict(env, DRY_RUN="1", MODEL_SIZE="tiny"),
+                          capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    assert "dry run: nothing was launched" in plan.stdout
 
 
 def _llama2_70b_numels(tp: int, pp: int):
@@ -169,7 +188,7 @@ def test_train_dry_run_resolves_the_environment_and_checks_the_layout(tmp_path):
     ok = dry("--world-size", "16", "--nproc-per-node", "8", KL_COEF="0.123", TP="8", PP="1")
     assert ok.returncode == 0, ok.stderr
     assert "kl_coef: 0.123" in ok.stdout and "16 processes = 2 node(s) x 8; TP=8 PP=1 DP=2" in ok.stdout
-    assert "# not found on this machine" in ok.stdout and "data.prompt_file: not set" in ok.stdout
+    assert "# not found on this machine" in ok.stdout and "data.prompt_file (environment variable PROMPT_FILE, not set): no prompt file given" in ok.stdout
     assert "dry run: nothing was launched" in ok.stdout
     bad = dry("--world-size", "16", TP="3")
     assert bad.returncode == 2

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_rlhf.runtime import megatron_cpu
+from megatron_rlhf.runtime import megatron_compat, megatron_cpu
 
 
 def test_every_adaptation_site_matches_the_installed_megatron_core():
@@ -27,5 +27,15 @@ def test_a_moved_site_is_reported_by_name_file_and_lines(monkeypatch):
 def test_apply_refuses_to_run_on_changed_internals(monkeypatch):
     monkeypatch.setattr(megatron_cpu, "_applied", False)
     monkeypatch.setattr(megatron_cpu, "check_sites", lambda: ["x: expected 'y' in megatron/core/z.py lines 1-2"])
-    with pytest.raises(megatron_cpu.MegatronInternalsChanged, match="Re-verify each one"):
+    with pytest.raises(megatron_compat.MegatronInternalsChanged, match="Re-verify each in megatron_rlhf/runtime/megatron_cpu.py"):
         megatron_cpu.apply()
+
+
+def test_the_internals_used_on_every_platform_match_and_a_moved_one_is_refused(monkeypatch):
+    megatron_compat.check()  # the installed megatron-core: nothing moved
+    moved = megatron_compat.Site("optimizer/distrib_optimizer.py", "def save_parameter_state_renamed(")
+    monkeypatch.setitem(megatron_compat.ANCHORS, "dp_zero_optimizer_checkpoint", (moved,))
+    with pytest.raises(megatron_compat.MegatronInternalsChanged) as raised:
+        megatron_compat.check()
+    assert "dp_zero_optimizer_checkpoint: expected 'def save_parameter_state_renamed(' in " \
+        "megatron/core/optimizer/distrib_optimizer.py" in str(raised.value)

@@ -3,8 +3,9 @@
     OUTPUT/checkpoints/
       latest                          the name of the newest complete checkpoint (written last)
       iter_0000010/
-        trainer_state.pt              iteration, KL coefficient, running reward moments, data
-                                      position, RNG states, the layout it was written at
+        trainer_state.pt              the controller's state (iteration, KL coefficient, running
+                                      reward moments, data position, RNG states) and the layout
+                                      it was written at
         ppo_policy/, ppo_value/       model checkpoints (model_files.py layout: loadable at any
                                       TP/PP, convertible to Hugging Face) plus optim/:
           optim/mp_rank_TT_PPP.pt              the optimizer's common state (DP rank 0)
@@ -19,11 +20,9 @@ the previous checkpoint complete and ``latest`` pointing to it.
 from __future__ import annotations
 
 import os
-import random
 import shutil
-from typing import Optional
+from typing import Any, Dict, Mapping, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -34,8 +33,8 @@ from megatron_rlhf.checkpoint.model_files import (
     write_model_meta,
 )
 from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES
-from megatron_rlhf.memory.manager import inner_optimizers
 from megatron_rlhf.models.llama import load_local_state_dict, local_state_dict, unwrap
+from megatron_rlhf.runtime import megatron_compat as compat
 
 LATEST = "latest"
 
@@ -72,10 +71,11 @@ def _optim_files(role_dir: str, tp_rank: int, pp_rank: int):
     return base + ".pt", base + "_param_state.pt"
 
 
-def save_ppo_checkpoint(controller, output_dir: str) -> str:
-    """Save the controller's state after its current iteration (collective: every rank calls it)."""
+def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any], output_dir: str) -> str:
+    """Save the trainable roles and ``trainer_state`` (the controller's state_dict(), with its
+    ``iteration``) after that iteration (collective: every rank calls it)."""
     layout = _layout()
-    name = f"iter_{controller.iteration:07d}"
+    name = f"iter_{trainer_state['iteration']:07d}"
     root = checkpoints_dir(output_dir)
     final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp")
     rank0 = dist.get_rank() == 0
@@ -84,7 +84,7 @@ def save_ppo_checkpoint(controller, output_dir: str) -> str:
         os.makedirs(tmp)
     dist.barrier()
     for role_name in TRAINABLE_ROLES:
-        role = controller.roles[role_name]
+        role = roles[role_name]
         role_dir = os.path.join(tmp, role_name)
         common_file, param_file = _optim_files(role_dir, layout["tp_rank"], layout["pp_rank"])
         with role.resident("training"):
@@ -94,23 +94,14 @@ def save_ppo_checkpoint(controller, output_dir: str) -> str:
                 os.makedirs(os.path.dirname(common_file), exist_ok=True)
                 torch.save(role.optimizer.state_dict(), common_file)
             if role.config.use_distributed_optimizer:
-                role.optimizer.save_parameter_state(param_file)  # collective over DP; DP rank 0 writes
+                compat.save_dp_zero_state(role.optimizer, param_file)  # collective over DP; DP rank 0 writes
         if rank0:
             param = next(unwrap(role.model).parameters())
             write_model_meta(role_dir, role.config.model, ROLE_HEADS[role_name], param.dtype, layout["tp"], layout["pp"])
     dist.barrier()
     if rank0:
-        torch.save(
-            {
-                "iteration": controller.iteration,
-                "kl_coef": controller.kl_controller.value,
-                "score_moments": controller.score_moments.state_dict(),
-                "dataset": controller.dataset.state_dict(),
-                "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-                "layout": {k: layout[k] for k in ("tp", "pp", "dp")},
-            },
-            os.path.join(tmp, "trainer_state.pt"),
-        )
+        torch.save({**trainer_state, "layout": {k: layout[k] for k in ("tp", "pp", "dp")}},
+                   os.path.join(tmp, "trainer_state.pt"))
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         pointer_tmp = os.path.join(root, f".{LATEST}.tmp")
@@ -127,21 +118,23 @@ def _load_parameter_state(optimizer, path: str) -> None:
     saves it in the param groups, and load_state_dict has already restored it). Set the steps
     aside while the shards load. megatron also hands every parameter the same step tensor, which
     torch.optim.Adam increments in place once per parameter: give each its own."""
-    states = [inner.optimizer.state for inner in inner_optimizers(optimizer)]
+    states = [compat.adam_state(inner) for inner in compat.inner_optimizers(optimizer)]
     steps = [{p: s.pop("step") for p, s in state.items() if "step" in s} for state in states]
     try:
-        optimizer.load_parameter_state(path)
+        compat.load_dp_zero_state(optimizer, path)
     finally:
         for state, saved in zip(states, steps):
             for p, step in saved.items():
                 state[p]["step"] = step.clone()
 
 
-def load_ppo_checkpoint(controller, path: str) -> None:
-    """Restore the controller from checkpoint ``path`` (collective). TP and PP must be those it
-    was written at (the optimizer state is per model-parallel rank); DP may differ."""
+def load_ppo_checkpoint(roles: Mapping[str, Any], path: str) -> Dict[str, Any]:
+    """Restore the trainable roles from checkpoint ``path`` and return the trainer state saved with
+    them (for the controller's load_state_dict; collective). TP and PP must be those it was written
+    at (the optimizer state is per model-parallel rank); DP may differ. Everything is read to the
+    CPU first, whatever device wrote it."""
     layout = _layout()
-    state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)
+    state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
     saved = state["layout"]
     if (saved["tp"], saved["pp"]) != (layout["tp"], layout["pp"]):
         raise CheckpointError(
@@ -149,7 +142,7 @@ def load_ppo_checkpoint(controller, path: str) -> None:
             f"(now TP={layout['tp']} PP={layout['pp']}); DP may differ"
         )
     for role_name in TRAINABLE_ROLES:
-        role = controller.roles[role_name]
+        role = roles[role_name]
         role_dir = os.path.join(path, role_name)
         common_file, param_file = _optim_files(role_dir, layout["tp_rank"], layout["pp_rank"])
         # no_grad: fp32 main params can be views of the (grad-requiring) parameters.
@@ -157,17 +150,10 @@ def load_ppo_checkpoint(controller, path: str) -> None:
             shard = load_model_shard(role_dir, role.config.model, ROLE_HEADS[role_name], layout["tp"],
                                      layout["tp_rank"], layout["pp"], layout["pp_rank"])
             load_local_state_dict(role.model, shard)
-            role.optimizer.reload_model_params()
-            role.optimizer.load_state_dict(torch.load(common_file, weights_only=False))
+            compat.reload_main_params(role.optimizer)
+            role.optimizer.load_state_dict(torch.load(common_file, map_location="cpu", weights_only=False))
             if role.config.use_distributed_optimizer:
                 if not os.path.isfile(param_file):
                     raise CheckpointError(f"{param_file}: missing (the run used the distributed optimizer)")
                 _load_parameter_state(role.optimizer, param_file)
-    controller.iteration = state["iteration"]
-    controller.ledger.iteration = state["iteration"]
-    controller.kl_controller.value = state["kl_coef"]
-    controller.score_moments.load_state_dict(state["score_moments"])
-    controller.dataset.load_state_dict(state["dataset"])
-    random.setstate(state["rng"]["python"])
-    np.random.set_state(state["rng"]["numpy"])
-    torch.set_rng_state(state["rng"]["torch"])
+    return state

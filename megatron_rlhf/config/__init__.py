@@ -1,6 +1,8 @@
 """Configuration: YAML with ${ENV:default} and includes, typed objects, validation."""
 
-from megatron_rlhf.config.loader import ConfigError, load_config, load_tree
+from megatron_rlhf.config.errors import ConfigError
+from megatron_rlhf.config.loader import load_config, load_tree
+from megatron_rlhf.config.presets import LLAMA_PRESETS
 from megatron_rlhf.config.schema import (
     ROLE_HEADS,
     ROLE_NAMES,
@@ -14,6 +16,7 @@ from megatron_rlhf.config.validation import input_problems, layout_problems, val
 
 __all__ = [
     "ConfigError",
+    "LLAMA_PRESETS",
     "ModelArchConfig",
     "ParallelConfig",
     "RLHFConfig",

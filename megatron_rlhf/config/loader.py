@@ -12,20 +12,19 @@ import difflib
 import os
 import re
 import typing
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
+from megatron_rlhf.config.errors import ConfigError
+from megatron_rlhf.config.presets import LLAMA_PRESETS
 from megatron_rlhf.config.schema import ROLE_NAMES, ModelArchConfig, RLHFConfig
+from megatron_rlhf.config.validation import layout_problems, validate
 
 KeyPath = Tuple[str, ...]
 Sources = Dict[KeyPath, str]
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::([^}]*))?\}")
-
-
-class ConfigError(ValueError):
-    """Invalid configuration. The message names the file, the key and what would be valid."""
 
 
 def dotted(path: KeyPath) -> str:
@@ -53,25 +52,45 @@ def parse_scalar(text: str) -> Any:
     return text
 
 
+class LeafSource(str):
+    """The file a value was read from; ``env`` is ``NAME=value`` when the whole value came from an
+    environment variable, so that errors can name the variable the user set."""
+
+    env: Optional[str] = None
+
+    @classmethod
+    def of(cls, file: str, env: Optional[str] = None) -> "LeafSource":
+        source = cls(file)
+        source.env = env
+        return source
+
+
+def _lookup(match: "re.Match[str]", file: str, path: KeyPath) -> Tuple[str, bool]:
+    """The text of one ``${NAME:default}`` reference, and whether the environment supplied it."""
+    name, default = match.group(1), match.group(2)
+    if name in os.environ:
+        return os.environ[name], True
+    if default is None:
+        raise ConfigError(
+            f"{file}: {dotted(path)}: environment variable {name} is not set and "
+            f"'${{{name}}}' has no default; export {name} or write '${{{name}:default}}'"
+        )
+    return default, False
+
+
 def interpolate(value: str, file: str, path: KeyPath) -> Any:
     """Resolve ``${NAME:default}`` references; the environment wins over the default. A value that
     is one reference is typed (see parse_scalar); references inside longer text are substituted."""
+    return _interpolate_leaf(value, file, path)[0]
 
-    def lookup(match: "re.Match[str]") -> str:
-        name, default = match.group(1), match.group(2)
-        if name in os.environ:
-            return os.environ[name]
-        if default is None:
-            raise ConfigError(
-                f"{file}: {dotted(path)}: environment variable {name} is not set and "
-                f"'${{{name}}}' has no default; export {name} or write '${{{name}:default}}'"
-            )
-        return default
 
+def _interpolate_leaf(value: str, file: str, path: KeyPath) -> Tuple[Any, LeafSource]:
     whole = _ENV_REF.fullmatch(value.strip())
     if whole:
-        return parse_scalar(lookup(whole))
-    return _ENV_REF.sub(lookup, value)
+        text, from_env = _lookup(whole, file, path)
+        name = whole.group(1)
+        return parse_scalar(text), LeafSource.of(file, f"{name}={text}" if from_env else f"{name}, not set")
+    return _ENV_REF.sub(lambda m: _lookup(m, file, path)[0], value), LeafSource.of(file)
 
 
 def _interpolate_tree(node: Any, file: str, path: KeyPath, sources: Sources) -> Any:
@@ -87,7 +106,8 @@ def _interpolate_tree(node: Any, file: str, path: KeyPath, sources: Sources) -> 
     if isinstance(node, list):
         return [_interpolate_tree(v, file, path + (str(i),), sources) for i, v in enumerate(node)]
     if isinstance(node, str):
-        return interpolate(node, file, path)
+        value, sources[path] = _interpolate_leaf(node, file, path)
+        return value
     return node
 
 
@@ -214,8 +234,15 @@ def _check_type(value: Any, tp: Any) -> Tuple[bool, Any]:
     return isinstance(value, tp), value
 
 
-def build(cls: type, data: Any, sources: Sources, path: KeyPath, top_file: str) -> Any:
-    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types."""
+def describe(path: KeyPath, source: str) -> str:
+    """``file: key``, with the environment variable that set the value when one did."""
+    env = getattr(source, "env", None)
+    return f"{source}: {dotted(path)}" + (f" (environment variable {env})" if env else "")
+
+
+def build(cls: type, data: Any, sources: Sources, path: KeyPath, top_file: str, problems: List[str]) -> Any:
+    """Build dataclass ``cls`` from ``data``. Unknown keys and wrong types are appended to
+    ``problems`` (all of them, each naming file, key and what is valid) and left at their defaults."""
 
     def where(p: KeyPath) -> str:
         probe = p
@@ -224,7 +251,8 @@ def build(cls: type, data: Any, sources: Sources, path: KeyPath, top_file: str) 
         return sources.get(probe, top_file)
 
     if not isinstance(data, dict):
-        raise ConfigError(f"{where(path)}: {dotted(path)}: expected a mapping of keys, got {data!r}")
+        problems.append(f"{describe(path, where(path))}: expected a mapping of keys, got {data!r}")
+        return cls()
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
     kwargs = {}
@@ -233,36 +261,34 @@ def build(cls: type, data: Any, sources: Sources, path: KeyPath, top_file: str) 
         if key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
-            raise ConfigError(
-                f"{where(key_path)}: {dotted(key_path)}: unknown key; {hint}valid keys here are: "
+            problems.append(
+                f"{describe(key_path, where(key_path))}: unknown key; {hint}valid keys here are: "
                 + ", ".join(sorted(fields))
             )
+            continue
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = build(tp, value, sources, key_path, top_file)
+            kwargs[key] = build(tp, value, sources, key_path, top_file, problems)
             continue
         ok, converted = _check_type(value, tp)
         if not ok:
-            raise ConfigError(
-                f"{where(key_path)}: {dotted(key_path)}: expected {_type_name(tp)}, "
-                f"got {type(value).__name__} {value!r}"
-            )
+            shown = "nothing (empty)" if value is None else f"{type(value).__name__} {value!r}"
+            problems.append(f"{describe(key_path, where(key_path))}: expected {_type_name(tp)}, got {shown}")
+            continue
         kwargs[key] = converted
     obj = cls(**kwargs)
     if isinstance(obj, ModelArchConfig):
-        _apply_preset(obj, where(path + ("preset",)), path)
+        problems.extend(_apply_preset(obj, where(path + ("preset",)), path))
     return obj
 
 
-def _apply_preset(model: ModelArchConfig, file: str, path: KeyPath) -> None:
-    from megatron_rlhf.models.presets import LLAMA_PRESETS
-
+def _apply_preset(model: ModelArchConfig, file: str, path: KeyPath) -> List[str]:
     if model.preset is not None:
         if model.preset not in LLAMA_PRESETS:
-            raise ConfigError(
+            return [
                 f"{file}: {dotted(path + ('preset',))}: unknown preset {model.preset!r}; "
                 f"valid presets are: {', '.join(LLAMA_PRESETS)}"
-            )
+            ]
         explicit = {k for k, v in dataclasses.asdict(model).items() if v is not None}
         for key, value in LLAMA_PRESETS[model.preset].items():
             if key not in explicit:
@@ -271,22 +297,34 @@ def _apply_preset(model: ModelArchConfig, file: str, path: KeyPath) -> None:
                 "vocab_size", "max_position_embeddings")
     missing = [k for k in required if getattr(model, k) is None]
     if missing:
-        raise ConfigError(
+        return [
             f"{file}: {dotted(path)}: missing {', '.join(missing)}; set them or name a preset "
             f"({', '.join(LLAMA_PRESETS)})"
-        )
+        ]
+    return []
+
+
+def read_config(file: str) -> Tuple[RLHFConfig, List[str]]:
+    """The top config file as typed objects, without the cross-key checks, and the problems found
+    building it (unknown keys, wrong types; such keys keep their defaults). Raises ConfigError only
+    for a file that cannot be read at all."""
+    tree, sources = load_tree(file)
+    _attach_role_model_files(tree, sources)
+    problems: List[str] = []
+    config = build(RLHFConfig, tree, sources, (), os.path.abspath(file), problems)
+    config.origin = {dotted(p): f for p, f in sources.items()}
+    config.origin[""] = os.path.abspath(file)
+    return config, problems
 
 
 def load_config(file: str, world_size: Optional[int] = None, check_inputs: bool = True) -> RLHFConfig:
     """Load and validate the top config file (see validation.py for the checks); ``check_inputs``
-    False skips the checks that the files it names exist (a dry run on another machine)."""
-    from megatron_rlhf.config.validation import validate
-
-    tree, sources = load_tree(file)
-    _attach_role_model_files(tree, sources)
-    config = build(RLHFConfig, tree, sources, (), os.path.abspath(file))
-    config.origin = {dotted(p): f for p, f in sources.items()}
-    config.origin[""] = os.path.abspath(file)
+    False skips the checks that the files it names exist (a dry run on another machine). Every
+    problem is reported at once, in one ConfigError."""
+    config, problems = read_config(file)
+    if problems:
+        # The cross-key checks still run (on defaults where a key was refused): one report of all.
+        problems += layout_problems(config, world_size)
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     validate(config, world_size, check_inputs)
     return config
-

@@ -9,6 +9,9 @@ from typing import Dict, Literal, Optional
 
 ROLE_NAMES = ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value")
 TRAINABLE_ROLES = ("ppo_policy", "ppo_value")
+# Weight sync: each serving role runs the weights its trained role learns (same network). Where both
+# have the same precision the serving role's parameters are views of the trained role's storage.
+SERVED_WEIGHTS = {"policy": "ppo_policy", "value": "ppo_value"}
 # Which head each role's network ends in: vocabulary logits or one scalar per token.
 ROLE_HEADS = {
     "policy": "lm",
@@ -84,6 +87,12 @@ class RoleConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     recompute_activations: bool = False
+
+    def ems_switch(self, name: str) -> bool:
+        """An EMS switch (offload_weights, free_grad_buffers, offload_optimizer_state) as it
+        applies: its own value when set, else ``free_memory``."""
+        value = getattr(self, name)
+        return self.free_memory if value is None else value
 
 
 @dataclasses.dataclass
@@ -181,6 +190,11 @@ class RLHFConfig:
             key = key.rpartition(".")[0]
         return self.origin.get(key, self.origin.get("", "<config>"))
 
+    def at(self, key: str) -> str:
+        """``file: key`` for messages, naming the environment variable that set it when one did."""
+        env = getattr(self.origin.get(key), "env", None)
+        return f"{self.source_of(key)}: {key}" + (f" (environment variable {env})" if env else "")
+
     def path_of(self, key: str) -> Optional[str]:
         """A path-valued key resolved against the directory of the file that set it."""
         value = self
@@ -194,6 +208,12 @@ class RLHFConfig:
     def model_roles(self) -> tuple:
         """The roles that are networks (all but a function reward)."""
         return tuple(r for r in ROLE_NAMES if not (r == "reward" and self.reward.type == "function"))
+
+    def weight_owner(self, role: str) -> Optional[str]:
+        """The trained role whose weight storage ``role`` shares (same precision), or None: then
+        the role has weights of its own (a trained role, a frozen role, or a copy of another dtype)."""
+        owner = SERVED_WEIGHTS.get(role)
+        return owner if owner and self.role(role).precision == self.role(owner).precision else None
 
     def samples_per_step(self, role: str) -> int:
         """Samples per optimizer step of a trainable role, over all DP ranks (default: the rollout)."""

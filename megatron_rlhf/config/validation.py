@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
-from megatron_rlhf.config.loader import ConfigError
-from megatron_rlhf.config.schema import TRAINABLE_ROLES, RLHFConfig
+from megatron_rlhf.config.errors import ConfigError
+from megatron_rlhf.config.schema import SERVED_WEIGHTS, TRAINABLE_ROLES, RLHFConfig
 
 
 def _divisors(n: int) -> str:
@@ -23,19 +23,19 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
 
     for key, value in ((tp_key, tp), (pp_key, pp)):
         if value < 1:
-            problems.append(f"{config.source_of(key)}: {key}: must be >= 1, got {value}")
+            problems.append(f"{config.at(key)}: must be >= 1, got {value}")
     if problems:
         return problems
     if par.sequence_parallel and tp == 1:
         problems.append(
-            f"{config.source_of('parallel.sequence_parallel')}: parallel.sequence_parallel: needs "
+            f"{config.at('parallel.sequence_parallel')}: needs "
             "tensor_model_parallel_size > 1; set it to false or raise TP"
         )
     dp = None
     if world_size is not None:
         if world_size % (tp * pp) != 0:
             problems.append(
-                f"{config.source_of(tp_key)}: parallel: world size {world_size} is not divisible by "
+                f"{config.at(tp_key)}: world size {world_size} is not divisible by "
                 f"TP*PP = {tp}*{pp} = {tp * pp}; valid TP*PP for this world size: "
                 f"{_divisors(world_size)}"
             )
@@ -43,10 +43,17 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
             dp = world_size // (tp * pp)
 
     problems.extend(_reward_problems(config))
+    # Architecture checks once per distinct network, naming every role that uses it.
+    networks: List[tuple] = []
     for role in config.model_roles:
-        rc = config.role(role)
-        m = rc.model
-        at = f"{role}.model"
+        same = next((n for n in networks if n[0] == config.role(role).model), None)
+        if same is None:
+            networks.append((config.role(role).model, [role]))
+        else:
+            same[1].append(role)
+    for m, users in networks:
+        role = ", ".join(users)
+        at = f"{users[0]}.model"
         file = config.source_of(at)
         heads, groups = m.num_attention_heads, m.kv_groups
         if heads % groups != 0:
@@ -61,42 +68,44 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
             )
         if heads % tp != 0:
             problems.append(
-                f"{config.source_of(tp_key)}: {tp_key}: {tp} does not divide {role}'s "
+                f"{config.at(tp_key)}: {tp} does not divide {role}'s "
                 f"num_attention_heads={heads} ({file}); valid TP: {_divisors(heads)}"
             )
         elif groups % tp != 0:
             problems.append(
-                f"{config.source_of(tp_key)}: {tp_key}: {tp} does not divide {role}'s "
+                f"{config.at(tp_key)}: {tp} does not divide {role}'s "
                 f"num_query_groups={groups} (grouped-query attention, {file}); valid TP: "
                 f"{_divisors(groups)}"
             )
         if m.ffn_hidden_size % tp != 0:
             problems.append(
-                f"{config.source_of(tp_key)}: {tp_key}: {tp} does not divide {role}'s "
+                f"{config.at(tp_key)}: {tp} does not divide {role}'s "
                 f"ffn_hidden_size={m.ffn_hidden_size} ({file})"
             )
         if m.num_layers % pp != 0:
             problems.append(
-                f"{config.source_of(pp_key)}: {pp_key}: {pp} does not divide {role}'s "
+                f"{config.at(pp_key)}: {pp} does not divide {role}'s "
                 f"num_layers={m.num_layers} ({file}); valid PP: {_divisors(m.num_layers)}"
             )
+    for role in config.model_roles:
+        rc = config.role(role)
         if rc.micro_batch_size < 1:
             problems.append(
-                f"{config.source_of(role + '.micro_batch_size')}: {role}.micro_batch_size: must be "
+                f"{config.at(role + '.micro_batch_size')}: must be "
                 f">= 1, got {rc.micro_batch_size}"
             )
         if role in TRAINABLE_ROLES and rc.global_batch_size is not None and dp is not None:
             step = rc.micro_batch_size * dp
             if rc.global_batch_size % step != 0:
                 problems.append(
-                    f"{config.source_of(role + '.global_batch_size')}: {role}.global_batch_size: "
+                    f"{config.at(role + '.global_batch_size')}: "
                     f"{rc.global_batch_size} is not divisible by micro_batch_size*DP = "
                     f"{rc.micro_batch_size}*{dp} = {step}; use a multiple of {step}"
                 )
 
     problems.extend(_run_problems(config, dp))
-    # Weight sync copies or shares trained weights into the inference role: same network.
-    for trained, serving in (("ppo_policy", "policy"), ("ppo_value", "value")):
+    # Weight sync copies or shares trained weights into the serving role: same network.
+    for serving, trained in SERVED_WEIGHTS.items():
         if config.role(trained).model != config.role(serving).model:
             problems.append(
                 f"{config.source_of(trained + '.model')}: {trained}.model: differs from "
@@ -106,17 +115,36 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
     return problems
 
 
+def weight_sharing_notes(config: RLHFConfig) -> List[str]:
+    """Where a serving role shares its trained role's weight storage, the weights leave the device
+    by either role's ``offload_weights``: say so when the two switches differ (not an error)."""
+    notes = []
+    for serving in SERVED_WEIGHTS:
+        owner = config.weight_owner(serving) if serving in config.model_roles else None
+        if owner is None:
+            continue
+        mine, theirs = (config.role(r).ems_switch("offload_weights") for r in (serving, owner))
+        if mine != theirs:
+            who, other = (serving, owner) if mine else (owner, serving)
+            notes.append(
+                f"{serving} shares {owner}'s weight storage, so {who}'s offload_weights=True moves the "
+                f"weights of both off the device after {who} runs, although {other}'s is False "
+                f"({config.at(who + '.free_memory')})"
+            )
+    return notes
+
+
 def _reward_problems(config: RLHFConfig) -> List[str]:
     reward = config.reward
     if reward.type == "function":
         if not reward.function or ":" not in reward.function:
             return [
-                f"{config.source_of('reward.function')}: reward.function: reward.type is 'function', "
+                f"{config.at('reward.function')}: reward.type is 'function', "
                 f"so name the rule as 'module:callable' or 'file.py:callable', got {reward.function!r}"
             ]
     elif reward.function is not None:
         return [
-            f"{config.source_of('reward.function')}: reward.function: set, but reward.type is "
+            f"{config.at('reward.function')}: set, but reward.type is "
             "'model'; set reward.type: function to use it, or remove it"
         ]
     return []
@@ -128,7 +156,7 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
     ppo, gen, data = config.ppo, config.generation, config.data
 
     def bad(key: str, message: str) -> None:
-        problems.append(f"{config.source_of(key)}: {key}: {message}")
+        problems.append(f"{config.at(key)}: {message}")
 
     for key, value, low in (
         ("ppo.iterations", ppo.iterations, 1),
@@ -196,7 +224,7 @@ def input_problems(config: RLHFConfig, needs_prompts: bool = False) -> List[str]
     problems: List[str] = []
 
     def missing(key: str, message: str) -> None:
-        problems.append(f"{config.source_of(key)}: {key}: {message}")
+        problems.append(f"{config.at(key)}: {message}")
 
     for role in config.model_roles:
         load = config.path_of(role + ".load")
@@ -212,7 +240,7 @@ def input_problems(config: RLHFConfig, needs_prompts: bool = False) -> List[str]
             missing("data.tokenizer.path", f"{path}: no such file (expected a Hugging Face tokenizer.json)")
     prompt_file = config.path_of("data.prompt_file")
     if prompt_file is None and needs_prompts:
-        missing("data.prompt_file", 'not set; name a JSONL file of {"prompt": ...} lines')
+        missing("data.prompt_file", 'no prompt file given; name a JSONL file of {"prompt": ...} lines')
     elif prompt_file is not None and not os.path.isfile(prompt_file):
         missing("data.prompt_file", f"{prompt_file}: no such file (expected JSONL, one {{\"prompt\": ...}} per line)")
     return problems

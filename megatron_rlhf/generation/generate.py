@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.generation.sampling import SamplingParams, sample_next
+from megatron_rlhf.models.batches import action_mask
 from megatron_rlhf.models.llama import unwrap
 from megatron_rlhf.models.pipeline import broadcast_from_last_stage
 
@@ -37,10 +38,8 @@ class Generated:
         return self.prompt_lengths + self.response_lengths
 
     def action_mask(self) -> torch.Tensor:
-        """[B, S-1]: position t is 1 when token t+1 is a response token (position t's logits chose it)."""
-        positions = torch.arange(1, self.tokens.shape[1], device=self.tokens.device).unsqueeze(0)
-        start = self.prompt_lengths.unsqueeze(1)
-        return ((positions >= start) & (positions < (start + self.response_lengths.unsqueeze(1)))).to(torch.float32)
+        """[B, S-1] (see models/batches.py): 1 where the action emitted a response token."""
+        return action_mask(self.tokens.shape[1], self.prompt_lengths, self.response_lengths)
 
 
 def right_pad(prompts: torch.Tensor, lengths: torch.Tensor, pad_id: int, side: Literal["left", "right"]) -> torch.Tensor:

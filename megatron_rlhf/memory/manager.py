@@ -24,6 +24,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 
 import torch
 
+from megatron_rlhf.runtime import megatron_compat as compat
 from megatron_rlhf.runtime.platform import DevicePlatform, get_platform
 
 GRADS, MAIN_PARAMS, OPTIMIZER_STATE, WEIGHTS, OTHER = (
@@ -54,13 +55,10 @@ class EMSSwitches:
 
     @classmethod
     def from_role_config(cls, rc) -> "EMSSwitches":
-        def pick(value: Optional[bool]) -> bool:
-            return rc.free_memory if value is None else value
-
         return cls(
-            offload_weights=pick(rc.offload_weights),
-            free_grad_buffers=pick(rc.free_grad_buffers),
-            offload_optimizer_state=pick(rc.offload_optimizer_state),
+            offload_weights=rc.ems_switch("offload_weights"),
+            free_grad_buffers=rc.ems_switch("free_grad_buffers"),
+            offload_optimizer_state=rc.ems_switch("offload_optimizer_state"),
             empty_cache=rc.empty_cache,
         )
 
@@ -139,16 +137,6 @@ class _StorageMover:
         return sum(host.numel() for _, host in self._host.values())
 
 
-def inner_optimizers(optimizer) -> List:
-    """The megatron optimizers inside a ChainedOptimizer (or the optimizer itself)."""
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-
-
-def _flatten(groups) -> Iterator[torch.Tensor]:
-    for group in groups:
-        yield from group
-
-
 class RoleMemory:
     """EMS for one role: its model (megatron DDP for trainable roles) and optimizer (or None)."""
 
@@ -178,14 +166,6 @@ class RoleMemory:
 
     # -- what each kind is made of ------------------------------------------------------------
 
-    def _ddp_buffers(self) -> list:
-        """megatron DDP's _ParamAndGradBuffers (none for a model without DDP)."""
-        from megatron.core.distributed import DistributedDataParallel
-
-        if not isinstance(self.model, DistributedDataParallel):
-            return []
-        return list(self.model.buffers) + list(self.model.expert_parallel_buffers)
-
     def share_weights_with(self, owner: "RoleMemory") -> None:
         """This role's parameters now alias ``owner``'s storage: its weights move with the owner's
         (onload and offload act on the owner's) and are counted once, on the owner."""
@@ -197,22 +177,22 @@ class RoleMemory:
         if kind == WEIGHTS and self.weights_owner is not None:
             return []
         if kind == WEIGHTS:
-            buffers = [b.param_data for b in self._ddp_buffers() if b.param_data is not None]
-            in_buffers = {id(p) for b in self._ddp_buffers() if b.param_data is not None for p in b.params}
-            return buffers + [p for p in self.model.parameters() if id(p) not in in_buffers]
+            with_storage = [b for b in compat.ddp_buffers(self.model) if compat.buffer_param_storage(b) is not None]
+            in_buffers = {id(p) for b in with_storage for p in compat.buffer_params(b)}
+            return [compat.buffer_param_storage(b) for b in with_storage] + [
+                p for p in self.model.parameters() if id(p) not in in_buffers
+            ]
         if kind == GRADS:
-            return [b.grad_data for b in self._ddp_buffers() if b.grad_data is not None]
+            grads = (compat.buffer_grad_storage(b) for b in compat.ddp_buffers(self.model))
+            return [g for g in grads if g is not None]
         if self.optimizer is None:
             return []
         out: List[torch.Tensor] = []
-        for opt in inner_optimizers(self.optimizer):
+        for opt in compat.inner_optimizers(self.optimizer):
             if kind == MAIN_PARAMS:
-                if hasattr(opt, "shard_fp32_from_float16_groups"):
-                    out.extend(_flatten(opt.shard_fp32_from_float16_groups))
-                elif hasattr(opt, "fp32_from_float16_groups"):
-                    out.extend(_flatten(opt.fp32_from_float16_groups))
+                out.extend(compat.main_param_tensors(opt))
             elif kind == OPTIMIZER_STATE:
-                for state in opt.optimizer.state.values():
+                for state in compat.adam_state(opt).values():
                     out.extend(v for v in state.values() if torch.is_tensor(v))
         return out
 
@@ -269,7 +249,7 @@ class RoleMemory:
             if kind not in kinds or self.is_resident(kind):
                 continue
             if kind == GRADS:
-                self.model.restore_grad_buffers(synchronize=False)
+                compat.restore_grad_buffers(self.model)
                 self._grads_freed = False
             elif kind == WEIGHTS and self.weights_owner is not None:
                 self.weights_owner.onload([WEIGHTS])
@@ -278,7 +258,7 @@ class RoleMemory:
         self.platform.synchronize()
 
     def _free_grads(self) -> None:
-        if not self._ddp_buffers():
+        if not compat.ddp_buffers(self.model):
             return
         if self._backward_since_step:
             raise GradientsInUse(
@@ -286,7 +266,7 @@ class RoleMemory:
                 "gradients still being accumulated; freeing them now would discard them. Finish the "
                 "step first, or offload without 'grads'."
             )
-        self.model.offload_grad_buffers(synchronize=True, empty_cache=False)
+        compat.free_grad_buffers(self.model)
         self._grads_freed = True
 
     @contextlib.contextmanager

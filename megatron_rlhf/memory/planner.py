@@ -16,7 +16,7 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
-from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES, ModelArchConfig, RLHFConfig, RoleConfig
+from megatron_rlhf.config.schema import ROLE_HEADS, SERVED_WEIGHTS, TRAINABLE_ROLES, ModelArchConfig, RLHFConfig, RoleConfig
 from megatron_rlhf.memory.manager import GRADS, LEDGER_KINDS as KINDS, MAIN_PARAMS, OPTIMIZER_STATE, PHASE_NEEDS, WEIGHTS, EMSSwitches
 
 TRANSIENT = ("activations", "kv_cache")
@@ -30,8 +30,6 @@ PHASES = (
     ("train_policy", "ppo_policy", "activations"),
     ("train_value", "ppo_value", "activations"),
 )
-# Weight sync shares storage: the serving role's weights are the trained role's.
-WEIGHT_OWNER = {"policy": "ppo_policy", "value": "ppo_value"}
 
 
 def param_numels(arch: ModelArchConfig, head: str, tp: int, pp: int, pp_rank: int) -> List[int]:
@@ -137,13 +135,6 @@ def micro_batches_per_step(config: RLHFConfig, role: str, dp: int) -> int:
     return max(1, config.samples_per_step(role) // (config.role(role).micro_batch_size * dp))
 
 
-def weight_owner(config: RLHFConfig, role: str) -> Optional[str]:
-    """The trained role whose weights ``role`` serves without a copy (weight sync shares the
-    storage when the dtypes match), or None."""
-    owner = WEIGHT_OWNER.get(role)
-    return owner if owner and config.role(role).precision == config.role(owner).precision else None
-
-
 @dataclasses.dataclass
 class Plan:
     roles: Dict[str, Dict[str, int]]  # role -> kind -> bytes (resident when active)
@@ -182,14 +173,14 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
                                                         rc.precision, rc.recompute_activations, trainable),
             "kv_cache": kv_cache_bytes(rc.model, decoded_at_once, seq, tp, pp, rc.precision) if name == "policy" else 0,
         }
-    for serving in WEIGHT_OWNER:
-        if serving in roles and weight_owner(config, serving):
+    for serving in SERVED_WEIGHTS:
+        if serving in roles and config.weight_owner(serving):
             roles[serving] = dict(roles[serving], **{WEIGHTS: 0})
     phases, resident = {}, {}
     for phase, active, extra in PHASES:
         if active not in roles:
             continue
-        active_owner = WEIGHT_OWNER.get(active)
+        active_owner = SERVED_WEIGHTS.get(active)
         table = {}
         for name, kinds in roles.items():
             kept = set(KINDS) - set(switches[name].kinds())

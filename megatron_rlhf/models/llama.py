@@ -6,19 +6,15 @@ A built model is a megatron ``GPTModel`` for this process's pipeline stage and T
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
 
 from megatron_rlhf.config.schema import ModelArchConfig, ParallelConfig
+from megatron_rlhf.runtime.platform import get_platform
 
 Head = Literal["lm", "scalar"]
-
-
-def transformer_engine_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
 def make_transformer_config(
@@ -31,7 +27,6 @@ def make_transformer_config(
     log-probs in rollout and training)."""
     from megatron.core.transformer import TransformerConfig
 
-    on_cpu = not torch.cuda.is_available()
     extra = {}
     if recompute_activations:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -57,7 +52,7 @@ def make_transformer_config(
         params_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
         bf16=precision == "bf16",
         pipeline_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
-        use_cpu_initialization=on_cpu,
+        use_cpu_initialization=get_platform().use_cpu_initialization,
         # Fused kernels need apex / transformer-engine; megatron's unfused paths compute the same.
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -106,7 +101,7 @@ class ScalarHead(torch.nn.Module):
 
 def layer_spec():
     """transformer-engine layers on GPU when installed, megatron-core's local layers otherwise."""
-    if transformer_engine_available():
+    if get_platform().has_transformer_engine:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
@@ -133,7 +128,7 @@ def build_model(
 
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
-    if parallel.sequence_parallel and not transformer_engine_available():
+    if parallel.sequence_parallel and not get_platform().has_transformer_engine:
         raise ValueError(
             "parallel.sequence_parallel: needs transformer-engine on a CUDA machine (megatron's "
             "torch norm layers do not support it); set sequence_parallel: false"
@@ -159,8 +154,7 @@ def build_model(
         model.output_layer = ScalarHead(config, arch.hidden_size)
     elif head not in ("lm", "scalar"):
         raise ValueError(f"head must be 'lm' or 'scalar', got {head!r}")
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
+    model = get_platform().place_module(model)
     if precision == "bf16":
         model = Float16Module(config, model)
     return model
@@ -185,7 +179,7 @@ def load_local_state_dict(model: torch.nn.Module, state_dict: dict) -> None:
     from megatron_rlhf.models.sharding import to_te_layer_names
 
     inner = unwrap(model)
-    if transformer_engine_available():
+    if get_platform().has_transformer_engine:
         state_dict = to_te_layer_names(state_dict)
     expected = {k for k in inner.state_dict() if not k.endswith("._extra_state")}
     missing, unexpected = expected - set(state_dict), set(state_dict) - expected

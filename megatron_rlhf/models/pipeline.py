@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-MicroBatch = Dict[str, torch.Tensor]
+from megatron_rlhf.models.batches import MicroBatch
 # loss_fn(output, micro_batch) -> (loss scalar, metrics dict); output: [b, s, vocab/TP] or [b, s, 1]
 LossFn = Callable[[torch.Tensor, MicroBatch], Tuple[torch.Tensor, Dict[str, Any]]]
 

@@ -8,14 +8,15 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from megatron_rlhf.config.schema import RoleConfig
+from megatron_rlhf.models.batches import at_actions, next_tokens
 from megatron_rlhf.models.llama import unwrap
+from megatron_rlhf.runtime import megatron_compat as compat
 from megatron_rlhf.models.pipeline import LossFn, MicroBatch, forward_backward
 
 
 def wrap_for_training(model: torch.nn.Module, role: RoleConfig) -> Tuple[torch.nn.Module, Any]:
     """Wrap ``model`` in megatron DDP and build its optimizer. Returns (ddp_model, optimizer)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = unwrap(model).config
@@ -42,10 +43,7 @@ def wrap_for_training(model: torch.nn.Module, role: RoleConfig) -> Tuple[torch.n
     # Megatron builds param groups with max_lr/min_lr for its scheduler; without one, set lr here.
     for group in optimizer.param_groups:
         group["lr"] = role.lr
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp_model.no_sync
-    if role.overlap_grad_reduce:
-        config.grad_sync_func = ddp_model.start_grad_sync
+    compat.wire_grad_sync(config, ddp_model, role.overlap_grad_reduce)
     return ddp_model, optimizer
 
 
@@ -69,6 +67,12 @@ def next_token_loss(output: torch.Tensor, mb: MicroBatch) -> Tuple[torch.Tensor,
     ``mb["tokens"]`` [b, s] shifted by one (the last position has no target)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    labels = torch.roll(mb["tokens"], -1, dims=1)
-    loss = vocab_parallel_cross_entropy(output.float(), labels)[:, :-1].mean()
+    loss = at_actions(vocab_parallel_cross_entropy(output.float(), next_tokens(mb["tokens"]))).mean()
+    return loss, {"loss": loss.detach()}
+
+
+def scalar_regression_loss(output: torch.Tensor, mb: MicroBatch) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """Mean squared distance of a scalar head's every output [b, s, 1] from 1.0: a loss any value
+    head can drive down (the smoke check and the EMS benchmark train scalar-head roles on it)."""
+    loss = ((output.float().squeeze(-1) - 1.0) ** 2).mean()
     return loss, {"loss": loss.detach()}

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rlhf.models.batches import at_actions, next_tokens
+
 
 def _real_vocab_logits(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
     from megatron.core import parallel_state as ps
@@ -32,7 +34,7 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
 
 def next_token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
     """log p(token t+1 | tokens <= t): logits [b, s, V/TP], tokens [b, s] -> [b, s-1]."""
-    return token_log_probs(logits, torch.roll(tokens, -1, dims=1), vocab_size, temperature)[:, :-1]
+    return at_actions(token_log_probs(logits, next_tokens(tokens), vocab_size, temperature))
 
 
 @torch.no_grad()

@@ -24,14 +24,8 @@ class Role:
     name: str
     config: RoleConfig
     model: torch.nn.Module  # megatron DDP around the network for trainable roles
-    optimizer: Optional[Any] = None
-    memory: Optional[RoleMemory] = None
-
-    def __post_init__(self):
-        if self.memory is None:
-            self.memory = RoleMemory(
-                self.name, self.model, self.optimizer, EMSSwitches.from_role_config(self.config)
-            )
+    optimizer: Optional[Any]
+    memory: RoleMemory
 
     def resident(self, phase: str):
         """``with role.resident("inference" | "training"): ...``: onload what the phase needs,
@@ -112,6 +106,12 @@ def build_role(name: str, config: RLHFConfig) -> Role:
     optimizer = None
     if name in TRAINABLE_ROLES:
         model, optimizer = wrap_for_training(model, role_config)
-    role = Role(name, role_config, model, optimizer)
+    role = assemble_role(name, role_config, model, optimizer)
     role.memory.offload()  # idle from birth: the next role is built with this one off the device
     return role
+
+
+def assemble_role(name: str, role_config: RoleConfig, model: torch.nn.Module, optimizer: Optional[Any] = None) -> Role:
+    """A role around a built model (and optimizer), with its EMS manager set up from the role's switches."""
+    memory = RoleMemory(name, model, optimizer, EMSSwitches.from_role_config(role_config))
+    return Role(name, role_config, model, optimizer, memory)

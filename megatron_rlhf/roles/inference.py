@@ -2,32 +2,20 @@
 per-token values (value) and sequence scores (reward model). Each result is assembled on the last
 pipeline stage and handed to every stage, so every rank holds the whole rollout.
 
-Layout: ``tokens`` [B, S] is prompt then response, right-padded; position t of a [B, S-1] result
-belongs to the action "emit token t+1" (see Generated.action_mask).
+Layout: ``tokens`` [B, S] is prompt then response, right-padded; per-token results are [B, S-1]
+over action positions (models/batches.py).
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Sequence
 
 import torch
 
-from megatron_rlhf.models.pipeline import MicroBatch, broadcast_from_last_stage
+from megatron_rlhf.models.batches import MicroBatch, split_rows, state_values
+from megatron_rlhf.models.pipeline import broadcast_from_last_stage
 from megatron_rlhf.models.vocab_parallel import next_token_log_probs
 from megatron_rlhf.roles.base import Reduce, Role
-
-
-def state_values(output: torch.Tensor) -> torch.Tensor:
-    """A scalar head's output [b, s, 1] as the value of each state before an action: [b, s-1]."""
-    return output.float().squeeze(-1)[:, :-1]
-
-
-def split_rows(size: int, **columns: torch.Tensor) -> List[MicroBatch]:
-    """The rows of every column, cut into micro-batches of ``size`` rows."""
-    rows = next(iter(columns.values())).shape[0]
-    if rows % size:
-        raise ValueError(f"{rows} rows do not split into micro-batches of {size}")
-    return [{k: v[i : i + size] for k, v in columns.items()} for i in range(0, rows, size)]
 
 
 def _rows(role: Role, micro_batches: Sequence[MicroBatch], reduce: Reduce, tail: tuple) -> torch.Tensor:

@@ -12,7 +12,7 @@ from typing import Optional
 from megatron_rlhf import ppo
 from megatron_rlhf.models.pipeline import LossFn
 from megatron_rlhf.models.vocab_parallel import next_token_log_probs, token_entropy
-from megatron_rlhf.roles.inference import state_values
+from megatron_rlhf.models.batches import at_actions, state_values
 
 
 def policy_loss_fn(vocab_size: int, temperature: float, clip_ratio: float) -> LossFn:
@@ -20,7 +20,7 @@ def policy_loss_fn(vocab_size: int, temperature: float, clip_ratio: float) -> Lo
         logp = next_token_log_probs(output, mb["tokens"], vocab_size, temperature)
         mask = mb["action_mask"]
         loss, stats = ppo.policy_loss(logp, mb["old_log_probs"], mb["advantages"], mask, clip_ratio)
-        entropy = ppo.masked_mean(token_entropy(output.detach(), vocab_size, temperature)[:, :-1], mask)
+        entropy = ppo.masked_mean(at_actions(token_entropy(output.detach(), vocab_size, temperature)), mask)
         return loss, {"loss": loss.detach(), "entropy": entropy, **stats}
 
     return loss_fn

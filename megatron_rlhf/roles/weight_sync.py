@@ -19,7 +19,10 @@ from megatron_rlhf.roles.base import Role
 
 
 class WeightSync:
-    def __init__(self, trained: Role, serving: Role):
+    """``share``: the serving role's parameters become views of the trained role's storage (the
+    config's rule, RLHFConfig.weight_owner: same precision); otherwise weights are copied."""
+
+    def __init__(self, trained: Role, serving: Role, share: bool):
         self.trained, self.serving = trained, serving
         src = dict(unwrap(trained.model).named_parameters())
         dst = dict(unwrap(serving.model).named_parameters())
@@ -30,7 +33,9 @@ class WeightSync:
                 f"(first mismatching parameters: {(mismatched or sorted(set(dst) ^ set(src)))[:3]})"
             )
         self.pairs = [(src[n], dst[n]) for n in src]
-        self.shared = all(s.dtype == d.dtype for s, d in self.pairs)
+        self.shared = share
+        if share and any(s.dtype != d.dtype for s, d in self.pairs):
+            raise ValueError(f"weight sync {trained.name} -> {serving.name}: storage sharing needs one dtype")
         if self.shared:
             with self._both_onloaded():
                 for s, d in self.pairs:

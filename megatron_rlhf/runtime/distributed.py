@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.config.schema import ParallelConfig
+from megatron_rlhf.runtime import megatron_compat
 from megatron_rlhf.runtime.platform import get_platform
 
 
@@ -40,6 +41,7 @@ def init_distributed(layout: ParallelConfig, seed: int = 1234, timeout_minutes: 
     if layout.sequence_parallel and layout.tensor_model_parallel_size == 1:
         raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
 
+    megatron_compat.check()
     platform = get_platform()
     platform.setup(local_rank)
     if not dist.is_initialized():

@@ -16,25 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.metadata
-import os
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, List, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-# Versions whose internals these adaptations were checked against (see ../shared/MEGATRON_ON_CPU.md).
-CHECKED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
+from megatron_rlhf.runtime.megatron_compat import Site, raise_if_changed, site_problems
 
-
-@dataclasses.dataclass(frozen=True)
-class Site:
-    """A place in megatron-core an adaptation answers: file (relative to megatron/core), 1-based
-    inclusive line range, and text that must appear in those lines."""
-
-    file: str
-    lines: Tuple[int, int]
-    anchor: str
+# Measured facts behind these adaptations: docs/megatron_on_cpu.md.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,13 +185,13 @@ ADAPTATIONS: List[Adaptation] = [
         name="current_device_is_cpu",
         why="tensors are allocated on torch.cuda.current_device(); on CPU that call raises",
         sites=(
-            Site("models/common/embeddings/rotary_pos_embedding.py", (160, 163),
-                 "self.inv_freq.to(device=torch.cuda.current_device())"),
-            Site("utils.py", (625, 635), "device=torch.cuda.current_device()"),
-            Site("distributed/param_and_grad_buffer.py", (778, 810),
-                 "device=torch.cuda.current_device()"),
-            Site("pipeline_parallel/p2p_communication.py", (188, 204),
-                 "device=torch.cuda.current_device()"),
+            Site("models/common/embeddings/rotary_pos_embedding.py", lines=(160, 163),
+                 anchor="self.inv_freq.to(device=torch.cuda.current_device())"),
+            Site("utils.py", lines=(625, 635), anchor="device=torch.cuda.current_device()"),
+            Site("distributed/param_and_grad_buffer.py", lines=(778, 810),
+                 anchor="device=torch.cuda.current_device()"),
+            Site("pipeline_parallel/p2p_communication.py", lines=(188, 204),
+                 anchor="device=torch.cuda.current_device()"),
         ),
         apply=_current_device_is_cpu,
     ),
@@ -210,10 +199,10 @@ ADAPTATIONS: List[Adaptation] = [
         name="streams_and_events_are_noops",
         why="DDP's overlapped grad sync and p2p use CUDA streams, events and synchronize",
         sites=(
-            Site("distributed/distributed_data_parallel.py", (228, 232), "torch.cuda.Stream("),
-            Site("distributed/param_and_grad_buffer.py", (415, 424), "torch.cuda.stream("),
-            Site("distributed/param_and_grad_buffer.py", (527, 531), "torch.cuda.default_stream()"),
-            Site("pipeline_parallel/p2p_communication.py", (240, 244), "torch.cuda.synchronize()"),
+            Site("distributed/distributed_data_parallel.py", lines=(228, 232), anchor="torch.cuda.Stream("),
+            Site("distributed/param_and_grad_buffer.py", lines=(415, 424), anchor="torch.cuda.stream("),
+            Site("distributed/param_and_grad_buffer.py", lines=(527, 531), anchor="torch.cuda.default_stream()"),
+            Site("pipeline_parallel/p2p_communication.py", lines=(240, 244), anchor="torch.cuda.synchronize()"),
         ),
         apply=_streams_and_events_are_noops,
     ),
@@ -222,13 +211,13 @@ ADAPTATIONS: List[Adaptation] = [
         why="optimizer, grad scaler, grad clipping and masks create tensors with device='cuda'; "
         "the optimizer accepts only parameters whose type() is a torch.cuda.* name",
         sites=(
-            Site("optimizer/optimizer.py", (471, 487), "device='cuda'"),
-            Site("optimizer/optimizer.py", (688, 699), "'torch.cuda.FloatTensor'"),
-            Site("optimizer/distrib_optimizer.py", (418, 435), "'torch.cuda.FloatTensor'"),
-            Site("optimizer/clip_grads.py", (88, 117), "device='cuda'"),
-            Site("optimizer/grad_scaler.py", (13, 16), "device='cuda'"),
-            Site("transformer/utils.py", (33, 36), 'device="cuda"'),
-            Site("distributed/param_and_grad_buffer.py", (766, 770), 'device="cuda"'),
+            Site("optimizer/optimizer.py", lines=(471, 487), anchor="device='cuda'"),
+            Site("optimizer/optimizer.py", lines=(688, 699), anchor="'torch.cuda.FloatTensor'"),
+            Site("optimizer/distrib_optimizer.py", lines=(418, 435), anchor="'torch.cuda.FloatTensor'"),
+            Site("optimizer/clip_grads.py", lines=(88, 117), anchor="device='cuda'"),
+            Site("optimizer/grad_scaler.py", lines=(13, 16), anchor="device='cuda'"),
+            Site("transformer/utils.py", lines=(33, 36), anchor='device="cuda"'),
+            Site("distributed/param_and_grad_buffer.py", lines=(766, 770), anchor='device="cuda"'),
         ),
         apply=_cuda_device_literals_map_to_cpu,
     ),
@@ -236,9 +225,9 @@ ADAPTATIONS: List[Adaptation] = [
         name="rng_tracker_uses_cpu_generator",
         why="CudaRNGStatesTracker.add/fork read and set torch.cuda RNG states",
         sites=(
-            Site("tensor_parallel/random.py", (233, 240), "torch.cuda.get_rng_state()"),
-            Site("tensor_parallel/random.py", (282, 283), "_CUDA_RNG_STATE_TRACKER_INITIALIZED = False"),
-            Site("tensor_parallel/random.py", (300, 303), "if _CUDA_RNG_STATE_TRACKER_INITIALIZED:"),
+            Site("tensor_parallel/random.py", lines=(233, 240), anchor="torch.cuda.get_rng_state()"),
+            Site("tensor_parallel/random.py", lines=(282, 283), anchor="_CUDA_RNG_STATE_TRACKER_INITIALIZED = False"),
+            Site("tensor_parallel/random.py", lines=(300, 303), anchor="if _CUDA_RNG_STATE_TRACKER_INITIALIZED:"),
         ),
         apply=_rng_tracker_uses_cpu_generator,
     ),
@@ -247,50 +236,19 @@ ADAPTATIONS: List[Adaptation] = [
         why="activation recompute (CheckpointFunction) saves and restores torch.cuda RNG states, "
         "and re-runs forward code inside backward, out of reach of the device mode",
         sites=(
-            Site("tensor_parallel/random.py", (444, 450), "cuda_rng_state = _get_cuda_rng_state("),
-            Site("tensor_parallel/random.py", (454, 459), "_set_cuda_rng_state("),
-            Site("tensor_parallel/random.py", (512, 516), "ctx.rng_states = _get_all_rng_states()"),
-            Site("tensor_parallel/random.py", (530, 560), "outputs = ctx.run_function(*detached_inputs)"),
+            Site("tensor_parallel/random.py", lines=(444, 450), anchor="cuda_rng_state = _get_cuda_rng_state("),
+            Site("tensor_parallel/random.py", lines=(454, 459), anchor="_set_cuda_rng_state("),
+            Site("tensor_parallel/random.py", lines=(512, 516), anchor="ctx.rng_states = _get_all_rng_states()"),
+            Site("tensor_parallel/random.py", lines=(530, 560), anchor="outputs = ctx.run_function(*detached_inputs)"),
         ),
         apply=_recompute_keeps_no_cuda_rng_state,
     ),
 ]
 
 
-class MegatronInternalsChanged(RuntimeError):
-    """The installed megatron-core no longer matches what the CPU adaptations were written for."""
-
-
-def _megatron_core_dir() -> str:
-    import megatron.core
-
-    return os.path.dirname(megatron.core.__file__)
-
-
 def check_sites() -> List[str]:
     """Every site whose anchor is no longer in its line range, as readable problems."""
-    root = _megatron_core_dir()
-    problems: List[str] = []
-    cache: Dict[str, List[str]] = {}
-    for adaptation in ADAPTATIONS:
-        for site in adaptation.sites:
-            path = os.path.join(root, site.file)
-            if site.file not in cache:
-                try:
-                    with open(path, encoding="utf-8") as f:
-                        cache[site.file] = f.read().splitlines()
-                except OSError as e:
-                    problems.append(f"{adaptation.name}: cannot read megatron/core/{site.file}: {e}")
-                    cache[site.file] = []
-                    continue
-            first, last = site.lines
-            text = "\n".join(cache[site.file][first - 1 : last])
-            if site.anchor not in text:
-                problems.append(
-                    f"{adaptation.name}: expected {site.anchor!r} in megatron/core/{site.file} "
-                    f"lines {first}-{last}"
-                )
-    return problems
+    return site_problems((a.name, a.sites) for a in ADAPTATIONS)
 
 
 _applied = False
@@ -303,14 +261,7 @@ def apply() -> None:
         return
     if torch.cuda.is_available():
         raise RuntimeError("megatron_cpu.apply() is for machines without CUDA")
-    problems = check_sites()
-    if problems:
-        version = importlib.metadata.version("megatron-core")
-        raise MegatronInternalsChanged(
-            f"megatron-core {version} differs from the internals the CPU adaptations were written "
-            f"for (checked: {', '.join(CHECKED_MEGATRON_CORE_VERSIONS)}). Re-verify each one in "
-            "megatron_rlhf/runtime/megatron_cpu.py:\n  " + "\n  ".join(problems)
-        )
+    raise_if_changed(check_sites(), "the CPU adaptations", "megatron_rlhf/runtime/megatron_cpu.py")
     for adaptation in ADAPTATIONS:
         adaptation.apply()
     _applied = True

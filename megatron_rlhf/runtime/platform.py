@@ -7,6 +7,7 @@ offloading, and memory figures; it never branches on ``torch.cuda.is_available()
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from typing import Dict
 
@@ -18,6 +19,8 @@ class DevicePlatform:
 
     name: str = "abstract"
     dist_backend: str = "gloo"
+    # megatron builds weights on the CPU and slices them (no device to initialise on).
+    use_cpu_initialization: bool = True
 
     @property
     def device(self) -> torch.device:
@@ -29,6 +32,15 @@ class DevicePlatform:
     def host_buffer_like(self, tensor: torch.Tensor) -> torch.Tensor:
         """An uninitialised host tensor able to hold ``tensor`` (pinned where that helps copies)."""
         raise NotImplementedError
+
+    @property
+    def has_transformer_engine(self) -> bool:
+        """Whether transformer-engine's layers can be used (installed, on a GPU)."""
+        return False
+
+    def place_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``module`` on this platform's device."""
+        return module
 
     def synchronize(self) -> None:
         """Wait for all queued device work."""
@@ -47,6 +59,7 @@ class DevicePlatform:
 class CudaPlatform(DevicePlatform):
     name = "cuda"
     dist_backend = "nccl"
+    use_cpu_initialization = False
 
     def __init__(self) -> None:
         self._device = torch.device("cuda", torch.cuda.current_device())
@@ -61,6 +74,13 @@ class CudaPlatform(DevicePlatform):
 
     def host_buffer_like(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+
+    @property
+    def has_transformer_engine(self) -> bool:
+        return importlib.util.find_spec("transformer_engine") is not None
+
+    def place_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.cuda(self._device)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()

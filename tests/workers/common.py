@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.config.schema import ModelArchConfig, ParallelConfig
-from megatron_rlhf.models.presets import LLAMA_PRESETS
+from megatron_rlhf.config.presets import LLAMA_PRESETS
 from megatron_rlhf.runtime import init_distributed
 
 OUT_DIR = sys.argv[1]

@@ -10,7 +10,7 @@ from megatron_rlhf.config.schema import RoleConfig
 from megatron_rlhf.memory import OFFLOAD_ORDER
 from megatron_rlhf.models.llama import build_model
 from megatron_rlhf.models.training import next_token_loss, wrap_for_training
-from megatron_rlhf.roles.base import Role
+from megatron_rlhf.roles.base import assemble_role
 from megatron_rlhf.runtime import set_seed
 
 arch = tiny_arch()
@@ -37,7 +37,7 @@ def run(precision, dist_opt, ems):
     rc = RoleConfig(precision=precision, lr=1e-3, use_distributed_optimizer=dist_opt, free_memory=ems)
     model = build_model(arch, parallel, "lm", precision=precision)
     model, optimizer = wrap_for_training(model, rc)
-    role = Role("ppo_policy", rc, model, optimizer)
+    role = assemble_role("ppo_policy", rc, model, optimizer)
     gen = torch.Generator().manual_seed(5)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     losses, moved = [], []

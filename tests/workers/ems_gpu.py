@@ -7,7 +7,7 @@ from common import save, setup, tiny_arch
 from megatron_rlhf.config.schema import RoleConfig
 from megatron_rlhf.models.llama import build_model
 from megatron_rlhf.models.training import next_token_loss, wrap_for_training
-from megatron_rlhf.roles.base import Role
+from megatron_rlhf.roles.base import assemble_role
 
 
 
@@ -17,7 +17,7 @@ arch = tiny_arch(hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16,
                  num_layers=4, vocab_size=8192)
 rc = RoleConfig(precision="bf16", lr=1e-5, free_memory=True)
 model, optimizer = wrap_for_training(build_model(arch, parallel, "lm", precision="bf16"), rc)
-role = Role("ppo_policy", rc, model, optimizer)
+role = assemble_role("ppo_policy", rc, model, optimizer)
 role.memory.offload()
 # Other tenants of the device (the idle roles' leftovers, activations of the caller): a fixed
 # ballast, so "the level before" is a real level and 5% of it a meaningful bound.

@@ -11,8 +11,7 @@ from common import ARGS, OUT_DIR, save, setup
 from megatron_rlhf.config import ROLE_NAMES, load_config
 from megatron_rlhf.memory import MemoryLedger
 from megatron_rlhf.roles import build_role
-from megatron_rlhf.models.training import next_token_loss
-from megatron_rlhf.smoke import value_loss
+from megatron_rlhf.models.training import next_token_loss, scalar_regression_loss
 
 flag = "True" if ARGS[0] == "on" else "False"
 for role in ROLE_NAMES:
@@ -37,7 +36,7 @@ for iteration in range(2):
             roles[name].forward([{"tokens": tokens}])
             full_bytes.setdefault(name, roles[name].memory.resident_bytes())
     for name in ("ppo_policy", "ppo_value"):
-        loss = next_token_loss if roles[name].head == "lm" else value_loss
+        loss = next_token_loss if roles[name].head == "lm" else scalar_regression_loss
         with roles[name].resident("training"):
             roles[name].train_step([{"tokens": t} for t in tokens.split(2)], loss)
             full_bytes[name] = roles[name].memory.resident_bytes()

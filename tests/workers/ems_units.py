@@ -9,7 +9,7 @@ from megatron_rlhf.memory import GRADS, MAIN_PARAMS, OPTIMIZER_STATE, GradientsI
 from megatron_rlhf.models.llama import build_model
 from megatron_rlhf.models.pipeline import forward_backward
 from megatron_rlhf.models.training import next_token_loss, wrap_for_training
-from megatron_rlhf.roles.base import Role
+from megatron_rlhf.roles.base import assemble_role
 from megatron_rlhf.runtime import get_platform
 
 parallel = setup(1, 1)
@@ -21,7 +21,7 @@ result = {}
 def make_role(arch, precision="bf16", **switches):
     rc = RoleConfig(precision=precision, lr=1e-3, **switches)
     model, optimizer = wrap_for_training(build_model(arch, parallel, "lm", precision=precision), rc)
-    return Role("ppo_policy", rc, model, optimizer)
+    return assemble_role("ppo_policy", rc, model, optimizer)
 
 
 arch = tiny_arch()

@@ -18,7 +18,7 @@ config.ppo.rollout_batch_size = 8
 init_distributed(config.parallel, seed=config.seed)
 controller = PPOController(config, dataset, tokenizer, reward_fn, MemoryLedger(None))
 controller.step()
-first = ppo_state.save_ppo_checkpoint(controller, OUT_DIR)
+first = ppo_state.save_ppo_checkpoint(controller.roles, controller.state_dict(), OUT_DIR)
 controller.step()
 
 real_save = torch.save
@@ -33,14 +33,14 @@ def failing_save(obj, path, *args, **kwargs):
 ppo_state.torch.save = failing_save
 error = None
 try:
-    ppo_state.save_ppo_checkpoint(controller, OUT_DIR)
+    ppo_state.save_ppo_checkpoint(controller.roles, controller.state_dict(), OUT_DIR)
 except OSError as e:
     error = str(e)
 ppo_state.torch.save = real_save
 
 latest = ppo_state.latest_checkpoint(OUT_DIR)
 fresh = PPOController(config, dataset, tokenizer, reward_fn, MemoryLedger(None))
-ppo_state.load_ppo_checkpoint(fresh, latest)
+fresh.load_state_dict(ppo_state.load_ppo_checkpoint(fresh.roles, latest))
 save({
     "error": error, "first": first, "latest": latest, "resumed_iteration": fresh.iteration,
     "listing": sorted(os.listdir(os.path.join(OUT_DIR, "checkpoints"))),

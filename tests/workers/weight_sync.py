@@ -26,7 +26,7 @@ def params(role):
 result = {}
 # Same dtype: shared storage.
 ppo_policy, policy = build_role("ppo_policy", config), build_role("policy", config)
-sync = WeightSync(ppo_policy, policy)
+sync = WeightSync(ppo_policy, policy, share=config.weight_owner("policy") is not None)
 result["shared"] = sync.shared
 result["same_storage"] = all(
     a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for a, b in zip(params(ppo_policy), params(policy))
@@ -48,7 +48,7 @@ ppo32 = build_role("ppo_policy", config)
 with ppo32.resident("inference"), torch.no_grad():
     for p in params(ppo32):
         p.add_(0.01)  # the trained role starts elsewhere (its own checkpoint): serving must follow
-sync16 = WeightSync(ppo32, policy16)
+sync16 = WeightSync(ppo32, policy16, share=config.weight_owner("policy") is not None)
 result["copy_shared"] = sync16.shared
 with policy16.resident("inference"), ppo32.resident("inference"):
     result["copied_at_start"] = all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(params(ppo32), params(policy16)))

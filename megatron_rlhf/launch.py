@@ -1,0 +1,174 @@
+"""The launcher behind ``examples/llama2/run_ppo.sh``: environment variables -> a checked config ->
+torchrun (or the dry run). ``python -m megatron_rlhf.launch --config rlhf.yaml [-- train flags]``.
+
+The environment is the interface: ``MODEL_SIZE`` picks launch defaults (:data:`LAUNCH_PRESETS`:
+layout, nodes, batch sizes), every variable the user exported wins over them, and the config's
+``${NAME:default}`` values read the result. Every rule is checked by the config's own validation
+(layout, batch sizes, types, files), whose messages name the environment variable that set a value;
+what only a launch knows (nodes, the rendezvous, that a real model needs checkpoints) is checked
+here. All problems are listed at once, before anything starts.
+
+    MODEL_SIZE         tiny, 7b, 13b, 70b [7b];  REWARD_MODEL_SIZE [MODEL_SIZE]
+    NNODES, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT [29500], RDZV_ID
+    GPU_MEMORY         the device memory the dry run checks the plan against [80GiB]
+    DRY_RUN=1          print the plan (missing files are warnings) and exit
+    CHECK_ONLY=1       check everything and exit
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Dict, List, Optional, Tuple
+
+from megatron_rlhf.config import ConfigError, input_problems, layout_problems
+from megatron_rlhf.config.loader import read_config
+
+_LLAMA2 = dict(NNODES=1, GPUS_PER_NODE=8, ROLLOUT_BATCH_SIZE=512, TRAIN_GLOBAL_BATCH_SIZE=128, TRAIN_MICRO_BATCH_SIZE=2,
+               INFERENCE_MICRO_BATCH_SIZE=8, GENERATION_BATCH_SIZE=32, ITERATIONS=1000, MAX_PROMPT_LENGTH=1024,
+               MAX_NEW_TOKENS=512, TOKENIZER_TYPE="hf", PRECISION="bf16")
+# MODEL_SIZE -> (model preset, launch defaults). tiny: a random tiny model that checks a cluster's
+# set-up end to end without checkpoints (PROMPT_FILE relative to the config's directory).
+LAUNCH_PRESETS: Dict[str, Tuple[str, Dict[str, object]]] = {
+    "tiny": ("tiny", dict(_LLAMA2, TP=2, PP=1, GPUS_PER_NODE=2, ROLLOUT_BATCH_SIZE=16, TRAIN_GLOBAL_BATCH_SIZE=8,
+                          INFERENCE_MICRO_BATCH_SIZE=4, GENERATION_BATCH_SIZE=8, ITERATIONS=20, MAX_PROMPT_LENGTH=32,
+                          MAX_NEW_TOKENS=16, TOKENIZER_TYPE="char", PRECISION="fp32",
+                          PROMPT_FILE="../tiny/prompts.jsonl")),
+    "7b": ("llama2-7b", dict(_LLAMA2, TP=2, PP=1)),
+    "13b": ("llama2-13b", dict(_LLAMA2, TP=4, PP=1)),
+    "70b": ("llama2-70b", dict(_LLAMA2, TP=8, PP=2, NNODES=4)),
+}
+PATH_VARIABLES = ("POLICY_LOAD", "REWARD_LOAD", "VALUE_LOAD", "TOKENIZER", "PROMPT_FILE", "OUTPUT_DIR")
+
+
+def _positive(env: Dict[str, str], name: str, problems: List[str]) -> Optional[int]:
+    text = env.get(name, "")
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    problems.append(f"{name}={text}: expected a whole number >= 1")
+    return None
+
+
+def resolve_environment(env: Dict[str, str], config_dir: str, cwd: str) -> List[str]:
+    """Fill ``env`` in place with MODEL_SIZE's defaults for what the user did not export, and pin
+    relative paths to ``cwd`` (the config reads a relative path relative to itself). Returns the
+    problems found (an unknown size)."""
+    problems = []
+    size = env.setdefault("MODEL_SIZE", "7b")
+    reward_size = env.setdefault("REWARD_MODEL_SIZE", size)
+    for name, value in (("MODEL_SIZE", size), ("REWARD_MODEL_SIZE", reward_size)):
+        if value not in LAUNCH_PRESETS:
+            problems.append(f"{name}={value}: expected one of {', '.join(LAUNCH_PRESETS)}")
+    if problems:
+        return problems
+    policy_preset, defaults = LAUNCH_PRESETS[size]
+    env.setdefault("POLICY_PRESET", policy_preset)
+    env.setdefault("REWARD_PRESET", LAUNCH_PRESETS[reward_size][0])
+    for name, value in defaults.items():
+        if name == "PROMPT_FILE" and name not in env:
+            env[name] = os.path.normpath(os.path.join(config_dir, str(value)))
+        env.setdefault(name, str(value))
+    env.setdefault("OUTPUT_DIR", f"outputs/llama2-{size}-ppo")
+    if env.get("REWARD_LOAD") and "VALUE_LOAD" not in env:
+        env["VALUE_LOAD"] = env["REWARD_LOAD"]
+    for name in PATH_VARIABLES:
+        if env.get(name):
+            env[name] = os.path.join(cwd, env[name])  # unchanged when already absolute
+    return problems
+
+
+Layout = Tuple[int, int, int, int, int]  # world size, GPUs per node, TP, PP, DP
+
+
+def check(env: Dict[str, str], config_file: str) -> Tuple[List[str], List[str], Optional[Layout]]:
+    """(errors, missing inputs, layout) of a launch with ``env``. Missing inputs stop a launch but
+    are only warnings for a dry run."""
+    errors: List[str] = []
+    missing: List[str] = []
+    nodes, per_node = _positive(env, "NNODES", errors), _positive(env, "GPUS_PER_NODE", errors)
+    if nodes and nodes > 1 and not env.get("MASTER_ADDR"):
+        missing.append(f"NNODES={nodes}: a multi-node launch needs MASTER_ADDR, the first node's address "
+                       "(slurm/run_ppo.sbatch sets it)")
+    if env["MODEL_SIZE"] != "tiny":
+        for name in ("POLICY_LOAD", "REWARD_LOAD"):
+            if not env.get(name):
+                missing.append(f"{name} is not set: the directory of a converted checkpoint "
+                               "(tools/convert_hf_to_megatron.py)")
+    if not (nodes and per_node):
+        return errors, missing, None
+    world = nodes * per_node
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)  # the config's ${NAME:default} values read the launch's environment
+    try:
+        config, problems = read_config(config_file)
+    except ConfigError as e:
+        return errors + [str(e)], missing, None
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    errors += problems + layout_problems(config, world)
+    missing += input_problems(config, needs_prompts=True)
+    if errors:
+        return errors, missing, None
+    tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
+    return errors, missing, (world, per_node, tp, pp, world // (tp * pp))
+
+
+def torchrun_command(env: Dict[str, str], config_file: str, train_args: List[str]) -> List[str]:
+    launch = ["--nnodes", env["NNODES"], "--nproc-per-node", env["GPUS_PER_NODE"]]
+    if env.get("MASTER_ADDR"):
+        launch += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}",
+                   "--rdzv-id", env.get("RDZV_ID", "megatron-rlhf")]
+    else:
+        launch.append("--standalone")
+    return [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "megatron_rlhf.train",
+            "--config", config_file, *train_args]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="megatron_rlhf.launch", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="the top config file, e.g. examples/llama2/rlhf.yaml")
+    parser.add_argument("--name", default="megatron_rlhf.launch", help="how messages name the launcher")
+    parser.add_argument("train_args", nargs="*", help="after --: flags for megatron_rlhf.train (e.g. --overwrite)")
+    args = parser.parse_args(argv)
+    config_file = os.path.abspath(args.config)
+    env = dict(os.environ)
+    problems = resolve_environment(env, os.path.dirname(config_file), os.getcwd())
+    if not os.path.isfile(config_file):
+        problems.append(f"CONFIG={args.config}: no such file")
+    missing, layout = [], None
+    if not problems:
+        problems, missing, layout = check(env, config_file)
+    dry = env.get("DRY_RUN") == "1"
+    if dry:
+        for m in missing:
+            print(f"warning: {m} (a real launch stops here)", file=sys.stderr)
+    else:
+        problems += missing
+    if problems or layout is None:
+        for p in problems:
+            print(f"error: {p}", file=sys.stderr)
+        print(f"{args.name}: nothing was launched", file=sys.stderr)
+        return 2
+    world, per_node, tp, pp, dp = layout
+    if tp > per_node:
+        print(f"warning: TP={tp} > GPUS_PER_NODE={per_node}: tensor-parallel traffic crosses nodes", file=sys.stderr)
+    os.environ.update(env)
+    if dry:
+        from megatron_rlhf.dry_run import dry_run, parse_bytes
+
+        return dry_run(config_file, world, per_node, parse_bytes(env.get("GPU_MEMORY", "80GiB")))
+    what = f"{env['MODEL_SIZE']}, {world} GPUs (TP={tp} PP={pp} DP={dp}), output {env['OUTPUT_DIR']}"
+    if env.get("CHECK_ONLY") == "1":
+        print(f"{args.name}: inputs checked: {what}")
+        return 0
+    print(f"{args.name}: launching {what} on {os.uname().nodename}", flush=True)
+    command = torchrun_command(env, config_file, args.train_args)
+    os.execv(command[0], command)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

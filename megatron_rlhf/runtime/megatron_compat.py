@@ -1,0 +1,190 @@
+"""The megatron-core internals the project relies on beyond its public API, in one place.
+
+EMS moves DDP's contiguous buffers and the optimizer's shards, PPO checkpoints save the distributed
+optimizer's DP-zero state, and training wires DDP's grad sync into the model config. Those pieces
+are attributes and methods megatron-core does not promise to keep. Every other module reaches them
+through the functions here; :data:`ANCHORS` names the megatron-core file each relies on and text
+that must still be in it, and :func:`check` (run at start-up by ``init_distributed``, on every
+platform) refuses an installed megatron-core that moved one, naming each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+CHECKED_MEGATRON_CORE_VERSIONS = ("0.16.1",)
+
+
+class MegatronInternalsChanged(RuntimeError):
+    """The installed megatron-core no longer matches the internals this project was written for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """Text that must appear in a megatron-core file (relative to megatron/core), within the
+    1-based inclusive line range ``lines`` when given, else anywhere in the file."""
+
+    file: str
+    anchor: str
+    lines: Optional[Tuple[int, int]] = None
+
+
+# What each use relies on (name -> sites).
+ANCHORS: Dict[str, Tuple[Site, ...]] = {
+    "ddp_buffers": (
+        Site("distributed/distributed_data_parallel.py", "self.buffers"),
+        Site("distributed/distributed_data_parallel.py", "self.expert_parallel_buffers"),
+        Site("distributed/param_and_grad_buffer.py", "self.param_data"),
+        Site("distributed/param_and_grad_buffer.py", "self.grad_data"),
+        Site("distributed/param_and_grad_buffer.py", "self.params"),
+    ),
+    "grad_buffer_free_and_restore": (
+        Site("distributed/distributed_data_parallel.py", "def offload_grad_buffers("),
+        Site("distributed/distributed_data_parallel.py", "def restore_grad_buffers("),
+    ),
+    "optimizer_shards": (
+        Site("optimizer/optimizer.py", "self.chained_optimizers"),
+        Site("optimizer/optimizer.py", "self.fp32_from_float16_groups"),
+        Site("optimizer/distrib_optimizer.py", "self.shard_fp32_from_float16_groups"),
+    ),
+    "dp_zero_optimizer_checkpoint": (
+        Site("optimizer/distrib_optimizer.py", "def save_parameter_state("),
+        Site("optimizer/distrib_optimizer.py", "def load_parameter_state("),
+        Site("optimizer/optimizer.py", "def reload_model_params("),
+    ),
+    "grad_sync_hooks": (
+        Site("model_parallel_config.py", "finalize_model_grads_func"),
+        Site("model_parallel_config.py", "no_sync_func"),
+        Site("model_parallel_config.py", "grad_sync_func"),
+    ),
+}
+
+
+def megatron_core_dir() -> str:
+    import megatron.core
+
+    return os.path.dirname(megatron.core.__file__)
+
+
+def site_problems(named_sites: Iterable[Tuple[str, Iterable[Site]]]) -> List[str]:
+    """Every site whose anchor is no longer where it should be, as readable problems."""
+    root = megatron_core_dir()
+    problems: List[str] = []
+    cache: Dict[str, List[str]] = {}
+    for name, sites in named_sites:
+        for site in sites:
+            if site.file not in cache:
+                try:
+                    with open(os.path.join(root, site.file), encoding="utf-8") as f:
+                        cache[site.file] = f.read().splitlines()
+                except OSError as e:
+                    problems.append(f"{name}: cannot read megatron/core/{site.file}: {e}")
+                    cache[site.file] = []
+                    continue
+            lines = cache[site.file]
+            first, last = site.lines or (1, len(lines))
+            if site.anchor not in "\n".join(lines[first - 1 : last]):
+                where = f" lines {first}-{last}" if site.lines else ""
+                problems.append(f"{name}: expected {site.anchor!r} in megatron/core/{site.file}{where}")
+    return problems
+
+
+def raise_if_changed(problems: List[str], what: str, module: str) -> None:
+    if problems:
+        version = importlib.metadata.version("megatron-core")
+        raise MegatronInternalsChanged(
+            f"megatron-core {version} differs from the internals {what} were written for (checked: "
+            f"{', '.join(CHECKED_MEGATRON_CORE_VERSIONS)}). Re-verify each in {module}:\n  "
+            + "\n  ".join(problems)
+        )
+
+
+def check() -> None:
+    """Refuse a megatron-core whose internals used here have moved."""
+    raise_if_changed(site_problems(ANCHORS.items()), "megatron_rlhf's uses of its internals",
+                     "megatron_rlhf/runtime/megatron_compat.py")
+
+
+# --------------------------------------------------------------------------------------------------
+# DDP's contiguous buffers
+
+
+def ddp_buffers(model: torch.nn.Module) -> list:
+    """megatron DDP's _ParamAndGradBuffers (none for a model without DDP)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return []
+    return list(model.buffers) + list(model.expert_parallel_buffers)
+
+
+def buffer_param_storage(buffer) -> Optional[torch.Tensor]:
+    """The contiguous parameter buffer (only with the distributed optimizer), else None."""
+    return buffer.param_data
+
+
+def buffer_params(buffer) -> list:
+    return list(buffer.params)
+
+
+def buffer_grad_storage(buffer) -> Optional[torch.Tensor]:
+    return buffer.grad_data
+
+
+def free_grad_buffers(ddp_model) -> None:
+    """Resize DDP's grad buffers to 0; every main_grad view stays valid (megatron's own method)."""
+    ddp_model.offload_grad_buffers(synchronize=True, empty_cache=False)
+
+
+def restore_grad_buffers(ddp_model) -> None:
+    """Grow DDP's grad buffers back, zeroed."""
+    ddp_model.restore_grad_buffers(synchronize=False)
+
+
+def wire_grad_sync(model_config, ddp_model, overlap_grad_reduce: bool) -> None:
+    """Let megatron's schedule finalise grads and manage DDP's grad sync for this model."""
+    from megatron.core.distributed import finalize_model_grads
+
+    model_config.finalize_model_grads_func = finalize_model_grads
+    model_config.no_sync_func = ddp_model.no_sync
+    if overlap_grad_reduce:
+        model_config.grad_sync_func = ddp_model.start_grad_sync
+
+
+# --------------------------------------------------------------------------------------------------
+# The optimizer's state
+
+
+def inner_optimizers(optimizer) -> List:
+    """The megatron optimizers inside a ChainedOptimizer (or the optimizer itself)."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def main_param_tensors(inner) -> List[torch.Tensor]:
+    """fp32 master copies of low-precision weights (distributed-optimizer shards or full copies)."""
+    groups = getattr(inner, "shard_fp32_from_float16_groups", None) or getattr(inner, "fp32_from_float16_groups", None) or []
+    return [t for group in groups for t in group]
+
+
+def adam_state(inner) -> Dict:
+    """torch.optim state of one megatron optimizer: parameter -> {exp_avg, exp_avg_sq, step}."""
+    return inner.optimizer.state
+
+
+def save_dp_zero_state(optimizer, path: str) -> None:
+    """The distributed optimizer's shards gathered over DP (DP rank 0 writes; collective)."""
+    optimizer.save_parameter_state(path)
+
+
+def load_dp_zero_state(optimizer, path: str) -> None:
+    optimizer.load_parameter_state(path)
+
+
+def reload_main_params(optimizer) -> None:
+    """Copy freshly loaded model weights into the optimizer's fp32 main params."""
+    optimizer.reload_model_params()
