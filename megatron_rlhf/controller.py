@@ -29,10 +29,9 @@ from megatron_rlhf.data import PromptDataset, Tokenizer
 from megatron_rlhf.generation import SamplingParams, generate
 from megatron_rlhf.memory import MemoryLedger
 from megatron_rlhf.models.batches import split_rows
-from megatron_rlhf.models.pipeline import broadcast_from_last_stage
 from megatron_rlhf.roles import Role, build_role
 from megatron_rlhf.roles import inference
-from megatron_rlhf.roles.losses import policy_loss_fn, value_loss_fn
+from megatron_rlhf.roles.losses import policy_loss_fn, reported_metrics, value_loss_fn
 from megatron_rlhf.roles.reward_function import RewardFunction, score_with_function
 from megatron_rlhf.roles.weight_sync import WeightSync
 from megatron_rlhf.runtime.platform import get_platform
@@ -184,11 +183,15 @@ class PPOController:
         kl = ppo.kl_penalty(r.old_log_probs, r.ref_log_probs, p.kl_estimator) * mask
         scores = ppo.clip_rewards(r.scores, p.reward_clip)
         if p.normalize_reward:
-            self.score_moments.update(scores)
+            # Every score of the rollout, in DP-rank order: the moments are the same on every rank.
+            self.score_moments.update(self._gather_over_dp(scores))
             scores = scores / (self.score_moments.std + 1e-8)
         rewards = ppo.token_rewards(scores, kl, self.kl_controller.value, mask)
         advantages, r.returns = ppo.gae_advantages(rewards, r.old_values, mask, p.gamma, p.lam)
-        r.advantages = ppo.masked_whiten(advantages, mask) if p.whiten_advantages else advantages
+        if p.whiten_advantages:  # by the statistics of the whole rollout, not this rank's share
+            moments = self._sum_over_dp(ppo.masked_moments(advantages, mask))
+            advantages = ppo.whiten_with_moments(advantages, mask, moments)
+        r.advantages = advantages
         return {
             "kl/mean": ppo.masked_mean(kl, mask).item(),
             "kl/sequence_mean": kl.sum(dim=1).mean().item(),
@@ -201,11 +204,12 @@ class PPOController:
         cfg = self.config
         policy_columns = dict(tokens=r.tokens, action_mask=r.action_mask, old_log_probs=r.old_log_probs, advantages=r.advantages)
         value_columns = dict(tokens=r.tokens, action_mask=r.action_mask, old_values=r.old_values, returns=r.returns)
-        policy_loss = policy_loss_fn(self.vocab_size, cfg.generation.temperature, cfg.ppo.clip_ratio)
+        mode = cfg.ppo.loss_agg_mode
+        policy_loss = policy_loss_fn(self.vocab_size, cfg.generation.temperature, cfg.ppo.clip_ratio, mode)
         out = {}
         start = time.perf_counter()
         out.update(self._train_role("ppo_policy", policy_columns, policy_loss, "policy"))
-        out.update(self._train_role("ppo_value", value_columns, value_loss_fn(cfg.ppo.value_clip), "value"))
+        out.update(self._train_role("ppo_value", value_columns, value_loss_fn(cfg.ppo.value_clip, mode), "value"))
         out["time/train_s"] = time.perf_counter() - start
         return out
 
@@ -214,7 +218,7 @@ class PPOController:
         role = self.roles[name]
         rows = columns["tokens"].shape[0]
         step_rows = cfg.samples_per_step(name) // self.dp_size
-        collected: List[Dict[str, torch.Tensor]] = []
+        steps: List[List[Dict[str, torch.Tensor]]] = []  # per optimizer step, its micro-batches' metric sums
         grad_norms = []
         with role.resident("training"):
             for epoch in range(cfg.ppo.ppo_epochs):
@@ -225,17 +229,24 @@ class PPOController:
                     picked = order[first : first + step_rows]
                     mbs = split_rows(role.config.micro_batch_size, **{k: v[picked] for k, v in columns.items()})
                     result = role.train_step(mbs, loss_fn)
-                    collected.extend(result["metrics"])
-                    grad_norms.append(float(result["grad_norm"] or 0.0))
-        keys = ("loss", "clipfrac", "approx_kl", "entropy") if prefix == "policy" else ("loss", "clipfrac")
-        local = None
-        if collected:  # the loss function's metrics exist on the last pipeline stage only
-            local = torch.stack([torch.stack([m[k].float() for m in collected]).mean() for k in keys])
-            local = local.to(self.device, torch.float64)
-        means = broadcast_from_last_stage(local, (len(keys),), torch.float64, self.device)
-        out = {(f"loss/{prefix}" if k == "loss" else f"{prefix}/{k}"): float(v) for k, v in zip(keys, means.tolist())}
-        out[f"{prefix}/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        return out
+                    steps.append(result["metrics"])
+                    grad_norms.append(float(result["grad_norm"]))
+        metrics = reported_metrics(steps, prefix, self.device, self.dp_group)
+        return {**metrics, f"{prefix}/grad_norm": sum(grad_norms) / len(grad_norms)}
+
+    def _sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.dp_size > 1:
+            tensor = tensor.clone()
+            dist.all_reduce(tensor, group=self.dp_group)
+        return tensor
+
+    def _gather_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's [n] share of a DP-split tensor -> the whole [n * DP], in DP-rank order."""
+        if self.dp_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.dp_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.dp_group)
+        return torch.cat(parts)
 
     def _dp_mean(self, metrics: Dict[str, float]) -> Dict[str, float]:
         if self.dp_size == 1:

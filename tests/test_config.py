@@ -130,14 +130,15 @@ def test_tp_not_dividing_attention_heads(tmp_path):
     top = tiny_setup(tmp_path, "parallel: {tensor_model_parallel_size: 3}\n")
     with pytest.raises(ConfigError) as err:
         load_config(str(top))
-    assert "rlhf.yaml: parallel.tensor_model_parallel_size: 3 does not divide policy's " \
-           "num_attention_heads=4" in str(err.value)
+    # Once per network, naming every role that uses it.
+    assert "rlhf.yaml: parallel.tensor_model_parallel_size: 3 does not divide policy, reference, reward, value, " \
+           "ppo_policy, ppo_value's num_attention_heads=4" in str(err.value)
     assert "valid TP: 1, 2, 4" in str(err.value)
 
 
 def test_tp_not_dividing_gqa_groups(tmp_path):
     top = tiny_setup(tmp_path, "parallel: {tensor_model_parallel_size: 4}\n")
-    with pytest.raises(ConfigError, match=r"4 does not divide policy's num_query_groups=2 \(grouped-query attention"):
+    with pytest.raises(ConfigError, match=r"4 does not divide policy, .*ppo_value's num_query_groups=2 \(grouped-query attention"):
         load_config(str(top))
 
 
@@ -150,7 +151,7 @@ def test_world_size_not_divisible_by_tp_times_pp(tmp_path):
 
 def test_pp_not_dividing_layers(tmp_path):
     top = tiny_setup(tmp_path, "parallel: {pipeline_model_parallel_size: 3}\n")
-    with pytest.raises(ConfigError, match=r"3 does not divide policy's num_layers=2 .* valid PP: 1, 2"):
+    with pytest.raises(ConfigError, match=r"3 does not divide policy, .*ppo_value's num_layers=2 .* valid PP: 1, 2"):
         load_config(str(top))
 
 
@@ -179,3 +180,22 @@ def test_errors_name_the_file_a_role_key_came_from_through_model_file_includes(t
     (tmp_path / "models" / "tiny.yaml").write_text("includes: common.yaml\nmodel:\n  preset: tiny\n")
     with pytest.raises(ConfigError, match=r"models/common\.yaml: policy\.model\.hiden_size: unknown key; did you mean 'hidden_size'"):
         load_config(str(top))
+
+
+def test_sequence_parallel_is_refused_at_config_time_with_the_reason(tmp_path):
+    top = tiny_setup(tmp_path, "parallel: {tensor_model_parallel_size: 2, sequence_parallel: true}\n")
+    with pytest.raises(ConfigError, match=r"parallel\.sequence_parallel: not supported: generation decodes one token per step"):
+        load_config(str(top), world_size=2)
+
+
+@pytest.mark.parametrize("sampling", ["top_k: 5", "top_p: 0.9"])
+def test_truncated_sampling_is_refused_because_ppo_needs_the_sampled_distribution(tmp_path, sampling):
+    top = tiny_setup(tmp_path, f"generation: {{{sampling}}}\n")
+    with pytest.raises(ConfigError, match=r"PPO's ratios need the log-probs of the distribution the rollout sampled from"):
+        load_config(str(top), world_size=1)
+
+
+def test_loss_agg_mode_accepts_the_three_modes_only(tmp_path):
+    assert load_config(str(tiny_setup(tmp_path, "ppo: {loss_agg_mode: seq-mean-token-mean}\n")), world_size=1).ppo.loss_agg_mode == "seq-mean-token-mean"
+    with pytest.raises(ConfigError, match=r"ppo\.loss_agg_mode: expected one of 'token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean'"):
+        load_config(str(tiny_setup(tmp_path, "ppo: {loss_agg_mode: sum}\n")), world_size=1)

@@ -1,6 +1,7 @@
 import math
 
 import pytest
+import torch
 
 TOL = 1e-5
 
@@ -60,3 +61,16 @@ def test_activation_recompute_trains_as_without(workers):
     for name, expected in plain["params"].items():
         torch.testing.assert_close(recomputed["params"][name], expected, rtol=0, atol=1e-6, msg=name)
     assert recomputed["moved"] > 1e-4
+
+
+def test_the_scalar_head_computes_in_fp32_from_bf16_weights():
+    from megatron_rlhf.config.presets import LLAMA_PRESETS
+    from megatron_rlhf.config.schema import ModelArchConfig, ParallelConfig
+    from megatron_rlhf.models.llama import ScalarHead, make_transformer_config
+
+    config = make_transformer_config(ModelArchConfig(**LLAMA_PRESETS["tiny"]), ParallelConfig(), "bf16")
+    head = ScalarHead(config, 64)
+    hidden = torch.randn(5, 2, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 4
+    values, _ = head(hidden)
+    assert head.weight.dtype == torch.bfloat16 and values.dtype == torch.float32
+    assert torch.equal(values, hidden.float() @ head.weight.float().t())

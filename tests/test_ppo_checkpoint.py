@@ -38,3 +38,15 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(workers):
     assert r["latest"] == r["first"] and r["latest"].endswith("iter_0000001")
     assert r["resumed_iteration"] == 1
     assert "iter_0000002" not in r["listing"] and "latest" in r["listing"]
+    # Every file of a resume is read to the CPU first (a GPU run's tensors never land on one device).
+    assert r["map_locations"] and set(r["map_locations"]) == {"cpu"}
+
+
+def test_dp2_resume_with_reward_normalisation_continues_the_uninterrupted_run(tmp_path):
+    # The running reward moments are those of the whole rollout, the same on every DP rank, so
+    # the checkpoint (written by rank 0) holds what every rank had.
+    env = {"TP": "1", "NORMALIZE_REWARD": "True", "ROLLOUT_BATCH_SIZE": "16"}
+    train(tmp_path / "whole", "--iterations", "3", env=env)
+    train(tmp_path / "split", "--iterations", "2", env=env)
+    train(tmp_path / "split", "--iterations", "3", "--resume", env=env)
+    assert without_times(metrics(tmp_path / "split")) == without_times(metrics(tmp_path / "whole"))

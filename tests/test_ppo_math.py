@@ -186,3 +186,68 @@ def test_running_moments_equal_the_moments_of_everything_seen():
 def test_clip_rewards():
     assert ppo.clip_rewards(t([-9.0, 0.5, 9.0]), 5.0).tolist() == [-5.0, 0.5, 5.0]
     assert ppo.clip_rewards(t([-9.0]), None).tolist() == [-9.0]
+
+
+# --- loss aggregation, whitening over parts (issue: the update must not depend on the cut) -------
+
+def _aggregation_case():
+    gen = torch.Generator().manual_seed(4)
+    per_token = torch.randn(5, 7, generator=gen)
+    mask = torch.zeros(5, 7)
+    for row, (start, n) in enumerate([(1, 6), (2, 1), (0, 0), (3, 4), (0, 7)]):  # row 2 has no token
+        mask[row, start : start + n] = 1.0
+    return per_token, mask
+
+
+@pytest.mark.parametrize("mode", ppo.LOSS_AGG_MODES)
+def test_aggregate_loss_equals_the_direct_formula_and_adds_up_over_any_split(mode):
+    from megatron_rlhf.ppo import aggregate_loss
+
+    per_token, mask = _aggregation_case()
+    rows = [r for r in range(5) if mask[r].sum() > 0]
+    if mode == "token-mean":
+        expected = sum(per_token[r, t] for r in range(5) for t in range(7) if mask[r, t]) / mask.sum()
+    elif mode == "seq-mean-token-sum":
+        expected = sum(sum(per_token[r, t] for t in range(7) if mask[r, t]) for r in rows) / len(rows)
+    else:
+        expected = sum(sum(per_token[r, t] for t in range(7) if mask[r, t]) / mask[r].sum() for r in rows) / len(rows)
+    total, count = aggregate_loss(per_token, mask, mode)
+    assert count.dtype == torch.int64
+    assert (total / count).item() == pytest.approx(float(expected), rel=1e-6)
+    for cut in ([1, 2, 2], [3, 2], [1, 1, 1, 1, 1]):
+        parts = [aggregate_loss(p, m, mode) for p, m in zip(per_token.split(cut), mask.split(cut))]
+        assert (sum(s for s, _ in parts) / sum(c for _, c in parts)).item() == pytest.approx(float(expected), rel=1e-6)
+    with pytest.raises(ValueError, match="loss_agg_mode must be one of token-mean"):
+        aggregate_loss(per_token, mask, "mean")
+
+
+def test_whitening_a_batch_in_parts_by_the_summed_moments_equals_whitening_it_whole():
+    from megatron_rlhf.ppo import masked_moments, whiten_with_moments
+
+    x, mask = _aggregation_case()
+    whole = ppo.masked_whiten(x, mask)
+    moments = masked_moments(x[:2], mask[:2]) + masked_moments(x[2:], mask[2:])  # what an all-reduce over DP gives
+    parts = torch.cat([whiten_with_moments(x[:2], mask[:2], moments), whiten_with_moments(x[2:], mask[2:], moments)])
+    torch.testing.assert_close(parts, whole, rtol=1e-6, atol=1e-6)
+    # Against the direct formula: unbiased std over the counted positions.
+    values = x[mask > 0]
+    torch.testing.assert_close(whole[mask > 0], (values - values.mean()) / values.std(), rtol=1e-5, atol=1e-5)
+
+
+def test_value_loss_without_clipping_stays_on_the_inputs_device():
+    values = torch.zeros(2, 3, device="meta")
+    _, stats = ppo.value_loss(values, values, values, torch.ones(2, 3, device="meta"), None)
+    assert stats["clipfrac"].device.type == "meta"
+
+
+def test_policy_loss_terms_clip_low_and_high_separately():
+    from megatron_rlhf.ppo import policy_loss_terms
+
+    old = torch.zeros(1, 4)
+    logp = torch.log(torch.tensor([[0.5, 0.9, 1.1, 1.5]]))
+    adv = torch.tensor([[1.0, -1.0, 1.0, 1.0]])
+    per_token, stats = policy_loss_terms(logp, old, adv, clip_low=0.2, clip_high=0.3)
+    ratio = logp.exp()
+    expected = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.3))
+    torch.testing.assert_close(per_token, expected)
+    assert stats["clipped"].tolist() == [[0.0, 0.0, 0.0, 1.0]]

@@ -323,8 +323,11 @@ def load_config(file: str, world_size: Optional[int] = None, check_inputs: bool 
     problem is reported at once, in one ConfigError."""
     config, problems = read_config(file)
     if problems:
-        # The cross-key checks still run (on defaults where a key was refused): one report of all.
-        problems += layout_problems(config, world_size)
+        # The cross-key checks still run (on defaults where a key was refused) where every network
+        # is complete: one report of all.
+        if all(config.role(r).model.num_layers is not None for r in config.model_roles) and not any(
+                "missing" in p or "unknown preset" in p for p in problems):
+            problems += layout_problems(config, world_size)
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     validate(config, world_size, check_inputs)
     return config

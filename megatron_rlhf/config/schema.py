@@ -152,7 +152,11 @@ class PPOConfig:
     lam: float = 0.95
     reward_clip: Optional[float] = None
     normalize_reward: bool = False  # divide scores by the running std of every score seen
-    whiten_advantages: bool = True
+    whiten_advantages: bool = True  # over the whole rollout (every DP rank's share together)
+    # How per-token losses make a step's loss; the same over any micro-batch size, DP or PP layout:
+    # token-mean (every response token of the global batch weighs the same), seq-mean-token-sum,
+    # seq-mean-token-mean (each sequence weighs the same).
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
 
 
 @dataclasses.dataclass

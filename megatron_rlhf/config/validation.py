@@ -26,10 +26,10 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
             problems.append(f"{config.at(key)}: must be >= 1, got {value}")
     if problems:
         return problems
-    if par.sequence_parallel and tp == 1:
+    if par.sequence_parallel:
         problems.append(
-            f"{config.at('parallel.sequence_parallel')}: needs "
-            "tensor_model_parallel_size > 1; set it to false or raise TP"
+            f"{config.at('parallel.sequence_parallel')}: not supported: generation decodes one token "
+            "per step, which sequence parallelism cannot split over the TP ranks; set it to false"
         )
     dp = None
     if world_size is not None:
@@ -174,6 +174,11 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
         bad("generation.temperature", f"must be > 0 (use greedy: true for argmax), got {gen.temperature}")
     if not 0 < gen.top_p <= 1:
         bad("generation.top_p", f"must be in (0, 1], got {gen.top_p}")
+    elif (gen.top_k or gen.top_p < 1) and not gen.greedy:
+        key = "generation.top_k" if gen.top_k else "generation.top_p"
+        bad(key, "PPO's ratios need the log-probs of the distribution the rollout sampled from, and "
+            "those are computed over the full vocabulary (after temperature); truncated sampling would "
+            "make the old log-probs those of another distribution. Set top_k: 0 and top_p: 1.0")
     if not 0 <= ppo.lam <= 1 or not 0 <= ppo.gamma <= 1:
         bad("ppo.lam" if not 0 <= ppo.lam <= 1 else "ppo.gamma", "must be in [0, 1]")
     if data.tokenizer.type == "char" and data.tokenizer.path:

@@ -75,6 +75,16 @@ def _forward_chunk(model, tokens: torch.Tensor, start: int, context, hidden_size
     return output[:, -1, :]
 
 
+def _decided_once(sampled: torch.Tensor) -> torch.Tensor:
+    """The TP group's first rank's samples on every TP rank: the ranks can never disagree on a
+    token (and so on when a row is done), whatever their generators or kernels do."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        dist.broadcast(sampled, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group())
+    return sampled
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -132,7 +142,7 @@ def generate(
             if fed == 0:
                 context.enable_decode_mode()
             fed = position
-            sampled = None if logits is None else sample_next(logits[:, :vocab_size], params, generator)
+            sampled = None if logits is None else _decided_once(sample_next(logits[:, :vocab_size], params, generator))
             sampled = broadcast_from_last_stage(sampled, (batch,), torch.long, device)
             in_prompt = position < lengths
             generating = ~in_prompt & ~done

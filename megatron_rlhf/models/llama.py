@@ -59,6 +59,9 @@ def make_transformer_config(
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        # Losses are (sum, count) and the gradient is sum / count over the global batch
+        # (models/pipeline.py), so it does not depend on micro-batch size, DP or PP.
+        calculate_per_token_loss=True,
         **extra,
     )
 
@@ -89,9 +92,10 @@ class ScalarHead(torch.nn.Module):
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         # hidden_states: [s, b, h] (or [s/tp, b, h] under sequence parallel) -> values [s(/tp), b, 1].
+        # In fp32 whatever the weights' dtype: a bf16 score near 5.0 would be resolved to 1/32.
         # Under sequence parallel each rank keeps its sequence shard; gather so every TP rank
         # returns the full sequence like a gathered LM head would.
-        values = torch.matmul(hidden_states, self.weight.t())
+        values = torch.matmul(hidden_states.float(), self.weight.float().t())
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 

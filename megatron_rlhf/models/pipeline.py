@@ -14,8 +14,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from megatron_rlhf.models.batches import MicroBatch
-# loss_fn(output, micro_batch) -> (loss scalar, metrics dict); output: [b, s, vocab/TP] or [b, s, 1]
-LossFn = Callable[[torch.Tensor, MicroBatch], Tuple[torch.Tensor, Dict[str, Any]]]
+# loss_fn(output, micro_batch) -> (loss sum, count, metrics dict); output: [b, s, vocab/TP] or [b, s, 1].
+# Megatron's per-token loss path (calculate_per_token_loss, set on every model): the gradient is that
+# of sum(loss sums) / sum(counts) over every micro-batch of the step on every DP rank (the count is
+# all-reduced over DP and broadcast from the last pipeline stage before the grads are scaled by it).
+LossFn = Callable[[torch.Tensor, MicroBatch], Tuple[torch.Tensor, torch.Tensor, Dict[str, Any]]]
 
 
 def model_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
@@ -36,8 +39,8 @@ def forward_backward(
 
     Returns, on the last pipeline stage, one dict per micro-batch: the loss function's metrics, or
     ``{"output": output}`` (detached) without a loss function. Other stages return ``[]``.
-    Megatron divides each micro-batch's loss by the number of micro-batches before backward, so
-    the gradients are those of the mean loss.
+    Training gradients are those of (sum of the loss sums) / (sum of the counts) over every
+    micro-batch on every DP rank (see LossFn), however the step is cut.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -54,14 +57,14 @@ def forward_backward(
             )
 
     def collect_output(output: torch.Tensor, mb: MicroBatch):
-        return output.sum() * 0.0, {"output": output.detach()}
+        return output.sum() * 0.0, torch.ones((), dtype=torch.int), {"output": output.detach()}
 
     def call_loss(fn: LossFn, mb: MicroBatch, output: torch.Tensor):
-        # megatron calls loss_func(output); the micro-batch is bound first. It then divides the
-        # returned loss in place by the micro-batch count: hand it a copy, so metrics that share
-        # the loss's storage (loss.detach()) keep the true value.
-        loss, metrics = fn(output, mb)
-        return loss.clone(), metrics
+        # megatron calls loss_func(output); the micro-batch is bound first. Hand it a copy of the
+        # loss, so metrics that share its storage (loss.detach()) keep the value whatever megatron
+        # does to it in place.
+        loss, count, metrics = fn(output, mb)
+        return loss.clone(), count.to(torch.int), metrics
 
     def forward_step_func(data_iterator, model_chunk):
         mb = next(data_iterator)

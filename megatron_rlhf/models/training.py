@@ -59,20 +59,27 @@ def train_step(
     optimizer.zero_grad()
     metrics = forward_backward(ddp_model, micro_batches, loss_fn, forward_only=False)
     update_successful, grad_norm, _ = optimizer.step()
+    if grad_norm is None:  # megatron measures the norm only when it clips (clip_grad > 0)
+        grad_norm = compat.unclipped_grad_norm(optimizer)
     return {"metrics": metrics, "grad_norm": grad_norm, "update_successful": update_successful}
 
 
-def next_token_loss(output: torch.Tensor, mb: MicroBatch) -> Tuple[torch.Tensor, Dict[str, Any]]:
-    """Mean next-token cross-entropy of vocab-parallel logits ``output`` [b, s, vocab/TP] against
-    ``mb["tokens"]`` [b, s] shifted by one (the last position has no target)."""
+def next_token_loss(output: torch.Tensor, mb: MicroBatch) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, Any]]:
+    """Next-token cross-entropy of vocab-parallel logits ``output`` [b, s, vocab/TP] against
+    ``mb["tokens"]`` [b, s] shifted by one (the last position has no target), as (sum, count,
+    {"loss": mean}) for the per-token loss path (models/pipeline.py)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    loss = at_actions(vocab_parallel_cross_entropy(output.float(), next_tokens(mb["tokens"]))).mean()
-    return loss, {"loss": loss.detach()}
+    per_token = at_actions(vocab_parallel_cross_entropy(output.float(), next_tokens(mb["tokens"])))
+    return _sum_count_mean(per_token)
 
 
-def scalar_regression_loss(output: torch.Tensor, mb: MicroBatch) -> Tuple[torch.Tensor, Dict[str, Any]]:
+def scalar_regression_loss(output: torch.Tensor, mb: MicroBatch) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, Any]]:
     """Mean squared distance of a scalar head's every output [b, s, 1] from 1.0: a loss any value
     head can drive down (the smoke check and the EMS benchmark train scalar-head roles on it)."""
-    loss = ((output.float().squeeze(-1) - 1.0) ** 2).mean()
-    return loss, {"loss": loss.detach()}
+    return _sum_count_mean((output.float().squeeze(-1) - 1.0) ** 2)
+
+
+def _sum_count_mean(per_token: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, Any]]:
+    total = per_token.sum()
+    return total, torch.tensor(per_token.numel(), dtype=torch.int), {"loss": total.detach() / per_token.numel()}

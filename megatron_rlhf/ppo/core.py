@@ -41,11 +41,64 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / std over the masked positions; ``shift_mean=False`` keeps the mean.
     Masked-out positions come back as 0."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
-    whitened = (x - mean) * torch.rsqrt(var + eps)
+    return whiten_with_moments(x, mask, masked_moments(x, mask), shift_mean, eps)
+
+
+def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[sum, sum of squares, count] of ``x`` over the masked positions, in float64: [3]. Moments of
+    a batch cut into parts are the sums of the parts' (all-reduce them over data-parallel ranks)."""
+    x, mask = x.double(), mask.double()
+    return torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()])
+
+
+def whiten_with_moments(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tensor, shift_mean: bool = True,
+                        eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std with mean and unbiased variance from ``moments`` (see masked_moments), so
+    every part of a batch is whitened by the statistics of the whole. Masked-out positions are 0."""
+    total, total_sq, count = moments.tolist()
+    mean = total / max(count, 1.0)
+    var = (total_sq - total * mean) / max(count, 1.0)
+    if count > 1:
+        var = var * count / (count - 1)
+    whitened = (x - mean) * torch.rsqrt(torch.tensor(max(var, 0.0) + eps, dtype=x.dtype, device=x.device))
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask
+
+
+# --------------------------------------------------------------------------------------------------
+# Loss aggregation
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> Tuple[torch.Tensor, torch.Tensor]:
+    """A per-token loss [B, T] as (sum, count) whose ratio is the loss under ``mode``; the sums and
+    counts of any split of the rows add up to those of the whole batch, so the loss of a global
+    batch does not depend on how it is cut into micro-batches or data-parallel ranks.
+
+    token-mean: every counted token weighs the same (sum over tokens / tokens).
+    seq-mean-token-sum: each sequence's token sum, averaged over sequences.
+    seq-mean-token-mean: each sequence's token mean, averaged over sequences.
+    Sequences without a counted token are not counted. ``count`` is an int64 scalar.
+    """
+    mask = mask.to(per_token.dtype)
+    masked = per_token * mask
+    if mode == "token-mean":
+        return masked.sum(), mask.sum().to(torch.int64)
+    tokens = mask.sum(dim=-1)
+    has_tokens = tokens > 0
+    if mode == "seq-mean-token-sum":
+        per_sequence = masked.sum(dim=-1)
+    elif mode == "seq-mean-token-mean":
+        per_sequence = masked.sum(dim=-1) / tokens.clamp(min=1)
+    else:
+        raise ValueError(f"loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}, got {mode!r}")
+    return (per_sequence * has_tokens).sum(), has_tokens.sum().to(torch.int64)
+
+
+def _ratio(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return total / count.clamp(min=1).to(total.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -183,24 +236,51 @@ def gae_advantages(
 # Losses
 
 
+def policy_loss_terms(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Per-token clipped surrogate (a loss to minimise) with the ratio clipped to
+    [1 - clip_low, 1 + clip_high]: inputs [B, T] -> ([B, T], per-token stats: ``clipped`` (1.0 where
+    the clipped branch was taken) and ``approx_kl`` (0.5 * log-ratio^2), detached)."""
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    with torch.no_grad():
+        stats = {"clipped": (clipped > unclipped).to(logprobs.dtype), "approx_kl": 0.5 * log_ratio.detach() ** 2}
+    return torch.maximum(unclipped, clipped), stats
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_ratio: float,
+    loss_agg_mode: str = "token-mean",
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """Clipped surrogate objective (as a loss to minimise). All inputs [B, T]; returns the token-mean
-    loss and metrics: clip fraction and the k1/k3-style approximate KL to the rollout policy."""
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_ratio, 1.0 + clip_ratio)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    """Clipped surrogate objective (as a loss to minimise). All inputs [B, T]; returns the loss
+    aggregated by ``loss_agg_mode`` and metrics: clip fraction and the approximate KL to the
+    rollout policy (token means)."""
+    per_token, stats = policy_loss_terms(logprobs, old_logprobs, advantages, clip_ratio, clip_ratio)
+    loss = _ratio(*aggregate_loss(per_token, mask, loss_agg_mode))
+    return loss, {"clipfrac": masked_mean(stats["clipped"], mask), "approx_kl": masked_mean(stats["approx_kl"], mask)}
+
+
+def value_loss_terms(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip_range: Optional[float]
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Per-token clipped value loss 0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped within
+    clip_range of the rollout values (no clipping when clip_range is None): [B, T] -> ([B, T],
+    per-token ``clipped`` stat, detached, on the inputs' device)."""
+    unclipped = (values - returns) ** 2
+    if clip_range is None:
+        return 0.5 * unclipped, {"clipped": torch.zeros_like(values).detach()}
+    clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    clipped = (clipped_values - returns) ** 2
     with torch.no_grad():
-        clipfrac = masked_mean((clipped > unclipped).to(logprobs.dtype), mask)
-        approx_kl = masked_mean(0.5 * log_ratio**2, mask)
-    return loss, {"clipfrac": clipfrac, "approx_kl": approx_kl}
+        stats = {"clipped": (clipped > unclipped).to(values.dtype)}
+    return 0.5 * torch.maximum(unclipped, clipped), stats
 
 
 def value_loss(
@@ -209,18 +289,11 @@ def value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     clip_range: Optional[float],
+    loss_agg_mode: str = "token-mean",
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """Clipped value loss 0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped within clip_range of
-    the rollout values (no clipping when clip_range is None). [B, T] inputs; token-mean loss."""
-    unclipped = (values - returns) ** 2
-    if clip_range is None:
-        return 0.5 * masked_mean(unclipped, mask), {"clipfrac": torch.zeros((), dtype=values.dtype)}
-    clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
-    clipped = (clipped_values - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
-    with torch.no_grad():
-        clipfrac = masked_mean((clipped > unclipped).to(values.dtype), mask)
-    return loss, {"clipfrac": clipfrac}
+    """The clipped value loss of value_loss_terms aggregated by ``loss_agg_mode``; [B, T] inputs."""
+    per_token, stats = value_loss_terms(values, old_values, returns, clip_range)
+    return _ratio(*aggregate_loss(per_token, mask, loss_agg_mode)), {"clipfrac": masked_mean(stats["clipped"], mask)}
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

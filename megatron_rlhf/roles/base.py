@@ -47,8 +47,8 @@ class Role:
         self._require_weights()
         self.model.eval()
 
-        def keep(output, mb):
-            return output.sum() * 0.0, {"output": output if reduce is None else reduce(output, mb)}
+        def keep(output, mb):  # a loss function's (loss, count, metrics) shape; nothing is trained
+            return output.sum() * 0.0, torch.ones((), dtype=torch.int), {"output": output if reduce is None else reduce(output, mb)}
 
         with torch.no_grad():
             out = forward_backward(self.model, micro_batches, keep, forward_only=True)

@@ -3,33 +3,71 @@ micro-batch and call the pure math of megatron_rlhf.ppo.
 
 A PPO micro-batch carries ``tokens`` [b, S] and, per action position [b, S-1]: ``action_mask``,
 ``old_log_probs``, ``advantages`` (policy) or ``old_values``, ``returns`` (value).
+
+Each returns (loss sum, count, metrics) for megatron's per-token loss path (see models/pipeline.py):
+the gradient is that of (sum over the whole global batch) / (count over the whole global batch),
+whatever the micro-batch size, DP size or pipeline layout. The metrics are sums too (``loss``,
+``loss_count``; ``tokens`` and per-token sums of the other statistics), so that reported figures
+are aggregated the same way.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
 
 from megatron_rlhf import ppo
-from megatron_rlhf.models.pipeline import LossFn
-from megatron_rlhf.models.vocab_parallel import next_token_log_probs, token_entropy
 from megatron_rlhf.models.batches import at_actions, state_values
+from megatron_rlhf.models.pipeline import LossFn, broadcast_from_last_stage
+from megatron_rlhf.models.vocab_parallel import next_token_log_probs, token_entropy
 
 
-def policy_loss_fn(vocab_size: int, temperature: float, clip_ratio: float) -> LossFn:
+def policy_loss_fn(vocab_size: int, temperature: float, clip_ratio: float, loss_agg_mode: str = "token-mean") -> LossFn:
     def loss_fn(output, mb):
         logp = next_token_log_probs(output, mb["tokens"], vocab_size, temperature)
         mask = mb["action_mask"]
-        loss, stats = ppo.policy_loss(logp, mb["old_log_probs"], mb["advantages"], mask, clip_ratio)
-        entropy = ppo.masked_mean(at_actions(token_entropy(output.detach(), vocab_size, temperature)), mask)
-        return loss, {"loss": loss.detach(), "entropy": entropy, **stats}
+        per_token, stats = ppo.policy_loss_terms(logp, mb["old_log_probs"], mb["advantages"], clip_ratio, clip_ratio)
+        loss_sum, count = ppo.aggregate_loss(per_token, mask, loss_agg_mode)
+        entropy = at_actions(token_entropy(output.detach(), vocab_size, temperature))
+        metrics = {"loss": loss_sum.detach(), "loss_count": count, "tokens": mask.sum(),
+                   "clipfrac": ppo.masked_sum(stats["clipped"], mask), "approx_kl": ppo.masked_sum(stats["approx_kl"], mask),
+                   "entropy": ppo.masked_sum(entropy, mask)}
+        return loss_sum, count, metrics
 
     return loss_fn
 
 
-def value_loss_fn(clip_range: Optional[float]) -> LossFn:
+def value_loss_fn(clip_range: Optional[float], loss_agg_mode: str = "token-mean") -> LossFn:
     def loss_fn(output, mb):
-        predicted = state_values(output)
-        loss, stats = ppo.value_loss(predicted, mb["old_values"], mb["returns"], mb["action_mask"], clip_range)
-        return loss, {"loss": loss.detach(), **stats}
+        mask = mb["action_mask"]
+        per_token, stats = ppo.value_loss_terms(state_values(output), mb["old_values"], mb["returns"], clip_range)
+        loss_sum, count = ppo.aggregate_loss(per_token, mask, loss_agg_mode)
+        metrics = {"loss": loss_sum.detach(), "loss_count": count, "tokens": mask.sum(),
+                   "clipfrac": ppo.masked_sum(stats["clipped"], mask)}
+        return loss_sum, count, metrics
 
     return loss_fn
+
+
+def reported_metrics(steps: List[List[Dict[str, torch.Tensor]]], prefix: str, device, dp_group=None) -> Dict[str, float]:
+    """The losses' metric sums (per optimizer step, per micro-batch; last pipeline stage only)
+    over every micro-batch and DP rank, aggregated as the gradient was: each step's loss is its
+    loss sum / its count, averaged over the steps; the other statistics are token means over all
+    steps. So the reported figures do not depend on how the work was cut either. Collective over
+    the pipeline and DP groups; the same on every rank."""
+    stats = ("clipfrac", "approx_kl", "entropy") if prefix == "policy" else ("clipfrac",)
+    keys = ("loss", "loss_count", "tokens") + stats
+    local = None
+    if steps[0]:
+        local = torch.tensor([[sum(float(m[k]) for m in step) for k in keys] for step in steps], dtype=torch.float64)
+        local = local.to(device)
+    sums = broadcast_from_last_stage(local, (len(steps), len(keys)), torch.float64, device).clone()
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(sums, group=dp_group)
+    per_step = dict(zip(keys, sums.t()))
+    out = {f"loss/{prefix}": (per_step["loss"] / per_step["loss_count"].clamp(min=1)).mean().item()}
+    tokens = per_step["tokens"].sum().clamp(min=1)
+    out.update({f"{prefix}/{k}": (per_step[k].sum() / tokens).item() for k in stats})
+    return out

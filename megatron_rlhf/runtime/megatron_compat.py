@@ -52,9 +52,20 @@ ANCHORS: Dict[str, Tuple[Site, ...]] = {
         Site("optimizer/optimizer.py", "self.fp32_from_float16_groups"),
         Site("optimizer/distrib_optimizer.py", "self.shard_fp32_from_float16_groups"),
     ),
+    "grad_norm": (
+        Site("optimizer/optimizer.py", "def get_grad_norm("),
+        Site("optimizer/optimizer.py", "if self.config.clip_grad > 0.0:"),
+    ),
+    "per_token_loss": (
+        Site("pipeline_parallel/schedules.py", "output_tensor, num_tokens, loss_reduced = outputs"),
+        Site("distributed/finalize_model_grads.py", "torch.distributed.all_reduce(num_tokens, group=dp_cp_group)"),
+        Site("distributed/distributed_data_parallel.py", "if not config.calculate_per_token_loss:"),
+    ),
     "dp_zero_optimizer_checkpoint": (
         Site("optimizer/distrib_optimizer.py", "def save_parameter_state("),
-        Site("optimizer/distrib_optimizer.py", "def load_parameter_state("),
+        Site("optimizer/distrib_optimizer.py", "def load_parameter_state_from_dp_zero("),
+        Site("optimizer/distrib_optimizer.py", "if self.data_parallel_group.rank() == 0:\n            state_dict = torch.load(filename)"),
+        Site("optimizer/optimizer.py", "state_dict = states[idx] if states else None"),
         Site("optimizer/optimizer.py", "def reload_model_params("),
     ),
     "grad_sync_hooks": (
@@ -182,7 +193,24 @@ def save_dp_zero_state(optimizer, path: str) -> None:
 
 
 def load_dp_zero_state(optimizer, path: str) -> None:
-    optimizer.load_parameter_state(path)
+    """The inverse of save_dp_zero_state, as megatron's load_parameter_state (one state dict for a
+    single optimizer, a list for a chain; read on DP rank 0 and scattered), but read to the CPU
+    whatever device wrote it (megatron's own loader has no map_location)."""
+    inners = inner_optimizers(optimizer)
+    states = None
+    for index, inner in enumerate(inners):
+        if getattr(inner, "is_stub_optimizer", False) or not hasattr(inner, "load_parameter_state_from_dp_zero"):
+            continue
+        if inner.data_parallel_group.rank() == 0 and states is None:
+            states = torch.load(path, map_location="cpu", weights_only=False)
+        state = None if states is None else (states if len(inners) == 1 else states[index])
+        inner.load_parameter_state_from_dp_zero(state)
+
+
+def unclipped_grad_norm(optimizer) -> float:
+    """The global grad norm of the step just taken, for an optimizer that did not clip (megatron
+    computes it only when clip_grad > 0); the main grads are still in place after the step."""
+    return float(optimizer.get_grad_norm())
 
 
 def reload_main_params(optimizer) -> None:

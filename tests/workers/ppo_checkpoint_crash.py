@@ -40,8 +40,18 @@ ppo_state.torch.save = real_save
 
 latest = ppo_state.latest_checkpoint(OUT_DIR)
 fresh = PPOController(config, dataset, tokenizer, reward_fn, MemoryLedger(None))
+real_load, map_locations = torch.load, []
+
+
+def recording_load(*args, **kwargs):
+    map_locations.append(kwargs.get("map_location"))
+    return real_load(*args, **kwargs)
+
+
+ppo_state.torch.load = recording_load
 fresh.load_state_dict(ppo_state.load_ppo_checkpoint(fresh.roles, latest))
+ppo_state.torch.load = real_load
 save({
     "error": error, "first": first, "latest": latest, "resumed_iteration": fresh.iteration,
-    "listing": sorted(os.listdir(os.path.join(OUT_DIR, "checkpoints"))),
+    "listing": sorted(os.listdir(os.path.join(OUT_DIR, "checkpoints"))), "map_locations": map_locations,
 })

@@ -1,0 +1,88 @@
+"""The PPO update of one synthetic rollout under several ways of cutting the work. Args: "single"
+(1 process: the uncut run, one micro-batch of all 8 rows, against micro-batches of 1 and 4, for
+every loss_agg_mode) or "layouts" (2 processes: DP=2, TP=2, PP=2, token-mean). Saves, per case,
+the full gradients of ppo_policy (LM head) and ppo_value (scalar head) after the step's backward
+(megatron's finalize has scaled them) and the reported losses."""
+
+import torch
+from common import ARGS, save, setup, tiny_arch
+from megatron.core import parallel_state as ps
+
+from megatron_rlhf import ppo
+from megatron_rlhf.config.schema import RoleConfig
+from megatron_rlhf.models.batches import action_mask, split_rows
+from megatron_rlhf.models.llama import build_model, load_local_state_dict, local_state_dict, unwrap
+from megatron_rlhf.models.pipeline import forward_backward
+from megatron_rlhf.models.sharding import merge_state_dicts, shard_state_dict, to_local_layer_names
+from megatron_rlhf.models.training import wrap_for_training
+from megatron_rlhf.roles.losses import policy_loss_fn, reported_metrics, value_loss_fn
+
+ROWS, WIDTH = 8, 20
+arch = tiny_arch()
+gen = torch.Generator().manual_seed(5)
+prompt_lengths = torch.randint(2, 6, (ROWS,), generator=gen)
+response_lengths = torch.tensor([1, 14, 3, 9, 2, 12, 5, 7])  # spread, so micro-batches hold unequal token counts
+tokens = torch.randint(3, arch.vocab_size, (ROWS, WIDTH), generator=gen)
+rollout = {
+    "tokens": tokens,
+    "action_mask": action_mask(WIDTH, prompt_lengths, response_lengths),
+    "old_log_probs": -1.0 - 3.0 * torch.rand(ROWS, WIDTH - 1, generator=gen),
+    "advantages": torch.randn(ROWS, WIDTH - 1, generator=gen),
+    "old_values": torch.randn(ROWS, WIDTH - 1, generator=gen),
+    "returns": torch.randn(ROWS, WIDTH - 1, generator=gen),
+}
+POLICY_KEYS = ("tokens", "action_mask", "old_log_probs", "advantages")
+VALUE_KEYS = ("tokens", "action_mask", "old_values", "returns")
+
+
+def full_weights(head):
+    """The one set of full weights every layout starts from (TP=1 CPU initialisation, seeded)."""
+    parallel = setup(1, 1, seed=11)
+    model = build_model(arch, parallel, head)
+    state = {k: v.detach().clone() for k, v in local_state_dict(model).items()}
+    return merge_state_dicts([[state]], arch.num_layers, arch.vocab_size, head)
+
+
+def full_grads(ddp, head, tp, pp):
+    """Every rank's main grads, merged into full tensors (on every rank)."""
+    named = {n: p.main_grad.detach().clone() for n, p in unwrap(ddp).named_parameters()}
+    mine = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(),
+            to_local_layer_names(named))
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    grid = [[None] * tp for _ in range(pp)]
+    for p, t, d, grads in everyone:
+        if d == 0:
+            grid[p][t] = grads
+    return merge_state_dicts(grid, arch.num_layers, arch.vocab_size, head)
+
+
+def one_step(weights, head, tp, pp, micro, mode):
+    parallel = setup(tp, pp, seed=11)
+    model = build_model(arch, parallel, head)
+    load_local_state_dict(model, shard_state_dict(
+        weights, arch.num_layers, arch.padded_vocab_size(tp), tp, ps.get_tensor_model_parallel_rank(),
+        pp, ps.get_pipeline_model_parallel_rank(), head=head))
+    ddp, _ = wrap_for_training(model, RoleConfig(precision="fp32", use_distributed_optimizer=False))
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    keys = POLICY_KEYS if head == "lm" else VALUE_KEYS
+    mine = {k: rollout[k].chunk(dp)[dp_rank] for k in keys}
+    loss_fn = policy_loss_fn(arch.vocab_size, 1.0, 0.2, mode) if head == "lm" else value_loss_fn(0.2, mode)
+    ddp.zero_grad_buffer()
+    metrics = forward_backward(ddp, split_rows(micro, **mine), loss_fn, forward_only=False)
+    prefix = "policy" if head == "lm" else "value"
+    reported = reported_metrics([metrics], prefix, torch.device("cpu"), ps.get_data_parallel_group())
+    return {"grads": full_grads(ddp, head, tp, pp), "loss": reported[f"loss/{prefix}"]}
+
+
+result = {}
+for head in ("lm", "scalar"):
+    weights = full_weights(head)
+    if ARGS[0] == "single":
+        for mode in ppo.LOSS_AGG_MODES:
+            for micro in (8, 1, 4):
+                result[(head, mode, f"mb{micro}")] = one_step(weights, head, 1, 1, micro, mode)
+    else:
+        for name, tp, pp, micro in (("dp2", 1, 1, 2), ("tp2", 2, 1, 4), ("pp2", 1, 2, 2)):
+            result[(head, "token-mean", name)] = one_step(weights, head, tp, pp, micro, "token-mean")
+save(result)
