@@ -56,7 +56,7 @@ def measured_activations(model, arch, batch, seq):
     positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(tokens, positions, None)
-        loss, _ = next_token_loss(out, {"tokens": tokens})
+        loss, _, _ = next_token_loss(out, {"tokens": tokens})
     loss.backward()
     return total[0]
 
