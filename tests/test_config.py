@@ -199,3 +199,18 @@ def test_loss_agg_mode_accepts_the_three_modes_only(tmp_path):
     assert load_config(str(tiny_setup(tmp_path, "ppo: {loss_agg_mode: seq-mean-token-mean}\n")), world_size=1).ppo.loss_agg_mode == "seq-mean-token-mean"
     with pytest.raises(ConfigError, match=r"ppo\.loss_agg_mode: expected one of 'token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean'"):
         load_config(str(tiny_setup(tmp_path, "ppo: {loss_agg_mode: sum}\n")), world_size=1)
+
+
+def test_a_serving_role_switch_that_moves_its_owners_shared_weights_is_noted(tmp_path):
+    from megatron_rlhf.config.validation import weight_sharing_notes
+
+    top = tiny_setup(tmp_path)
+    text = top.read_text().replace("policy:\n  model_config_file: models/tiny.yaml\n",
+                                   "policy:\n  model_config_file: models/tiny.yaml\n  free_memory: true\n", 1)
+    top.write_text(text)
+    config = load_config(str(top), world_size=1)
+    assert config.weight_owner("policy") == "ppo_policy" and config.weight_owner("reference") is None
+    (note,) = weight_sharing_notes(config)
+    assert note.startswith("policy shares ppo_policy's weight storage, so policy's offload_weights=True moves")
+    config.policy.precision = "fp32"  # another dtype than ppo_policy's bf16: a copy of its own, nothing shared
+    assert config.weight_owner("policy") is None and weight_sharing_notes(config) == []

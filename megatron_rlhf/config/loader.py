@@ -18,7 +18,7 @@ import yaml
 
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.presets import LLAMA_PRESETS
-from megatron_rlhf.config.schema import ROLE_NAMES, ModelArchConfig, RLHFConfig
+from megatron_rlhf.config.schema import REQUIRED_ARCH_FIELDS, ROLE_NAMES, ModelArchConfig, RLHFConfig
 from megatron_rlhf.config.validation import layout_problems, validate
 
 KeyPath = Tuple[str, ...]
@@ -293,9 +293,7 @@ def _apply_preset(model: ModelArchConfig, file: str, path: KeyPath) -> List[str]
         for key, value in LLAMA_PRESETS[model.preset].items():
             if key not in explicit:
                 setattr(model, key, value)
-    required = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                "vocab_size", "max_position_embeddings")
-    missing = [k for k in required if getattr(model, k) is None]
+    missing = [k for k in REQUIRED_ARCH_FIELDS if getattr(model, k) is None]
     if missing:
         return [
             f"{file}: {dotted(path)}: missing {', '.join(missing)}; set them or name a preset "
@@ -323,11 +321,8 @@ def load_config(file: str, world_size: Optional[int] = None, check_inputs: bool 
     problem is reported at once, in one ConfigError."""
     config, problems = read_config(file)
     if problems:
-        # The cross-key checks still run (on defaults where a key was refused) where every network
-        # is complete: one report of all.
-        if all(config.role(r).model.num_layers is not None for r in config.model_roles) and not any(
-                "missing" in p or "unknown preset" in p for p in problems):
-            problems += layout_problems(config, world_size)
+        # The cross-key checks still run (on defaults where a key was refused): one report of all.
+        problems += [p for p in layout_problems(config, world_size) if p not in problems]
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     validate(config, world_size, check_inputs)
     return config

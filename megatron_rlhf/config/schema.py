@@ -23,6 +23,11 @@ ROLE_HEADS = {
 }
 
 
+# What a network needs, from its own keys or its preset.
+REQUIRED_ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+                        "max_position_embeddings")
+
+
 @dataclasses.dataclass
 class ModelArchConfig:
     """A Llama-2 style decoder: RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases,

@@ -7,7 +7,7 @@ import os
 from typing import List, Optional
 
 from megatron_rlhf.config.errors import ConfigError
-from megatron_rlhf.config.schema import SERVED_WEIGHTS, TRAINABLE_ROLES, RLHFConfig
+from megatron_rlhf.config.schema import REQUIRED_ARCH_FIELDS, SERVED_WEIGHTS, TRAINABLE_ROLES, RLHFConfig
 
 
 def _divisors(n: int) -> str:
@@ -43,6 +43,12 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
             dp = world_size // (tp * pp)
 
     problems.extend(_reward_problems(config))
+    incomplete = [(r, [k for k in REQUIRED_ARCH_FIELDS if getattr(config.role(r).model, k) is None])
+                  for r in config.model_roles]
+    incomplete = [f"{config.source_of(r + '.model')}: {r}.model: missing {', '.join(m)}; set them or name a "
+                  "preset (model: {preset: ...})" for r, m in incomplete if m]
+    if incomplete:  # nothing below can be checked without the networks
+        return problems + incomplete
     # Architecture checks once per distinct network, naming every role that uses it.
     networks: List[tuple] = []
     for role in config.model_roles:
