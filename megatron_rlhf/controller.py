@@ -29,6 +29,7 @@ from megatron_rlhf.data import PromptDataset, Tokenizer
 from megatron_rlhf.generation import SamplingParams, generate
 from megatron_rlhf.memory import MemoryLedger
 from megatron_rlhf.models.batches import split_rows
+from megatron_rlhf.models.pipeline import sum_over
 from megatron_rlhf.roles import Role, build_role
 from megatron_rlhf.roles import inference
 from megatron_rlhf.roles.losses import policy_loss_fn, reported_metrics, value_loss_fn
@@ -189,7 +190,7 @@ class PPOController:
         rewards = ppo.token_rewards(scores, kl, self.kl_controller.value, mask)
         advantages, r.returns = ppo.gae_advantages(rewards, r.old_values, mask, p.gamma, p.lam)
         if p.whiten_advantages:  # by the statistics of the whole rollout, not this rank's share
-            moments = self._sum_over_dp(ppo.masked_moments(advantages, mask))
+            moments = sum_over(ppo.masked_moments(advantages, mask), self.dp_group)
             advantages = ppo.whiten_with_moments(advantages, mask, moments)
         r.advantages = advantages
         return {
@@ -234,12 +235,6 @@ class PPOController:
         metrics = reported_metrics(steps, prefix, self.device, self.dp_group)
         return {**metrics, f"{prefix}/grad_norm": sum(grad_norms) / len(grad_norms)}
 
-    def _sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.dp_size > 1:
-            tensor = tensor.clone()
-            dist.all_reduce(tensor, group=self.dp_group)
-        return tensor
-
     def _gather_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's [n] share of a DP-split tensor -> the whole [n * DP], in DP-rank order."""
         if self.dp_size == 1:
@@ -252,6 +247,5 @@ class PPOController:
         if self.dp_size == 1:
             return metrics
         keys = sorted(metrics)
-        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(values, group=self.dp_group)
+        values = sum_over(torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device), self.dp_group)
         return {k: v / self.dp_size for k, v in zip(keys, values.tolist())}

@@ -83,8 +83,6 @@ def memory_report(config, world_size: int, gpu_memory: Optional[int] = None,
     return "\n".join(lines), True
 
 
-
-
 def rank_groups(tp: int, pp: int, dp: int) -> Dict[str, List[List[int]]]:
     """Global ranks of each TP, DP and PP group in megatron's default order (tp-cp-ep-dp-pp):
     rank = tp_rank + TP * (dp_rank + DP * pp_rank)."""

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import yaml
 
-from megatron_rlhf.config.errors import ConfigError
+from megatron_rlhf.config.errors import ConfigError, located
 from megatron_rlhf.config.presets import LLAMA_PRESETS
 from megatron_rlhf.config.schema import REQUIRED_ARCH_FIELDS, ROLE_NAMES, ModelArchConfig, RLHFConfig
 from megatron_rlhf.config.validation import layout_problems, validate
@@ -234,12 +234,6 @@ def _check_type(value: Any, tp: Any) -> Tuple[bool, Any]:
     return isinstance(value, tp), value
 
 
-def describe(path: KeyPath, source: str) -> str:
-    """``file: key``, with the environment variable that set the value when one did."""
-    env = getattr(source, "env", None)
-    return f"{source}: {dotted(path)}" + (f" (environment variable {env})" if env else "")
-
-
 def build(cls: type, data: Any, sources: Sources, path: KeyPath, top_file: str, problems: List[str]) -> Any:
     """Build dataclass ``cls`` from ``data``. Unknown keys and wrong types are appended to
     ``problems`` (all of them, each naming file, key and what is valid) and left at their defaults."""
@@ -251,7 +245,7 @@ def build(cls: type, data: Any, sources: Sources, path: KeyPath, top_file: str, 
         return sources.get(probe, top_file)
 
     if not isinstance(data, dict):
-        problems.append(f"{describe(path, where(path))}: expected a mapping of keys, got {data!r}")
+        problems.append(f"{located(where(path), dotted(path))}: expected a mapping of keys, got {data!r}")
         return cls()
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
@@ -262,7 +256,7 @@ def build(cls: type, data: Any, sources: Sources, path: KeyPath, top_file: str, 
             close = difflib.get_close_matches(key, list(fields), n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             problems.append(
-                f"{describe(key_path, where(key_path))}: unknown key; {hint}valid keys here are: "
+                f"{located(where(key_path), dotted(key_path))}: unknown key; {hint}valid keys here are: "
                 + ", ".join(sorted(fields))
             )
             continue
@@ -273,7 +267,7 @@ def build(cls: type, data: Any, sources: Sources, path: KeyPath, top_file: str, 
         ok, converted = _check_type(value, tp)
         if not ok:
             shown = "nothing (empty)" if value is None else f"{type(value).__name__} {value!r}"
-            problems.append(f"{describe(key_path, where(key_path))}: expected {_type_name(tp)}, got {shown}")
+            problems.append(f"{located(where(key_path), dotted(key_path))}: expected {_type_name(tp)}, got {shown}")
             continue
         kwargs[key] = converted
     obj = cls(**kwargs)

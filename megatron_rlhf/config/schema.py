@@ -7,6 +7,8 @@ import dataclasses
 import os
 from typing import Dict, Literal, Optional
 
+from megatron_rlhf.config.errors import located
+
 ROLE_NAMES = ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value")
 TRAINABLE_ROLES = ("ppo_policy", "ppo_value")
 # Weight sync: each serving role runs the weights its trained role learns (same network). Where both
@@ -201,8 +203,7 @@ class RLHFConfig:
 
     def at(self, key: str) -> str:
         """``file: key`` for messages, naming the environment variable that set it when one did."""
-        env = getattr(self.origin.get(key), "env", None)
-        return f"{self.source_of(key)}: {key}" + (f" (environment variable {env})" if env else "")
+        return located(self.origin.get(key) or self.source_of(key), key)
 
     def path_of(self, key: str) -> Optional[str]:
         """A path-valued key resolved against the directory of the file that set it."""

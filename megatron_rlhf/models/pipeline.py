@@ -19,6 +19,8 @@ from megatron_rlhf.models.batches import MicroBatch
 # of sum(loss sums) / sum(counts) over every micro-batch of the step on every DP rank (the count is
 # all-reduced over DP and broadcast from the last pipeline stage before the grads are scaled by it).
 LossFn = Callable[[torch.Tensor, MicroBatch], Tuple[torch.Tensor, torch.Tensor, Dict[str, Any]]]
+# reduce(output, micro_batch) -> what a forward-only pass keeps of the output
+Reduce = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 
 
 def model_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
@@ -34,11 +36,13 @@ def forward_backward(
     micro_batches: List[MicroBatch],
     loss_fn: Optional[LossFn] = None,
     forward_only: bool = True,
+    reduce: Optional[Reduce] = None,
 ) -> List[Dict[str, Any]]:
     """Run every micro-batch through the model (forward, and backward unless ``forward_only``).
 
     Returns, on the last pipeline stage, one dict per micro-batch: the loss function's metrics, or
-    ``{"output": output}`` (detached) without a loss function. Other stages return ``[]``.
+    without a loss function ``{"output": output}`` (detached), or ``reduce(output, micro_batch)``
+    in its place when given (so full logits need not be kept). Other stages return ``[]``.
     Training gradients are those of (sum of the loss sums) / (sum of the counts) over every
     micro-batch on every DP rank (see LossFn), however the step is cut.
     """
@@ -56,8 +60,9 @@ def forward_backward(
                 f"{tuple(mb['tokens'].shape)} != {(batch, seq)}"
             )
 
-    def collect_output(output: torch.Tensor, mb: MicroBatch):
-        return output.sum() * 0.0, torch.ones((), dtype=torch.int), {"output": output.detach()}
+    def collect_output(output: torch.Tensor, mb: MicroBatch):  # a loss's shape; nothing is trained
+        kept = output.detach() if reduce is None else reduce(output, mb)
+        return output.sum() * 0.0, torch.ones((), dtype=torch.int), {"output": kept}
 
     def call_loss(fn: LossFn, mb: MicroBatch, output: torch.Tensor):
         # megatron calls loss_func(output); the micro-batch is bound first. Hand it a copy of the
@@ -90,6 +95,17 @@ def gather_vocab_parallel(logits: torch.Tensor) -> torch.Tensor:
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return logits
     return gather_from_tensor_model_parallel_region(logits)
+
+
+def sum_over(tensor: torch.Tensor, group) -> torch.Tensor:
+    """The sum of ``tensor`` over the ranks of ``group`` (a new tensor; the input is kept)."""
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return tensor
+    total = tensor.clone()
+    dist.all_reduce(total, group=group)
+    return total
 
 
 def broadcast_from_last_stage(tensor, shape, dtype, device) -> torch.Tensor:

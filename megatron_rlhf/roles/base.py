@@ -5,18 +5,16 @@ builds on this."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES, RLHFConfig, RoleConfig
 from megatron_rlhf.memory.manager import WEIGHTS, EMSSwitches, RoleMemory
 from megatron_rlhf.models.llama import build_model, load_local_state_dict
-from megatron_rlhf.models.pipeline import LossFn, MicroBatch, forward_backward
+from megatron_rlhf.models.pipeline import LossFn, MicroBatch, Reduce, forward_backward
 from megatron_rlhf.models.training import train_step, wrap_for_training
 from megatron_rlhf.runtime.distributed import set_seed
-
-Reduce = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -47,11 +45,8 @@ class Role:
         self._require_weights()
         self.model.eval()
 
-        def keep(output, mb):  # a loss function's (loss, count, metrics) shape; nothing is trained
-            return output.sum() * 0.0, torch.ones((), dtype=torch.int), {"output": output if reduce is None else reduce(output, mb)}
-
         with torch.no_grad():
-            out = forward_backward(self.model, micro_batches, keep, forward_only=True)
+            out = forward_backward(self.model, micro_batches, reduce=reduce)
         return [o["output"] for o in out]
 
     def train_step(self, micro_batches: List[MicroBatch], loss_fn: LossFn) -> Dict[str, Any]:

@@ -13,9 +13,9 @@ from typing import Sequence
 import torch
 
 from megatron_rlhf.models.batches import MicroBatch, split_rows, state_values
-from megatron_rlhf.models.pipeline import broadcast_from_last_stage
+from megatron_rlhf.models.pipeline import Reduce, broadcast_from_last_stage
 from megatron_rlhf.models.vocab_parallel import next_token_log_probs
-from megatron_rlhf.roles.base import Reduce, Role
+from megatron_rlhf.roles.base import Role
 
 
 def _rows(role: Role, micro_batches: Sequence[MicroBatch], reduce: Reduce, tail: tuple) -> torch.Tensor:

@@ -16,11 +16,10 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_rlhf import ppo
 from megatron_rlhf.models.batches import at_actions, state_values
-from megatron_rlhf.models.pipeline import LossFn, broadcast_from_last_stage
+from megatron_rlhf.models.pipeline import LossFn, broadcast_from_last_stage, sum_over
 from megatron_rlhf.models.vocab_parallel import next_token_log_probs, token_entropy
 
 
@@ -63,9 +62,7 @@ def reported_metrics(steps: List[List[Dict[str, torch.Tensor]]], prefix: str, de
     if steps[0]:
         local = torch.tensor([[sum(float(m[k]) for m in step) for k in keys] for step in steps], dtype=torch.float64)
         local = local.to(device)
-    sums = broadcast_from_last_stage(local, (len(steps), len(keys)), torch.float64, device).clone()
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(sums, group=dp_group)
+    sums = sum_over(broadcast_from_last_stage(local, (len(steps), len(keys)), torch.float64, device), dp_group)
     per_step = dict(zip(keys, sums.t()))
     out = {f"loss/{prefix}": (per_step["loss"] / per_step["loss_count"].clamp(min=1)).mean().item()}
     tokens = per_step["tokens"].sum().clamp(min=1)
