@@ -1,5 +1,5 @@
 # Set-up from nothing: a virtualenv in .venv with torch (CPU build unless TORCH_SPEC says otherwise),
-# megatron-core and this package. `make demo` runs the CPU demo; `make test` runs the test suite.
+# megatron-core and this package. `make demo` runs the CPU demo (PPO; `make demo-grpo`: GRPO); `make test` runs the test suite.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -7,7 +7,7 @@ NPROC ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test clean
+.PHONY: install demo demo-grpo test clean
 
 install: $(STAMP)
 
@@ -26,6 +26,11 @@ examples/tiny/prompts.jsonl: examples/tiny/make_prompts.py
 demo: $(STAMP) examples/tiny/prompts.jsonl
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.train \
 		--config examples/tiny/rlhf.yaml --overwrite
+
+# The same demo without a critic: GRPO (examples/tiny/grpo.yaml).
+demo-grpo: $(STAMP) examples/tiny/prompts.jsonl
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.train \
+		--config examples/tiny/grpo.yaml --overwrite
 
 test: $(STAMP)
 	bash tests/setup_slurm.sh

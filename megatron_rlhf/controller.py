@@ -1,15 +1,16 @@
-"""The PPO controller: one iteration is generate -> score -> advantages -> train -> sync, with
+"""The RL controller: one iteration is generate -> score -> advantages -> train -> sync, with
 every role brought onto the device only for its phase (EMS). Every rank runs this same loop.
 
     iteration
-      policy     generate responses; log-probs of them (the rollout policy's, "old")
-      reference  log-probs (KL penalty)
+      policy     generate samples_per_prompt responses per prompt; their log-probs ("old")
       reward     scores (scalar head at the last response token, or a rule function)
-      value      values of every response position
-      ppo math   KL-shaped rewards, GAE, whitening (megatron_rlhf.ppo)
+                 [dynamic sampling: drop groups that all score the same, generate more]
+      reference  log-probs (KL penalty, in the reward or in the loss)
+      value      values of every response position (GAE only)
+      advantages GAE, GRPO, RLOO or REINFORCE++ (megatron_rlhf.ppo)
       ppo_policy ppo_epochs x (rollout / global_batch_size) optimizer steps on the clipped surrogate
-      ppo_value  the same on the clipped value loss
-      sync       trained weights -> policy and value
+      ppo_value  the same on the clipped value loss (GAE only)
+      sync       trained weights -> policy (and value)
 """
 
 from __future__ import annotations
@@ -24,24 +25,29 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf import ppo
-from megatron_rlhf.config.schema import SERVED_WEIGHTS, RLHFConfig
+from megatron_rlhf.config.schema import RLHFConfig
 from megatron_rlhf.data import PromptDataset, Tokenizer
 from megatron_rlhf.generation import SamplingParams, generate
 from megatron_rlhf.memory import MemoryLedger
-from megatron_rlhf.models.batches import split_rows
+from megatron_rlhf.models.batches import action_mask, split_rows
 from megatron_rlhf.models.pipeline import sum_over
 from megatron_rlhf.roles import Role, build_role
 from megatron_rlhf.roles import inference
-from megatron_rlhf.roles.losses import policy_loss_fn, reported_metrics, value_loss_fn
+from megatron_rlhf.roles.losses import policy_loss_fn, policy_stats, reported_metrics, value_loss_fn
 from megatron_rlhf.roles.reward_function import RewardFunction, score_with_function
 from megatron_rlhf.roles.weight_sync import WeightSync
 from megatron_rlhf.runtime.platform import get_platform
+
+# The columns of a sample as generation and scoring leave it: [B, S] tokens, [B] lengths, indices
+# and scores, [B, S-1] per-action log-probs.
+SampleRows = Dict[str, torch.Tensor]
 
 
 @dataclasses.dataclass
 class Rollout:
     """This data-parallel rank's share of one iteration's experience. [B, S] tokens; every other
-    per-token tensor is [B, S-1] over action positions (see Generated.action_mask)."""
+    per-token tensor is [B, S-1] over action positions (see Generated.action_mask). The responses
+    to one prompt are adjacent rows; ``group_index`` [B] numbers those groups."""
 
     tokens: torch.Tensor
     prompt_lengths: torch.Tensor
@@ -49,10 +55,11 @@ class Rollout:
     action_mask: torch.Tensor
     old_log_probs: torch.Tensor
     ref_log_probs: torch.Tensor
-    old_values: torch.Tensor
-    scores: torch.Tensor  # [B], as the reward gave them
+    scores: torch.Tensor  # [B], as the reward gave them (plus any overlong penalty)
+    group_index: torch.Tensor
+    old_values: Optional[torch.Tensor] = None  # GAE only
     advantages: Optional[torch.Tensor] = None
-    returns: Optional[torch.Tensor] = None
+    returns: Optional[torch.Tensor] = None  # GAE only
 
 
 class PPOController:
@@ -82,7 +89,7 @@ class PPOController:
             ledger.track(self.roles[name].memory)
         self.syncs = [
             WeightSync(self.roles[trained], self.roles[serving], share=config.weight_owner(serving) is not None)
-            for serving, trained in SERVED_WEIGHTS.items()
+            for serving, trained in config.served_weights.items()
         ]
         p = config.ppo
         self.kl_controller = (
@@ -98,17 +105,19 @@ class PPOController:
         self.iteration += 1
         self.ledger.iteration = self.iteration
         start = time.perf_counter()
-        rollout, texts, generate_s = self._rollout()
+        rollout, texts, sampling = self._rollout()
         shaped = self._advantages(rollout)
         train_metrics = self._train(rollout)
         for sync in self.syncs:
             sync()
         self.ledger.record("phase_end", "iteration")
+        generate_s = sampling.pop("time/generate_s")
         metrics = {
             "reward/mean": rollout.scores.mean().item(),
             "reward/std": rollout.scores.std().item() if len(rollout.scores) > 1 else 0.0,
             **shaped,
             **train_metrics,
+            **sampling,
             "response/length_mean": rollout.response_lengths.float().mean().item(),
         }
         metrics = self._dp_mean(metrics)
@@ -142,44 +151,131 @@ class PPOController:
         torch.set_rng_state(state["rng"]["torch"])
 
     def _rollout(self):
+        """Generate and score (with dynamic sampling: until enough groups carry a signal), then the
+        reference log-probs and values of the rows kept. Returns the rollout, (prompt, response)
+        pairs and the sampling metrics."""
+        cfg, alg = self.config, self.config.algorithm
+        rounds = 1 + (alg.dynamic_sampling_extra_rounds if alg.dynamic_sampling else 0)
+        generate_s, kept, dropped = 0.0, [], []
+        for round_ in range(rounds):
+            rows, seconds = self._sample(round_)
+            generate_s += seconds
+            if not alg.dynamic_sampling:
+                break
+            # Decided on the rows of every DP rank, so that every rank keeps the same groups and
+            # each gets an equal share of them.
+            rows = self._gather_rows_over_dp(rows)
+            signal = ppo.informative_groups(rows["scores"], cfg.generation.samples_per_prompt)
+            kept.append(self._select_groups(rows, signal))
+            dropped.append(self._select_groups(rows, ~signal))
+            if sum(len(k["scores"]) for k in kept) >= cfg.rollout_samples:
+                break
+        sampling = {"time/generate_s": generate_s}
+        if alg.dynamic_sampling:
+            rows, short = self._fill_from(kept, dropped)
+            sampling.update({
+                "sampling/rounds": float(round_ + 1),
+                "sampling/dropped_groups": float(sum(len(d["scores"]) for d in dropped) // cfg.generation.samples_per_prompt),
+                "sampling/short_groups": float(short),
+            })
+        tokens = rows["tokens"]
+        with self.roles["reference"].resident("inference"):
+            ref_log_probs = inference.log_probs(self.roles["reference"], tokens, self.vocab_size, cfg.generation.temperature)
+        old_values = None
+        if "value" in self.roles:
+            with self.roles["value"].resident("inference"):
+                old_values = inference.values(self.roles["value"], tokens)
+        n = cfg.generation.samples_per_prompt
+        rollout = Rollout(
+            tokens, rows["prompt_lengths"], rows["response_lengths"],
+            action_mask(tokens.shape[1], rows["prompt_lengths"], rows["response_lengths"]),
+            rows["old_log_probs"], ref_log_probs, rows["scores"],
+            group_index=torch.arange(len(tokens), device=tokens.device) // n, old_values=old_values,
+        )
+        texts = list(zip([self.dataset.texts[i] for i in rows["prompt_index"].tolist()], self._decode(rows)))
+        return rollout, texts, sampling
+
+    def _sample(self, round_: int):
+        """One rollout batch's worth of prompts, samples_per_prompt responses each: generated, with
+        the rollout policy's log-probs, scored. Returns this DP rank's rows and the generation time."""
         cfg = self.config
+        n = cfg.generation.samples_per_prompt
         batch = self.dataset.next_batch(cfg.ppo.rollout_batch_size, self.dp_rank, self.dp_size)
-        # One stream per data-parallel replica, alike on its TP and PP ranks.
+        # One stream per data-parallel replica and round, alike on its TP and PP ranks; the n
+        # responses to a prompt are n independent draws from it.
         generator = torch.Generator(device=self.device).manual_seed(
-            cfg.seed * 1_000_003 + self.iteration * 1_009 + self.dp_rank
+            cfg.seed * 1_000_003 + self.iteration * 1_009 + round_ * 104_723 + self.dp_rank
         )
         policy, temperature = self.roles["policy"], cfg.generation.temperature
         with policy.resident("inference"):
             started = time.perf_counter()
             gen = generate(
-                policy.model, batch["tokens"].to(self.device), batch["lengths"], self.sampling, self.vocab_size, generator,
-                batch_size=cfg.generation.batch_size,
+                policy.model, batch["tokens"].repeat_interleave(n, 0).to(self.device), batch["lengths"].repeat_interleave(n),
+                self.sampling, self.vocab_size, generator, batch_size=cfg.generation.batch_size,
             )
-            generate_s = time.perf_counter() - started
+            seconds = time.perf_counter() - started
             old_log_probs = inference.log_probs(policy, gen.tokens, self.vocab_size, temperature)
-        with self.roles["reference"].resident("inference"):
-            ref_log_probs = inference.log_probs(self.roles["reference"], gen.tokens, self.vocab_size, temperature)
-        responses = [
-            self.tokenizer.decode(row[p : p + r].tolist())
-            for row, p, r in zip(gen.tokens.cpu(), gen.prompt_lengths.tolist(), gen.response_lengths.tolist())
-        ]
+        rows = {
+            "tokens": gen.tokens, "prompt_lengths": gen.prompt_lengths, "response_lengths": gen.response_lengths,
+            "old_log_probs": old_log_probs,
+            "prompt_index": torch.tensor(batch["indices"], device=self.device).repeat_interleave(n),
+        }
+        prompts = [text for text in batch["texts"] for _ in range(n)]
+        rows["scores"] = self._score(prompts, self._decode(rows), gen)
+        return rows, seconds
+
+    def _score(self, prompts: List[str], responses: List[str], gen) -> torch.Tensor:
+        """[B] scores of the reward (function or model), plus the overlong penalty when set."""
         if self.reward_function is not None:
-            scores = score_with_function(self.reward_function, batch["texts"], responses).to(self.device)
+            scores = score_with_function(self.reward_function, prompts, responses).to(self.device)
         else:
             last = (gen.total_lengths - 1).clamp(min=0)
             with self.roles["reward"].resident("inference"):
                 scores = inference.scores(self.roles["reward"], gen.tokens, last)
-        with self.roles["value"].resident("inference"):
-            old_values = inference.values(self.roles["value"], gen.tokens)
-        rollout = Rollout(
-            gen.tokens, gen.prompt_lengths, gen.response_lengths, gen.action_mask(),
-            old_log_probs, ref_log_probs, old_values, scores,
-        )
-        return rollout, list(zip(batch["texts"], responses)), generate_s
+        alg = self.config.algorithm
+        if alg.overlong_buffer_length:
+            scores = scores + ppo.overlong_penalty(gen.response_lengths, self.config.generation.max_new_tokens,
+                                                   alg.overlong_buffer_length, alg.overlong_penalty_factor).to(scores.device)
+        return scores
+
+    def _decode(self, rows: SampleRows) -> List[str]:
+        return [
+            self.tokenizer.decode(row[p : p + r].tolist())
+            for row, p, r in zip(rows["tokens"].cpu(), rows["prompt_lengths"].tolist(), rows["response_lengths"].tolist())
+        ]
+
+    def _select_groups(self, rows: SampleRows, groups: torch.Tensor) -> SampleRows:
+        """The rows of the groups where ``groups`` [G] is True."""
+        picked = groups.repeat_interleave(self.config.generation.samples_per_prompt)
+        return {k: v[picked] for k, v in rows.items()}
+
+    def _fill_from(self, kept: List[SampleRows], dropped: List[SampleRows]):
+        """This rank's share of the first rollout's worth of kept groups (all ranks' rows, in the
+        order they were drawn). When the rounds ran out first, the gap is filled with dropped groups
+        (their advantages carry no group signal) so that every step keeps its size; returns the
+        rows and how many groups filled it that way."""
+        need = self.config.rollout_samples
+        short = max(0, need - sum(len(k["scores"]) for k in kept))
+        rows = _cat_rows(kept + dropped, self.sampling.pad_id)  # kept groups first
+        share = need // self.dp_size
+        mine = {k: v[self.dp_rank * share : (self.dp_rank + 1) * share] for k, v in rows.items()}
+        width = int((mine["prompt_lengths"] + mine["response_lengths"]).max())  # trim to its own longest row
+        mine["tokens"], mine["old_log_probs"] = mine["tokens"][:, :width], mine["old_log_probs"][:, : width - 1]
+        return mine, short // self.config.generation.samples_per_prompt
+
+    def _gather_rows_over_dp(self, rows: SampleRows) -> SampleRows:
+        """Every DP rank's rows (equal counts), in DP-rank order, padded to the widest."""
+        if self.dp_size == 1:
+            return rows
+        width = torch.tensor([rows["tokens"].shape[1]], device=self.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=self.dp_group)
+        padded = _cat_rows([rows], self.sampling.pad_id, int(width))
+        return {k: self._gather_over_dp(v) for k, v in padded.items()}
 
     def _advantages(self, r: Rollout) -> Dict[str, float]:
-        """Fill r.advantages and r.returns; returns the KL metrics."""
-        p = self.config.ppo
+        """Fill r.advantages (and, for GAE, r.returns) by the configured estimator; returns the KL
+        metrics. Whitening and reward moments use the whole rollout (every DP rank's rows)."""
+        p, alg = self.config.ppo, self.config.algorithm
         mask = r.action_mask
         kl = ppo.kl_penalty(r.old_log_probs, r.ref_log_probs, p.kl_estimator) * mask
         scores = ppo.clip_rewards(r.scores, p.reward_clip)
@@ -187,9 +283,22 @@ class PPOController:
             # Every score of the rollout, in DP-rank order: the moments are the same on every rank.
             self.score_moments.update(self._gather_over_dp(scores))
             scores = scores / (self.score_moments.std + 1e-8)
-        rewards = ppo.token_rewards(scores, kl, self.kl_controller.value, mask)
-        advantages, r.returns = ppo.gae_advantages(rewards, r.old_values, mask, p.gamma, p.lam)
-        if p.whiten_advantages:  # by the statistics of the whole rollout, not this rank's share
+        rewards = ppo.token_rewards(scores, kl, 0.0 if p.kl_in_loss else self.kl_controller.value, mask)
+        estimator = alg.advantage_estimator
+        out = {}
+        if estimator == "gae":
+            advantages, r.returns = ppo.gae_advantages(rewards, r.old_values, mask, p.gamma, p.lam)
+            out = {"returns/mean": ppo.masked_mean(r.returns, mask).item(),
+                   "values/mean": ppo.masked_mean(r.old_values, mask).item()}
+        elif estimator == "reinforce_plus_plus":
+            advantages = ppo.discounted_returns(rewards, mask, p.gamma)
+        elif estimator == "rloo":
+            advantages = ppo.rloo_advantages(rewards.sum(dim=1), r.group_index, mask)
+        else:  # grpo; reinforce_plus_plus_baseline is the group-mean baseline, whitened below
+            normalize = estimator == "grpo" and alg.norm_adv_by_std_in_grpo
+            advantages = ppo.grpo_advantages(rewards.sum(dim=1), r.group_index, mask, normalize)
+        whiten = p.whiten_advantages if estimator == "gae" else estimator.startswith("reinforce_plus_plus")
+        if whiten:  # by the statistics of the whole rollout, not this rank's share
             moments = sum_over(ppo.masked_moments(advantages, mask), self.dp_group)
             advantages = ppo.whiten_with_moments(advantages, mask, moments)
         r.advantages = advantages
@@ -197,24 +306,27 @@ class PPOController:
             "kl/mean": ppo.masked_mean(kl, mask).item(),
             "kl/sequence_mean": kl.sum(dim=1).mean().item(),
             "kl/coef": self.kl_controller.value,
-            "returns/mean": ppo.masked_mean(r.returns, mask).item(),
-            "values/mean": ppo.masked_mean(r.old_values, mask).item(),
+            "advantages/abs_mean": ppo.masked_mean(advantages.abs(), mask).item(),
+            **out,
         }
 
     def _train(self, r: Rollout) -> Dict[str, float]:
         cfg = self.config
         policy_columns = dict(tokens=r.tokens, action_mask=r.action_mask, old_log_probs=r.old_log_probs, advantages=r.advantages)
-        value_columns = dict(tokens=r.tokens, action_mask=r.action_mask, old_values=r.old_values, returns=r.returns)
-        mode = cfg.ppo.loss_agg_mode
-        policy_loss = policy_loss_fn(self.vocab_size, cfg.generation.temperature, cfg.ppo.clip_ratio, mode)
+        if cfg.ppo.kl_in_loss:
+            policy_columns["ref_log_probs"] = r.ref_log_probs
+        policy_loss = policy_loss_fn(self.vocab_size, cfg.generation.temperature, cfg.ppo, self.kl_controller.value)
         out = {}
         start = time.perf_counter()
-        out.update(self._train_role("ppo_policy", policy_columns, policy_loss, "policy"))
-        out.update(self._train_role("ppo_value", value_columns, value_loss_fn(cfg.ppo.value_clip, mode), "value"))
+        out.update(self._train_role("ppo_policy", policy_columns, policy_loss, "policy", policy_stats(cfg.ppo)))
+        if "ppo_value" in self.roles:
+            value_columns = dict(tokens=r.tokens, action_mask=r.action_mask, old_values=r.old_values, returns=r.returns)
+            value_loss = value_loss_fn(cfg.ppo.value_clip, cfg.ppo.loss_agg_mode)
+            out.update(self._train_role("ppo_value", value_columns, value_loss, "value", ("clipfrac",)))
         out["time/train_s"] = time.perf_counter() - start
         return out
 
-    def _train_role(self, name: str, columns: Dict[str, torch.Tensor], loss_fn, prefix: str) -> Dict[str, float]:
+    def _train_role(self, name: str, columns: Dict[str, torch.Tensor], loss_fn, prefix: str, stats) -> Dict[str, float]:
         cfg = self.config
         role = self.roles[name]
         rows = columns["tokens"].shape[0]
@@ -232,7 +344,7 @@ class PPOController:
                     result = role.train_step(mbs, loss_fn)
                     steps.append(result["metrics"])
                     grad_norms.append(float(result["grad_norm"]))
-        metrics = reported_metrics(steps, prefix, self.device, self.dp_group)
+        metrics = reported_metrics(steps, prefix, stats, self.device, self.dp_group)
         return {**metrics, f"{prefix}/grad_norm": sum(grad_norms) / len(grad_norms)}
 
     def _gather_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -249,3 +361,17 @@ class PPOController:
         keys = sorted(metrics)
         values = sum_over(torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device), self.dp_group)
         return {k: v / self.dp_size for k, v in zip(keys, values.tolist())}
+
+
+def _cat_rows(parts: List[SampleRows], pad_id: int, width: Optional[int] = None) -> SampleRows:
+    """Sample rows of several parts, one after another, padded to a common width (``width`` or
+    the widest part's): tokens with the pad id, per-action columns with 0."""
+    width = width or max(p["tokens"].shape[1] for p in parts)
+
+    def pad(key, tensor):
+        if tensor.dim() < 2:
+            return tensor
+        missing = width - (1 if key != "tokens" else 0) - tensor.shape[1]
+        return torch.nn.functional.pad(tensor, (0, missing), value=pad_id if key == "tokens" else 0.0)
+
+    return {k: torch.cat([pad(k, p[k]) for p in parts]) for k in parts[0]}

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 import yaml
 
 from megatron_rlhf.config import input_problems, load_config, validate
-from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES, RLHFConfig
+from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, TRAINABLE_ROLES, RLHFConfig
 from megatron_rlhf.config.validation import weight_sharing_notes
 from megatron_rlhf.memory.manager import EMSSwitches
 from megatron_rlhf.memory.planner import KINDS, TRANSIENT, Plan, micro_batches_per_step, param_numels, plan, recommend
@@ -99,6 +99,8 @@ def rank_groups(tp: int, pp: int, dp: int) -> Dict[str, List[List[int]]]:
 def resolved_config_text(config: RLHFConfig) -> str:
     tree = dataclasses.asdict(config)
     tree.pop("origin")
+    for role in set(ROLE_NAMES) - set(config.roles):  # the algorithm does not run them
+        tree.pop(role)
     return yaml.safe_dump(tree, sort_keys=False, default_flow_style=False).rstrip()
 
 
@@ -126,6 +128,9 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
     lines = [
         f"{world_size} processes = {nodes} node(s) x {nproc_per_node}; TP={tp} PP={pp} DP={dp} for every role "
         f"(sequence parallel {'on' if par.sequence_parallel else 'off'})",
+        f"algorithm: {config.algorithm.advantage_estimator}, roles: {', '.join(config.roles)}"
+        + ("" if config.roles == ROLE_NAMES else " (no critic)")
+        + f"; {config.ppo.rollout_batch_size} prompts x {config.generation.samples_per_prompt} responses per iteration",
         f"  tensor-parallel groups: {len(groups['tp'])} of {tp} ranks ({'each within one node' if tp_in_node else 'SPANNING NODES: TP all-reduces cross the network; keep TP <= GPUs per node'}), "
         f"first {_span(groups['tp'][0])}",
         f"  data-parallel groups: {len(groups['dp'])} of {dp} ranks, first {_span(groups['dp'][0])}",

@@ -1,4 +1,4 @@
-"""PPO training: ``torchrun --nproc_per_node=N -m megatron_rlhf.train --config rlhf.yaml [--output-dir DIR]``.
+"""RL training (PPO, GRPO, RLOO, REINFORCE++): ``torchrun --nproc_per_node=N -m megatron_rlhf.train --config rlhf.yaml [--output-dir DIR]``.
 
 Writes to the output directory: ``metrics.jsonl`` (one object per iteration), ``memory.jsonl``
 (the EMS ledger) and TensorBoard events under ``tensorboard/``.
@@ -141,11 +141,14 @@ class RunLog:
                 if key != "iteration":
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
-        line = (
-            f"iter {step:>4}/{total} | reward {metrics['reward/mean']:.3f} | kl {metrics['kl/mean']:+.4f} | "
-            f"loss/policy {metrics['loss/policy']:+.4f} | loss/value {metrics['loss/value']:.4f} | "
-            f"len {metrics['response/length_mean']:.1f} | {metrics['time/iteration_s']:.1f}s"
-        )
+        parts = [f"iter {step:>4}/{total}", f"reward {metrics['reward/mean']:.3f}", f"kl {metrics['kl/mean']:+.4f}",
+                 f"loss/policy {metrics['loss/policy']:+.4f}"]
+        if "loss/value" in metrics:  # GAE only
+            parts.append(f"loss/value {metrics['loss/value']:.4f}")
+        if "sampling/dropped_groups" in metrics:  # dynamic sampling
+            parts.append(f"dropped {metrics['sampling/dropped_groups']:.0f}")
+        parts += [f"len {metrics['response/length_mean']:.1f}", f"{metrics['time/iteration_s']:.1f}s"]
+        line = " | ".join(parts)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.write(line)

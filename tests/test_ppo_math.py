@@ -71,7 +71,11 @@ def test_kl_estimators():
             assert k1[i, j].item() == pytest.approx(logp[i][j] - ref[i][j], abs=1e-12)
             assert k3[i, j].item() == pytest.approx(math.exp(log_r) - log_r - 1, abs=1e-12)
             assert k3[i, j].item() >= 0
-    with pytest.raises(ValueError, match="'k1' or 'k3'"):
+    # low_var_kl: k3 clamped to [-10, 10]; a token the reference finds far less likely hits the clamp.
+    far = ppo.kl_penalty(t([[0.0, -1.0]]), t([[-20.0, -1.5]]), "low_var_kl")
+    assert far[0, 0].item() == 10.0
+    assert far[0, 1].item() == pytest.approx(math.exp(-0.5) + 0.5 - 1, abs=1e-12)
+    with pytest.raises(ValueError, match="k1, k3, low_var_kl"):
         ppo.kl_penalty(t(logp), t(ref), "k2")
 
 
@@ -251,3 +255,83 @@ def test_policy_loss_terms_clip_low_and_high_separately():
     expected = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.3))
     torch.testing.assert_close(per_token, expected)
     assert stats["clipped"].tolist() == [[0.0, 0.0, 0.0, 1.0]]
+
+
+# --------------------------------------------------------------------------------------------------
+# Critic-free estimators, against formulas written per group with plain Python. Hand-made groups:
+# spread scores, a tie inside a group, a group of one, a group whose scores are all equal, and
+# groups whose rows are not adjacent.
+SCORES = [1.0, 0.0, 0.5, 0.5, 2.0, 3.0, 3.0, 3.0, -1.0, 4.0]
+GROUPS = [0, 0, 0, 1, 2, 3, 3, 3, 1, 0]
+GROUP_MASK = [[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0], [1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]]
+
+
+def members(i):
+    return [SCORES[j] for j in range(len(SCORES)) if GROUPS[j] == GROUPS[i]]
+
+
+def tiled(per_row):
+    return t([[a * m for m in row] for a, row in zip(per_row, GROUP_MASK)])
+
+
+def ref_grpo(normalize, eps=1e-6):
+    out = []
+    for i, x in enumerate(SCORES):
+        group = members(i)
+        if len(group) == 1:  # no baseline: mean 0, std 1
+            out.append(x / (1 + eps) if normalize else x)
+            continue
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((g - mean) ** 2 for g in group) / (len(group) - 1))
+        out.append((x - mean) / (std + eps) if normalize else x - mean)
+    return out
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_grpo_is_the_group_normalised_score(normalize):
+    got = ppo.grpo_advantages(t(SCORES), torch.tensor(GROUPS), t(GROUP_MASK), normalize_by_std=normalize)
+    torch.testing.assert_close(got, tiled(ref_grpo(normalize)), rtol=0, atol=1e-12)
+    assert got[5:8].abs().max() == 0  # all-equal group: no signal
+    assert got[4, 0].item() == pytest.approx(2.0 / (1 + 1e-6) if normalize else 2.0)  # group of one
+
+
+def test_rloo_subtracts_the_mean_of_the_other_responses():
+    ref = []
+    for i, x in enumerate(SCORES):
+        others = members(i)
+        others.remove(x)
+        ref.append(x - sum(others) / len(others) if others else x)
+    got = ppo.rloo_advantages(t(SCORES), torch.tensor(GROUPS), t(GROUP_MASK))
+    torch.testing.assert_close(got, tiled(ref), rtol=0, atol=1e-12)
+    # RLOO is GRPO's unnormalised advantage scaled by n / (n - 1) for a group of n.
+    grpo = ppo.grpo_advantages(t(SCORES), torch.tensor(GROUPS), t(GROUP_MASK), normalize_by_std=False)
+    torch.testing.assert_close(got[:3], grpo[:3] * 4 / 3, rtol=0, atol=1e-12)
+
+
+def test_reinforce_plus_plus_returns_and_baseline_whitened_over_the_batch():
+    rewards = rand(5, 5, 8)
+    for gamma in (1.0, 0.9):
+        ref = []
+        for r, m in zip(rewards, MASK):
+            ref.append([sum(gamma ** (k - i) * r[k] * m[k] for k in range(i, len(r)) if all(m[i : k + 1])) if m[i] else 0.0
+                        for i in range(len(r))])
+        torch.testing.assert_close(ppo.discounted_returns(t(rewards), t(MASK), gamma), t(ref), rtol=0, atol=1e-12)
+    # reinforce_plus_plus_baseline: score - group mean at every token, then whitened over the batch.
+    centred = ppo.grpo_advantages(t(SCORES), torch.tensor(GROUPS), t(GROUP_MASK), normalize_by_std=False)
+    whitened = ppo.whiten_with_moments(centred, t(GROUP_MASK), ppo.masked_moments(centred, t(GROUP_MASK)))
+    counted = [a for row, mrow in zip(tiled(ref_grpo(False)).tolist(), GROUP_MASK) for a, m in zip(row, mrow) if m]
+    mean = sum(counted) / len(counted)
+    std = math.sqrt(sum((a - mean) ** 2 for a in counted) / (len(counted) - 1))
+    ref = [[(a - mean) / math.sqrt(std**2 + 1e-8) * m for a, m in zip(row, mrow)]
+           for row, mrow in zip(tiled(ref_grpo(False)).tolist(), GROUP_MASK)]
+    torch.testing.assert_close(whitened, t(ref), rtol=0, atol=1e-10)
+
+
+def test_informative_groups_and_the_overlong_penalty():
+    scores = t([1.0, 1.0, 1.0, 0.0, 0.5, 0.5, 0.2, 0.2, 0.3])
+    assert ppo.informative_groups(scores, 3).tolist() == [False, True, True]
+    assert ppo.informative_groups(t([0.7, 0.7]), 1).tolist() == [False, False]  # a group of one never has signal
+    # max_new_tokens 16, buffer 4: free up to 12 tokens, then -factor * excess / 4, -factor at 16.
+    lengths = torch.tensor([3, 12, 13, 15, 16])
+    assert ppo.overlong_penalty(lengths, 16, 4, 0.5).tolist() == [0.0, 0.0, -0.125, -0.375, -0.5]
+    assert ppo.overlong_penalty(lengths, 16, 0, 0.5).tolist() == [0.0] * 5

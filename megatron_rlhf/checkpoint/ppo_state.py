@@ -83,7 +83,7 @@ def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any],
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    for role_name in TRAINABLE_ROLES:
+    for role_name in [r for r in TRAINABLE_ROLES if r in roles]:
         role = roles[role_name]
         role_dir = os.path.join(tmp, role_name)
         common_file, param_file = _optim_files(role_dir, layout["tp_rank"], layout["pp_rank"])
@@ -141,7 +141,7 @@ def load_ppo_checkpoint(roles: Mapping[str, Any], path: str) -> Dict[str, Any]:
             f"{path}: written at TP={saved['tp']} PP={saved['pp']}; resume with the same TP and PP "
             f"(now TP={layout['tp']} PP={layout['pp']}); DP may differ"
         )
-    for role_name in TRAINABLE_ROLES:
+    for role_name in [r for r in TRAINABLE_ROLES if r in roles]:
         role = roles[role_name]
         role_dir = os.path.join(path, role_name)
         common_file, param_file = _optim_files(role_dir, layout["tp_rank"], layout["pp_rank"])

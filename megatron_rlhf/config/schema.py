@@ -11,6 +11,12 @@ from megatron_rlhf.config.errors import located
 
 ROLE_NAMES = ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value")
 TRAINABLE_ROLES = ("ppo_policy", "ppo_value")
+# The critic: the roles that only an estimator with a learned value baseline (GAE) builds.
+CRITIC_ROLES = ("value", "ppo_value")
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+CRITIC_ESTIMATORS = ("gae",)
+# Estimators whose baseline is the other responses to the same prompt (samples_per_prompt > 1).
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 # Weight sync: each serving role runs the weights its trained role learns (same network). Where both
 # have the same precision the serving role's parameters are views of the trained role's storage.
 SERVED_WEIGHTS = {"policy": "ppo_policy", "value": "ppo_value"}
@@ -141,6 +147,8 @@ class GenerationConfig:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
     batch_size: Optional[int] = None  # rows decoded at once per DP rank (KV cache size); None: the whole rollout
+    # Responses per prompt (a group): kept together on one DP rank, each sampled independently.
+    samples_per_prompt: int = 1
 
 
 @dataclasses.dataclass
@@ -149,9 +157,17 @@ class PPOConfig:
     rollout_batch_size: int = 64  # prompts per iteration, over all data-parallel ranks
     ppo_epochs: int = 1  # passes over each rollout; each pass has rollout/global_batch_size steps
     clip_ratio: float = 0.2
+    # The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]; None: clip_ratio (DAPO's
+    # "clip-higher" sets clip_ratio_high above clip_ratio_low).
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
     value_clip: Optional[float] = 0.2
     kl_coef: float = 0.05
-    kl_estimator: Literal["k1", "k3"] = "k1"
+    # k1: log p - log q; k3: (q/p - 1) - log(q/p); low_var_kl: k3 clamped to [-10, 10].
+    kl_estimator: Literal["k1", "k3", "low_var_kl"] = "k1"
+    # False: the KL penalty is part of every token's reward (classic RLHF PPO); True: it is a term
+    # of the policy loss, kl_coef * KL(policy || reference) per token (the GRPO way), not a reward.
+    kl_in_loss: bool = False
     adaptive_kl: bool = False  # Ziegler et al.: steer kl_coef towards kl_target
     kl_target: float = 6.0
     kl_horizon: int = 10000
@@ -164,6 +180,30 @@ class PPOConfig:
     # token-mean (every response token of the global batch weighs the same), seq-mean-token-sum,
     # seq-mean-token-mean (each sequence weighs the same).
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+
+
+@dataclasses.dataclass
+class AlgorithmConfig:
+    """How advantages are estimated and which rollouts are kept. ``gae`` is PPO with a critic
+    (value and ppo_value roles); every other estimator is critic-free and builds neither.
+
+    grpo: (score - group mean) / (group std + eps) within each prompt's group of responses
+      (``norm_adv_by_std_in_grpo: false``: no std division, as Dr. GRPO).
+    rloo: score - the mean score of the other responses to the same prompt.
+    reinforce_plus_plus: discounted returns of the per-token rewards, whitened over the rollout.
+    reinforce_plus_plus_baseline: score - group mean at every token, whitened over the rollout.
+    A group of one has no baseline: its advantage is its score (whitened for REINFORCE++)."""
+
+    advantage_estimator: Literal[ADVANTAGE_ESTIMATORS] = "gae"
+    norm_adv_by_std_in_grpo: bool = True
+    # DAPO's dynamic sampling: groups whose scores are all equal teach nothing; drop them and
+    # generate more groups, at most ``dynamic_sampling_extra_rounds`` more rollouts' worth.
+    dynamic_sampling: bool = False
+    dynamic_sampling_extra_rounds: int = 2
+    # DAPO's overlong reward shaping: a response longer than max_new_tokens - overlong_buffer_length
+    # loses overlong_penalty_factor * (excess / overlong_buffer_length) of score (0: off).
+    overlong_buffer_length: int = 0
+    overlong_penalty_factor: float = 1.0
 
 
 @dataclasses.dataclass
@@ -183,6 +223,7 @@ class RLHFConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
     ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     policy: RoleConfig = dataclasses.field(default_factory=RoleConfig)
     reference: RoleConfig = dataclasses.field(default_factory=RoleConfig)
@@ -215,9 +256,32 @@ class RLHFConfig:
         return os.path.join(os.path.dirname(self.source_of(key)), value)
 
     @property
+    def critic_free(self) -> bool:
+        return self.algorithm.advantage_estimator not in CRITIC_ESTIMATORS
+
+    @property
+    def roles(self) -> tuple:
+        """The roles the algorithm runs: all six for GAE, no value or ppo_value when critic-free."""
+        return tuple(r for r in ROLE_NAMES if not (self.critic_free and r in CRITIC_ROLES))
+
+    @property
     def model_roles(self) -> tuple:
-        """The roles that are networks (all but a function reward)."""
-        return tuple(r for r in ROLE_NAMES if not (r == "reward" and self.reward.type == "function"))
+        """The roles that are networks (those the algorithm runs, but a function reward)."""
+        return tuple(r for r in self.roles if not (r == "reward" and self.reward.type == "function"))
+
+    @property
+    def trainable_roles(self) -> tuple:
+        return tuple(r for r in TRAINABLE_ROLES if r in self.roles)
+
+    @property
+    def served_weights(self) -> Dict[str, str]:
+        """SERVED_WEIGHTS restricted to the roles the algorithm runs."""
+        return {s: t for s, t in SERVED_WEIGHTS.items() if s in self.roles}
+
+    @property
+    def rollout_samples(self) -> int:
+        """Responses per iteration over all DP ranks: prompts x samples_per_prompt."""
+        return self.ppo.rollout_batch_size * self.generation.samples_per_prompt
 
     def weight_owner(self, role: str) -> Optional[str]:
         """The trained role whose weight storage ``role`` shares (same precision), or None: then
@@ -227,7 +291,7 @@ class RLHFConfig:
 
     def samples_per_step(self, role: str) -> int:
         """Samples per optimizer step of a trainable role, over all DP ranks (default: the rollout)."""
-        return self.role(role).global_batch_size or self.ppo.rollout_batch_size
+        return self.role(role).global_batch_size or self.rollout_samples
 
     def role(self, name: str) -> RoleConfig:
         if name not in ROLE_NAMES:

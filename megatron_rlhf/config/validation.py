@@ -7,7 +7,7 @@ import os
 from typing import List, Optional
 
 from megatron_rlhf.config.errors import ConfigError
-from megatron_rlhf.config.schema import REQUIRED_ARCH_FIELDS, SERVED_WEIGHTS, TRAINABLE_ROLES, RLHFConfig
+from megatron_rlhf.config.schema import CRITIC_ROLES, GROUP_ESTIMATORS, REQUIRED_ARCH_FIELDS, TRAINABLE_ROLES, RLHFConfig
 
 
 def _divisors(n: int) -> str:
@@ -43,6 +43,7 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
             dp = world_size // (tp * pp)
 
     problems.extend(_reward_problems(config))
+    problems.extend(_algorithm_problems(config))
     incomplete = [(r, [k for k in REQUIRED_ARCH_FIELDS if getattr(config.role(r).model, k) is None])
                   for r in config.model_roles]
     incomplete = [f"{config.source_of(r + '.model')}: {r}.model: missing {', '.join(m)}; set them or name a "
@@ -111,7 +112,7 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
 
     problems.extend(_run_problems(config, dp))
     # Weight sync copies or shares trained weights into the serving role: same network.
-    for serving, trained in SERVED_WEIGHTS.items():
+    for serving, trained in config.served_weights.items():
         if config.role(trained).model != config.role(serving).model:
             problems.append(
                 f"{config.source_of(trained + '.model')}: {trained}.model: differs from "
@@ -125,7 +126,7 @@ def weight_sharing_notes(config: RLHFConfig) -> List[str]:
     """Where a serving role shares its trained role's weight storage, the weights leave the device
     by either role's ``offload_weights``: say so when the two switches differ (not an error)."""
     notes = []
-    for serving in SERVED_WEIGHTS:
+    for serving in config.served_weights:
         owner = config.weight_owner(serving) if serving in config.model_roles else None
         if owner is None:
             continue
@@ -154,6 +155,50 @@ def _reward_problems(config: RLHFConfig) -> List[str]:
             "'model'; set reward.type: function to use it, or remove it"
         ]
     return []
+
+
+def _algorithm_problems(config: RLHFConfig) -> List[str]:
+    """The estimator's roles and the settings of group sampling, KL, clipping and reward shaping."""
+    problems: List[str] = []
+    alg, gen, ppo = config.algorithm, config.generation, config.ppo
+    estimator = alg.advantage_estimator
+
+    def bad(key: str, message: str) -> None:
+        problems.append(f"{config.at(key)}: {message}")
+
+    needs = ", ".join(config.roles)
+    if config.critic_free:
+        for role in CRITIC_ROLES:
+            if role in config.origin:
+                bad(role, f"configured, but algorithm.advantage_estimator={estimator} has no critic: it runs "
+                    f"{needs}; remove {' and '.join(CRITIC_ROLES)} (or use advantage_estimator: gae)")
+    if gen.samples_per_prompt < 1:
+        bad("generation.samples_per_prompt", f"must be >= 1, got {gen.samples_per_prompt}")
+    elif gen.samples_per_prompt < 2 and estimator in GROUP_ESTIMATORS:
+        bad("generation.samples_per_prompt", f"{estimator} compares the responses to one prompt with each other; "
+            "set samples_per_prompt >= 2 (4 to 16 is usual)")
+    elif gen.samples_per_prompt < 2 and alg.dynamic_sampling:
+        bad("algorithm.dynamic_sampling", "drops groups whose responses all score the same, so it needs "
+            "generation.samples_per_prompt >= 2")
+    if gen.samples_per_prompt > 1 and gen.greedy:
+        bad("generation.samples_per_prompt", "greedy decoding gives every response to a prompt the same "
+            "tokens; sample (greedy: false) or use samples_per_prompt: 1")
+    if alg.dynamic_sampling_extra_rounds < 0:
+        bad("algorithm.dynamic_sampling_extra_rounds", f"must be >= 0, got {alg.dynamic_sampling_extra_rounds}")
+    if not 0 <= alg.overlong_buffer_length < gen.max_new_tokens:
+        bad("algorithm.overlong_buffer_length", f"must be in [0, generation.max_new_tokens={gen.max_new_tokens}), "
+            f"got {alg.overlong_buffer_length}")
+    if alg.overlong_penalty_factor < 0:
+        bad("algorithm.overlong_penalty_factor", f"must be >= 0, got {alg.overlong_penalty_factor}")
+    for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+        value = getattr(ppo, key)
+        if value is not None and value < 0:
+            bad(f"ppo.{key}", f"must be >= 0, got {value}")
+    low = ppo.clip_ratio if ppo.clip_ratio_low is None else ppo.clip_ratio_low
+    if low >= 1:
+        bad("ppo.clip_ratio_low" if ppo.clip_ratio_low is not None else "ppo.clip_ratio",
+            f"the ratio is clipped below at 1 - {low}, which must stay above 0; use a value < 1")
+    return problems
 
 
 def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
@@ -204,15 +249,18 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
     if ppo.rollout_batch_size % dp:
         bad("ppo.rollout_batch_size", f"{ppo.rollout_batch_size} is not divisible by DP = {dp}")
         return problems
-    per_rank = ppo.rollout_batch_size // dp
+    per_rank = config.rollout_samples // dp
+    rollout = f"ppo.rollout_batch_size={ppo.rollout_batch_size}"
+    if gen.samples_per_prompt > 1:
+        rollout += f" x generation.samples_per_prompt={gen.samples_per_prompt}"
     for role in config.model_roles:
         rc = config.role(role)
         if role in TRAINABLE_ROLES:
             step = config.samples_per_step(role)
-            if ppo.rollout_batch_size % step:
+            if config.rollout_samples % step:
                 bad(
                     f"{role}.global_batch_size",
-                    f"{step} does not divide ppo.rollout_batch_size={ppo.rollout_batch_size}; "
+                    f"{step} does not divide the rollout of {config.rollout_samples} samples ({rollout}); "
                     "each PPO epoch splits the rollout into optimizer steps of this size",
                 )
             elif (step // dp) % rc.micro_batch_size:
@@ -224,7 +272,7 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
             bad(
                 f"{role}.micro_batch_size",
                 f"{rc.micro_batch_size} does not divide the per-rank rollout of {per_rank} samples "
-                f"(ppo.rollout_batch_size={ppo.rollout_batch_size} / DP={dp})",
+                f"({rollout} / DP={dp})",
             )
     return problems
 

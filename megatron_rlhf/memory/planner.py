@@ -5,7 +5,7 @@ megatron allocates, including the distributed optimizer's buffer padding, for th
 pipeline stage. Activations and the KV cache are estimates (formulas below); a trainable role under
 pipeline parallelism holds up to PP micro-batches of activations (1F1B's warm-up on the first stage).
 
-A PPO iteration has six phases; in each, the active role holds what the phase needs and every
+A PPO iteration has six phases (four without a critic); in each, the active role holds what the phase needs and every
 other role holds what its EMS switches keep resident. The peak phase bounds the device memory
 the run needs (plus the framework's own overhead, which is not modelled).
 """
@@ -16,7 +16,7 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
-from megatron_rlhf.config.schema import ROLE_HEADS, SERVED_WEIGHTS, TRAINABLE_ROLES, ModelArchConfig, RLHFConfig, RoleConfig
+from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES, ModelArchConfig, RLHFConfig, RoleConfig
 from megatron_rlhf.memory.manager import GRADS, LEDGER_KINDS as KINDS, MAIN_PARAMS, OPTIMIZER_STATE, PHASE_NEEDS, WEIGHTS, EMSSwitches
 
 TRANSIENT = ("activations", "kv_cache")
@@ -156,7 +156,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     dp = world_size // (tp * pp)
     seq = seq_length or (config.data.max_prompt_length + config.generation.max_new_tokens)
-    rollout_per_rank = config.ppo.rollout_batch_size // dp
+    rollout_per_rank = config.rollout_samples // dp
     decoded_at_once = min(rollout_per_rank, config.generation.batch_size or rollout_per_rank)
     switches = switches or {r: EMSSwitches.from_role_config(config.role(r)) for r in config.model_roles}
     roles: Dict[str, Dict[str, int]] = {}
@@ -173,14 +173,14 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
                                                         rc.precision, rc.recompute_activations, trainable),
             "kv_cache": kv_cache_bytes(rc.model, decoded_at_once, seq, tp, pp, rc.precision) if name == "policy" else 0,
         }
-    for serving in SERVED_WEIGHTS:
+    for serving in config.served_weights:
         if serving in roles and config.weight_owner(serving):
             roles[serving] = dict(roles[serving], **{WEIGHTS: 0})
     phases, resident = {}, {}
     for phase, active, extra in PHASES:
         if active not in roles:
             continue
-        active_owner = SERVED_WEIGHTS.get(active)
+        active_owner = config.served_weights.get(active)
         table = {}
         for name, kinds in roles.items():
             kept = set(KINDS) - set(switches[name].kinds())

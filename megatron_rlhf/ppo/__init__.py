@@ -1,6 +1,17 @@
-"""PPO math: pure tensor functions (see core.py)."""
+"""RL math: pure tensor functions. core.py: masked reductions, KL, rewards, losses;
+advantages.py: the advantage estimators and outcome shaping."""
 
+from megatron_rlhf.ppo.advantages import (
+    discounted_returns,
+    gae_advantages,
+    group_moments,
+    grpo_advantages,
+    informative_groups,
+    overlong_penalty,
+    rloo_advantages,
+)
 from megatron_rlhf.ppo.core import (
+    KL_ESTIMATORS,
     LOSS_AGG_MODES,
     AdaptiveKLController,
     FixedKLController,
@@ -8,7 +19,6 @@ from megatron_rlhf.ppo.core import (
     aggregate_loss,
     clip_rewards,
     entropy_from_logits,
-    gae_advantages,
     kl_penalty,
     last_token_index,
     masked_mean,
@@ -25,14 +35,19 @@ from megatron_rlhf.ppo.core import (
 )
 
 __all__ = [
+    "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "AdaptiveKLController",
     "FixedKLController",
     "RunningMoments",
     "aggregate_loss",
     "clip_rewards",
+    "discounted_returns",
     "entropy_from_logits",
     "gae_advantages",
+    "group_moments",
+    "grpo_advantages",
+    "informative_groups",
     "kl_penalty",
     "last_token_index",
     "masked_mean",
@@ -40,8 +55,10 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "overlong_penalty",
     "policy_loss",
     "policy_loss_terms",
+    "rloo_advantages",
     "token_rewards",
     "value_loss",
     "value_loss_terms",

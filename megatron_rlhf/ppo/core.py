@@ -105,18 +105,24 @@ def _ratio(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 # KL penalty and controllers
 
 
+KL_ESTIMATORS = ("k1", "k3", "low_var_kl")
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from sampled tokens' log-probs. [B, T] -> [B, T].
 
     k1: log p - log q (unbiased, can be negative).  k3: (q/p - 1) - log(q/p) (unbiased, >= 0,
-    lower variance; Schulman's estimator).
+    lower variance; Schulman's estimator).  low_var_kl: k3 clamped to [-10, 10], so that one token
+    the reference finds very unlikely cannot dominate a KL loss.
     """
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
         return log_ratio
     if estimator == "k3":
         return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"KL estimator must be 'k1' or 'k3', got {estimator!r}")
+    if estimator == "low_var_kl":
+        return (torch.expm1(-log_ratio) + log_ratio).clamp(-10.0, 10.0)
+    raise ValueError(f"KL estimator must be one of {', '.join(KL_ESTIMATORS)}, got {estimator!r}")
 
 
 @dataclasses.dataclass
@@ -204,32 +210,6 @@ def token_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, mask: 
     rows = torch.nonzero(last >= 0).flatten()
     rewards[rows, last[rows]] += scores[rows].to(rewards.dtype)
     return rewards
-
-
-# --------------------------------------------------------------------------------------------------
-# Advantages
-
-
-def gae_advantages(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation. rewards, values, mask: [B, T] -> (advantages, returns), [B, T].
-
-    A position whose successor is not counted is terminal (its next value is 0). Masked-out
-    positions get advantage and return 0.
-    """
-    B, T = rewards.shape
-    advantages = torch.zeros_like(rewards)
-    next_advantage = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)
-    next_value = torch.zeros_like(next_advantage)
-    next_mask = torch.zeros_like(next_advantage)
-    for t in reversed(range(T)):
-        delta = rewards[:, t] + gamma * next_value * next_mask - values[:, t]
-        advantage = (delta + gamma * lam * next_mask * next_advantage) * mask[:, t]
-        advantages[:, t] = advantage
-        next_advantage, next_value, next_mask = advantage, values[:, t], mask[:, t].to(rewards.dtype)
-    returns = (advantages + values) * mask
-    return advantages, returns
 
 
 # --------------------------------------------------------------------------------------------------

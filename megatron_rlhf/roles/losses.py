@@ -2,7 +2,8 @@
 micro-batch and call the pure math of megatron_rlhf.ppo.
 
 A PPO micro-batch carries ``tokens`` [b, S] and, per action position [b, S-1]: ``action_mask``,
-``old_log_probs``, ``advantages`` (policy) or ``old_values``, ``returns`` (value).
+``old_log_probs``, ``advantages`` (and ``ref_log_probs`` with the KL in the loss) for the policy,
+or ``old_values``, ``returns`` for the value.
 
 Each returns (loss sum, count, metrics) for megatron's per-token loss path (see models/pipeline.py):
 the gradient is that of (sum over the whole global batch) / (count over the whole global batch),
@@ -13,26 +14,48 @@ are aggregated the same way.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_rlhf import ppo
+from megatron_rlhf.config.schema import PPOConfig
 from megatron_rlhf.models.batches import at_actions, state_values
 from megatron_rlhf.models.pipeline import LossFn, broadcast_from_last_stage, sum_over
 from megatron_rlhf.models.vocab_parallel import next_token_log_probs, token_entropy
 
 
-def policy_loss_fn(vocab_size: int, temperature: float, clip_ratio: float, loss_agg_mode: str = "token-mean") -> LossFn:
+def clip_range(ppo_config: PPOConfig) -> Tuple[float, float]:
+    """(low, high): the policy ratio is clipped to [1 - low, 1 + high]."""
+    low, high = ppo_config.clip_ratio_low, ppo_config.clip_ratio_high
+    return (ppo_config.clip_ratio if low is None else low, ppo_config.clip_ratio if high is None else high)
+
+
+def policy_stats(ppo_config: PPOConfig) -> Tuple[str, ...]:
+    """The per-token statistics the policy loss reports (see reported_metrics)."""
+    return ("clipfrac", "approx_kl", "entropy") + (("kl",) if ppo_config.kl_in_loss else ())
+
+
+def policy_loss_fn(vocab_size: int, temperature: float, ppo_config: PPOConfig, kl_coef: float = 0.0) -> LossFn:
+    """The clipped surrogate (clip_range of ``ppo_config``), plus ``kl_coef`` times the per-token
+    KL to the reference (estimator ``ppo_config.kl_estimator``) when ``kl_in_loss``; then the
+    micro-batch also carries ``ref_log_probs``."""
+    low, high = clip_range(ppo_config)
+    mode, kl_in_loss, estimator = ppo_config.loss_agg_mode, ppo_config.kl_in_loss, ppo_config.kl_estimator
+
     def loss_fn(output, mb):
         logp = next_token_log_probs(output, mb["tokens"], vocab_size, temperature)
         mask = mb["action_mask"]
-        per_token, stats = ppo.policy_loss_terms(logp, mb["old_log_probs"], mb["advantages"], clip_ratio, clip_ratio)
-        loss_sum, count = ppo.aggregate_loss(per_token, mask, loss_agg_mode)
-        entropy = at_actions(token_entropy(output.detach(), vocab_size, temperature))
+        per_token, terms = ppo.policy_loss_terms(logp, mb["old_log_probs"], mb["advantages"], low, high)
+        stats = {"clipfrac": terms["clipped"], "approx_kl": terms["approx_kl"],
+                 "entropy": at_actions(token_entropy(output.detach(), vocab_size, temperature))}
+        if kl_in_loss:
+            kl = ppo.kl_penalty(logp, mb["ref_log_probs"], estimator)
+            per_token = per_token + kl_coef * kl
+            stats["kl"] = kl.detach()
+        loss_sum, count = ppo.aggregate_loss(per_token, mask, mode)
         metrics = {"loss": loss_sum.detach(), "loss_count": count, "tokens": mask.sum(),
-                   "clipfrac": ppo.masked_sum(stats["clipped"], mask), "approx_kl": ppo.masked_sum(stats["approx_kl"], mask),
-                   "entropy": ppo.masked_sum(entropy, mask)}
+                   **{k: ppo.masked_sum(v, mask) for k, v in stats.items()}}
         return loss_sum, count, metrics
 
     return loss_fn
@@ -50,14 +73,14 @@ def value_loss_fn(clip_range: Optional[float], loss_agg_mode: str = "token-mean"
     return loss_fn
 
 
-def reported_metrics(steps: List[List[Dict[str, torch.Tensor]]], prefix: str, device, dp_group=None) -> Dict[str, float]:
+def reported_metrics(steps: List[List[Dict[str, torch.Tensor]]], prefix: str, stats: Sequence[str], device,
+                     dp_group=None) -> Dict[str, float]:
     """The losses' metric sums (per optimizer step, per micro-batch; last pipeline stage only)
     over every micro-batch and DP rank, aggregated as the gradient was: each step's loss is its
-    loss sum / its count, averaged over the steps; the other statistics are token means over all
-    steps. So the reported figures do not depend on how the work was cut either. Collective over
-    the pipeline and DP groups; the same on every rank."""
-    stats = ("clipfrac", "approx_kl", "entropy") if prefix == "policy" else ("clipfrac",)
-    keys = ("loss", "loss_count", "tokens") + stats
+    loss sum / its count, averaged over the steps; the other statistics (``stats``, named the same
+    on every pipeline stage) are token means over all steps. So the reported figures do not depend
+    on how the work was cut either. Collective over the pipeline and DP groups; the same on every rank."""
+    keys = ("loss", "loss_count", "tokens") + tuple(stats)
     local = None
     if steps[0]:
         local = torch.tensor([[sum(float(m[k]) for m in step) for k in keys] for step in steps], dtype=torch.float64)

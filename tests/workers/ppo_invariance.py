@@ -1,6 +1,7 @@
 """The PPO update of one synthetic rollout under several ways of cutting the work. Args: "single"
 (1 process: the uncut run, one micro-batch of all 8 rows, against micro-batches of 1 and 4, for
-every loss_agg_mode) or "layouts" (2 processes: DP=2, TP=2, PP=2, token-mean). Saves, per case,
+every loss_agg_mode) or "layouts" (2 processes: DP=2, TP=2, PP=2, token-mean). The policy loss
+is the GRPO-style one: the KL to the reference in the loss (low_var_kl) and clip-higher. Saves, per case,
 the full gradients of ppo_policy (LM head) and ppo_value (scalar head) after the step's backward
 (megatron's finalize has scaled them) and the reported losses."""
 
@@ -9,13 +10,13 @@ from common import ARGS, save, setup, tiny_arch
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf import ppo
-from megatron_rlhf.config.schema import RoleConfig
+from megatron_rlhf.config.schema import PPOConfig, RoleConfig
 from megatron_rlhf.models.batches import action_mask, split_rows
 from megatron_rlhf.models.llama import build_model, load_local_state_dict, local_state_dict, unwrap
 from megatron_rlhf.models.pipeline import forward_backward
 from megatron_rlhf.models.sharding import merge_state_dicts, shard_state_dict, to_local_layer_names
 from megatron_rlhf.models.training import wrap_for_training
-from megatron_rlhf.roles.losses import policy_loss_fn, reported_metrics, value_loss_fn
+from megatron_rlhf.roles.losses import policy_loss_fn, policy_stats, reported_metrics, value_loss_fn
 
 ROWS, WIDTH = 8, 20
 arch = tiny_arch()
@@ -27,11 +28,12 @@ rollout = {
     "tokens": tokens,
     "action_mask": action_mask(WIDTH, prompt_lengths, response_lengths),
     "old_log_probs": -1.0 - 3.0 * torch.rand(ROWS, WIDTH - 1, generator=gen),
+    "ref_log_probs": -1.0 - 3.0 * torch.rand(ROWS, WIDTH - 1, generator=gen),
     "advantages": torch.randn(ROWS, WIDTH - 1, generator=gen),
     "old_values": torch.randn(ROWS, WIDTH - 1, generator=gen),
     "returns": torch.randn(ROWS, WIDTH - 1, generator=gen),
 }
-POLICY_KEYS = ("tokens", "action_mask", "old_log_probs", "advantages")
+POLICY_KEYS = ("tokens", "action_mask", "old_log_probs", "ref_log_probs", "advantages")
 VALUE_KEYS = ("tokens", "action_mask", "old_values", "returns")
 
 
@@ -67,11 +69,15 @@ def one_step(weights, head, tp, pp, micro, mode):
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     keys = POLICY_KEYS if head == "lm" else VALUE_KEYS
     mine = {k: rollout[k].chunk(dp)[dp_rank] for k in keys}
-    loss_fn = policy_loss_fn(arch.vocab_size, 1.0, 0.2, mode) if head == "lm" else value_loss_fn(0.2, mode)
+    if head == "lm":
+        config = PPOConfig(loss_agg_mode=mode, kl_in_loss=True, kl_estimator="low_var_kl", clip_ratio_high=0.28)
+        loss_fn, stats = policy_loss_fn(arch.vocab_size, 1.0, config, kl_coef=0.1), policy_stats(config)
+    else:
+        loss_fn, stats = value_loss_fn(0.2, mode), ("clipfrac",)
     ddp.zero_grad_buffer()
     metrics = forward_backward(ddp, split_rows(micro, **mine), loss_fn, forward_only=False)
     prefix = "policy" if head == "lm" else "value"
-    reported = reported_metrics([metrics], prefix, torch.device("cpu"), ps.get_data_parallel_group())
+    reported = reported_metrics([metrics], prefix, stats, torch.device("cpu"), ps.get_data_parallel_group())
     return {"grads": full_grads(ddp, head, tp, pp), "loss": reported[f"loss/{prefix}"]}
 
 

@@ -1,0 +1,101 @@
+"""Advantage estimators and the outcome-level shaping around them, as pure tensor functions.
+
+Shapes: ``B`` responses, ``T`` response positions, ``mask`` [B, T] as in core.py. Critic-free
+estimators work on a group of responses to one prompt: ``group_index`` [B] (int64) names each
+response's group; any ids, in any order. A group of one has no baseline: its baseline is 0 (and
+its std 1), so its advantage is its score, as verl and OpenRLHF treat it.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+
+def gae_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation. rewards, values, mask: [B, T] -> (advantages, returns), [B, T].
+
+    A position whose successor is not counted is terminal (its next value is 0). Masked-out
+    positions get advantage and return 0.
+    """
+    B, T = rewards.shape
+    advantages = torch.zeros_like(rewards)
+    next_advantage = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)
+    next_value = torch.zeros_like(next_advantage)
+    next_mask = torch.zeros_like(next_advantage)
+    for t in reversed(range(T)):
+        delta = rewards[:, t] + gamma * next_value * next_mask - values[:, t]
+        advantage = (delta + gamma * lam * next_mask * next_advantage) * mask[:, t]
+        advantages[:, t] = advantage
+        next_advantage, next_value, next_mask = advantage, values[:, t], mask[:, t].to(rewards.dtype)
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def group_moments(scores: torch.Tensor, group_index: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Each response's group statistics, in float64: scores [B], group_index [B] -> (sum, mean,
+    unbiased std, size), each [B] (a group of one: std 0)."""
+    ids, inverse = torch.unique(group_index, return_inverse=True)
+    x = scores.double()
+    size = torch.zeros(len(ids), dtype=torch.float64, device=x.device).index_add_(0, inverse, torch.ones_like(x))
+    total = torch.zeros_like(size).index_add_(0, inverse, x)
+    mean = total / size
+    squares = torch.zeros_like(size).index_add_(0, inverse, (x - mean[inverse]) ** 2)
+    std = torch.where(size > 1, squares / (size - 1).clamp(min=1), torch.zeros_like(size)).sqrt()
+    return total[inverse], mean[inverse], std[inverse], size[inverse]
+
+
+def grpo_advantages(scores: torch.Tensor, group_index: torch.Tensor, mask: torch.Tensor, normalize_by_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: (score - group mean) / (group std + eps) at every response token; without
+    ``normalize_by_std`` (Dr. GRPO) score - group mean. scores [B] (one outcome per response),
+    group_index [B], mask [B, T] -> [B, T] (0 where mask is 0)."""
+    _, mean, std, size = group_moments(scores, group_index)
+    alone = size < 2
+    mean = torch.where(alone, torch.zeros_like(mean), mean)
+    advantage = scores.double() - mean
+    if normalize_by_std:
+        advantage = advantage / (torch.where(alone, torch.ones_like(std), std) + eps)
+    return advantage.to(mask.dtype).unsqueeze(1) * mask
+
+
+def rloo_advantages(scores: torch.Tensor, group_index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """RLOO (Ahmadian et al., 2024): score minus the mean score of the other responses in its
+    group, at every response token. scores [B], group_index [B], mask [B, T] -> [B, T]."""
+    total, _, _, size = group_moments(scores, group_index)
+    x = scores.double()
+    others = torch.where(size > 1, (total - x) / (size - 1).clamp(min=1), torch.zeros_like(x))
+    return (x - others).to(mask.dtype).unsqueeze(1) * mask
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """REINFORCE++'s per-token returns: sum_{k>=t} gamma^(k-t) * rewards[k] within each response.
+    rewards, mask [B, T] -> [B, T] (0 where mask is 0)."""
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * mask[:, t]
+        returns[:, t] = running
+    return returns
+
+
+def informative_groups(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Dynamic sampling (DAPO): which groups hold responses that score differently. scores [G * n]
+    in consecutive groups of ``group_size`` -> [G] bool (False: every score equal, no signal)."""
+    grouped = scores.reshape(-1, group_size)
+    return grouped.max(dim=1).values > grouped.min(dim=1).values
+
+
+def overlong_penalty(response_lengths: torch.Tensor, max_new_tokens: int, buffer_length: int,
+                     factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment: [B] lengths -> [B] penalties (<= 0) to add to the scores.
+    A response up to max_new_tokens - buffer_length tokens is not penalised; beyond that it loses
+    factor * excess / buffer_length, reaching -factor at max_new_tokens. buffer_length 0: none."""
+    lengths = response_lengths.to(torch.float32)
+    if buffer_length <= 0:
+        return torch.zeros_like(lengths)
+    excess = (lengths - (max_new_tokens - buffer_length)).clamp(min=0)
+    return -factor * excess / buffer_length
