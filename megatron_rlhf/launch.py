@@ -50,10 +50,10 @@ def _positive(env: Dict[str, str], name: str, problems: List[str]) -> Optional[i
     return None
 
 
-def resolve_environment(env: Dict[str, str], config_dir: str, cwd: str) -> List[str]:
+def resolve_environment(env: Dict[str, str], config_dir: str, cwd: str, algorithm: str = "ppo") -> List[str]:
     """Fill ``env`` in place with MODEL_SIZE's defaults for what the user did not export, and pin
-    relative paths to ``cwd`` (the config reads a relative path relative to itself). Returns the
-    problems found (an unknown size)."""
+    relative paths to ``cwd`` (the config reads a relative path relative to itself). ``algorithm``
+    names the default output directory. Returns the problems found (an unknown size)."""
     problems = []
     size = env.setdefault("MODEL_SIZE", "7b")
     reward_size = env.setdefault("REWARD_MODEL_SIZE", size)
@@ -69,7 +69,7 @@ def resolve_environment(env: Dict[str, str], config_dir: str, cwd: str) -> List[
         if name == "PROMPT_FILE" and name not in env:
             env[name] = os.path.normpath(os.path.join(config_dir, str(value)))
         env.setdefault(name, str(value))
-    env.setdefault("OUTPUT_DIR", f"outputs/llama2-{size}-ppo")
+    env.setdefault("OUTPUT_DIR", f"outputs/llama2-{size}-{algorithm}")
     if env.get("REWARD_LOAD") and "VALUE_LOAD" not in env:
         env["VALUE_LOAD"] = env["REWARD_LOAD"]
     for name in PATH_VARIABLES:
@@ -135,7 +135,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     config_file = os.path.abspath(args.config)
     env = dict(os.environ)
-    problems = resolve_environment(env, os.path.dirname(config_file), os.getcwd())
+    stem = os.path.splitext(os.path.basename(config_file))[0]
+    problems = resolve_environment(env, os.path.dirname(config_file), os.getcwd(), "ppo" if stem == "rlhf" else stem)
     if not os.path.isfile(config_file):
         problems.append(f"CONFIG={args.config}: no such file")
     missing, layout = [], None

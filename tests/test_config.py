@@ -214,3 +214,63 @@ def test_a_serving_role_switch_that_moves_its_owners_shared_weights_is_noted(tmp
     assert note.startswith("policy shares ppo_policy's weight storage, so policy's offload_weights=True moves")
     config.policy.precision = "fp32"  # another dtype than ppo_policy's bf16: a copy of its own, nothing shared
     assert config.weight_owner("policy") is None and weight_sharing_notes(config) == []
+
+
+# --- the algorithm and its roles ----------------------------------------------------------------
+
+def critic_free_setup(tmp_path: Path, extra: str, roles=("policy", "reference", "reward", "ppo_policy")) -> Path:
+    write(tmp_path / "models" / "tiny.yaml", "model:\n  preset: tiny\n")
+    text = "".join(f"{r}:\n  model_config_file: models/tiny.yaml\n" for r in roles)
+    return write(tmp_path / "rlhf.yaml", text + textwrap.dedent(extra))
+
+
+def test_a_critic_free_estimator_runs_four_roles_and_needs_groups(tmp_path):
+    config = load_config(str(critic_free_setup(tmp_path, """
+        algorithm: {advantage_estimator: grpo}
+        generation: {samples_per_prompt: 4}
+        ppo: {rollout_batch_size: 8}
+    """)), world_size=2)
+    assert config.roles == config.model_roles == ("policy", "reference", "reward", "ppo_policy")
+    assert config.trainable_roles == ("ppo_policy",) and config.served_weights == {"policy": "ppo_policy"}
+    assert config.rollout_samples == 32 and config.samples_per_step("ppo_policy") == 32
+
+
+def test_a_critic_configured_for_grpo_is_reported_with_the_roles_it_runs(tmp_path):
+    top = critic_free_setup(tmp_path, """
+        algorithm:
+          advantage_estimator: ${MRLHF_ESTIMATOR:grpo}
+        generation: {samples_per_prompt: 4}
+    """, roles=ROLES)
+    with pytest.raises(ConfigError) as e:
+        load_config(str(top))
+    text = str(e.value)
+    for role in ("value", "ppo_value"):
+        assert f"rlhf.yaml: {role}: configured, but algorithm.advantage_estimator=grpo has no critic: it runs " \
+               "policy, reference, reward, ppo_policy" in text
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline"])
+def test_group_estimators_and_dynamic_sampling_need_several_samples_per_prompt(tmp_path, estimator):
+    top = critic_free_setup(tmp_path, f"algorithm: {{advantage_estimator: {estimator}, dynamic_sampling: true}}\n")
+    with pytest.raises(ConfigError, match=f"generation.samples_per_prompt: {estimator} compares the responses"):
+        load_config(str(top))
+    # REINFORCE++ has no group baseline, but dynamic sampling still needs groups.
+    top = critic_free_setup(tmp_path, "algorithm: {advantage_estimator: reinforce_plus_plus, dynamic_sampling: true}\n")
+    with pytest.raises(ConfigError, match="algorithm.dynamic_sampling: drops groups .*samples_per_prompt >= 2"):
+        load_config(str(top))
+
+
+def test_group_sampling_and_clip_settings_are_checked(tmp_path):
+    top = critic_free_setup(tmp_path, """
+        algorithm: {advantage_estimator: grpo, overlong_buffer_length: 16}
+        generation: {samples_per_prompt: 4, greedy: true, max_new_tokens: 16}
+        ppo: {rollout_batch_size: 3, clip_ratio_low: 1.2, clip_ratio_high: -0.1}
+    """)
+    with pytest.raises(ConfigError) as e:
+        load_config(str(top), world_size=2)
+    text = str(e.value)
+    assert "generation.samples_per_prompt: greedy decoding gives every response to a prompt the same tokens" in text
+    assert "algorithm.overlong_buffer_length: must be in [0, generation.max_new_tokens=16), got 16" in text
+    assert "ppo.clip_ratio_low: the ratio is clipped below at 1 - 1.2" in text
+    assert "ppo.clip_ratio_high: must be >= 0, got -0.1" in text
+    assert "ppo.rollout_batch_size: 3 is not divisible by DP = 2" in text

@@ -79,3 +79,15 @@ def test_pipeline_training_keeps_up_to_pp_micro_batches_of_activations(monkeypat
     inference = planner.activation_bytes(config.reference.model, "lm", config.reference.micro_batch_size,
                                          p.layout["seq"], 1, 2, "fp32", False, False)
     assert p.transient["reference"]["activations"] == inference
+
+
+def test_a_critic_free_plan_has_no_value_roles_and_counts_every_response(monkeypatch):
+    for key in ("TP", "PP", "SAMPLES_PER_PROMPT", "ROLLOUT_BATCH_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    config = load_config(os.path.join("examples", "tiny", "grpo.yaml"), world_size=2)
+    plan = planner.plan(config, 2)
+    assert set(plan.roles) == {"policy", "reference", "ppo_policy"}  # the reward is a rule function
+    assert list(plan.phases) == ["generate", "reference", "train_policy"]
+    # The KV cache holds 8 prompts x 4 responses, as generation decodes them.
+    arch, seq = config.policy.model, plan.layout["seq"]
+    assert plan.transient["policy"]["kv_cache"] == planner.kv_cache_bytes(arch, 32, seq, 2, 1, config.policy.precision)

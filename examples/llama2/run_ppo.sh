@@ -37,7 +37,7 @@
 #   GPU_MEMORY               device memory per GPU the dry run checks the plan against [80GiB]
 #   MASTER_ADDR, MASTER_PORT rendezvous host and port of a multi-node launch [29500]; RDZV_ID
 #   PYTHON                   the interpreter with megatron-rlhf installed [the repository's .venv, else python3]
-#   CONFIG                   the top config [examples/llama2/rlhf.yaml]
+#   CONFIG                   the top config [examples/llama2/rlhf.yaml: PPO; grpo.yaml: GRPO, no critic]
 #   DRY_RUN=1                print the plan and exit;  CHECK_ONLY=1  check the inputs and exit
 # Anything else rlhf.yaml reads (KL_COEF, POLICY_LR, VALUE_LR, SAVE_INTERVAL, ...) passes through.
 set -euo pipefail

@@ -169,9 +169,11 @@ def _algorithm_problems(config: RLHFConfig) -> List[str]:
     needs = ", ".join(config.roles)
     if config.critic_free:
         for role in CRITIC_ROLES:
-            if role in config.origin:
-                bad(role, f"configured, but algorithm.advantage_estimator={estimator} has no critic: it runs "
-                    f"{needs}; remove {' and '.join(CRITIC_ROLES)} (or use advantage_estimator: gae)")
+            if role in config.origin:  # named where its entry is (not its model file)
+                entry = next(k for k in (role + ".model_config_file", role) if k in config.origin)
+                problems.append(
+                    f"{config.source_of(entry)}: {role}: configured, but algorithm.advantage_estimator={estimator} "
+                    f"has no critic: it runs {needs}; remove {' and '.join(CRITIC_ROLES)} (or use advantage_estimator: gae)")
     if gen.samples_per_prompt < 1:
         bad("generation.samples_per_prompt", f"must be >= 1, got {gen.samples_per_prompt}")
     elif gen.samples_per_prompt < 2 and estimator in GROUP_ESTIMATORS:

@@ -1,0 +1,44 @@
+"""Dynamic sampling end to end: one GRPO iteration of the tiny demo at DP=2 (2 processes, TP=1)
+with a reward that gives every response to a prompt before 'n' the same score (no signal) and
+distinct scores to the others. Saves, per rank, the rollout's prompts and scores, the iteration's
+metrics and the prompts the dataset served, in order."""
+
+import copy
+import os
+
+from common import OUT_DIR, save
+
+from megatron_rlhf.controller import PPOController
+from megatron_rlhf.memory import MemoryLedger
+from megatron_rlhf.runtime import init_distributed
+from megatron_rlhf.train import parse_args, prepare
+
+os.environ.update(TP="1", DYNAMIC_SAMPLING="True", ITERATIONS="1")
+config, _, tokenizer, dataset, _, _ = prepare(
+    parse_args(["--config", "examples/tiny/grpo.yaml", "--output-dir", OUT_DIR]), int(os.environ["WORLD_SIZE"]))
+untouched = copy.deepcopy(dataset)
+
+
+def reward(prompts, responses):
+    return [0.5 if p < "n" else float(sum(map(ord, r))) for p, r in zip(prompts, responses)]
+
+
+init_distributed(config.parallel, seed=config.seed)
+controller = PPOController(config, dataset, tokenizer, reward, MemoryLedger(None))
+captured = {}
+advantages = controller._advantages
+
+
+def spy(rollout):
+    captured["rollout"] = rollout
+    return advantages(rollout)
+
+
+controller._advantages = spy
+metrics = controller.step()
+served = []
+while untouched.consumed < dataset.consumed:
+    served += untouched.next_batch(config.ppo.rollout_batch_size, 0, 1)["texts"]
+rollout = captured["rollout"]
+save({"prompts": [p for p, _ in controller.last_samples], "scores": rollout.scores.cpu(), "metrics": metrics,
+      "served": served, "advantages": rollout.advantages.cpu(), "mask": rollout.action_mask.cpu()})
