@@ -118,7 +118,7 @@ def test_an_existing_run_is_not_overwritten(tmp_path):
     "env, message",
     [
         ({"PROMPT_FILE": "/nonexistent/prompts.jsonl"}, "data.prompt_file (environment variable PROMPT_FILE=/nonexistent/prompts.jsonl): /nonexistent/prompts.jsonl: no such file"),
-        ({"ROLLOUT_BATCH_SIZE": "6"}, "ppo_policy.global_batch_size: 8 does not divide ppo.rollout_batch_size=6"),
+        ({"ROLLOUT_BATCH_SIZE": "6"}, "ppo_policy.global_batch_size: 8 does not divide the rollout of 6 samples (ppo.rollout_batch_size=6)"),
         ({"MAX_NEW_TOKENS": "300"}, "exceeds policy's max_position_embeddings=256"),
     ],
 )
