@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron_rlhf import ppo
 from megatron_rlhf.config.schema import RLHFConfig
 from megatron_rlhf.data import PromptDataset, Tokenizer
+from megatron_rlhf.errors import NonFiniteError
 from megatron_rlhf.generation import SamplingParams, generate
 from megatron_rlhf.memory import MemoryLedger
 from megatron_rlhf.models.batches import action_mask, split_rows
@@ -34,7 +35,7 @@ from megatron_rlhf.models.pipeline import sum_over
 from megatron_rlhf.roles import Role, build_role
 from megatron_rlhf.roles import inference
 from megatron_rlhf.roles.losses import policy_loss_fn, policy_stats, reported_metrics, value_loss_fn
-from megatron_rlhf.roles.reward_function import RewardFunction, score_with_function
+from megatron_rlhf.roles.reward_function import RewardFunction, check_scores, score_with_function
 from megatron_rlhf.roles.weight_sync import WeightSync
 from megatron_rlhf.runtime.platform import get_platform
 
@@ -232,6 +233,7 @@ class PPOController:
             last = (gen.total_lengths - 1).clamp(min=0)
             with self.roles["reward"].resident("inference"):
                 scores = inference.scores(self.roles["reward"], gen.tokens, last)
+        check_scores(scores, self.config.reward.max_abs_score, self.iteration, prompts)
         alg = self.config.algorithm
         if alg.overlong_buffer_length:
             scores = scores + ppo.overlong_penalty(gen.response_lengths, self.config.generation.max_new_tokens,
@@ -332,7 +334,7 @@ class PPOController:
         rows = columns["tokens"].shape[0]
         step_rows = cfg.samples_per_step(name) // self.dp_size
         steps: List[List[Dict[str, torch.Tensor]]] = []  # per optimizer step, its micro-batches' metric sums
-        grad_norms = []
+        grad_norms, skipped = [], 0
         with role.resident("training"):
             for epoch in range(cfg.ppo.ppo_epochs):
                 # The same order on every rank of this replica (its TP and PP ranks must agree).
@@ -342,10 +344,20 @@ class PPOController:
                     picked = order[first : first + step_rows]
                     mbs = split_rows(role.config.micro_batch_size, **{k: v[picked] for k, v in columns.items()})
                     result = role.train_step(mbs, loss_fn)
+                    if result["non_finite"] is not None:
+                        if cfg.trainer.on_non_finite == "stop":
+                            raise NonFiniteError(
+                                f"iteration {self.iteration}: {name}: non-finite {result['non_finite']} in optimizer "
+                                f"step {len(steps) + skipped + 1} (epoch {epoch + 1}); the step was not applied and "
+                                f"nothing of this iteration was saved. Look for extreme rewards or a learning rate "
+                                f"too high ({name}.lr={role.config.lr}); trainer.on_non_finite: skip skips such steps", collective=True)
+                        skipped += 1
+                        continue
                     steps.append(result["metrics"])
                     grad_norms.append(float(result["grad_norm"]))
-        metrics = reported_metrics(steps, prefix, stats, self.device, self.dp_group)
-        return {**metrics, f"{prefix}/grad_norm": sum(grad_norms) / len(grad_norms)}
+        metrics = reported_metrics(steps, prefix, stats, self.device, self.dp_group) if steps else {f"loss/{prefix}": float("nan")}
+        grad_norm = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
+        return {**metrics, f"{prefix}/grad_norm": grad_norm, f"{prefix}/skipped_steps": float(skipped)}
 
     def _gather_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's [n] share of a DP-split tensor -> the whole [n * DP], in DP-rank order."""

@@ -7,12 +7,18 @@ Writes to the output directory: ``metrics.jsonl`` (one object per iteration), ``
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
+import math
 import os
+import shutil
 import sys
+import tempfile
 import time
+import uuid
 import warnings
-from typing import Optional
+from typing import Any, Callable, Dict, Optional
 
 from megatron_rlhf.config import ConfigError, input_problems, load_config
 from megatron_rlhf.config.schema import RLHFConfig
@@ -23,10 +29,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="megatron_rlhf.train", description="PPO training with megatron-core roles and EMS.")
     parser.add_argument("--config", required=True, help="the top config file (rlhf.yaml)")
     parser.add_argument("--output-dir", help="where metrics, the memory ledger and TensorBoard go (default: trainer.output_dir)")
-    parser.add_argument("--overwrite", action="store_true", help="replace the metrics of an earlier run in the output directory")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete an earlier run in the output directory (metrics, ledger, TensorBoard, checkpoints)")
     parser.add_argument("--iterations", type=int, help="override ppo.iterations")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in the output directory (as trainer.resume: auto)")
+    parser.add_argument("--allow-config-change", action="store_true",
+                        help="resume a checkpoint written with other settings (they are listed when refused)")
     dry = parser.add_argument_group("dry run (no torchrun, no GPU: print the resolved config, the layout and memory per role)")
     dry.add_argument("--dry-run", action="store_true", help="print what a launch would do and exit")
     dry.add_argument("--world-size", type=_positive_int, help="processes of the planned launch (default: $WORLD_SIZE, else TP*PP)")
@@ -56,10 +65,27 @@ def _dry_run(args: argparse.Namespace) -> int:
         return 2
 
 
-def prepare(args: argparse.Namespace, world_size: int):
-    """Everything that can fail on bad input, before any process group or model exists:
-    the config, the output directory, the tokenizer, the prompt file and the reward function."""
-    from megatron_rlhf.data import PromptDataset, build_tokenizer, read_prompts
+@dataclasses.dataclass
+class Prepared:
+    """What a run starts from, all checked before any process group or model exists."""
+
+    config: RLHFConfig
+    output_dir: str
+    tokenizer: Any
+    dataset: Any
+    reward_function: Optional[Callable]
+    resume_from: Optional[str]  # the checkpoint to continue from
+    run: Dict[str, Any]  # id, config fingerprint and values: saved with every checkpoint
+
+
+def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
+    """Everything that can fail on bad input, before any process group or model exists: the
+    config, the output directory (writable; an earlier run in it is neither mixed in nor lost by
+    accident), the checkpoint to resume (complete, same layout, same run), the tokenizer, the
+    prompt file and the reward function."""
+    from megatron_rlhf.checkpoint.ppo_state import latest_checkpoint
+    from megatron_rlhf.data import PromptDataset, build_tokenizer
+    from megatron_rlhf.data.prompts import read_prompt_lines
     from megatron_rlhf.roles.reward_function import load_reward_function
 
     config = load_config(args.config, world_size=world_size, check_inputs=False)
@@ -71,19 +97,25 @@ def prepare(args: argparse.Namespace, world_size: int):
             raise ConfigError(f"--iterations: must be >= 1, got {args.iterations}")
         config.ppo.iterations = args.iterations
     output_dir = args.output_dir or config.trainer.output_dir
+    _check_writable(output_dir)
     if args.resume:
         config.trainer.resume = "auto"
+    run = run_identity(config)
     resume_from = None
-    if config.trainer.resume == "auto":
-        from megatron_rlhf.checkpoint.ppo_state import latest_checkpoint
-
-        resume_from = latest_checkpoint(output_dir)
-    metrics_path = os.path.join(output_dir, "metrics.jsonl")
-    if os.path.exists(metrics_path) and not args.overwrite and resume_from is None:
-        raise ConfigError(
-            f"{metrics_path} exists: {output_dir} already holds a run (and no checkpoint to resume "
-            "from); choose another --output-dir or pass --overwrite to replace it"
-        )
+    if args.overwrite:
+        if int(os.environ.get("RANK", "0")) == 0:
+            clear_run(output_dir)
+    else:
+        latest = latest_checkpoint(output_dir)
+        if config.trainer.resume == "auto" and latest is not None:
+            resume_from = latest
+            run = check_resume(latest, config, output_dir, args.allow_config_change)
+        elif completed_iterations(os.path.join(output_dir, "metrics.jsonl")):
+            hint = (f"pass --resume to continue it from {os.path.basename(latest)}, " if latest else
+                    "it has no checkpoint to resume from; ")
+            raise ConfigError(f"{output_dir} already holds a run ({completed_iterations(os.path.join(output_dir, 'metrics.jsonl'))} "
+                              f"iterations in metrics.jsonl); {hint}choose another --output-dir, or pass --overwrite "
+                              "to delete it and start again")
     tokenizer = build_tokenizer(config.data.tokenizer, config.path_of("data.tokenizer.path"))
     for role in ("policy", "reference", "ppo_policy"):
         model_vocab = config.role(role).model.vocab_size
@@ -93,14 +125,120 @@ def prepare(args: argparse.Namespace, world_size: int):
                 f"than the tokenizer's vocabulary ({tokenizer.vocab_size}); use at least {tokenizer.vocab_size}"
             )
     prompt_file = config.path_of("data.prompt_file")
-    dataset = PromptDataset(read_prompts(prompt_file), tokenizer, config.data.max_prompt_length, config.seed, config.data.shuffle)
+    lines, texts = zip(*read_prompt_lines(prompt_file))
+    dataset = PromptDataset(list(texts), tokenizer, config.data.max_prompt_length, config.seed, config.data.shuffle,
+                            source=prompt_file, lines=list(lines))
     if len(dataset) < config.ppo.rollout_batch_size:
         warnings.warn(f"{prompt_file}: {len(dataset)} prompts, fewer than one rollout batch; prompts repeat within a batch")
+    if dataset.truncated:
+        warnings.warn(f"{prompt_file}: {dataset.truncated} of {len(dataset)} prompts are longer than "
+                      f"data.max_prompt_length={config.data.max_prompt_length} tokens and keep only their last tokens")
     reward_function = None
     if config.reward.type == "function":
         base = os.path.dirname(config.source_of("reward.function"))
         reward_function = load_reward_function(config.reward.function, base)
-    return config, output_dir, tokenizer, dataset, reward_function, resume_from
+    return Prepared(config, output_dir, tokenizer, dataset, reward_function, resume_from, run)
+
+
+def _check_writable(output_dir: str) -> None:
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output_dir):
+            pass
+    except OSError as e:
+        raise ConfigError(f"output directory {output_dir}: not writable ({e.strerror}); choose another "
+                          "--output-dir (or trainer.output_dir)") from None
+
+
+# What only changes how the work is cut or kept (never the numbers), or how long the run goes:
+# a resume may change these freely.
+_FREE_ON_RESUME = ("ppo.iterations", "trainer.", "generation.batch_size", ".micro_batch_size", ".free_memory",
+                   ".offload_weights", ".free_grad_buffers", ".offload_optimizer_state", ".empty_cache",
+                   ".recompute_activations", ".overlap_grad_reduce", "reward.max_abs_score")
+
+
+def run_identity(config: RLHFConfig) -> Dict[str, Any]:
+    """A new run's id, the fingerprint of the settings that shape its numbers, and those settings."""
+    tree = dataclasses.asdict(config)
+    tree.pop("origin")
+    values = {k: v for k, v in _flatten(tree).items() if not any(
+        k.endswith(f) if f.startswith(".") else k.startswith(f) if f.endswith(".") else k == f for f in _FREE_ON_RESUME)}
+    digest = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return {"id": uuid.uuid4().hex[:12], "fingerprint": digest, "config": values}
+
+
+def _flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_resume(path: str, config: RLHFConfig, output_dir: str, allow_config_change: bool) -> Dict[str, Any]:
+    """The run a resume continues (its id, with this config's fingerprint), after checking that the
+    checkpoint is intact, of this TP/PP and of a run with the same settings (unless allowed)."""
+    import torch
+
+    from megatron_rlhf.checkpoint.model_files import CheckpointError
+    from megatron_rlhf.checkpoint.ppo_state import intact_checkpoints, verify_checkpoint
+
+    try:
+        verify_checkpoint(path, checksums=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+        state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
+    except (CheckpointError, OSError, RuntimeError, EOFError) as e:
+        older = [c for c in intact_checkpoints(output_dir) if c != path]
+        advice = (f"the newest intact checkpoint is {older[0]}: to resume from it, write "
+                  f"'{os.path.basename(older[0])}' into {os.path.join(os.path.dirname(path), 'latest')}"
+                  if older else "no older intact checkpoint exists; start again with --overwrite")
+        raise CheckpointError(f"cannot resume from {path}: {e}; {advice}") from None
+    par = config.parallel
+    saved = state["layout"]
+    if (saved["tp"], saved["pp"]) != (par.tensor_model_parallel_size, par.pipeline_model_parallel_size):
+        raise CheckpointError(f"{path}: written at TP={saved['tp']} PP={saved['pp']}; resume with the same TP and PP "
+                              f"(now TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size}, "
+                              f"{config.at('parallel.tensor_model_parallel_size')}); DP may differ")
+    now = run_identity(config)
+    before = state.get("run")
+    if before is None:
+        return now
+    if before["fingerprint"] != now["fingerprint"] and not allow_config_change:
+        changed = sorted(k for k in set(before["config"]) | set(now["config"])
+                         if before["config"].get(k) != now["config"].get(k))
+        shown = "; ".join(f"{k}: {before['config'].get(k)!r} then, {now['config'].get(k)!r} now" for k in changed[:8])
+        raise ConfigError(f"{path} belongs to a run with other settings ({shown}); resume with the same settings, "
+                          "pass --allow-config-change to continue it with these, or start again with --overwrite")
+    return {**now, "id": before["id"]}
+
+
+def completed_iterations(metrics_path: str) -> int:
+    """Iterations a run has written to metrics.jsonl (0 for none or no file)."""
+    if not os.path.exists(metrics_path):
+        return 0
+    with open(metrics_path) as f:
+        return sum(1 for line in f if line.strip())
+
+
+def clear_run(output_dir: str) -> None:
+    """--overwrite: the earlier run's metrics, ledger, TensorBoard events and checkpoints go."""
+    for name in ("metrics.jsonl", "memory.jsonl"):
+        path = os.path.join(output_dir, name)
+        if os.path.exists(path):
+            os.remove(path)
+    for name in ("checkpoints", "tensorboard"):
+        shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+
+
+def cut_back(path: str, iteration: int) -> None:
+    """Keep the records of a JSONL file up to ``iteration`` (a resume redoes the later ones)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["iteration"] <= iteration]
+    with open(path, "w") as f:
+        f.writelines(kept)
 
 
 class RunLog:
@@ -113,12 +251,8 @@ class RunLog:
             return
         os.makedirs(output_dir, exist_ok=True)
         self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
-        kept = []  # on resume: the iterations the checkpoint covers; later ones are redone
-        if resumed_at and os.path.exists(self.metrics_path):
-            with open(self.metrics_path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["iteration"] <= resumed_at]
-        with open(self.metrics_path, "w") as f:
-            f.writelines(kept)
+        # On resume: the iterations the checkpoint covers; later ones are redone.
+        cut_back(self.metrics_path, resumed_at)
         if config.trainer.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -133,12 +267,14 @@ class RunLog:
     def log(self, metrics: dict, total: int) -> None:
         if not self.enabled:
             return
+        # Strict JSON: a non-finite figure (a skipped step's loss) is written as null.
+        finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()}
         with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(metrics) + "\n")
+            f.write(json.dumps(finite, allow_nan=False) + "\n")
         step = metrics["iteration"]
         if self.writer is not None:
             for key, value in metrics.items():
-                if key != "iteration":
+                if key != "iteration" and finite[key] is not None:
                     self.writer.add_scalar(key, value, step)
             self.writer.flush()
         parts = [f"iter {step:>4}/{total}", f"reward {metrics['reward/mean']:.3f}", f"kl {metrics['kl/mean']:+.4f}",
@@ -172,21 +308,52 @@ def _summary(history: list, seconds: float) -> str:
     )
 
 
+def report_and_exit(error: Any, printed_here: bool) -> None:
+    """One line on stderr, no traceback, exit status 2. Ranks that do not print wait a moment
+    first: torchrun stops every rank when the first one exits, and the rank that prints must not
+    be stopped before it has."""
+    if printed_here:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(5)
+    sys.exit(2)
+
+
 def main(argv=None) -> Optional[list]:
     args = parse_args(argv)
+    # megatron-core and torch warn about fallbacks in their own internals (=1 shows them); the
+    # project's own warnings always show.
     if not os.environ.get("MEGATRON_RLHF_WARNINGS"):
-        # megatron-core and torch warn about fallbacks in their own internals; =1 shows them.
-        warnings.simplefilter("ignore", (UserWarning, FutureWarning, DeprecationWarning))
+        for module in ("megatron", "torch", "transformer_engine", "apex"):
+            warnings.filterwarnings("ignore", module=module)
     if args.dry_run:
         sys.exit(_dry_run(args))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        config, output_dir, tokenizer, dataset, reward_function, resume_from = prepare(args, world_size)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        prepared = prepare(args, world_size)
+    except (ConfigError, ValueError, FileNotFoundError) as e:  # the same input on every rank: one per node says it
+        report_and_exit(e, int(os.environ.get("LOCAL_RANK", "0")) == 0)
+    try:
+        return _run(prepared)
+    except Exception as e:
+        from megatron_rlhf.checkpoint.model_files import CheckpointError
+        from megatron_rlhf.errors import RunError
 
+        if not isinstance(e, (RunError, CheckpointError)):
+            raise
+        # A non-finite step is decided by all ranks together: rank 0 says it. Any other fault is
+        # this rank's own (a file it reads, its replica's rewards): the first rank of its
+        # model-parallel group says it, naming the rank when there are several.
+        from megatron.core import parallel_state as ps
+
+        rank = int(os.environ.get("RANK", "0"))
+        if getattr(e, "collective", False):
+            report_and_exit(e, rank == 0)
+        first = ps.get_model_parallel_group().rank() == 0 if ps.model_parallel_is_initialized() else True
+        report_and_exit(f"(rank {rank}) {e}" if world_size > 1 else e, first)
+
+
+def _run(prepared: Prepared) -> list:
     import torch.distributed as dist
 
     from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint, save_ppo_checkpoint
@@ -194,17 +361,20 @@ def main(argv=None) -> Optional[list]:
     from megatron_rlhf.memory import MemoryLedger
     from megatron_rlhf.runtime import destroy_distributed, init_distributed
 
+    config, output_dir, resume_from = prepared.config, prepared.output_dir, prepared.resume_from
     init_distributed(config.parallel, seed=config.seed)
     rank0 = dist.get_rank() == 0
     started = time.perf_counter()
     ledger_path = os.path.join(output_dir, "memory.jsonl")
     if rank0 and os.path.exists(ledger_path) and resume_from is None:
-        os.remove(ledger_path)  # --overwrite: this run's ledger, not appended to the old one
-    controller = PPOController(config, dataset, tokenizer, reward_function, MemoryLedger(ledger_path if rank0 else None))
+        os.remove(ledger_path)  # a fresh run's ledger, not appended to an old one
+    controller = PPOController(config, prepared.dataset, prepared.tokenizer, prepared.reward_function,
+                               MemoryLedger(ledger_path if rank0 else None))
     if resume_from is not None:
         controller.load_state_dict(load_ppo_checkpoint(controller.roles, resume_from))
         if rank0:
-            print(f"resumed from {resume_from} (iteration {controller.iteration})", flush=True)
+            cut_back(ledger_path, controller.iteration)
+            print(f"resumed run {prepared.run['id']} from {resume_from} (iteration {controller.iteration})", flush=True)
     log = RunLog(output_dir, config, enabled=rank0, resumed_at=controller.iteration)
     history = []
     interval = config.trainer.save_interval
@@ -215,7 +385,7 @@ def main(argv=None) -> Optional[list]:
             log.log(metrics, config.ppo.iterations)
             last = controller.iteration == config.ppo.iterations
             if (interval and controller.iteration % interval == 0) or (last and config.trainer.save_at_end):
-                save_ppo_checkpoint(controller.roles, controller.state_dict(), output_dir)
+                save_ppo_checkpoint(controller.roles, {**controller.state_dict(), "run": prepared.run}, output_dir)
     finally:
         log.close()
     if rank0 and history:

@@ -21,7 +21,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         megatron_to_hf(args.megatron_dir, args.output, args.dtype, args.overwrite)
-    except CheckpointError as e:
+    except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.output}")

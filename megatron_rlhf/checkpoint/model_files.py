@@ -45,6 +45,7 @@ def write_atomically(final_dir: str, fill: Callable[[str], None], overwrite: boo
     os.makedirs(tmp)
     try:
         fill(tmp)
+        _apply_umask(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -55,6 +56,19 @@ def write_atomically(final_dir: str, fill: Callable[[str], None], overwrite: boo
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final_dir)
+
+
+def _apply_umask(root: str) -> None:
+    """Every file and directory under ``root`` with the modes a plain open() would give them
+    (writers such as safetensors, and the private temporary directory, use 0600/0700)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(root, 0o777 & ~umask)
+    for directory, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(directory, name), 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(directory, name), 0o666 & ~umask)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@
       latest                          the name of the newest complete checkpoint (written last)
       iter_0000010/
         trainer_state.pt              the controller's state (iteration, KL coefficient, running
-                                      reward moments, data position, RNG states) and the layout
-                                      it was written at
+                                      reward moments, data position, RNG states), the layout it
+                                      was written at and the run (id, config fingerprint)
+        manifest.json                 every file's size and CRC-32, written last
         ppo_policy/, ppo_value/       model checkpoints (model_files.py layout: loadable at any
                                       TP/PP, convertible to Hugging Face) plus optim/:
           optim/mp_rank_TT_PPP.pt              the optimizer's common state (DP rank 0)
@@ -19,8 +20,10 @@ the previous checkpoint complete and ``latest`` pointing to it.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import zlib
 from typing import Any, Dict, Mapping, Optional
 
 import torch
@@ -33,10 +36,12 @@ from megatron_rlhf.checkpoint.model_files import (
     write_model_meta,
 )
 from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES
+from megatron_rlhf.errors import NonFiniteError
 from megatron_rlhf.models.llama import load_local_state_dict, local_state_dict, unwrap
 from megatron_rlhf.runtime import megatron_compat as compat
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
 
 
 def checkpoints_dir(output_dir: str) -> str:
@@ -88,6 +93,7 @@ def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any],
         role_dir = os.path.join(tmp, role_name)
         common_file, param_file = _optim_files(role_dir, layout["tp_rank"], layout["pp_rank"])
         with role.resident("training"):
+            _refuse_non_finite(role_name, role.model, trainer_state["iteration"])
             if layout["dp_rank"] == 0:
                 weights = {k: v.detach().cpu().clone() for k, v in local_state_dict(role.model).items()}
                 save_shard(role_dir, layout["tp_rank"], layout["pp_rank"], layout["pp"], weights)
@@ -102,6 +108,8 @@ def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any],
     if rank0:
         torch.save({**trainer_state, "layout": {k: layout[k] for k in ("tp", "pp", "dp")}},
                    os.path.join(tmp, "trainer_state.pt"))
+    _write_manifest(tmp, rank0)
+    if rank0:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         pointer_tmp = os.path.join(root, f".{LATEST}.tmp")
@@ -110,6 +118,77 @@ def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any],
         os.replace(pointer_tmp, os.path.join(root, LATEST))
     dist.barrier()
     return final
+
+
+def _checksum(path: str) -> int:
+    value = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            value = zlib.crc32(chunk, value)
+    return value
+
+
+def _write_manifest(root: str, rank0: bool) -> None:
+    """manifest.json: every file of the checkpoint with its size and CRC-32 (the files split over
+    the ranks to checksum; collective). Written last, so a checkpoint with a manifest is complete."""
+    files = None
+    if rank0:
+        files = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, names in os.walk(root) for f in names)
+    shared = [files]
+    dist.broadcast_object_list(shared, src=0)
+    files = shared[0]
+    mine = {f: _checksum(os.path.join(root, f)) for f in files[dist.get_rank() :: dist.get_world_size()]}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if rank0:
+        sums = {k: v for part in everyone for k, v in part.items()}
+        manifest = {f: {"bytes": os.path.getsize(os.path.join(root, f)), "crc32": sums[f]} for f in files}
+        with open(os.path.join(root, MANIFEST), "w") as out:
+            json.dump(manifest, out, indent=0)
+
+
+def verify_checkpoint(path: str, checksums: bool = True) -> None:
+    """Raise CheckpointError naming the first file of checkpoint ``path`` that is missing, of
+    another size or (with ``checksums``) other content than its manifest says."""
+    manifest_file = os.path.join(path, MANIFEST)
+    try:
+        with open(manifest_file) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{manifest_file}: unreadable ({e}); the checkpoint is incomplete") from None
+    for name, expected in manifest.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file}: missing")
+        size = os.path.getsize(file)
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{file}: {size} bytes, the manifest says {expected['bytes']} (truncated or replaced)")
+        if checksums and _checksum(file) != expected["crc32"]:
+            raise CheckpointError(f"{file}: its content differs from the manifest's checksum (corrupted)")
+
+
+def intact_checkpoints(output_dir: str, checksums: bool = False):
+    """The run's checkpoints that verify, newest first."""
+    root = checkpoints_dir(output_dir)
+    names = sorted((n for n in os.listdir(root) if n.startswith("iter_")), reverse=True) if os.path.isdir(root) else []
+    intact = []
+    for name in names:
+        try:
+            verify_checkpoint(os.path.join(root, name), checksums)
+            intact.append(os.path.join(root, name))
+        except CheckpointError:
+            pass
+    return intact
+
+
+def _refuse_non_finite(role_name: str, model, iteration: int) -> None:
+    """No checkpoint holds a NaN or infinite weight: every rank checks its shard, all agree."""
+    bad = torch.tensor([float(any(not torch.isfinite(p).all() for p in model.parameters()))],
+                       device=next(model.parameters()).device)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if bad.item():
+        raise NonFiniteError(f"iteration {iteration}: {role_name} has non-finite weights; the checkpoint was not "
+                             "written (the latest checkpoint is still the last finite state)", collective=True)
 
 
 def _load_parameter_state(optimizer, path: str) -> None:

@@ -18,7 +18,7 @@ import yaml
 
 from megatron_rlhf.config.errors import ConfigError, located
 from megatron_rlhf.config.presets import LLAMA_PRESETS
-from megatron_rlhf.config.schema import REQUIRED_ARCH_FIELDS, ROLE_NAMES, ModelArchConfig, RLHFConfig
+from megatron_rlhf.config.schema import REQUIRED_ARCH_FIELDS, ROLE_NAMES, ModelArchConfig, RewardRoleConfig, RLHFConfig
 from megatron_rlhf.config.validation import layout_problems, validate
 
 KeyPath = Tuple[str, ...]
@@ -267,6 +267,8 @@ def build(cls: type, data: Any, sources: Sources, path: KeyPath, top_file: str, 
         ok, converted = _check_type(value, tp)
         if not ok:
             shown = "nothing (empty)" if value is None else f"{type(value).__name__} {value!r}"
+            if isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?e\d+", value.strip(), re.I):
+                shown += f" (YAML reads an exponent without a sign as text: write {value.lower().replace('e', 'e+')})"
             problems.append(f"{located(where(key_path), dotted(key_path))}: expected {_type_name(tp)}, got {shown}")
             continue
         kwargs[key] = converted
@@ -296,11 +298,20 @@ def _apply_preset(model: ModelArchConfig, file: str, path: KeyPath) -> List[str]
     return []
 
 
+# Keys only a role's entry (or its model file) has: a top file made of them is a role file.
+_ROLE_KEYS = {f.name for f in dataclasses.fields(RewardRoleConfig)} - {"model_config_file"}
+
+
 def read_config(file: str) -> Tuple[RLHFConfig, List[str]]:
     """The top config file as typed objects, without the cross-key checks, and the problems found
     building it (unknown keys, wrong types; such keys keep their defaults). Raises ConfigError only
     for a file that cannot be read at all."""
     tree, sources = load_tree(file)
+    role_keys = sorted(k for k in tree if k in _ROLE_KEYS)
+    if role_keys and not any(r in tree for r in ROLE_NAMES):
+        raise ConfigError(f"{file}: sets {', '.join(role_keys)}, which belong to one role: this is a role's model "
+                          "file, not a top config; pass the file that names the roles (policy:, reference:, ...), "
+                          "for example the rlhf.yaml that uses it")
     _attach_role_model_files(tree, sources)
     problems: List[str] = []
     config = build(RLHFConfig, tree, sources, (), os.path.abspath(file), problems)

@@ -116,6 +116,9 @@ class RewardRoleConfig(RoleConfig):
 
     type: Literal["model", "function"] = "model"
     function: Optional[str] = None
+    # A score beyond +-max_abs_score stops the run (naming the prompt): a reward that large breaks
+    # the losses long before it is infinite.
+    max_abs_score: float = 1.0e4
 
 
 @dataclasses.dataclass
@@ -214,6 +217,10 @@ class TrainerConfig:
     save_interval: int = 0  # PPO checkpoint every N iterations (0: only at the end)
     save_at_end: bool = True
     resume: Literal["never", "auto"] = "never"  # auto: continue from the output dir's latest checkpoint
+    # A NaN or infinite loss or gradient: "stop" the run before the optimizer applies it (the last
+    # checkpoint stays the last finite state), or "skip" that optimizer step and count it
+    # (metrics <role>/skipped_steps).
+    on_non_finite: Literal["stop", "skip"] = "stop"
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ data-parallel rank takes its contiguous slice of every global batch.
 from __future__ import annotations
 
 import json
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -16,6 +16,11 @@ from megatron_rlhf.data.tokenizer import Tokenizer
 
 def read_prompts(path: str) -> List[str]:
     """The prompts of a JSONL file, with errors that name the file and line."""
+    return [text for _, text in read_prompt_lines(path)]
+
+
+def read_prompt_lines(path: str) -> List[Tuple[int, str]]:
+    """(line number, prompt) of every prompt of a JSONL file; an empty prompt is an error."""
     prompts = []
     try:
         f = open(path, encoding="utf-8")
@@ -31,7 +36,9 @@ def read_prompts(path: str) -> List[str]:
                 raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from None
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
                 raise ValueError(f'{path}:{number}: expected an object with a string "prompt", got {line.strip()[:80]}')
-            prompts.append(record["prompt"])
+            if not record["prompt"].strip():
+                raise ValueError(f"{path}:{number}: empty prompt; every line needs text to respond to")
+            prompts.append((number, record["prompt"]))
     if not prompts:
         raise ValueError(f"{path}: no prompts in the file")
     return prompts
@@ -43,16 +50,25 @@ class PromptDataset:
     two passes (the tail of a pass that cannot fill one is skipped), unless the whole file is
     smaller than a batch."""
 
-    def __init__(self, prompts: List[str], tokenizer: Tokenizer, max_length: int, seed: int, shuffle: bool = True):
+    def __init__(self, prompts: List[str], tokenizer: Tokenizer, max_length: int, seed: int, shuffle: bool = True,
+                 source: str = "prompts", lines: Optional[List[int]] = None):
         self.texts = prompts
         self.tokenizer = tokenizer
         self.seed = seed
         self.shuffle = shuffle
         bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-        self.token_ids = [(bos + tokenizer.encode(p))[-max_length:] for p in prompts]
-        for i, ids in enumerate(self.token_ids):
+        lines = lines or list(range(1, len(prompts) + 1))
+        self.token_ids = []
+        self.truncated = 0  # prompts longer than max_length (they keep their last tokens)
+        for line, text in zip(lines, prompts):
+            try:
+                ids = bos + tokenizer.encode(text)
+            except ValueError as e:
+                raise ValueError(f"{source}:{line}: {e}") from None
             if not ids:
-                raise ValueError(f"prompt {i} ({prompts[i]!r}) encodes to no tokens")
+                raise ValueError(f"{source}:{line}: the prompt {text!r} encodes to no tokens")
+            self.truncated += len(ids) > max_length
+            self.token_ids.append(ids[-max_length:])
         self.consumed = 0  # prompts served so far, over all ranks
 
     def __len__(self) -> int:

@@ -3,7 +3,7 @@ not), and one optimizer step over a list of micro-batches."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -53,15 +53,34 @@ def train_step(
     """One optimizer step on the mean loss over ``micro_batches`` (this DP rank's share).
 
     Returns the per-micro-batch metrics of the loss function (last pipeline stage; empty elsewhere),
-    the grad norm, and whether the update was applied (False when a loss-scaled step overflowed).
+    the grad norm, whether the update was applied (False when a loss-scaled step overflowed) and
+    ``non_finite``: None, or "loss" / "gradient" when some rank saw a NaN or infinity there; then
+    the optimizer was not stepped (decided by every rank together, so they all skip it alike).
     """
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
     metrics = forward_backward(ddp_model, micro_batches, loss_fn, forward_only=False)
+    non_finite = _non_finite(ddp_model, metrics)
+    if non_finite is not None:
+        return {"metrics": metrics, "grad_norm": float("nan"), "update_successful": False, "non_finite": non_finite}
     update_successful, grad_norm, _ = optimizer.step()
     if grad_norm is None:  # megatron measures the norm only when it clips (clip_grad > 0)
         grad_norm = compat.unclipped_grad_norm(optimizer)
-    return {"metrics": metrics, "grad_norm": grad_norm, "update_successful": update_successful}
+    return {"metrics": metrics, "grad_norm": grad_norm, "update_successful": update_successful, "non_finite": None}
+
+
+def _non_finite(ddp_model: torch.nn.Module, metrics: List[Dict[str, Any]]) -> Optional[str]:
+    """Whether any rank holds a non-finite loss or gradient after the backward: "loss",
+    "gradient" or None, the same on every rank (one all-reduce over the world)."""
+    import torch.distributed as dist
+
+    buffers = compat.ddp_buffers(ddp_model)
+    loss_bad = any(not torch.isfinite(torch.as_tensor(m["loss"])).all() for m in metrics if "loss" in m)
+    grad_bad = any(not torch.isfinite(b.grad_data).all() for b in buffers)
+    flags = torch.tensor([float(loss_bad), float(grad_bad)], device=buffers[0].grad_data.device if buffers else "cpu")
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return "loss" if flags[0] else "gradient" if flags[1] else None
 
 
 def next_token_loss(output: torch.Tensor, mb: MicroBatch) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, Any]]:

@@ -14,8 +14,9 @@ from megatron_rlhf.runtime import init_distributed
 from megatron_rlhf.train import parse_args, prepare
 
 os.environ.update(TP="1", DYNAMIC_SAMPLING="True", ITERATIONS="1")
-config, _, tokenizer, dataset, _, _ = prepare(
+prepared = prepare(
     parse_args(["--config", "examples/tiny/grpo.yaml", "--output-dir", OUT_DIR]), int(os.environ["WORLD_SIZE"]))
+config, tokenizer, dataset = prepared.config, prepared.tokenizer, prepared.dataset
 untouched = copy.deepcopy(dataset)
 
 

@@ -13,7 +13,8 @@ from megatron_rlhf.runtime import init_distributed
 from megatron_rlhf.train import parse_args, prepare
 
 os.environ["TP"] = "1"
-config, _, tokenizer, dataset, reward_fn, _ = prepare(parse_args(["--config", "examples/tiny/rlhf.yaml", "--output-dir", OUT_DIR]), 1)
+prepared = prepare(parse_args(["--config", "examples/tiny/rlhf.yaml", "--output-dir", OUT_DIR]), 1)
+config, tokenizer, dataset, reward_fn = prepared.config, prepared.tokenizer, prepared.dataset, prepared.reward_function
 config.ppo.rollout_batch_size = 8
 init_distributed(config.parallel, seed=config.seed)
 controller = PPOController(config, dataset, tokenizer, reward_fn, MemoryLedger(None))

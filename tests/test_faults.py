@@ -1,0 +1,164 @@
+"""Faults never corrupt a run and always explain themselves (the reliability trials: see
+docs/reliability.md). In-process tests of the checks made before start-up, and two launches."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_rlhf.checkpoint.model_files import CheckpointError
+from megatron_rlhf.config import ConfigError
+from megatron_rlhf.train import cut_back, parse_args, prepare, run_identity
+from tests.conftest import REPO
+from tests.test_train import metrics, train
+
+TINY = str(REPO / "examples" / "tiny" / "rlhf.yaml")
+
+
+@pytest.fixture(autouse=True)
+def tiny_env(monkeypatch):
+    for key in ("TP", "PP", "KL_COEF", "ITERATIONS", "ROLLOUT_BATCH_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def prepared(out, *flags):
+    return prepare(parse_args(["--config", TINY, "--output-dir", str(out), *flags]), 2)
+
+
+def fake_checkpoint(out, name, config, tp=2, run=None):
+    """A checkpoint directory as save_ppo_checkpoint leaves it (trainer state and manifest only)."""
+    from megatron_rlhf.checkpoint.ppo_state import _checksum
+
+    path = out / "checkpoints" / name
+    path.mkdir(parents=True)
+    torch.save({"iteration": int(name[-7:]), "layout": {"tp": tp, "pp": 1, "dp": 1}, "run": run or run_identity(config)},
+               path / "trainer_state.pt")
+    file = path / "trainer_state.pt"
+    (path / "manifest.json").write_text(json.dumps({"trainer_state.pt": {"bytes": file.stat().st_size,
+                                                                         "crc32": _checksum(str(file))}}))
+    (out / "checkpoints" / "latest").write_text(name)
+    return path
+
+
+def test_overwrite_clears_the_old_run_and_resume_refuses_another_runs_settings(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    config = prepared(out).config
+    fake_checkpoint(out, "iter_0000004", config)
+    (out / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    # A finished run with a checkpoint: the refusal says how to continue it.
+    with pytest.raises(ConfigError, match=r"already holds a run \(1 iterations.*pass --resume to continue it from iter_0000004"):
+        prepared(out)
+    monkeypatch.setenv("KL_COEF", "0.5")
+    with pytest.raises(ConfigError, match=r"belongs to a run with other settings \(ppo.kl_coef: 0.01 then, 0.5 now\)"):
+        prepared(out, "--resume")
+    assert prepared(out, "--resume", "--allow-config-change").resume_from.endswith("iter_0000004")
+    monkeypatch.setenv("TP", "1")
+    with pytest.raises(CheckpointError, match="written at TP=2 PP=1; resume with the same TP and PP"):
+        prepare(parse_args(["--config", TINY, "--output-dir", str(out), "--resume", "--allow-config-change"]), 1)
+    monkeypatch.delenv("TP")
+    prepared(out, "--overwrite")
+    assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_a_truncated_checkpoint_names_its_file_and_the_last_intact_one(tmp_path):
+    out = tmp_path / "out"
+    config = prepared(out).config
+    fake_checkpoint(out, "iter_0000001", config)
+    broken = fake_checkpoint(out, "iter_0000002", config)
+    state = broken / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=rf"{state}: 100 bytes, the manifest says .*truncated.*"
+                       r"newest intact checkpoint is .*iter_0000001: to resume from it, write 'iter_0000001'"):
+        prepared(out, "--resume")
+
+
+def test_a_failed_first_iteration_does_not_block_the_retry_and_resume_cuts_back_the_logs(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")  # what a run that died in iteration 1 leaves
+    assert prepared(out).resume_from is None
+    ledger = out / "memory.jsonl"
+    ledger.write_text("".join(json.dumps({"iteration": i, "role": "policy"}) + "\n" for i in (1, 2, 2, 3)))
+    cut_back(str(ledger), 2)
+    assert [json.loads(line)["iteration"] for line in ledger.read_text().splitlines()] == [1, 2, 2]
+
+
+def test_input_faults_are_found_before_start_up_with_file_and_line(tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match="output directory .*: not writable"):
+        prepared(tmp_path / "a-file" / "out")
+    prompts = tmp_path / "prompts.jsonl"
+    monkeypatch.setenv("PROMPT_FILE", str(prompts))
+    prompts.write_text('{"prompt": "abc"}\n{"prompt": "  "}\n')
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2: empty prompt"):
+        prepared(tmp_path / "out")
+    prompts.write_text('{"prompt": "abc"}\n\n{"prompt": "abC"}\n')
+    with pytest.raises(ValueError, match=r"prompts.jsonl:3: character 'C' is not in the tokenizer alphabet"):
+        prepared(tmp_path / "out")
+    prompts.write_text('{"prompt": "abc"}\n' + json.dumps({"prompt": "a" * 40}) + "\n")
+    with pytest.warns(UserWarning, match=r"1 of 2 prompts are longer than data.max_prompt_length=32 tokens"):
+        prepared(tmp_path / "out")
+    with pytest.raises(ConfigError, match="this is a role's model file, not a top config"):
+        prepare(parse_args(["--config", str(REPO / "examples/tiny/ppo_policy.yaml")]), 1)
+
+
+def test_converter_flags_are_checked_and_files_get_the_umask_mode(tmp_path):
+    tool = str(REPO / "tools" / "convert_hf_to_megatron.py")
+    proc = subprocess.run([sys.executable, tool, "--hf-dir", str(tmp_path), "--output", str(tmp_path / "o"), "--tp", "0"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--tp: '0': expected a whole number >= 1" in proc.stderr
+    from megatron_rlhf.checkpoint.model_files import write_atomically
+
+    def fill(tmp):  # a writer that makes its files private, as safetensors does
+        fd = os.open(os.path.join(tmp, "model.safetensors"), os.O_CREAT | os.O_WRONLY, 0o600)
+        os.close(fd)
+
+    old = os.umask(0o022)
+    try:
+        write_atomically(str(tmp_path / "hf"), fill)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o755
+
+
+REWARD = """
+calls = [0]
+
+
+def sometimes_huge(prompts, responses):
+    calls[0] += 1
+    return [1e30 if calls[0] >= 2 else 0.5 for _ in responses]
+"""
+
+
+@pytest.mark.parametrize("mode", ["bound", "skip"])
+def test_a_huge_reward_stops_or_skips_and_every_checkpoint_stays_finite(tmp_path, mode):
+    (tmp_path / "reward.py").write_text(REWARD)
+    config = tmp_path / "rlhf.yaml"
+    reward = f"reward:\n  function: {tmp_path}/reward.py:sometimes_huge\n"
+    if mode == "skip":  # the bound raised, so the gradient guard is what stops the steps
+        reward += "  max_abs_score: 1.0e+38\n"
+    config.write_text(f"includes: {TINY}\n{reward}trainer:\n  save_interval: 1\n"
+                      + ("  on_non_finite: skip\n" if mode == "skip" else ""))
+    out = tmp_path / "out"
+    proc = train(out, config=config, check=False, env={"ITERATIONS": "3", "ROLLOUT_BATCH_SIZE": "8"})
+    rows = metrics(out)  # json.loads accepts NaN, so the text is checked too
+    assert "NaN" not in (out / "metrics.jsonl").read_text() and "Infinity" not in (out / "metrics.jsonl").read_text()
+    if mode == "bound":
+        # torchrun prints its own ChildFailedError after it; no frame of the run's code is shown.
+        assert proc.returncode != 0 and f'File "{REPO / "megatron_rlhf"}' not in proc.stderr, proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "iteration 2: the reward gave 1e+30 for response 0" in errors[0], proc.stderr[-3000:]
+        assert len(rows) == 1 and (out / "checkpoints" / "latest").read_text() == "iter_0000001"
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert rows[0]["value/skipped_steps"] == 0 and rows[1]["value/skipped_steps"] > 0
+    shards = list((out / "checkpoints").glob("iter_*/ppo_*/release/*/model_optim_rng.pt"))
+    assert shards
+    for shard in shards:
+        weights = torch.load(shard, map_location="cpu", weights_only=False)["model"]
+        assert all(torch.isfinite(t).all() for t in weights.values() if torch.is_tensor(t) and t.is_floating_point())
