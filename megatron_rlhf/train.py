@@ -374,7 +374,7 @@ def _run(prepared: Prepared) -> list:
         controller.load_state_dict(load_ppo_checkpoint(controller.roles, resume_from))
         if rank0:
             cut_back(ledger_path, controller.iteration)
-            print(f"resumed run {prepared.run['id']} from {resume_from} (iteration {controller.iteration})", flush=True)
+            print(f"resumed from {resume_from} (iteration {controller.iteration}, run {prepared.run['id']})", flush=True)
     log = RunLog(output_dir, config, enabled=rank0, resumed_at=controller.iteration)
     history = []
     interval = config.trainer.save_interval
