@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Optional
 
 from megatron_rlhf.config import ConfigError, input_problems, load_config
 from megatron_rlhf.config.schema import RLHFConfig
-from megatron_rlhf.dry_run import parse_bytes
+from megatron_rlhf.dry_run import parse_bytes, positive_int
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,19 +38,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="resume a checkpoint written with other settings (they are listed when refused)")
     dry = parser.add_argument_group("dry run (no torchrun, no GPU: print the resolved config, the layout and memory per role)")
     dry.add_argument("--dry-run", action="store_true", help="print what a launch would do and exit")
-    dry.add_argument("--world-size", type=_positive_int, help="processes of the planned launch (default: $WORLD_SIZE, else TP*PP)")
-    dry.add_argument("--nproc-per-node", type=_positive_int, help="processes per node (default: $LOCAL_WORLD_SIZE, else the world size)")
+    dry.add_argument("--world-size", type=positive_int, help="processes of the planned launch (default: $WORLD_SIZE, else TP*PP)")
+    dry.add_argument("--nproc-per-node", type=positive_int, help="processes per node (default: $LOCAL_WORLD_SIZE, else the world size)")
     dry.add_argument("--gpu-memory", type=parse_bytes, help="device memory per GPU, e.g. 80GiB: check that the plan fits")
     args = parser.parse_args(argv)
     if not args.dry_run and (args.world_size or args.nproc_per_node or args.gpu_memory):
         parser.error("--world-size, --nproc-per-node and --gpu-memory go with --dry-run (a launch takes them from torchrun)")
     return args
-
-
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
-    return int(text)
 
 
 def _dry_run(args: argparse.Namespace) -> int:
@@ -107,15 +101,15 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
             clear_run(output_dir)
     else:
         latest = latest_checkpoint(output_dir)
+        done = completed_iterations(os.path.join(output_dir, "metrics.jsonl"))
         if config.trainer.resume == "auto" and latest is not None:
             resume_from = latest
-            run = check_resume(latest, config, output_dir, args.allow_config_change)
-        elif completed_iterations(os.path.join(output_dir, "metrics.jsonl")):
+            run = check_resume(latest, config, run, output_dir, args.allow_config_change)
+        elif done:
             hint = (f"pass --resume to continue it from {os.path.basename(latest)}, " if latest else
                     "it has no checkpoint to resume from; ")
-            raise ConfigError(f"{output_dir} already holds a run ({completed_iterations(os.path.join(output_dir, 'metrics.jsonl'))} "
-                              f"iterations in metrics.jsonl); {hint}choose another --output-dir, or pass --overwrite "
-                              "to delete it and start again")
+            raise ConfigError(f"{output_dir} already holds a run ({done} iterations in metrics.jsonl); {hint}choose "
+                              "another --output-dir, or pass --overwrite to delete it and start again")
     tokenizer = build_tokenizer(config.data.tokenizer, config.path_of("data.tokenizer.path"))
     for role in ("policy", "reference", "ppo_policy"):
         model_vocab = config.role(role).model.vocab_size
@@ -177,13 +171,15 @@ def _flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     return out
 
 
-def check_resume(path: str, config: RLHFConfig, output_dir: str, allow_config_change: bool) -> Dict[str, Any]:
-    """The run a resume continues (its id, with this config's fingerprint), after checking that the
-    checkpoint is intact, of this TP/PP and of a run with the same settings (unless allowed)."""
+def check_resume(path: str, config: RLHFConfig, now: Dict[str, Any], output_dir: str,
+                 allow_config_change: bool) -> Dict[str, Any]:
+    """The run a resume continues (its id, with ``now``'s fingerprint: run_identity of this config),
+    after checking that the checkpoint is intact, of this TP/PP and of a run with the same settings
+    (unless allowed)."""
     import torch
 
     from megatron_rlhf.checkpoint.model_files import CheckpointError
-    from megatron_rlhf.checkpoint.ppo_state import intact_checkpoints, verify_checkpoint
+    from megatron_rlhf.checkpoint.ppo_state import check_layout, intact_checkpoints, verify_checkpoint
 
     try:
         verify_checkpoint(path, checksums=int(os.environ.get("LOCAL_RANK", "0")) == 0)
@@ -195,12 +191,8 @@ def check_resume(path: str, config: RLHFConfig, output_dir: str, allow_config_ch
                   if older else "no older intact checkpoint exists; start again with --overwrite")
         raise CheckpointError(f"cannot resume from {path}: {e}; {advice}") from None
     par = config.parallel
-    saved = state["layout"]
-    if (saved["tp"], saved["pp"]) != (par.tensor_model_parallel_size, par.pipeline_model_parallel_size):
-        raise CheckpointError(f"{path}: written at TP={saved['tp']} PP={saved['pp']}; resume with the same TP and PP "
-                              f"(now TP={par.tensor_model_parallel_size} PP={par.pipeline_model_parallel_size}, "
-                              f"{config.at('parallel.tensor_model_parallel_size')}); DP may differ")
-    now = run_identity(config)
+    check_layout(path, state, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                 config.at("parallel.tensor_model_parallel_size"))
     before = state.get("run")
     if before is None:
         return now

@@ -8,7 +8,8 @@ with one label for a reward/value model) to a Megatron checkpoint at a target TP
 import argparse
 import sys
 
-from megatron_rlhf.checkpoint.convert import DTYPES, hf_to_megatron, positive_int
+from megatron_rlhf.checkpoint.convert import DTYPES, hf_to_megatron
+from megatron_rlhf.dry_run import positive_int
 from megatron_rlhf.checkpoint.model_files import CheckpointError
 
 

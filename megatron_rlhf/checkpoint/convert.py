@@ -35,15 +35,6 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="tensor", disable=None)
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number >= 1 (a TP or PP size, a divisor)."""
-    import argparse
-
-    if not text.strip().isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
-    return int(text)
-
-
 def read_hf_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
     try:

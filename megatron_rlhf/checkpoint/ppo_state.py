@@ -191,6 +191,15 @@ def _refuse_non_finite(role_name: str, model, iteration: int) -> None:
                              "written (the latest checkpoint is still the last finite state)", collective=True)
 
 
+def check_layout(path: str, trainer_state: Dict[str, Any], tp: int, pp: int, where: str = "") -> None:
+    """Refuse to resume checkpoint ``path`` (its ``trainer_state``) at another TP or PP: the
+    optimizer state is per model-parallel rank. ``where`` names the setting, for the message."""
+    saved = trainer_state["layout"]
+    if (saved["tp"], saved["pp"]) != (tp, pp):
+        raise CheckpointError(f"{path}: written at TP={saved['tp']} PP={saved['pp']}; resume with the same TP and PP "
+                              f"(now TP={tp} PP={pp}{', ' + where if where else ''}); DP may differ")
+
+
 def _load_parameter_state(optimizer, path: str) -> None:
     """megatron's DP-zero loader copies every per-parameter optimizer-state entry from the file,
     but torch.optim.Adam keeps a per-parameter ``step`` that the file does not hold (megatron
@@ -214,12 +223,7 @@ def load_ppo_checkpoint(roles: Mapping[str, Any], path: str) -> Dict[str, Any]:
     CPU first, whatever device wrote it."""
     layout = _layout()
     state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
-    saved = state["layout"]
-    if (saved["tp"], saved["pp"]) != (layout["tp"], layout["pp"]):
-        raise CheckpointError(
-            f"{path}: written at TP={saved['tp']} PP={saved['pp']}; resume with the same TP and PP "
-            f"(now TP={layout['tp']} PP={layout['pp']}); DP may differ"
-        )
+    check_layout(path, state, layout["tp"], layout["pp"])
     for role_name in [r for r in TRAINABLE_ROLES if r in roles]:
         role = roles[role_name]
         role_dir = os.path.join(path, role_name)
