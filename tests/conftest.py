@@ -43,6 +43,28 @@ def run_workers(tmp_path: Path, nprocs: int, case: str, *args: str, timeout: int
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
 
 
+_NOT_THE_CHECKOUT = {".git", ".venv", ".pytest_cache", "__pycache__"}
+
+
+def _checkout_entries() -> set:
+    found = set()
+    for root, dirs, files in os.walk(REPO):
+        dirs[:] = [d for d in dirs if d not in _NOT_THE_CHECKOUT and not d.endswith(".egg-info")]
+        found.update(os.path.relpath(os.path.join(root, name), REPO) for name in dirs + files)
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_written_into_the_checkout():
+    """Tests write only under their temporary directories: a stray file in the checkout (once a
+    checkpoint directory `2/` at its root) fails the session, naming what appeared."""
+    before = _checkout_entries()
+    yield
+    stray = sorted(_checkout_entries() - before)
+    if stray:
+        pytest.fail(f"the tests wrote into the checkout {REPO}: {', '.join(stray[:20])}", pytrace=False)
+
+
 @pytest.fixture
 def workers(tmp_path):
     def run(nprocs, case, *args, **kwargs):
