@@ -123,7 +123,7 @@ class PPOController:
         }
         metrics = self._dp_mean(metrics)
         if isinstance(self.kl_controller, ppo.AdaptiveKLController):
-            self.kl_controller.update(metrics["kl/sequence_mean"], self.config.ppo.rollout_batch_size)
+            self.kl_controller.update(metrics["kl/sequence_mean"], self.config.rollout_samples)  # responses, as verl counts them
         end = time.perf_counter()
         metrics["time/generate_s"] = generate_s
         metrics["time/iteration_s"] = end - start
