@@ -28,8 +28,8 @@ from megatron_rlhf import ppo
 from megatron_rlhf.config.schema import RLHFConfig
 from megatron_rlhf.data import PromptDataset, Tokenizer
 from megatron_rlhf.errors import NonFiniteError
-from megatron_rlhf.generation import SamplingParams, generate
-from megatron_rlhf.memory import MemoryLedger
+from megatron_rlhf.generation import SamplingParams, generate, stream_seeds
+from megatron_rlhf.memory import KV_CACHE, MemoryLedger
 from megatron_rlhf.models.batches import action_mask, split_rows
 from megatron_rlhf.models.pipeline import sum_over
 from megatron_rlhf.roles import Role, build_role
@@ -202,17 +202,18 @@ class PPOController:
         cfg = self.config
         n = cfg.generation.samples_per_prompt
         batch = self.dataset.next_batch(cfg.ppo.rollout_batch_size, self.dp_rank, self.dp_size)
-        # One stream per data-parallel replica and round, alike on its TP and PP ranks; the n
-        # responses to a prompt are n independent draws from it.
-        generator = torch.Generator(device=self.device).manual_seed(
-            cfg.seed * 1_000_003 + self.iteration * 1_009 + round_ * 104_723 + self.dp_rank
-        )
+        # Every response draws from its own stream, keyed by what it is (run, iteration, round,
+        # prompt, sample): the rollout does not depend on the DP layout or the decode batch.
+        indices = torch.tensor(batch["indices"]).repeat_interleave(n)
+        seeds = stream_seeds(cfg.seed, self.iteration, round_, indices, torch.arange(n).repeat(len(batch["indices"])))
         policy, temperature = self.roles["policy"], cfg.generation.temperature
         with policy.resident("inference"):
             started = time.perf_counter()
             gen = generate(
                 policy.model, batch["tokens"].repeat_interleave(n, 0).to(self.device), batch["lengths"].repeat_interleave(n),
-                self.sampling, self.vocab_size, generator, batch_size=cfg.generation.batch_size,
+                self.sampling, self.vocab_size, seeds, batch_size=cfg.generation.batch_size,
+                cache_length=cfg.data.max_prompt_length + cfg.generation.max_new_tokens,
+                on_cache=lambda cache: policy.memory.holding(KV_CACHE, [cache.storage], "generate"),
             )
             seconds = time.perf_counter() - started
             old_log_probs = inference.log_probs(policy, gen.tokens, self.vocab_size, temperature)

@@ -1,6 +1,7 @@
-"""Sampling responses from a Megatron policy (KV cache, TP, PP)."""
+"""Sampling responses from a Megatron policy: a continuous-batching engine (TP, PP)."""
 
-from megatron_rlhf.generation.generate import Generated, generate, right_pad
-from megatron_rlhf.generation.sampling import SamplingParams, filter_logits, sample_next
+from megatron_rlhf.generation.generate import EngineStats, Generated, generate, right_pad
+from megatron_rlhf.generation.sampling import SamplingParams, filter_logits, sample_next, stream_seeds
 
-__all__ = ["Generated", "SamplingParams", "filter_logits", "generate", "right_pad", "sample_next"]
+__all__ = ["EngineStats", "Generated", "SamplingParams", "filter_logits", "generate", "right_pad", "sample_next",
+           "stream_seeds"]

@@ -1,24 +1,56 @@
-"""Batched generation from a Megatron policy with a KV cache, under TP and PP.
+"""Generation from a Megatron policy under TP and PP: a continuous-batching engine.
 
-All rows advance in lockstep, one position per step, from the shortest prompt on: a row whose
-prompt is longer is fed its own prompt token at that position instead of a sample, so no row ever
-attends to padding and no attention mask is needed. The cache is megatron-core's
-``StaticInferenceContext``; pipeline stages hand hidden states on with point-to-point sends, the
-last stage samples from the TP-gathered logits, and the tokens go back to every stage.
+A fixed number of decode slots each hold one row at a time. Every step is one forward of a packed
+sequence: the whole prompt of each row admitted this step (one prefill per prompt, whatever the
+spread of prompt lengths), then the last token of every decoding row (kv_cache.py). When a row
+ends (EOS or max_new_tokens) its slot takes the next waiting prompt, so no slot idles while
+prompts wait and no token is computed for padding.
+
+The schedule is decided on the host from what every rank knows alike: lengths are counted there,
+and EOS is learnt from the device ``completion_lag`` steps late (a copy started right after each
+step is read ``lag`` steps later), so on CUDA the host never waits for the step it just queued; a
+row that ended meanwhile computes a few tokens that are not kept. What a row samples does not
+depend on the schedule: its n-th token is the n-th draw of its own stream (sampling.py). The last
+stage samples from the TP-gathered logits; the tokens go to every TP rank and every stage.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_rlhf.generation.kv_cache import SlotKVCache, StepLayout, attend
 from megatron_rlhf.generation.sampling import SamplingParams, sample_next
 from megatron_rlhf.models.batches import action_mask
 from megatron_rlhf.models.llama import unwrap
 from megatron_rlhf.models.pipeline import broadcast_from_last_stage
+from megatron_rlhf.runtime import megatron_compat as compat
+from megatron_rlhf.runtime.platform import get_platform
+
+# Prompt tokens admitted per step at most (a longer prompt still gets its one prefill, alone):
+# bounds a step's activations, as vLLM's max_num_batched_tokens does.
+PREFILL_TOKENS = 8192
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """forward_passes: engine steps; computed_tokens: tokens fed (prompts + decode tokens);
+    sampled: tokens sampled (one per prefill and per decode token); useful: tokens kept in a
+    response; slot_steps: slots x steps (idle slots included)."""
+
+    forward_passes: int = 0
+    computed_tokens: int = 0
+    sampled: int = 0
+    useful: int = 0
+    slot_steps: int = 0
+
+    def add(self, other: "EngineStats") -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 @dataclasses.dataclass
@@ -32,6 +64,7 @@ class Generated:
     tokens: torch.Tensor
     prompt_lengths: torch.Tensor
     response_lengths: torch.Tensor
+    stats: EngineStats = dataclasses.field(default_factory=EngineStats)
 
     @property
     def total_lengths(self) -> torch.Tensor:
@@ -55,34 +88,59 @@ def right_pad(prompts: torch.Tensor, lengths: torch.Tensor, pad_id: int, side: L
     return out
 
 
-def _forward_chunk(model, tokens: torch.Tensor, start: int, context, hidden_size: int) -> Optional[torch.Tensor]:
-    """Feed positions [start, start + n) of every row through this rank's stage. Returns the
-    last position's full-vocabulary logits [B, V] on the last stage, None elsewhere."""
-    from megatron.core import parallel_state as ps
-
-    inner = unwrap(model)
-    batch, n = tokens.shape
-    positions = torch.arange(start, start + n, device=tokens.device).unsqueeze(0).expand(batch, n)
-    if not ps.is_pipeline_first_stage():
-        hidden = torch.empty(n, batch, hidden_size, dtype=inner.config.pipeline_dtype, device=tokens.device)
-        dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
-        inner.set_input_tensor(hidden)
-    output = model(tokens, positions, None, inference_context=context, runtime_gather_output=True)
-    context.increment_sequence_len_offset(n)
-    if not ps.is_pipeline_last_stage():
-        dist.send(output.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
-        return None
-    return output[:, -1, :]
-
-
 def _decided_once(sampled: torch.Tensor) -> torch.Tensor:
     """The TP group's first rank's samples on every TP rank: the ranks can never disagree on a
-    token (and so on when a row is done), whatever their generators or kernels do."""
+    token (and so on when a row is done), whatever their kernels do."""
     from megatron.core import parallel_state as ps
 
     if ps.get_tensor_model_parallel_world_size() > 1:
         dist.broadcast(sampled, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group())
     return sampled
+
+
+class _Stage:
+    """One packed forward through this rank's pipeline stage, with the engine's attention."""
+
+    def __init__(self, model: torch.nn.Module, cache: SlotKVCache, rope: torch.Tensor):
+        from megatron.core import parallel_state as ps
+
+        self.model, self.inner, self.cache, self.rope = model, unwrap(model), cache, rope
+        self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        self.prev, self.next = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
+        self.layout: Optional[StepLayout] = None
+        self.keep: Optional[torch.Tensor] = None  # positions whose logits are wanted
+        # Under sequence parallel the decoder's output is a sequence shard: select after the head.
+        self.select_early = not self.inner.config.sequence_parallel
+
+    def __enter__(self):
+        self._attention = compat.attention_replaced(
+            self.inner, lambda i, attention: (lambda hidden, *a, **k: attend(attention, i, self.cache, self.layout, hidden)))
+        self._attention.__enter__()
+        self._hook = self.inner.decoder.register_forward_hook(self._select) if self.last and self.select_early else None
+        return self
+
+    def __exit__(self, *exc):
+        if self._hook is not None:
+            self._hook.remove()
+        return self._attention.__exit__(*exc)
+
+    def _select(self, module, inputs, hidden):
+        return hidden.index_select(0, self.keep)
+
+    def forward(self, tokens: torch.Tensor, layout: StepLayout, keep: torch.Tensor) -> Optional[torch.Tensor]:
+        """tokens [1, T] -> the full-vocabulary logits [len(keep), V] at ``keep`` on the last stage, else None."""
+        layout.rope = self.rope.index_select(0, layout.positions)
+        self.layout, self.keep = layout, keep
+        if not self.first:
+            hidden = torch.empty(tokens.shape[1], 1, self.inner.config.hidden_size, dtype=self.inner.config.pipeline_dtype,
+                                 device=tokens.device)
+            dist.recv(hidden, src=self.prev)
+            self.inner.set_input_tensor(hidden)
+        output = self.model(tokens, None, None, runtime_gather_output=True)
+        if not self.last:
+            dist.send(output.contiguous(), dst=self.next)
+            return None
+        return output[0] if self.select_early else output[0].index_select(0, keep)
 
 
 @torch.no_grad()
@@ -92,69 +150,160 @@ def generate(
     prompt_lengths: torch.Tensor,
     params: SamplingParams,
     vocab_size: int,
-    generator: Optional[torch.Generator] = None,
+    seeds: Optional[torch.Tensor] = None,
     padding_side: Literal["left", "right"] = "right",
     batch_size: Optional[int] = None,
+    cache_length: Optional[int] = None,
+    completion_lag: Optional[int] = None,
+    on_cache: Optional[Callable[[SlotKVCache], object]] = None,
 ) -> Generated:
     """Responses to a batch of prompts [B, P] (``prompt_lengths`` [B] real tokens each).
 
-    Every rank of the model-parallel group calls this with the same prompts and gets the same
+    Every rank of the model-parallel group calls this with the same arguments and gets the same
     result. ``vocab_size``: the tokenizer's vocabulary; the padded rows of the output layer are
-    never sampled. ``generator`` drives sampling; seed it alike on every rank of the group.
-    ``batch_size``: decode at most this many rows at once (the KV cache scales with it).
+    never sampled. ``seeds`` [B]: each row's sampling stream (default: the row index); rows with
+    equal seeds draw alike. ``batch_size``: decode slots, rows generated at once (default: all);
+    the KV cache holds ``batch_size`` x ``cache_length`` positions (default length: the longest
+    prompt plus max_new_tokens). ``completion_lag``: steps between a row's EOS and the host
+    learning of it (default 0 on CPU, 2 on CUDA; the result does not depend on it).
+    ``on_cache(cache)``: a context manager entered once the KV cache is allocated and left once
+    it is released (the EMS ledger's record of it).
     """
-    if batch_size is not None and batch_size < prompts.shape[0]:
-        parts = [
-            generate(model, prompts[i : i + batch_size], prompt_lengths[i : i + batch_size], params, vocab_size,
-                     generator, padding_side)
-            for i in range(0, prompts.shape[0], batch_size)
-        ]
-        width = max(p.tokens.shape[1] for p in parts)
-        return Generated(
-            torch.cat([torch.nn.functional.pad(p.tokens, (0, width - p.tokens.shape[1]), value=params.pad_id) for p in parts]),
-            torch.cat([p.prompt_lengths for p in parts]),
-            torch.cat([p.response_lengths for p in parts]),
-        )
-    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core import parallel_state as ps
 
     if prompts.dim() != 2 or prompt_lengths.shape != prompts.shape[:1]:
         raise ValueError(f"prompts must be [B, P] with prompt_lengths [B], got {tuple(prompts.shape)} and {tuple(prompt_lengths.shape)}")
-    if int(prompt_lengths.min()) < 1:
+    rows = prompts.shape[0]
+    lengths = [int(n) for n in prompt_lengths.tolist()]
+    if rows == 0 or min(lengths) < 1:
         raise ValueError("every prompt needs at least one token")
     inner = unwrap(model)
+    config = inner.config
     device = next(inner.parameters()).device
-    lengths = prompt_lengths.to(device)
-    batch = prompts.shape[0]
-    width = int(lengths.max()) + params.max_new_tokens
-    tokens = torch.full((batch, width), params.pad_id, dtype=torch.long, device=device)
-    prompts = right_pad(prompts.to(device), lengths, params.pad_id, padding_side)
-    tokens[:, : prompts.shape[1]] = prompts[:, :width]
-    response_lengths = torch.zeros(batch, dtype=torch.long, device=device)
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    slots = min(rows, batch_size or rows)
+    longest = max(lengths) + params.max_new_tokens
+    cache_length = cache_length or longest
+    if cache_length < longest:
+        raise ValueError(f"cache_length {cache_length} < longest prompt {max(lengths)} + max_new_tokens {params.max_new_tokens}")
+    platform = get_platform()
+    lag = platform.completion_lag if completion_lag is None else completion_lag
+    tp = ps.get_tensor_model_parallel_world_size()
+    pad_to = tp if config.sequence_parallel else 1  # the packed sequence is split over TP ranks
+    scratch = slots if pad_to > 1 else None  # a slot no row uses, for padding tokens
 
+    prompts = right_pad(prompts.to(device), prompt_lengths.to(device), params.pad_id, padding_side)
+    seeds = (torch.arange(rows) if seeds is None else seeds).to(device=device, dtype=torch.int64)
+    width = max(lengths) + params.max_new_tokens
+    tokens = torch.full((rows, width + 1), params.pad_id, dtype=torch.long, device=device)  # last column: discards
+    tokens[:, : prompts.shape[1]] = prompts[:, :width]
+    prompt_len_dev = torch.tensor(lengths, device=device)
+    response_lengths = torch.zeros(rows, dtype=torch.long, device=device)
+    alive = torch.zeros(slots + 1, dtype=torch.bool, device=device)
+    last_token = torch.zeros(slots + 1, dtype=torch.long, device=device)
+
+    cache = SlotKVCache(len(compat.attention_layers(inner)), slots + (scratch is not None), cache_length,
+                        config.num_query_groups // tp if config.num_query_groups else config.num_attention_heads // tp,
+                        config.kv_channels, config.params_dtype, device)
+    stats = EngineStats()
+    waiting = collections.deque(range(rows))
+    row_in = [-1] * slots  # host: the row each slot holds, -1 when free
+    produced = [0] * slots  # tokens sampled for that row so far
+    fed = [0] * slots  # positions of that row in the cache
+    pending = collections.deque()  # (step, rows per slot then, alive flags copied from the device)
     was_training = model.training
     model.eval()
-    context = StaticInferenceContext(batch, width)
-    fed = 0
+    holding = on_cache(cache) if on_cache is not None else None
+    if holding is not None:
+        holding.__enter__()
     try:
-        for position in range(int(lengths.min()), width):
-            logits = _forward_chunk(model, tokens[:, fed:position], fed, context, inner.config.hidden_size)
-            if fed == 0:
-                context.enable_decode_mode()
-            fed = position
-            sampled = None if logits is None else _decided_once(sample_next(logits[:, :vocab_size], params, generator))
-            sampled = broadcast_from_last_stage(sampled, (batch,), torch.long, device)
-            in_prompt = position < lengths
-            generating = ~in_prompt & ~done
-            tokens[:, position] = torch.where(in_prompt, tokens[:, position], torch.where(generating, sampled, params.pad_id))
-            response_lengths += generating.long()
-            ended = response_lengths >= params.max_new_tokens
-            if params.eos_id is not None:
-                ended |= generating & (sampled == params.eos_id)
-            done |= ended & ~in_prompt
-            if bool(done.all()):
-                break
+        with _Stage(model, cache, compat.rotary_angles(inner, cache_length).to(device)) as stage:
+            step = 0
+            while True:
+                for s in range(slots):  # ended by length: known here
+                    if row_in[s] >= 0 and produced[s] >= params.max_new_tokens:
+                        row_in[s] = -1
+                while pending and (pending[0][0] <= step - lag or not waiting and all(r < 0 for r in row_in)):
+                    _, held, flags = pending.popleft()  # ended by EOS: learnt lag steps late
+                    for s, flag in enumerate(flags().tolist()[:slots]):
+                        if not flag and row_in[s] == held[s] >= 0:
+                            row_in[s] = -1
+                admitted, budget = [], PREFILL_TOKENS
+                for s in range(slots):
+                    if row_in[s] < 0 and waiting and (not admitted or lengths[waiting[0]] <= budget):
+                        r = waiting.popleft()
+                        row_in[s], produced[s], fed[s] = r, 0, 0
+                        budget -= lengths[r]
+                        admitted.append(s)
+                decoding = [s for s in range(slots) if row_in[s] >= 0 and s not in admitted]
+                if not admitted and not decoding:
+                    if pending:
+                        continue
+                    break
+                # The packed step: admitted prompts, then one token per decoding row.
+                parts, positions, token_slots, prefill, keep = [], [], [], [], []
+                for s in admitted:
+                    n = lengths[row_in[s]]
+                    prefill.append((len(positions), n))
+                    parts.append(prompts[row_in[s], :n])
+                    positions.extend(range(n))
+                    token_slots.extend([s] * n)
+                    keep.append(len(positions) - 1)
+                padding = -(len(positions) + len(decoding)) % pad_to
+                if padding:  # a segment of its own, in the scratch slot; its logits are not kept
+                    prefill.append((len(positions), padding))
+                    parts.append(torch.full((padding,), params.pad_id, dtype=torch.long, device=device))
+                    positions.extend(range(padding))
+                    token_slots.extend([scratch] * padding)
+                decode_start = len(positions)
+                if decoding:
+                    parts.append(last_token[torch.tensor(decoding, device=device)])
+                    positions.extend(fed[s] for s in decoding)
+                    token_slots.extend(decoding)
+                    keep.extend(range(decode_start, len(positions)))
+                decode_slots = torch.tensor(decoding, device=device) if decoding else None
+                span = (decoding[0], decoding[-1] + 1) if decoding and decoding[-1] - decoding[0] + 1 == len(decoding) else None
+                layout = StepLayout(
+                    torch.tensor(positions, device=device), torch.tensor(token_slots, device=device), prefill,
+                    decode_start, decode_slots, span, max((fed[s] + 1 for s in decoding), default=0),
+                )
+                logits = stage.forward(torch.cat(parts).unsqueeze(0), layout, torch.tensor(keep, device=device))
+
+                out_slots = admitted + decoding
+                out_rows = torch.tensor([row_in[s] for s in out_slots], device=device)
+                counters = torch.tensor([produced[s] for s in out_slots], device=device)
+                sampled = None
+                if logits is not None:
+                    sampled = _decided_once(sample_next(logits[:, :vocab_size], params, seeds[out_rows], counters))
+                sampled = broadcast_from_last_stage(sampled, (len(out_slots),), torch.long, device)
+
+                slot_index = torch.tensor(out_slots, device=device)
+                if admitted:
+                    alive[torch.tensor(admitted, device=device)] = True
+                write = alive[slot_index]
+                column = torch.where(write, prompt_len_dev[out_rows] + counters, width)
+                tokens[out_rows, column] = sampled
+                response_lengths.index_add_(0, out_rows, write.long())
+                if params.eos_id is not None:
+                    alive[slot_index] = write & (sampled != params.eos_id)
+                last_token[slot_index] = sampled
+                for s in admitted:
+                    fed[s] = lengths[row_in[s]]
+                for s in decoding:
+                    fed[s] += 1
+                for s in out_slots:
+                    produced[s] += 1
+                if params.eos_id is not None:
+                    pending.append((step, list(row_in), platform.copy_to_host_async(alive)))
+                stats.forward_passes += 1
+                stats.computed_tokens += len(positions)
+                stats.sampled += len(out_slots)
+                stats.slot_steps += slots
+                step += 1
     finally:
+        cache.release()
+        if holding is not None:
+            holding.__exit__(None, None, None)
         model.train(was_training)
-    used = int((lengths + response_lengths).max())
-    return Generated(tokens[:, :used], lengths, response_lengths)
+    stats.useful = int(response_lengths.sum())
+    used = int((prompt_len_dev + response_lengths).max())
+    return Generated(tokens[:, :used], prompt_len_dev, response_lengths, stats)

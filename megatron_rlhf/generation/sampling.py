@@ -1,4 +1,10 @@
-"""Choosing the next token from logits: greedy, temperature, top-k, top-p. Pure tensor code."""
+"""Choosing the next token from logits: greedy, temperature, top-k, top-p. Pure tensor code.
+
+Sampling draws from per-row streams: the uniform behind a row's n-th token is a hash of (the
+row's seed, n), so what a row samples does not depend on which rows share its batch, the order
+rows are scheduled in, the decode batch size or the data-parallel layout. The hash is integer
+arithmetic that never overflows int64, so it is the same on every device.
+"""
 
 from __future__ import annotations
 
@@ -48,10 +54,50 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return logits
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Next token per row: [B, V] -> [B] (int64)."""
+_LOW16, _LOW32 = 0xFFFF, 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for 32-bit x and c, without leaving int64's range."""
+    return ((x & _LOW16) * c + (((x >> 16) * c) & _LOW16) * 65536) & _LOW32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash (C. Wellons' lowbias32) of int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def stream_seeds(*keys) -> torch.Tensor:
+    """One 32-bit seed per row from integer keys (ints or int64 tensors, broadcast together; each
+    taken mod 2**32), hashed in order: stream_seeds(run_seed, iteration, prompt_index, sample)."""
+    seed = torch.zeros((), dtype=torch.int64)
+    for key in keys:
+        key = torch.as_tensor(key, dtype=torch.int64)
+        seed = _mix32(seed.to(key.device) * 31 + _mix32(key & _LOW32) & _LOW32)
+    return seed
+
+
+def stream_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """[N] uniforms in [0, 1) (float64, 53 bits): the ``counters[i]``-th draw of stream ``seeds[i]``."""
+    high = _mix32(_mix32(seeds ^ _mix32(counters & _LOW32)) ^ 0x68E31DA4)
+    low = _mix32(high ^ 0x1B56C4E9)
+    return ((high >> 5) * 67108864 + (low >> 6)).double() / 9007199254740992.0
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, seeds: Optional[torch.Tensor] = None,
+                counters: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Next token per row: [B, V] -> [B] (int64). Sampling (not greedy) takes row i's
+    ``counters[i]``-th draw of stream ``seeds[i]`` (both [B] int64) and inverts the CDF of the
+    filtered distribution there; a token of probability 0 is never chosen."""
     if params.greedy:
         return logits.argmax(dim=-1)
+    if seeds is None or counters is None:
+        raise ValueError("sampling needs a stream seed and a draw counter per row")
     filtered = filter_logits(logits.float() / params.temperature, params.top_k, params.top_p)
-    probs = torch.softmax(filtered, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    cdf = torch.softmax(filtered, dim=-1).double().cumsum(dim=-1)
+    target = stream_uniforms(seeds, counters).to(cdf.device).unsqueeze(-1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)

@@ -3,11 +3,13 @@
 from megatron_rlhf.memory.ledger import MemoryLedger
 from megatron_rlhf.memory.manager import (
     GRADS,
+    KV_CACHE,
     LEDGER_KINDS,
     MAIN_PARAMS,
     OFFLOAD_ORDER,
     OPTIMIZER_STATE,
     OTHER,
+    TRANSIENT_KINDS,
     WEIGHTS,
     EMSSwitches,
     GradientsInUse,
@@ -18,6 +20,7 @@ __all__ = [
     "EMSSwitches",
     "GRADS",
     "GradientsInUse",
+    "KV_CACHE",
     "LEDGER_KINDS",
     "MAIN_PARAMS",
     "MemoryLedger",
@@ -25,5 +28,6 @@ __all__ = [
     "OPTIMIZER_STATE",
     "OTHER",
     "RoleMemory",
+    "TRANSIENT_KINDS",
     "WEIGHTS",
 ]

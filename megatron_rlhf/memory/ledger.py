@@ -1,5 +1,6 @@
-"""The memory ledger: at every onload, offload and phase end, one record per role with the
-resident device bytes of each kind (counted from the tensors' storages), plus the allocator's
+"""The memory ledger: at every onload, offload, transient allocation (the KV cache) and phase end,
+one record per role with the resident device bytes of each kind (counted from the tensors'
+storages; ``resident_bytes`` sums the state kinds, ``transient_bytes`` the transient), plus the allocator's
 figures on CUDA or the process RSS on CPU. Written as JSON lines to ``memory.jsonl``."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import os
 import time
 from typing import Dict, List, Optional
 
-from megatron_rlhf.memory.manager import LEDGER_KINDS, RoleMemory
+from megatron_rlhf.memory.manager import LEDGER_KINDS, TRANSIENT_KINDS, RoleMemory
 from megatron_rlhf.runtime.platform import DevicePlatform, get_platform
 
 
@@ -51,6 +52,7 @@ class MemoryLedger:
                     "role": name,
                     "bytes": by_kind,
                     "resident_bytes": sum(by_kind[k] for k in LEDGER_KINDS),
+                    "transient_bytes": sum(by_kind[k] for k in TRANSIENT_KINDS),
                     "host_bytes": memory.host_bytes(),
                     "device": stats,
                     "time": now,

@@ -33,6 +33,10 @@ GRADS, MAIN_PARAMS, OPTIMIZER_STATE, WEIGHTS, OTHER = (
 OFFLOAD_ORDER = (GRADS, MAIN_PARAMS, OPTIMIZER_STATE, WEIGHTS)
 ONLOAD_ORDER = tuple(reversed(OFFLOAD_ORDER))
 LEDGER_KINDS = (WEIGHTS, GRADS, MAIN_PARAMS, OPTIMIZER_STATE, OTHER)
+# Memory a role holds only while a phase runs (allocated for it, released after): the ledger
+# records it beside the state kinds and apart from them.
+KV_CACHE = "kv_cache"
+TRANSIENT_KINDS = (KV_CACHE,)
 # What each phase needs on the device.
 PHASE_NEEDS = {
     "inference": (WEIGHTS,),
@@ -158,6 +162,7 @@ class RoleMemory:
         self._movers = {kind: _StorageMover(self.platform) for kind in (MAIN_PARAMS, OPTIMIZER_STATE, WEIGHTS)}
         self._grads_freed = False
         self._backward_since_step = False
+        self._transient: Dict[str, torch.Tensor] = {}
         self.weights_owner: Optional["RoleMemory"] = None  # set by share_weights_with
         if optimizer is not None:
             for p in model.parameters():
@@ -202,11 +207,12 @@ class RoleMemory:
         return list(torch.nn.Module.buffers(self.model))
 
     def resident_bytes(self) -> Dict[str, int]:
-        """Device bytes per kind, counted from the storages as they are now."""
-        return {
+        """Device bytes per kind (state, then transient), counted from the storages as they are now."""
+        state = {
             kind: storage_bytes(self.other_tensors() if kind == OTHER else self.tensors(kind))
             for kind in LEDGER_KINDS
         }
+        return {**state, **{kind: storage_bytes(self._transient.get(kind, [])) for kind in TRANSIENT_KINDS}}
 
     def host_bytes(self) -> int:
         return sum(m.host_bytes() for m in self._movers.values())
@@ -282,6 +288,21 @@ class RoleMemory:
         finally:
             self.offload()
             self._emit("offload", phase)
+
+    @contextlib.contextmanager
+    def holding(self, kind: str, tensors: Sequence[torch.Tensor], phase: str) -> Iterator[None]:
+        """``tensors`` are this role's transient ``kind`` while the block runs: the ledger records
+        them when the block starts ('allocate') and gone when it ends ('release'); the caller
+        frees them before the block ends."""
+        if kind not in TRANSIENT_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(TRANSIENT_KINDS)}, got {kind!r}")
+        self._transient[kind] = list(tensors)
+        self._emit("allocate", phase)
+        try:
+            yield
+        finally:
+            del self._transient[kind]
+            self._emit("release", phase)
 
     def _emit(self, event: str, phase: str) -> None:
         if self.on_event is not None:

@@ -10,10 +10,11 @@ platform) refuses an installed megatron-core that moved one, naming each.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import os
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -67,6 +68,14 @@ ANCHORS: Dict[str, Tuple[Site, ...]] = {
         Site("optimizer/distrib_optimizer.py", "if self.data_parallel_group.rank() == 0:\n            state_dict = torch.load(filename)"),
         Site("optimizer/optimizer.py", "state_dict = states[idx] if states else None"),
         Site("optimizer/optimizer.py", "def reload_model_params("),
+    ),
+    "engine_attention": (
+        Site("transformer/transformer_layer.py", "attention_output_with_bias = self.self_attention("),
+        Site("transformer/attention.py", "def get_query_key_value_tensors("),
+        Site("transformer/attention.py", "output, bias = self.linear_proj(core_attn_out)"),
+        Site("transformer/transformer_block.py", "self.layers = torch.nn.ModuleList("),
+        Site("models/gpt/gpt_model.py", "self.rotary_pos_emb = RotaryEmbedding("),
+        Site("models/gpt/gpt_model.py", "hidden_states = self.decoder("),
     ),
     "grad_sync_hooks": (
         Site("model_parallel_config.py", "finalize_model_grads_func"),
@@ -216,3 +225,31 @@ def unclipped_grad_norm(optimizer) -> float:
 def reload_main_params(optimizer) -> None:
     """Copy freshly loaded model weights into the optimizer's fp32 main params."""
     optimizer.reload_model_params()
+
+
+# --------------------------------------------------------------------------------------------------
+# The generation engine's seam: megatron's attention layers, replaced for the steps of an engine
+
+
+def attention_layers(gpt_model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The SelfAttention module of each transformer layer of this stage, in order."""
+    return [layer.self_attention for layer in gpt_model.decoder.layers]
+
+
+@contextlib.contextmanager
+def attention_replaced(gpt_model: torch.nn.Module, make_forward: Callable[[int, torch.nn.Module], Callable]):
+    """Within the block, layer i's attention runs ``make_forward(i, attention)(hidden_states,
+    **megatron's arguments)`` instead of its own forward (which must return (output, bias))."""
+    layers = attention_layers(gpt_model)
+    try:
+        for i, attention in enumerate(layers):
+            attention.forward = make_forward(i, attention)
+        yield
+    finally:
+        for attention in layers:
+            attention.__dict__.pop("forward", None)
+
+
+def rotary_angles(gpt_model: torch.nn.Module, length: int) -> torch.Tensor:
+    """The model's RoPE angles for positions 0..length-1: [length, 1, 1, rotary dim]."""
+    return gpt_model.rotary_pos_emb(length)

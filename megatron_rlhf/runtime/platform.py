@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from typing import Dict
+from typing import Callable, Dict
 
 import torch
 
@@ -21,6 +21,9 @@ class DevicePlatform:
     dist_backend: str = "gloo"
     # megatron builds weights on the CPU and slices them (no device to initialise on).
     use_cpu_initialization: bool = True
+    # Steps the generation engine learns of EOS late, so that the host never waits for the step it
+    # has just queued (0 where host and device are one).
+    completion_lag: int = 0
 
     @property
     def device(self) -> torch.device:
@@ -45,6 +48,12 @@ class DevicePlatform:
     def synchronize(self) -> None:
         """Wait for all queued device work."""
 
+    def copy_to_host_async(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start copying ``tensor`` to the host (queued after the work that writes it); returns a
+        function that waits for the copy and gives it."""
+        copy = tensor.to("cpu", copy=True)
+        return lambda: copy
+
     def empty_cache(self) -> None:
         """Hand cached, unused device memory back (a no-op where there is no caching allocator)."""
 
@@ -58,6 +67,7 @@ class DevicePlatform:
 
 class CudaPlatform(DevicePlatform):
     name = "cuda"
+    completion_lag = 2
     dist_backend = "nccl"
     use_cpu_initialization = False
 
@@ -87,6 +97,18 @@ class CudaPlatform(DevicePlatform):
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
+
+    def copy_to_host_async(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+        host = self.host_buffer_like(tensor)
+        host.copy_(tensor, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def wait() -> torch.Tensor:
+            done.synchronize()
+            return host
+
+        return wait
 
     def memory_stats(self) -> Dict[str, int]:
         stats = torch.cuda.memory_stats()

@@ -1,5 +1,5 @@
-"""Run with 2 processes (TP=2). (1) The TP ranks' generators are forced apart (each seeded
-differently): the sampled tokens must still be identical on both ranks. (2) A training step with
+"""Run with 2 processes (TP=2). (1) The TP ranks' sampling streams are forced apart (each
+seeded differently): the sampled tokens must still be identical on both ranks. (2) A training step with
 clip_grad 0 reports the real grad norm (that of the same step with a clip that never bites)."""
 
 import torch
@@ -17,7 +17,7 @@ result = {}
 
 model = build_model(arch, parallel, "lm")
 prompts = torch.randint(3, arch.vocab_size, (4, 6), generator=torch.Generator().manual_seed(0))
-diverged = torch.Generator().manual_seed(100 + ps.get_tensor_model_parallel_rank())
+diverged = torch.arange(4) + 100 * ps.get_tensor_model_parallel_rank()
 params = SamplingParams(max_new_tokens=12, temperature=1.0, eos_id=None, pad_id=0)
 tokens = generate(model, prompts, torch.tensor([6, 4, 5, 2]), params, arch.vocab_size, diverged).tokens
 everyone = [torch.empty_like(tokens) for _ in range(2)]
