@@ -87,3 +87,43 @@ def test_right_pad_moves_left_padded_prompts():
     assert right_pad(left, torch.tensor([2, 4]), 0, "left").tolist() == [[5, 6, 0, 0], [7, 8, 9, 1]]
     with pytest.raises(ValueError, match="padding_side"):
         right_pad(left, torch.tensor([2, 4]), 0, "middle")
+
+
+def test_greedy_equals_transformers_on_every_row_at_every_layout(tmp_path, workers):
+    """A converted checkpoint generates what transformers' own greedy generate() does, row by row:
+    prompts of 1 to 30 tokens, 3 decode slots for 8 prompts, an EOS that ends rows at spread lengths."""
+    transformers = pytest.importorskip("transformers")
+    from megatron_rlhf.checkpoint.convert import hf_to_megatron
+    from tests.test_checkpoint_conversion import tiny_hf
+
+    hf = tiny_hf(tmp_path / "hf", "lm")
+    hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"))
+    lengths = [3, 17, 9, 1, 30, 12, 5, 24]
+    prompts = torch.randint(3, 100, (8, 30), generator=torch.Generator().manual_seed(0))
+
+    def hf_greedy(eos):
+        rows = []
+        for row, n in enumerate(lengths):
+            out = hf.generate(prompts[row : row + 1, :n], attention_mask=torch.ones(1, n, dtype=torch.long), max_new_tokens=10,
+                              do_sample=False, eos_token_id=eos, pad_token_id=0)[0, n:].tolist()
+            rows.append(out[: out.index(eos) + 1] if eos is not None and eos in out else out)
+        return rows
+
+    transformers.logging.set_verbosity_error()
+    with torch.no_grad():
+        free_running = hf_greedy(None)
+        eos = free_running[1][4]  # the token row 1 emits fifth ends rows wherever it first appears
+        expected = hf_greedy(eos)
+    assert len({len(r) for r in expected}) > 2  # response lengths are spread
+    results = workers(4, "generation_vs_hf", str(tmp_path / "mg"), str(eos))
+    for r in results:
+        assert r["prompts"][:, :30].masked_fill(torch.arange(30) >= torch.tensor(lengths)[:, None], 0).equal(
+            prompts.masked_fill(torch.arange(30) >= torch.tensor(lengths)[:, None], 0))
+        for layout in ("tp1_pp1", "tp2_pp1", "tp1_pp2", "tp2_pp2", "tp2_pp2_lag2"):
+            tokens, response_lengths, stats = r[layout]
+            got = [tokens[row, n : n + int(response_lengths[row])].tolist() for row, n in enumerate(lengths)]
+            assert got == expected, layout
+            assert stats.useful == sum(len(e) for e in expected)
+            # One forward per step; a prompt is fed once, then one token per decode step.
+            assert stats.computed_tokens == sum(lengths) + stats.sampled - len(lengths)
+        assert r["tp2_pp2_lag2"][2].sampled > r["tp2_pp2"][2].sampled  # ended rows ran on, unkept

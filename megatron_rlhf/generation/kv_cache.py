@@ -25,7 +25,9 @@ class SlotKVCache:
 
     def __init__(self, layers: int, slots: int, length: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        self.storage = torch.empty(2, layers, slots, kv_heads, length, head_dim, dtype=dtype, device=device)
+        # Zeroed: attention reads whole regions with the unwritten positions masked, and a masked
+        # NaN would still poison the softmax's weighted sum (0 x NaN).
+        self.storage = torch.zeros(2, layers, slots, kv_heads, length, head_dim, dtype=dtype, device=device)
         self.slots, self.length = slots, length
 
     @property
