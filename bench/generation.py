@@ -6,7 +6,8 @@ converter), greedy, prompts of spread lengths, response lengths spread by EOS.
     python bench/generation.py --prompts 16 --max-prompt 96 --new-tokens 48 --json out.json
 
 Prints useful tokens/s of each and their ratio, forward passes per useful token, the share of
-decode slot-steps that produced a useful token, and whether the greedy outputs agree row by row.
+decode slot-steps that produced a useful token, and whether the greedy outputs agree row by row;
+then computed / useful tokens of the scoring and training passes over the rollout generated.
 On CUDA also the decode step time against the weight-read limit (weight bytes / memory bandwidth)
 at batch 1 and at the batch used.
 """
@@ -30,6 +31,7 @@ from megatron_rlhf.checkpoint.convert import hf_to_megatron  # noqa: E402
 from megatron_rlhf.checkpoint.model_files import read_model_meta  # noqa: E402
 from megatron_rlhf.config.schema import ParallelConfig  # noqa: E402
 from megatron_rlhf.generation import SamplingParams, generate  # noqa: E402
+from megatron_rlhf.models.batches import length_grouped  # noqa: E402
 from megatron_rlhf.models.llama import build_model, load_local_state_dict  # noqa: E402
 from megatron_rlhf.runtime import destroy_distributed, get_platform, init_distributed  # noqa: E402
 
@@ -51,6 +53,8 @@ def parse_args():
     p.add_argument("--ffn", type=int, default=688)
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--micro-batch-size", type=int, default=4, help="of the scoring and training passes")
+    p.add_argument("--step-rows", type=int, default=16, help="rows per optimizer step of the training pass")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the figures to this JSON file")
     return p.parse_args()
@@ -110,6 +114,25 @@ def hf_generate(model, prompts, lengths, eos, args):
     finally:
         handle.remove()
     return responses, calls[0]
+
+
+def pass_padding(gen, args):
+    """Computed tokens / useful (real) tokens of the passes after generation over this rollout,
+    with micro-batches grouped by length and trimmed (as roles/inference.py and the controller's
+    training cut them) and, for comparison, padded to the rollout's longest row."""
+    lengths = gen.total_lengths.cpu()
+    useful = int(lengths.sum())
+
+    def computed(rows):
+        batches, _ = length_grouped(args.micro_batch_size, lengths[rows], tokens=gen.tokens.cpu()[rows])
+        return sum(mb["tokens"].numel() for mb in batches)
+
+    everything = torch.arange(len(lengths))
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(args.seed))
+    training = sum(computed(order[i : i + args.step_rows]) for i in range(0, len(lengths), args.step_rows))
+    return {"scoring_computed_per_useful_token": computed(everything) / useful,
+            "training_computed_per_useful_token": training / useful,
+            "padded_to_longest_row_computed_per_useful_token": gen.tokens.numel() / useful}
 
 
 def _until_eos(tokens, eos):
@@ -172,6 +195,7 @@ def main():
         "decode_occupancy_of_all_slots": s.useful / s.slot_steps,
         "computed_tokens_per_useful_token": s.computed_tokens / useful,
         "greedy_rows_identical": f"{same}/{args.prompts}",
+        **pass_padding(gen, args),
     }
     for key, value in figures.items():
         print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")

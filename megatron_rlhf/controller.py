@@ -30,7 +30,7 @@ from megatron_rlhf.data import PromptDataset, Tokenizer
 from megatron_rlhf.errors import NonFiniteError
 from megatron_rlhf.generation import SamplingParams, generate, stream_seeds
 from megatron_rlhf.memory import KV_CACHE, MemoryLedger
-from megatron_rlhf.models.batches import action_mask, split_rows
+from megatron_rlhf.models.batches import action_mask, length_grouped
 from megatron_rlhf.models.pipeline import sum_over
 from megatron_rlhf.roles import Role, build_role
 from megatron_rlhf.roles import inference
@@ -179,13 +179,13 @@ class PPOController:
                 "sampling/dropped_groups": float(sum(len(d["scores"]) for d in dropped) // cfg.generation.samples_per_prompt),
                 "sampling/short_groups": float(short),
             })
-        tokens = rows["tokens"]
+        tokens, lengths = rows["tokens"], rows["prompt_lengths"] + rows["response_lengths"]
         with self.roles["reference"].resident("inference"):
-            ref_log_probs = inference.log_probs(self.roles["reference"], tokens, self.vocab_size, cfg.generation.temperature)
+            ref_log_probs = inference.log_probs(self.roles["reference"], tokens, lengths, self.vocab_size, cfg.generation.temperature)
         old_values = None
         if "value" in self.roles:
             with self.roles["value"].resident("inference"):
-                old_values = inference.values(self.roles["value"], tokens)
+                old_values = inference.values(self.roles["value"], tokens, lengths)
         n = cfg.generation.samples_per_prompt
         rollout = Rollout(
             tokens, rows["prompt_lengths"], rows["response_lengths"],
@@ -216,7 +216,7 @@ class PPOController:
                 on_cache=lambda cache: policy.memory.holding(KV_CACHE, [cache.storage], "generate"),
             )
             seconds = time.perf_counter() - started
-            old_log_probs = inference.log_probs(policy, gen.tokens, self.vocab_size, temperature)
+            old_log_probs = inference.log_probs(policy, gen.tokens, gen.total_lengths, self.vocab_size, temperature)
         rows = {
             "tokens": gen.tokens, "prompt_lengths": gen.prompt_lengths, "response_lengths": gen.response_lengths,
             "old_log_probs": old_log_probs,
@@ -330,7 +330,12 @@ class PPOController:
         return out
 
     def _train_role(self, name: str, columns: Dict[str, torch.Tensor], loss_fn, prefix: str, stats) -> Dict[str, float]:
+        """ppo_epochs passes over the rollout in optimizer steps of samples_per_step rows; each step's
+        rows are grouped by length into micro-batches trimmed to their own longest row."""
         cfg = self.config
+        mask = columns["action_mask"]
+        # A row's real tokens: its last response token's action position + 2 (prompt only: 1).
+        lengths = torch.where(mask.any(1), mask.shape[1] - mask.flip(1).argmax(1) + 1, 1)
         role = self.roles[name]
         rows = columns["tokens"].shape[0]
         step_rows = cfg.samples_per_step(name) // self.dp_size
@@ -343,7 +348,7 @@ class PPOController:
                     cfg.seed + 7_919 * self.iteration + 104_729 * epoch)).to(columns["tokens"].device)
                 for first in range(0, rows, step_rows):
                     picked = order[first : first + step_rows]
-                    mbs = split_rows(role.config.micro_batch_size, **{k: v[picked] for k, v in columns.items()})
+                    mbs, _ = length_grouped(role.config.micro_batch_size, lengths[picked], **{k: v[picked] for k, v in columns.items()})
                     result = role.train_step(mbs, loss_fn)
                     if result["non_finite"] is not None:
                         if cfg.trainer.on_non_finite == "stop":

@@ -1,5 +1,6 @@
-"""The PPO update does not depend on how the work is cut: micro-batch size, DP, TP and PP give the
-uncut run's gradients and reported losses (fp32, relative difference <= 1e-5), for every loss
+"""The PPO update does not depend on how the work is cut: micro-batch size, DP, TP and PP (with
+rows grouped by length into micro-batches trimmed to their longest row) give the uncut run's
+(whole rows) gradients and reported losses (fp32, relative difference <= 1e-5), for every loss
 aggregation mode; TP ranks can never sample different tokens; clip_grad 0 still reports a norm."""
 
 import pytest

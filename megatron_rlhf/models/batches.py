@@ -8,7 +8,7 @@ that convention and of how rows are cut into micro-batches.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -44,3 +44,42 @@ def split_rows(size: int, **columns: torch.Tensor) -> List[MicroBatch]:
     if rows % size:
         raise ValueError(f"{rows} rows do not split into micro-batches of {size}")
     return [{k: v[i : i + size] for k, v in columns.items()} for i in range(0, rows, size)]
+
+
+def length_grouped(size: int, lengths: torch.Tensor, **columns: torch.Tensor) -> Tuple[List[MicroBatch], torch.Tensor]:
+    """The rows, longest first (ties in row order), cut into micro-batches of ``size`` rows, each
+    trimmed to its own longest row ``w`` (``lengths`` [B]: real tokens per row): a column
+    [B, S, ...] to [b, w, ...], a per-action column [B, S-1, ...] to [b, w-1, ...], a per-row column
+    [B] whole. The trimmed positions are padding: causal attention never lets them reach the kept
+    ones, and every loss and pass masks them. Returns the micro-batches and the row order
+    (the original index of each row, in micro-batch order)."""
+    width = columns["tokens"].shape[1]
+    rows = lengths.shape[0]
+    if rows % size:
+        raise ValueError(f"{rows} rows do not split into micro-batches of {size}")
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    batches = []
+    for first in range(0, rows, size):
+        picked = order[first : first + size]
+        w = max(int(lengths[picked].max()), 2)  # an action needs two positions
+        mb = {}
+        for name, column in columns.items():
+            column = column[picked]
+            if column.dim() > 1 and column.shape[1] == width:
+                column = column[:, :w]
+            elif column.dim() > 1 and column.shape[1] == width - 1:
+                column = column[:, : w - 1]
+            mb[name] = column
+        batches.append(mb)
+    return batches, order
+
+
+def ungrouped(parts: List[torch.Tensor], order: torch.Tensor, width: int) -> torch.Tensor:
+    """Per-micro-batch results [b, w_i, ...] of :func:`length_grouped` micro-batches back in the
+    original row order, zero-padded to ``width``: [B, width, ...] (per-row results [b] likewise)."""
+    if parts[0].dim() > 1:
+        parts = [torch.nn.functional.pad(p, (0, 0) * (p.dim() - 2) + (0, width - p.shape[1])) for p in parts]
+    grouped = torch.cat(parts)
+    out = torch.empty_like(grouped)
+    out[order.to(grouped.device)] = grouped
+    return out

@@ -62,6 +62,10 @@ def make_transformer_config(
         # Losses are (sum, count) and the gradient is sum / count over the global batch
         # (models/pipeline.py), so it does not depend on micro-batch size, DP or PP.
         calculate_per_token_loss=True,
+        # Micro-batches are trimmed to their own longest row (models/batches.py): under PP the
+        # stages exchange each activation's shape before it.
+        variable_seq_lengths=parallel.pipeline_model_parallel_size > 1,
+        moe_token_dispatcher_type="alltoall",  # no experts; megatron refuses its default with the above
         **extra,
     )
 

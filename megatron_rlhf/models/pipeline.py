@@ -2,8 +2,9 @@
 
 A micro-batch is a dict with ``tokens`` [b, s] (int64), optional ``position_ids`` [b, s] and
 ``attention_mask`` [b, 1, s, s] (bool, True = masked out; causal when absent), and whatever
-else the loss function reads. All micro-batches of one call have the same [b, s] (the pipeline
-sends fixed-shape activations between stages).
+else the loss function reads. All micro-batches of one call have the same b; s may differ from
+one to the next (under PP the stages exchange each activation's shape first: megatron's
+``variable_seq_lengths``, set on every model with PP > 1).
 """
 
 from __future__ import annotations
@@ -52,13 +53,11 @@ def forward_backward(
         raise ValueError("forward_backward needs at least one micro-batch")
     if loss_fn is None and not forward_only:
         raise ValueError("training (forward_only=False) needs a loss function")
-    batch, seq = micro_batches[0]["tokens"].shape
-    for mb in micro_batches:
-        if tuple(mb["tokens"].shape) != (batch, seq):
-            raise ValueError(
-                f"all micro-batches of one call need the same [batch, seq] shape: "
-                f"{tuple(mb['tokens'].shape)} != {(batch, seq)}"
-            )
+    batch = micro_batches[0]["tokens"].shape[0]
+    if any(mb["tokens"].shape[0] != batch for mb in micro_batches):
+        raise ValueError(f"all micro-batches of one call need the same number of rows: "
+                         f"{[mb['tokens'].shape[0] for mb in micro_batches]}")
+    seq = max(mb["tokens"].shape[1] for mb in micro_batches)
 
     def collect_output(output: torch.Tensor, mb: MicroBatch):  # a loss's shape; nothing is trained
         kept = output.detach() if reduce is None else reduce(output, mb)

@@ -11,7 +11,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_rlhf import ppo
 from megatron_rlhf.config.schema import PPOConfig, RoleConfig
-from megatron_rlhf.models.batches import action_mask, split_rows
+from megatron_rlhf.models.batches import action_mask, length_grouped, split_rows
 from megatron_rlhf.models.llama import build_model, load_local_state_dict, local_state_dict, unwrap
 from megatron_rlhf.models.pipeline import forward_backward
 from megatron_rlhf.models.sharding import merge_state_dicts, shard_state_dict, to_local_layer_names
@@ -69,13 +69,17 @@ def one_step(weights, head, tp, pp, micro, mode):
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     keys = POLICY_KEYS if head == "lm" else VALUE_KEYS
     mine = {k: rollout[k].chunk(dp)[dp_rank] for k in keys}
+    lengths = (prompt_lengths + response_lengths).chunk(dp)[dp_rank]
     if head == "lm":
         config = PPOConfig(loss_agg_mode=mode, kl_in_loss=True, kl_estimator="low_var_kl", clip_ratio_high=0.28)
         loss_fn, stats = policy_loss_fn(arch.vocab_size, 1.0, config, kl_coef=0.1), policy_stats(config)
     else:
         loss_fn, stats = value_loss_fn(0.2, mode), ("clipfrac",)
     ddp.zero_grad_buffer()
-    metrics = forward_backward(ddp, split_rows(micro, **mine), loss_fn, forward_only=False)
+    # The uncut run feeds whole rows; every cut run groups rows by length, trimmed (models/batches.py).
+    uncut = (tp, pp, micro) == (1, 1, ROWS)
+    micro_batches = split_rows(micro, **mine) if uncut else length_grouped(micro, lengths, **mine)[0]
+    metrics = forward_backward(ddp, micro_batches, loss_fn, forward_only=False)
     prefix = "policy" if head == "lm" else "value"
     reported = reported_metrics([metrics], prefix, stats, torch.device("cpu"), ps.get_data_parallel_group())
     return {"grads": full_grads(ddp, head, tp, pp), "loss": reported[f"loss/{prefix}"]}
