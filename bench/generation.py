@@ -44,7 +44,7 @@ def parse_args():
     p.add_argument("--min-prompt", type=int, default=16)
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--slots", type=int, default=16, help="our decode slots (generation.batch_size)")
+    p.add_argument("--slots", type=int, default=32, help="our decode slots (generation.batch_size)")
     p.add_argument("--hf-batch", type=int, help="rows per transformers generate() call (default: all prompts)")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)

@@ -54,6 +54,21 @@ def test_the_demo_learns(demo_runs):
     assert "done:" in on.stdout and "iter" in on.stdout
 
 
+def test_the_kv_cache_is_in_the_ledger_for_generation_only_and_as_planned(demo_runs, monkeypatch):
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.memory.planner import plan
+
+    base, _, _ = demo_runs
+    records = [json.loads(line) for line in (base / "on" / "memory.jsonl").read_text().splitlines()]
+    policy = [r for r in records if r["role"] == "policy"]
+    allocated = [r["bytes"]["kv_cache"] for r in policy if r["event"] == "allocate"]
+    monkeypatch.setenv("TP", "2")
+    expected = plan(load_config(str(REPO / "examples/tiny/rlhf.yaml"), world_size=2), 2).transient["policy"]["kv_cache"]
+    assert len(allocated) == len(metrics(base / "on")) and set(allocated) == {expected} and expected > 0
+    assert all(r["bytes"]["kv_cache"] == 0 for r in policy if r["event"] != "allocate")
+    assert all(r["transient_bytes"] == r["bytes"]["kv_cache"] for r in policy)
+
+
 def test_free_memory_changes_no_number(demo_runs):
     base, _, _ = demo_runs
     assert without_times(metrics(base / "on")) == without_times(metrics(base / "off"))

@@ -2,7 +2,9 @@
 
 State bytes (weights, grads, main params, optimizer state) are exact: they count the same tensors
 megatron allocates, including the distributed optimizer's buffer padding, for the most loaded
-pipeline stage. Activations and the KV cache are estimates (formulas below); a trainable role under
+pipeline stage. The KV cache is exact too: the generation engine allocates slots x
+(max_prompt_length + max_new_tokens) positions per layer of the stage. Activations are estimates
+(formulas below); a trainable role under
 pipeline parallelism holds up to PP micro-batches of activations (1F1B's warm-up on the first stage).
 
 A PPO iteration has six phases (four without a critic); in each, the active role holds what the phase needs and every

@@ -8,6 +8,7 @@ from common import save, setup
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.config import load_config
+from megatron_rlhf.memory import LEDGER_KINDS
 from megatron_rlhf.memory.planner import state_bytes
 from megatron_rlhf.models.training import next_token_loss
 from megatron_rlhf.roles import build_role
@@ -34,10 +35,10 @@ for tp, pp, dist_opt, precision in LAYOUTS:
         if role.trainable:
             with role.resident("training"):
                 role.train_step([{"tokens": t} for t in tokens.split(2)], next_token_loss)
-                measured = role.memory.resident_bytes()
+                measured = {k: v for k, v in role.memory.resident_bytes().items() if k in LEDGER_KINDS}
         else:
             with role.resident("inference"):
-                measured = role.memory.resident_bytes()
+                measured = {k: v for k, v in role.memory.resident_bytes().items() if k in LEDGER_KINDS}
         planned = state_bytes(rc, role.head, role.trainable, tp, pp, dp, pp_rank, dp_rank)
         result.append({"layout": (tp, pp, dist_opt, precision), "role": name, "measured": measured, "planned": planned})
         del role
