@@ -48,10 +48,6 @@ class EngineStats:
     useful: int = 0
     slot_steps: int = 0
 
-    def add(self, other: "EngineStats") -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
 
 @dataclasses.dataclass
 class Generated:
