@@ -319,23 +319,23 @@ class PPOController:
         if cfg.ppo.kl_in_loss:
             policy_columns["ref_log_probs"] = r.ref_log_probs
         policy_loss = policy_loss_fn(self.vocab_size, cfg.generation.temperature, cfg.ppo, self.kl_controller.value)
+        lengths = r.prompt_lengths + r.response_lengths
         out = {}
         start = time.perf_counter()
-        out.update(self._train_role("ppo_policy", policy_columns, policy_loss, "policy", policy_stats(cfg.ppo)))
+        out.update(self._train_role("ppo_policy", policy_columns, lengths, policy_loss, "policy", policy_stats(cfg.ppo)))
         if "ppo_value" in self.roles:
             value_columns = dict(tokens=r.tokens, action_mask=r.action_mask, old_values=r.old_values, returns=r.returns)
             value_loss = value_loss_fn(cfg.ppo.value_clip, cfg.ppo.loss_agg_mode)
-            out.update(self._train_role("ppo_value", value_columns, value_loss, "value", ("clipfrac",)))
+            out.update(self._train_role("ppo_value", value_columns, lengths, value_loss, "value", ("clipfrac",)))
         out["time/train_s"] = time.perf_counter() - start
         return out
 
-    def _train_role(self, name: str, columns: Dict[str, torch.Tensor], loss_fn, prefix: str, stats) -> Dict[str, float]:
+    def _train_role(self, name: str, columns: Dict[str, torch.Tensor], lengths: torch.Tensor, loss_fn, prefix: str,
+                    stats) -> Dict[str, float]:
         """ppo_epochs passes over the rollout in optimizer steps of samples_per_step rows; each step's
-        rows are grouped by length into micro-batches trimmed to their own longest row."""
+        rows (``lengths`` [B]: real tokens each) are grouped by length into micro-batches trimmed to
+        their own longest row."""
         cfg = self.config
-        mask = columns["action_mask"]
-        # A row's real tokens: its last response token's action position + 2 (prompt only: 1).
-        lengths = torch.where(mask.any(1), mask.shape[1] - mask.flip(1).argmax(1) + 1, 1)
         role = self.roles[name]
         rows = columns["tokens"].shape[0]
         step_rows = cfg.samples_per_step(name) // self.dp_size

@@ -17,6 +17,7 @@ stage samples from the TP-gathered logits; the tokens go to every TP rank and ev
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from typing import Callable, Literal, Optional
 
@@ -177,9 +178,9 @@ def generate(
     config = inner.config
     device = next(inner.parameters()).device
     slots = min(rows, batch_size or rows)
-    longest = max(lengths) + params.max_new_tokens
-    cache_length = cache_length or longest
-    if cache_length < longest:
+    width = max(lengths) + params.max_new_tokens  # the longest row
+    cache_length = cache_length or width
+    if cache_length < width:
         raise ValueError(f"cache_length {cache_length} < longest prompt {max(lengths)} + max_new_tokens {params.max_new_tokens}")
     platform = get_platform()
     lag = platform.completion_lag if completion_lag is None else completion_lag
@@ -189,13 +190,12 @@ def generate(
 
     prompts = right_pad(prompts.to(device), prompt_lengths.to(device), params.pad_id, padding_side)
     seeds = (torch.arange(rows) if seeds is None else seeds).to(device=device, dtype=torch.int64)
-    width = max(lengths) + params.max_new_tokens
     tokens = torch.full((rows, width + 1), params.pad_id, dtype=torch.long, device=device)  # last column: discards
     tokens[:, : prompts.shape[1]] = prompts[:, :width]
     prompt_len_dev = torch.tensor(lengths, device=device)
     response_lengths = torch.zeros(rows, dtype=torch.long, device=device)
-    alive = torch.zeros(slots + 1, dtype=torch.bool, device=device)
-    last_token = torch.zeros(slots + 1, dtype=torch.long, device=device)
+    alive = torch.zeros(slots, dtype=torch.bool, device=device)
+    last_token = torch.zeros(slots, dtype=torch.long, device=device)
 
     cache = SlotKVCache(len(compat.attention_layers(inner)), slots + (scratch is not None), cache_length,
                         config.num_query_groups // tp if config.num_query_groups else config.num_attention_heads // tp,
@@ -206,100 +206,94 @@ def generate(
     produced = [0] * slots  # tokens sampled for that row so far
     fed = [0] * slots  # positions of that row in the cache
     pending = collections.deque()  # (step, rows per slot then, alive flags copied from the device)
-    was_training = model.training
-    model.eval()
-    holding = on_cache(cache) if on_cache is not None else None
-    if holding is not None:
-        holding.__enter__()
-    try:
-        with _Stage(model, cache, compat.rotary_angles(inner, cache_length).to(device)) as stage:
-            step = 0
-            while True:
-                for s in range(slots):  # ended by length: known here
-                    if row_in[s] >= 0 and produced[s] >= params.max_new_tokens:
+    with contextlib.ExitStack() as stack:  # left in reverse: stage, train mode, cache freed, then on_cache
+        if on_cache is not None:
+            stack.enter_context(on_cache(cache))
+        stack.callback(cache.release)
+        stack.callback(model.train, model.training)
+        model.eval()
+        stage = stack.enter_context(_Stage(model, cache, compat.rotary_angles(inner, cache_length).to(device)))
+        step = 0
+        while True:
+            for s in range(slots):  # ended by length: known here
+                if row_in[s] >= 0 and produced[s] >= params.max_new_tokens:
+                    row_in[s] = -1
+            while pending and (pending[0][0] <= step - lag or not waiting and all(r < 0 for r in row_in)):
+                _, held, flags = pending.popleft()  # ended by EOS: learnt lag steps late
+                for s, flag in enumerate(flags().tolist()):
+                    if not flag and row_in[s] == held[s] >= 0:
                         row_in[s] = -1
-                while pending and (pending[0][0] <= step - lag or not waiting and all(r < 0 for r in row_in)):
-                    _, held, flags = pending.popleft()  # ended by EOS: learnt lag steps late
-                    for s, flag in enumerate(flags().tolist()[:slots]):
-                        if not flag and row_in[s] == held[s] >= 0:
-                            row_in[s] = -1
-                admitted, budget = [], PREFILL_TOKENS
-                for s in range(slots):
-                    if row_in[s] < 0 and waiting and (not admitted or lengths[waiting[0]] <= budget):
-                        r = waiting.popleft()
-                        row_in[s], produced[s], fed[s] = r, 0, 0
-                        budget -= lengths[r]
-                        admitted.append(s)
-                decoding = [s for s in range(slots) if row_in[s] >= 0 and s not in admitted]
-                if not admitted and not decoding:
-                    if pending:
-                        continue
-                    break
-                # The packed step: admitted prompts, then one token per decoding row.
-                parts, positions, token_slots, prefill, keep = [], [], [], [], []
-                for s in admitted:
-                    n = lengths[row_in[s]]
-                    prefill.append((len(positions), n))
-                    parts.append(prompts[row_in[s], :n])
-                    positions.extend(range(n))
-                    token_slots.extend([s] * n)
-                    keep.append(len(positions) - 1)
-                padding = -(len(positions) + len(decoding)) % pad_to
-                if padding:  # a segment of its own, in the scratch slot; its logits are not kept
-                    prefill.append((len(positions), padding))
-                    parts.append(torch.full((padding,), params.pad_id, dtype=torch.long, device=device))
-                    positions.extend(range(padding))
-                    token_slots.extend([scratch] * padding)
-                decode_start = len(positions)
-                if decoding:
-                    parts.append(last_token[torch.tensor(decoding, device=device)])
-                    positions.extend(fed[s] for s in decoding)
-                    token_slots.extend(decoding)
-                    keep.extend(range(decode_start, len(positions)))
-                decode_slots = torch.tensor(decoding, device=device) if decoding else None
-                span = (decoding[0], decoding[-1] + 1) if decoding and decoding[-1] - decoding[0] + 1 == len(decoding) else None
-                layout = StepLayout(
-                    torch.tensor(positions, device=device), torch.tensor(token_slots, device=device), prefill,
-                    decode_start, decode_slots, span, max((fed[s] + 1 for s in decoding), default=0),
-                )
-                logits = stage.forward(torch.cat(parts).unsqueeze(0), layout, torch.tensor(keep, device=device))
+            admitted, budget = [], PREFILL_TOKENS
+            for s in range(slots):
+                if row_in[s] < 0 and waiting and (not admitted or lengths[waiting[0]] <= budget):
+                    r = waiting.popleft()
+                    row_in[s], produced[s], fed[s] = r, 0, 0
+                    budget -= lengths[r]
+                    admitted.append(s)
+            decoding = [s for s in range(slots) if row_in[s] >= 0 and s not in admitted]
+            if not admitted and not decoding:
+                if pending:
+                    continue
+                break
+            # The packed step: admitted prompts, then one token per decoding row.
+            parts, positions, token_slots, prefill, keep = [], [], [], [], []
+            for s in admitted:
+                n = lengths[row_in[s]]
+                prefill.append((len(positions), n))
+                parts.append(prompts[row_in[s], :n])
+                positions.extend(range(n))
+                token_slots.extend([s] * n)
+                keep.append(len(positions) - 1)
+            padding = -(len(positions) + len(decoding)) % pad_to
+            if padding:  # a segment of its own, in the scratch slot; its logits are not kept
+                prefill.append((len(positions), padding))
+                parts.append(torch.full((padding,), params.pad_id, dtype=torch.long, device=device))
+                positions.extend(range(padding))
+                token_slots.extend([scratch] * padding)
+            decode_start = len(positions)
+            decode_slots = torch.tensor(decoding, device=device) if decoding else None
+            if decoding:
+                parts.append(last_token[decode_slots])
+                positions.extend(fed[s] for s in decoding)
+                token_slots.extend(decoding)
+                keep.extend(range(decode_start, len(positions)))
+            span = (decoding[0], decoding[-1] + 1) if decoding and decoding[-1] - decoding[0] + 1 == len(decoding) else None
+            layout = StepLayout(
+                torch.tensor(positions, device=device), torch.tensor(token_slots, device=device), prefill,
+                decode_start, decode_slots, span, max((fed[s] + 1 for s in decoding), default=0),
+            )
+            logits = stage.forward(torch.cat(parts).unsqueeze(0), layout, torch.tensor(keep, device=device))
 
-                out_slots = admitted + decoding
-                out_rows = torch.tensor([row_in[s] for s in out_slots], device=device)
-                counters = torch.tensor([produced[s] for s in out_slots], device=device)
-                sampled = None
-                if logits is not None:
-                    sampled = _decided_once(sample_next(logits[:, :vocab_size], params, seeds[out_rows], counters))
-                sampled = broadcast_from_last_stage(sampled, (len(out_slots),), torch.long, device)
+            out_slots = admitted + decoding
+            out_rows = torch.tensor([row_in[s] for s in out_slots], device=device)
+            counters = torch.tensor([produced[s] for s in out_slots], device=device)
+            sampled = None
+            if logits is not None:
+                sampled = _decided_once(sample_next(logits[:, :vocab_size], params, seeds[out_rows], counters))
+            sampled = broadcast_from_last_stage(sampled, (len(out_slots),), torch.long, device)
 
-                slot_index = torch.tensor(out_slots, device=device)
-                if admitted:
-                    alive[torch.tensor(admitted, device=device)] = True
-                write = alive[slot_index]
-                column = torch.where(write, prompt_len_dev[out_rows] + counters, width)
-                tokens[out_rows, column] = sampled
-                response_lengths.index_add_(0, out_rows, write.long())
-                if params.eos_id is not None:
-                    alive[slot_index] = write & (sampled != params.eos_id)
-                last_token[slot_index] = sampled
-                for s in admitted:
-                    fed[s] = lengths[row_in[s]]
-                for s in decoding:
-                    fed[s] += 1
-                for s in out_slots:
-                    produced[s] += 1
-                if params.eos_id is not None:
-                    pending.append((step, list(row_in), platform.copy_to_host_async(alive)))
-                stats.forward_passes += 1
-                stats.computed_tokens += len(positions)
-                stats.sampled += len(out_slots)
-                stats.slot_steps += slots
-                step += 1
-    finally:
-        cache.release()
-        if holding is not None:
-            holding.__exit__(None, None, None)
-        model.train(was_training)
+            slot_index = torch.tensor(out_slots, device=device)
+            alive[slot_index[: len(admitted)]] = True  # out_slots begin with the admitted
+            write = alive[slot_index]
+            column = torch.where(write, prompt_len_dev[out_rows] + counters, width)
+            tokens[out_rows, column] = sampled
+            response_lengths.index_add_(0, out_rows, write.long())
+            if params.eos_id is not None:
+                alive[slot_index] = write & (sampled != params.eos_id)
+            last_token[slot_index] = sampled
+            for s in admitted:
+                fed[s] = lengths[row_in[s]]
+            for s in decoding:
+                fed[s] += 1
+            for s in out_slots:
+                produced[s] += 1
+            if params.eos_id is not None:
+                pending.append((step, list(row_in), platform.copy_to_host_async(alive)))
+            stats.forward_passes += 1
+            stats.computed_tokens += len(positions)
+            stats.sampled += len(out_slots)
+            stats.slot_steps += slots
+            step += 1
     stats.useful = int(response_lengths.sum())
     used = int((prompt_len_dev + response_lengths).max())
     return Generated(tokens[:, :used], prompt_len_dev, response_lengths, stats)

@@ -162,7 +162,7 @@ class RoleMemory:
         self._movers = {kind: _StorageMover(self.platform) for kind in (MAIN_PARAMS, OPTIMIZER_STATE, WEIGHTS)}
         self._grads_freed = False
         self._backward_since_step = False
-        self._transient: Dict[str, torch.Tensor] = {}
+        self._transient: Dict[str, List[torch.Tensor]] = {}
         self.weights_owner: Optional["RoleMemory"] = None  # set by share_weights_with
         if optimizer is not None:
             for p in model.parameters():
