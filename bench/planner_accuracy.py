@@ -1,42 +1,70 @@
 """The planner's activation and KV-cache estimates against what a run holds, side by side.
 
-KV cache: the bytes of megatron's StaticInferenceContext tensors after a prefill of B x S tokens.
-Activations: the distinct storages autograd keeps for backward during one training forward of a
-micro-batch (saved-tensor hooks), plus the logits; this is what a CUDA peak would add to the state,
-measured here on CPU. Single process, TP=1, PP=1.
+KV cache: the bytes of the generation engine's cache for B prompts of S/2 tokens and S/2 new
+tokens (S positions per slot), and on CUDA the allocator's peak during that generation above what
+was allocated before it. Activations: the distinct storages autograd keeps for backward during one
+training forward of a micro-batch (saved-tensor hooks), plus the logits; on CUDA also the
+allocator's peak during forward and backward above what was allocated before (which includes the
+parameters' gradients and the loss's temporaries). Single process, TP=1, PP=1.
 
     python bench/planner_accuracy.py            # tiny and a 256-hidden, 4-layer model
 """
 
 import argparse
+import contextlib
+import json
 import os
+import sys
 
 import torch
 
-from megatron_rlhf.config.schema import ModelArchConfig, ParallelConfig
-from megatron_rlhf.memory.planner import activation_bytes, kv_cache_bytes
-from megatron_rlhf.models.llama import build_model
-from megatron_rlhf.models.training import next_token_loss
-from megatron_rlhf.runtime import init_distributed
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron_rlhf.config.schema import ModelArchConfig, ParallelConfig  # noqa: E402
+from megatron_rlhf.generation import SamplingParams, generate  # noqa: E402
+from megatron_rlhf.memory.planner import activation_bytes, kv_cache_bytes  # noqa: E402
+from megatron_rlhf.models.llama import build_model  # noqa: E402
+from megatron_rlhf.models.training import next_token_loss  # noqa: E402
+from megatron_rlhf.runtime import get_platform, init_distributed  # noqa: E402
+
+
+class AllocatorPeak:
+    """On CUDA, the allocator's peak inside the block above what was allocated when it began."""
+
+    def __init__(self):
+        self.cuda = get_platform().name == "cuda"
+        self.bytes = None
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._start = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.bytes = torch.cuda.max_memory_allocated() - self._start
 
 
 def measured_kv(model, arch, batch, seq):
-    from megatron.core.inference.contexts import StaticInferenceContext
-
+    """(engine cache bytes, allocator peak of the generation or None)."""
     model.eval()
-    ctx = StaticInferenceContext(batch, seq)
-    tokens = torch.randint(0, arch.vocab_size, (batch, seq))
-    positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
-    with torch.no_grad():
-        model(tokens, positions, None, inference_context=ctx, runtime_gather_output=True)
-    seen, total = set(), 0
-    for pair in ctx.key_value_memory_dict.values():
-        for t in pair:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-    return total
+    device = get_platform().device
+    half = seq // 2
+    prompts = torch.randint(3, arch.vocab_size, (batch, half), device=device)
+    sizes = []
+
+    @contextlib.contextmanager
+    def on_cache(cache):
+        sizes.append(cache.nbytes)
+        yield
+
+    with AllocatorPeak() as peak:
+        generate(model, prompts, torch.full((batch,), half), SamplingParams(seq - half, greedy=True),
+                 arch.vocab_size, on_cache=on_cache)
+    return sizes[0], peak.bytes
 
 
 def measured_activations(model, arch, batch, seq):
@@ -52,19 +80,23 @@ def measured_activations(model, arch, batch, seq):
             total[0] += storage.nbytes()
         return t
 
-    tokens = torch.randint(0, arch.vocab_size, (batch, seq))
-    positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(tokens, positions, None)
-        loss, _, _ = next_token_loss(out, {"tokens": tokens})
-    loss.backward()
-    return total[0]
+    device = get_platform().device
+    tokens = torch.randint(0, arch.vocab_size, (batch, seq), device=device)
+    positions = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
+    with AllocatorPeak() as peak:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(tokens, positions, None)
+            loss, _, _ = next_token_loss(out, {"tokens": tokens})
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return total[0], peak.bytes
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     init_distributed(ParallelConfig(1, 1), seed=0)
@@ -74,16 +106,22 @@ def main():
         "h256, 4 layers": ModelArchConfig(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=8,
                                           ffn_hidden_size=688, vocab_size=1000, max_position_embeddings=512),
     }
-    print(f"batch {args.batch}, sequence {args.seq}, fp32, TP=1 PP=1")
-    print(f"{'model':<22}{'what':<13}{'planned':>12}{'measured':>12}{'planned/measured':>18}")
+    print(f"device {get_platform().name}; batch {args.batch}, sequence {args.seq}, fp32, TP=1 PP=1")
+    print(f"{'model':<22}{'what':<13}{'planned':>12}{'measured':>12}{'planned/measured':>18}{'allocator peak':>16}")
+    rows = []
     for name, arch in models.items():
         model = build_model(arch, ParallelConfig(1, 1), "lm")
-        for what, planned, measured in (
+        for what, planned, (measured, peak) in (
             ("kv cache", kv_cache_bytes(arch, args.batch, args.seq, 1, 1, "fp32"), measured_kv(model, arch, args.batch, args.seq)),
             ("activations", activation_bytes(arch, "lm", args.batch, args.seq, 1, 1, "fp32", False, True),
              measured_activations(model, arch, args.batch, args.seq)),
         ):
-            print(f"{name:<22}{what:<13}{planned:>12,}{measured:>12,}{planned / measured:>18.3f}")
+            rows.append({"model": name, "what": what, "planned": planned, "measured": measured, "allocator_peak": peak})
+            print(f"{name:<22}{what:<13}{planned:>12,}{measured:>12,}{planned / measured:>18.3f}"
+                  f"{'-' if peak is None else format(peak, ','):>16}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
 
 
 if __name__ == "__main__":

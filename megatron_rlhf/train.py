@@ -148,7 +148,7 @@ def _check_writable(output_dir: str) -> None:
 # a resume may change these freely.
 _FREE_ON_RESUME = ("ppo.iterations", "trainer.", "generation.batch_size", ".micro_batch_size", ".free_memory",
                    ".offload_weights", ".free_grad_buffers", ".offload_optimizer_state", ".empty_cache",
-                   ".recompute_activations", ".overlap_grad_reduce", "reward.max_abs_score")
+                   ".recompute_activations", ".overlap_grad_reduce", ".cuda_graph_impl", ".nccl_ub", "reward.max_abs_score")
 
 
 def run_identity(config: RLHFConfig) -> Dict[str, Any]:

@@ -7,16 +7,25 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_rlhf.runtime.platform import DEVICE_VARIABLE
+
 REPO = Path(__file__).resolve().parent.parent
+# Every test runs on the CPU (multi-process tests over gloo, on any machine, however many GPUs it
+# has), except the tests marked `gpu`, whose workers get ON_GPU.
+os.environ[DEVICE_VARIABLE] = "cpu"
+ON_GPU = {DEVICE_VARIABLE: "cuda"}
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA (no GPU on this machine)")
+    present = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        marker = item.get_closest_marker("gpu")
+        if marker is None:
+            continue
+        needed = marker.args[0] if marker.args else 1
+        if present < needed:
+            have = f"{present} present" if present else "no CUDA device on this machine"
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} GPU{'s' if needed > 1 else ''} ({have})"))
 
 
 def _free_port() -> int:

@@ -216,6 +216,30 @@ def test_a_serving_role_switch_that_moves_its_owners_shared_weights_is_noted(tmp
     assert config.weight_owner("policy") is None and weight_sharing_notes(config) == []
 
 
+def test_settings_that_need_fixed_device_addresses_are_refused_where_ems_moves_the_role(tmp_path):
+    def ppo_policy_with(keys: str, policy_free: bool):
+        top = tiny_setup(tmp_path)
+        text = top.read_text().replace(
+            "ppo_policy:\n  model_config_file: models/tiny.yaml\n", f"ppo_policy:\n  model_config_file: models/tiny.yaml\n{keys}", 1)
+        text = text.replace("policy:\n  model_config_file: models/tiny.yaml\n",
+                            f"policy:\n  model_config_file: models/tiny.yaml\n  free_memory: {str(policy_free).lower()}\n", 1)
+        top.write_text(text)
+        return str(top)
+
+    with pytest.raises(ConfigError) as raised:
+        load_config(ppo_policy_with("  cuda_graph_impl: local\n  nccl_ub: true\n  free_memory: true\n", False), world_size=1)
+    message = str(raised.value)
+    assert "ppo_policy.cuda_graph_impl: 'local' cannot be used with EMS: CUDA graphs replay the device addresses" in message
+    assert "ppo_policy.nccl_ub: True cannot be used with EMS: NCCL registers DDP's buffers once" in message
+    assert "(ppo_policy.offload_weights, ppo_policy.free_grad_buffers, ppo_policy.offload_optimizer_state on)" in message
+    # The policy shares ppo_policy's weight storage: its offload_weights moves it too.
+    with pytest.raises(ConfigError, match=r"ppo_policy\.cuda_graph_impl: 'local' cannot be used with EMS: .* \(policy\.offload_weights on\)"):
+        load_config(ppo_policy_with("  cuda_graph_impl: local\n", True), world_size=1)
+    assert load_config(ppo_policy_with("  cuda_graph_impl: local\n", False), world_size=1).ppo_policy.cuda_graph_impl == "local"
+    with pytest.raises(ConfigError, match=r"ppo_policy\.overlap_param_gather: true is not supported: .* the serving role policy reads"):
+        load_config(ppo_policy_with("  overlap_param_gather: true\n", False), world_size=1)
+
+
 # --- the algorithm and its roles ----------------------------------------------------------------
 
 def critic_free_setup(tmp_path: Path, extra: str, roles=("policy", "reference", "reward", "ppo_policy")) -> Path:

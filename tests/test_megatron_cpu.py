@@ -23,7 +23,6 @@ def test_a_moved_site_is_reported_by_name_file_and_lines(monkeypatch):
     assert f"megatron/core/{moved.file} lines 1-3" in problems[0]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU adaptations apply only without CUDA")
 def test_apply_refuses_to_run_on_changed_internals(monkeypatch):
     monkeypatch.setattr(megatron_cpu, "_applied", False)
     monkeypatch.setattr(megatron_cpu, "check_sites", lambda: ["x: expected 'y' in megatron/core/z.py lines 1-2"])
@@ -39,3 +38,21 @@ def test_the_internals_used_on_every_platform_match_and_a_moved_one_is_refused(m
         megatron_compat.check()
     assert "dp_zero_optimizer_checkpoint: expected 'def save_parameter_state_renamed(' in " \
         "megatron/core/optimizer/distrib_optimizer.py" in str(raised.value)
+
+
+def test_the_device_variable_chooses_the_platform_and_a_bad_value_is_named(monkeypatch):
+    from megatron_rlhf.runtime import platform
+
+    def chosen(value):
+        monkeypatch.setenv(platform.DEVICE_VARIABLE, value)
+        return platform.chosen_device()
+
+    assert chosen("cpu") == chosen(" CPU ") == "cpu"  # the test session's own setting (conftest)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert chosen("") == "cpu"
+    with pytest.raises(platform.DeviceChoiceError, match="MEGATRON_RLHF_DEVICE=cuda, but torch sees no CUDA device"):
+        chosen("cuda")
+    with pytest.raises(platform.DeviceChoiceError, match=r"MEGATRON_RLHF_DEVICE='gpu': must be one of cpu, cuda"):
+        chosen("gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert chosen("") == "cuda" and chosen("cpu") == "cpu"

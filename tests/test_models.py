@@ -3,6 +3,8 @@ import math
 import pytest
 import torch
 
+from tests.conftest import ON_GPU
+
 TOL = 1e-5
 
 
@@ -25,14 +27,9 @@ def test_tp_pp_models_equal_the_tp1_model_and_bf16_trains(workers):
     assert results[0]["bf16_param_dtype"] == "torch.bfloat16"
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(4)
 def test_equivalence_on_gpu_with_nccl_and_sequence_parallel(workers):
-    import torch
-
-    nprocs = min(4, torch.cuda.device_count())
-    if nprocs < 4:
-        pytest.skip(f"needs 4 GPUs for TP2xPP2, found {nprocs}")
-    results = workers(4, "models_equivalence", "sp")
+    results = workers(4, "models_equivalence", "sp", env=ON_GPU)
     check_equivalence(results, ("tp2_pp1", "tp2_pp1_sp", "tp1_pp2", "tp2_pp2"))
 
 

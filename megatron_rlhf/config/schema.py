@@ -100,6 +100,13 @@ class RoleConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     recompute_activations: bool = False
+    # megatron settings that keep device addresses fixed for the life of the run; EMS re-allocates
+    # storages on every onload, so they are refused while the role's state moves (validation.py).
+    cuda_graph_impl: Literal["none", "local", "transformer_engine"] = "none"  # CUDA graphs capture addresses
+    nccl_ub: bool = False  # trainable roles: NCCL user buffers register DDP's buffers once
+    # Trainable roles: megatron defers the all-gather of updated weights to the role's next forward;
+    # the serving role reads those weights first. Accepted only to be refused with the reason.
+    overlap_param_gather: bool = False
 
     def ems_switch(self, name: str) -> bool:
         """An EMS switch (offload_weights, free_grad_buffers, offload_optimizer_state) as it

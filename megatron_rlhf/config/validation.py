@@ -111,6 +111,7 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
                 )
 
     problems.extend(_run_problems(config, dp))
+    problems.extend(_fixed_address_problems(config))
     # Weight sync copies or shares trained weights into the serving role: same network.
     for serving, trained in config.served_weights.items():
         if config.role(trained).model != config.role(serving).model:
@@ -139,6 +140,39 @@ def weight_sharing_notes(config: RLHFConfig) -> List[str]:
                 f"({config.at(who + '.free_memory')})"
             )
     return notes
+
+
+# EMS switches, in the words of the config.
+EMS_SWITCHES = ("offload_weights", "free_grad_buffers", "offload_optimizer_state")
+
+
+def _fixed_address_problems(config: RLHFConfig) -> List[str]:
+    """megatron settings that need a role's device storages at fixed addresses, where EMS moves them."""
+    problems: List[str] = []
+    for role in config.model_roles:
+        rc = config.role(role)
+        # What moves this role's storages: its own switches, and the offload_weights of a serving
+        # role that shares its weights.
+        sharing = [s for s in config.served_weights if s in config.model_roles and config.weight_owner(s) == role]
+        moving = [f"{role}.{k}" for k in EMS_SWITCHES if rc.ems_switch(k)] + [
+            f"{s}.offload_weights" for s in sharing if config.role(s).ems_switch("offload_weights")]
+        settings = [("cuda_graph_impl", rc.cuda_graph_impl, "none",
+                     "CUDA graphs replay the device addresses they captured"),
+                    ("nccl_ub", rc.nccl_ub, False, "NCCL registers DDP's buffers once, at their first address")]
+        for key, value, default, why in settings:
+            if value != default and moving:
+                problems.append(
+                    f"{config.at(role + '.' + key)}: {value!r} cannot be used with EMS: {why}, and EMS frees and "
+                    f"re-allocates them ({', '.join(moving)} on); set {key}: {default!r}, or turn those switches off "
+                    f"({', '.join(sorted({m.split('.')[0] + '.free_memory' for m in moving}))}: false)")
+        if rc.overlap_param_gather:
+            served = next((s for s, t in config.served_weights.items() if t == role), None)
+            reader = f"the serving role {served} reads {role}'s weights right after the optimizer step" if served                 else "EMS moves the buffer it gathers into"
+            problems.append(
+                f"{config.at(role + '.overlap_param_gather')}: true is not supported: megatron defers the all-gather "
+                f"of the updated weights to {role}'s next forward, but {reader}; set overlap_param_gather: false "
+                "(overlap_grad_reduce overlaps the gradient reduction instead)")
+    return problems
 
 
 def _reward_problems(config: RLHFConfig) -> List[str]:

@@ -12,12 +12,14 @@ from megatron_rlhf.memory.manager import (
     TRANSIENT_KINDS,
     WEIGHTS,
     EMSSwitches,
+    FixedAddressesNeeded,
     GradientsInUse,
     RoleMemory,
 )
 
 __all__ = [
     "EMSSwitches",
+    "FixedAddressesNeeded",
     "GRADS",
     "GradientsInUse",
     "KV_CACHE",

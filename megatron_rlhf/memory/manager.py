@@ -44,6 +44,10 @@ PHASE_NEEDS = {
 }
 
 
+class FixedAddressesNeeded(ValueError):
+    """The model was built with settings that need its storages never to move (EMS moves them)."""
+
+
 class GradientsInUse(RuntimeError):
     """Freeing the grad buffers now would discard gradients still being accumulated."""
 
@@ -153,6 +157,11 @@ class RoleMemory:
         platform: Optional[DevicePlatform] = None,
         on_event: Optional[Callable[[str, str, str], None]] = None,
     ):
+        pinned = compat.fixed_address_settings(model)
+        if pinned and switches.kinds():
+            raise FixedAddressesNeeded(
+                f"{name}: built with {', '.join(pinned)}, which needs its device storages never to move, but its EMS "
+                f"switches move {', '.join(switches.kinds())}; build it without those settings or turn EMS off for it")
         self.name = name
         self.model = model
         self.optimizer = optimizer

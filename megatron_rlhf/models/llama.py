@@ -22,6 +22,7 @@ def make_transformer_config(
     parallel: ParallelConfig,
     precision: str = "fp32",
     recompute_activations: bool = False,
+    cuda_graph_impl: str = "none",
 ):
     """megatron TransformerConfig for the Llama-2 architecture (no dropout: RLHF needs the same
     log-probs in rollout and training)."""
@@ -53,12 +54,8 @@ def make_transformer_config(
         bf16=precision == "bf16",
         pipeline_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
         use_cpu_initialization=get_platform().use_cpu_initialization,
-        # Fused kernels need apex / transformer-engine; megatron's unfused paths compute the same.
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        # Fused kernels where the platform has them (all off on CPU); the unfused paths compute the same.
+        **get_platform().kernel_fusions(),
         # Losses are (sum, count) and the gradient is sum / count over the global batch
         # (models/pipeline.py), so it does not depend on micro-batch size, DP or PP.
         calculate_per_token_loss=True,
@@ -66,6 +63,7 @@ def make_transformer_config(
         # stages exchange each activation's shape before it.
         variable_seq_lengths=parallel.pipeline_model_parallel_size > 1,
         moe_token_dispatcher_type="alltoall",  # no experts; megatron refuses its default with the above
+        cuda_graph_impl=cuda_graph_impl,
         **extra,
     )
 
@@ -126,6 +124,7 @@ def build_model(
     head: Head,
     precision: str = "fp32",
     recompute_activations: bool = False,
+    cuda_graph_impl: str = "none",
     pre_process: Optional[bool] = None,
     post_process: Optional[bool] = None,
 ) -> torch.nn.Module:
@@ -141,7 +140,7 @@ def build_model(
             "parallel.sequence_parallel: needs transformer-engine on a CUDA machine (megatron's "
             "torch norm layers do not support it); set sequence_parallel: false"
         )
-    config = make_transformer_config(arch, parallel, precision, recompute_activations)
+    config = make_transformer_config(arch, parallel, precision, recompute_activations, cuda_graph_impl)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

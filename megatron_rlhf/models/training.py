@@ -24,6 +24,7 @@ def wrap_for_training(model: torch.nn.Module, role: RoleConfig) -> Tuple[torch.n
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=role.overlap_grad_reduce,
         use_distributed_optimizer=role.use_distributed_optimizer,
+        nccl_ub=role.nccl_ub,
     )
     ddp_model = DistributedDataParallel(config, ddp_config, model)
     optimizer_config = OptimizerConfig(

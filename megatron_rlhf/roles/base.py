@@ -95,6 +95,7 @@ def build_role(name: str, config: RLHFConfig) -> Role:
         ROLE_HEADS[name],
         precision=role_config.precision,
         recompute_activations=role_config.recompute_activations,
+        cuda_graph_impl=role_config.cuda_graph_impl,
     )
     if role_config.load is not None:
         _load_weights(model, name, config)

@@ -44,6 +44,11 @@ ANCHORS: Dict[str, Tuple[Site, ...]] = {
         Site("distributed/param_and_grad_buffer.py", "self.grad_data"),
         Site("distributed/param_and_grad_buffer.py", "self.params"),
     ),
+    "fixed_address_settings": (
+        Site("transformer/transformer_config.py", "cuda_graph_impl: Literal['none', 'local', 'transformer_engine']"),
+        Site("distributed/distributed_data_parallel_config.py", "nccl_ub: bool = False"),
+        Site("distributed/distributed_data_parallel_config.py", "overlap_param_gather: bool = False"),
+    ),
     "grad_buffer_free_and_restore": (
         Site("distributed/distributed_data_parallel.py", "def offload_grad_buffers("),
         Site("distributed/distributed_data_parallel.py", "def restore_grad_buffers("),
@@ -141,6 +146,20 @@ def ddp_buffers(model: torch.nn.Module) -> list:
     if not isinstance(model, DistributedDataParallel):
         return []
     return list(model.buffers) + list(model.expert_parallel_buffers)
+
+
+def fixed_address_settings(model: torch.nn.Module) -> List[str]:
+    """The settings of a built model that need its device storages never to move: CUDA graphs,
+    NCCL user buffers, the all-gather of updated weights deferred to the next forward."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    found = []
+    config = getattr(model, "config", None)  # megatron modules (DDP, Float16Module, GPTModel) carry theirs
+    if getattr(config, "cuda_graph_impl", "none") != "none" or getattr(config, "enable_cuda_graph", False):
+        found.append(f"cuda_graph_impl={getattr(config, 'cuda_graph_impl', 'local')!r}")
+    if isinstance(model, DistributedDataParallel):
+        found += [f"{key}=True" for key in ("nccl_ub", "overlap_param_gather") if getattr(model.ddp_config, key)]
+    return found
 
 
 def buffer_param_storage(buffer) -> Optional[torch.Tensor]:

@@ -6,7 +6,9 @@ parameter types by their CUDA type names. Each :class:`Adaptation` below answers
 names the megatron-core file and line range it answers, and carries anchors: source text that must
 still be found there. :func:`apply` first checks every anchor against the installed megatron-core and
 raises if one moved or vanished, so an upgrade that changes these internals fails loudly at start-up
-instead of silently computing something else. Applied only when CUDA is absent (see platform.py).
+instead of silently computing something else. Applied by the CPU platform (platform.py): where no
+GPU is present, or where one is but MEGATRON_RLHF_DEVICE=cpu asks for the CPU, in which case the
+GPU is hidden from megatron-core first.
 
 Nothing here changes what megatron computes: devices map to the CPU, synchronisation becomes a no-op
 (CPU ops are synchronous), and RNG states are those of the CPU generator.
@@ -36,6 +38,13 @@ class Adaptation:
 
 # --------------------------------------------------------------------------------------------------
 # The adaptations.
+
+
+def _cuda_is_hidden() -> None:
+    # torch.cuda.is_available() is torch's own answer (the driver's device count, cached); megatron
+    # and torch consult it to pick devices, backends and kernels, so it must say "no GPU" here.
+    torch.cuda.is_available = lambda: False  # type: ignore[assignment]
+    torch.cuda.device_count = lambda: 0  # type: ignore[assignment]
 
 
 def _current_device_is_cpu() -> None:
@@ -182,6 +191,16 @@ def _recompute_keeps_no_cuda_rng_state() -> None:
 
 ADAPTATIONS: List[Adaptation] = [
     Adaptation(
+        name="cuda_is_hidden",
+        why="with MEGATRON_RLHF_DEVICE=cpu on a GPU machine, torch.cuda.is_available() must not send "
+        "megatron's device and backend choices to the GPU",
+        sites=(
+            Site("utils.py", lines=(1448, 1452), anchor="if torch.cuda.is_available():"),
+            Site("dist_checkpointing/strategies/torch.py", lines=(62, 66), anchor="if not torch.cuda.is_available():"),
+        ),
+        apply=_cuda_is_hidden,
+    ),
+    Adaptation(
         name="current_device_is_cpu",
         why="tensors are allocated on torch.cuda.current_device(); on CPU that call raises",
         sites=(
@@ -259,8 +278,6 @@ def apply() -> None:
     global _applied
     if _applied:
         return
-    if torch.cuda.is_available():
-        raise RuntimeError("megatron_cpu.apply() is for machines without CUDA")
     raise_if_changed(check_sites(), "the CPU adaptations", "megatron_rlhf/runtime/megatron_cpu.py")
     for adaptation in ADAPTATIONS:
         adaptation.apply()

@@ -1,5 +1,8 @@
 """The device platform: everything that differs between a CUDA machine and a CPU-only one.
 
+``MEGATRON_RLHF_DEVICE=cpu|cuda`` overrides the choice (the test suite runs its multi-process tests
+on CPU/gloo on a one-GPU machine this way).
+
 The rest of the package asks the platform for its device, its collective backend, host buffers for
 offloading, and memory figures; it never branches on ``torch.cuda.is_available()`` itself.
 """
@@ -12,6 +15,11 @@ import os
 from typing import Callable, Dict
 
 import torch
+
+
+# megatron TransformerConfig's kernel fusion switches.
+FUSIONS = ("bias_activation_fusion", "masked_softmax_fusion", "apply_rope_fusion", "persist_layer_norm",
+           "gradient_accumulation_fusion")
 
 
 class DevicePlatform:
@@ -44,6 +52,11 @@ class DevicePlatform:
     def place_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """``module`` on this platform's device."""
         return module
+
+    def kernel_fusions(self) -> Dict[str, bool]:
+        """megatron TransformerConfig fusion switches that this platform can run (the unfused paths
+        compute the same function)."""
+        return dict.fromkeys(FUSIONS, False)
 
     def synchronize(self) -> None:
         """Wait for all queued device work."""
@@ -91,6 +104,15 @@ class CudaPlatform(DevicePlatform):
 
     def place_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module.cuda(self._device)
+
+    def kernel_fusions(self) -> Dict[str, bool]:
+        # megatron-core's own: SwiGLU through torch.compile; the fused masked softmax where its
+        # kernel is built (megatron falls back to torch's softmax otherwise). RoPE fusion and
+        # fused weight-gradient accumulation are transformer-engine kernels (apex for the latter
+        # with local layers); persist_layer_norm is apex's LayerNorm, not RMSNorm.
+        te = self.has_transformer_engine
+        return dict(super().kernel_fusions(), bias_activation_fusion=True, masked_softmax_fusion=True,
+                    apply_rope_fusion=te, gradient_accumulation_fusion=te)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
@@ -168,7 +190,32 @@ class CpuPlatform(DevicePlatform):
         return {"rss": info.rss}
 
 
+DEVICE_VARIABLE = "MEGATRON_RLHF_DEVICE"
+DEVICE_CHOICES = ("cpu", "cuda")
+
+
+class DeviceChoiceError(RuntimeError):
+    """MEGATRON_RLHF_DEVICE names no platform this machine has."""
+
+
+def chosen_device() -> str:
+    """``cpu`` or ``cuda``: MEGATRON_RLHF_DEVICE where set, else CUDA where a GPU is visible."""
+    value = os.environ.get(DEVICE_VARIABLE, "").strip().lower()
+    if not value:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if value not in DEVICE_CHOICES:
+        raise DeviceChoiceError(
+            f"{DEVICE_VARIABLE}={os.environ[DEVICE_VARIABLE]!r}: must be one of {', '.join(DEVICE_CHOICES)} "
+            "(or unset: cuda where a GPU is visible, else cpu)"
+        )
+    if value == "cuda" and not torch.cuda.is_available():
+        raise DeviceChoiceError(f"{DEVICE_VARIABLE}=cuda, but torch sees no CUDA device on this machine "
+                                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'})")
+    return value
+
+
 @functools.lru_cache(maxsize=1)
 def get_platform() -> DevicePlatform:
-    """The platform of this process: CUDA where a GPU is visible, CPU otherwise."""
-    return CudaPlatform() if torch.cuda.is_available() else CpuPlatform()
+    """The platform of this process (see :func:`chosen_device`). A CPU platform on a machine with a
+    GPU (MEGATRON_RLHF_DEVICE=cpu) hides the GPU from megatron-core (megatron_cpu.apply)."""
+    return CudaPlatform() if chosen_device() == "cuda" else CpuPlatform()

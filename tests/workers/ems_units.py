@@ -64,6 +64,21 @@ with role.resident("training"):
 memory.offload([GRADS])
 result["grads_freed_after_step"] = memory.resident_bytes()[GRADS]
 
+# A model built with settings that need fixed device addresses is refused by EMS, not by EMS off.
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+
+from megatron_rlhf.memory import EMSSwitches, FixedAddressesNeeded, RoleMemory  # noqa: E402
+
+plain = build_model(arch, parallel, "lm")
+gathering = DistributedDataParallel(plain.config, DistributedDataParallelConfig(
+    use_distributed_optimizer=True, overlap_param_gather=True), plain)
+try:
+    RoleMemory("ppo_policy", gathering, None, EMSSwitches(offload_weights=True))
+    result["fixed_addresses"] = "accepted"
+except FixedAddressesNeeded as e:
+    result["fixed_addresses"] = str(e)
+result["fixed_addresses_without_ems"] = RoleMemory("ppo_policy", gathering, None, EMSSwitches()).switches.kinds()
+
 # RSS: freeing grad buffers and optimizer state (host buffers already allocated by a first round
 # trip) gives their bytes back to the OS.
 import gc

@@ -10,10 +10,11 @@ from megatron_rlhf.models.llama import build_model, load_local_state_dict, local
 from megatron_rlhf.models.pipeline import forward_backward, gather_vocab_parallel
 from megatron_rlhf.models.sharding import merge_state_dicts, shard_state_dict
 from megatron_rlhf.models.training import next_token_loss, train_step, wrap_for_training
+from megatron_rlhf.runtime import get_platform
 
 arch = tiny_arch(vocab_size=100)  # not a multiple of the padding: exercises vocab padding
 gen = torch.Generator().manual_seed(0)
-device = "cuda" if torch.cuda.is_available() else "cpu"
+device = get_platform().device
 micro_batches = [{"tokens": torch.randint(0, 100, (2, 12), generator=gen).to(device)} for _ in range(2)]
 LAYOUTS = [(2, 1, False), (1, 2, False), (2, 2, False)]
 if ARGS and ARGS[0] == "sp":  # sequence parallel needs transformer-engine (GPU)
