@@ -2,6 +2,8 @@
 EMS bit-exact on CUDA, device memory (allocated and reserved) back after every offload, and the
 six-role colocation peak. Workers of these tests run with MEGATRON_RLHF_DEVICE=cuda (ON_GPU)."""
 
+import sys
+
 import pytest
 
 from tests.conftest import ON_GPU
@@ -73,3 +75,22 @@ def test_six_roles_peak_is_the_largest_phase_not_the_sum(workers):
           f"without {peak_off / MiB:.1f} MiB (sum of states {total_state / MiB:.1f})")
     assert peak_on <= largest_phase + 2 * MiB
     assert peak_off >= total_state > peak_on
+
+
+def test_the_kit_runs_its_steps_on_cpu_and_names_an_unknown_step(tmp_path):
+    import os
+    import subprocess
+
+    from tests.conftest import REPO
+
+    def kit(*steps):
+        env = dict(os.environ, MEGATRON_RLHF_DEVICE="cpu", OUT=str(tmp_path), PYTHON=sys.executable)
+        return subprocess.run(["bash", "bench/gpu/run.sh", *steps], cwd=REPO, env=env, capture_output=True, text=True)
+
+    ran = kit("env", "tests")
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    assert "platform cpu" in (tmp_path / "env.log").read_text()
+    assert "skipped" in (tmp_path / "tests.log").read_text()  # the gpu tests, each with its reason
+    assert [line.split(":")[0] for line in (tmp_path / "steps.txt").read_text().splitlines()] == ["env", "tests"]
+    unknown = kit("benchmarks")
+    assert unknown.returncode == 2 and "unknown step benchmarks (steps: setup env tests" in unknown.stdout

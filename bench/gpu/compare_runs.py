@@ -1,0 +1,33 @@
+"""Compare two runs' metrics.jsonl row by row, every key but the wall times (time/*): the
+invariance check of EMS on against off. Exit status 1, naming the first difference, if they differ.
+
+    python bench/gpu/compare_runs.py RUN_A RUN_B
+"""
+
+import json
+import os
+import sys
+
+
+def metrics(run_dir: str) -> list:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
+
+
+def main() -> int:
+    a, b = (metrics(d) for d in sys.argv[1:3])
+    if len(a) != len(b):
+        print(f"different lengths: {len(a)} and {len(b)} rows")
+        return 1
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            key = next(k for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k))
+            print(f"row {i} (iteration {x.get('iteration')}): {key} = {x.get(key)} against {y.get(key)}")
+            return 1
+    print(f"identical: {len(a)} rows, every key but time/*")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
