@@ -44,6 +44,12 @@ def human(n: float) -> str:
     return str(n)
 
 
+def host_text(p: Plan, nproc_per_node: int) -> str:
+    roles = ", ".join(f"{r} {human(b)}" for r, b in p.host.items() if b) or "none"
+    return (f"host memory (EMS arenas, exact): {human(p.host_bytes)} per rank ({roles}); "
+            f"{human(p.host_bytes * nproc_per_node)} per node of {nproc_per_node} ranks")
+
+
 def format_plan(p: Plan) -> str:
     cols = KINDS[:-1] + TRANSIENT
     lines = [f"layout: TP={p.layout['tp']} PP={p.layout['pp']} DP={p.layout['dp']}, sequence {p.layout['seq']} tokens; "
@@ -71,10 +77,13 @@ def load_for_planning(config_file: str, world_size: Optional[int] = None) -> Tup
 
 
 def memory_report(config, world_size: int, gpu_memory: Optional[int] = None,
-                  seq_length: Optional[int] = None) -> Tuple[str, bool]:
-    """The per-role table and the phases with the configured EMS switches, and with ``gpu_memory``
-    the least offloading that fits. Returns (text, whether it fits: True without a budget)."""
-    lines = ["with the configured EMS switches:", format_plan(plan(config, world_size, seq_length=seq_length))]
+                  seq_length: Optional[int] = None, nproc_per_node: Optional[int] = None) -> Tuple[str, bool]:
+    """The per-role table and the phases with the configured EMS switches, the host memory, and
+    with ``gpu_memory`` the least offloading that fits. Returns (text, whether it fits: True
+    without a budget)."""
+    configured = plan(config, world_size, seq_length=seq_length)
+    lines = ["with the configured EMS switches:", format_plan(configured),
+             host_text(configured, nproc_per_node or world_size)]
     if not gpu_memory:
         return "\n".join(lines), True
     switches, fitted = recommend(config, world_size, gpu_memory, seq_length)
@@ -181,7 +190,7 @@ def dry_run(config_file: str, world_size: Optional[int] = None, nproc_per_node: 
     ``gpu_memory`` is given and the run cannot fit. Raises ConfigError for a config or layout the
     run would refuse."""
     config, world_size = load_for_planning(config_file, world_size)
-    text, fits = memory_report(config, world_size, gpu_memory, seq_length)
+    text, fits = memory_report(config, world_size, gpu_memory, seq_length, nproc_per_node)
     if memory_only:
         print(text)
         return 0 if fits else 1

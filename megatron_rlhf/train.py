@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Optional
 
 from megatron_rlhf.config import ConfigError, input_problems, load_config
 from megatron_rlhf.config.schema import RLHFConfig
-from megatron_rlhf.dry_run import parse_bytes, positive_int
+from megatron_rlhf.dry_run import host_text, human, parse_bytes, positive_int
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,6 +90,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
         if args.iterations < 1:
             raise ConfigError(f"--iterations: must be >= 1, got {args.iterations}")
         config.ppo.iterations = args.iterations
+    _check_host_memory(config, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     output_dir = args.output_dir or config.trainer.output_dir
     _check_writable(output_dir)
     if args.resume:
@@ -142,6 +143,23 @@ def _check_writable(output_dir: str) -> None:
     except OSError as e:
         raise ConfigError(f"output directory {output_dir}: not writable ({e.strerror}); choose another "
                           "--output-dir (or trainer.output_dir)") from None
+
+
+def _check_host_memory(config: RLHFConfig, world_size: int, ranks_on_node: int) -> None:
+    """EMS's host arenas of every rank on this node (the planner's exact figure) must fit in the
+    memory the node has available now."""
+    import psutil
+
+    from megatron_rlhf.memory.planner import plan
+
+    planned = plan(config, world_size)
+    need, available = planned.host_bytes * ranks_on_node, psutil.virtual_memory().available
+    if need > available:
+        raise ConfigError(
+            f"EMS would hold {human(need)} of host memory on this node, more than the {human(available)} available: "
+            f"{host_text(planned, ranks_on_node)}. Offload less (offload_weights / offload_optimizer_state: false "
+            "for some roles; `python -m megatron_rlhf.plan --gpu-memory ...` finds what the GPUs need), raise TP/PP, "
+            "or run fewer ranks per node")
 
 
 # What only changes how the work is cut or kept (never the numbers), or how long the run goes:

@@ -41,6 +41,10 @@ def test_moves_are_idempotent_reuse_host_buffers_and_protect_gradients(ems_units
     r = ems_units
     before, after = r["idempotent_offload_host_bytes"]
     assert before == after > 0
+    offloaded, host = r["offloaded_and_host_bytes"]  # bf16, distributed optimizer
+    assert offloaded <= host <= 1.01 * offloaded and offloaded > 0
+    assert r["copied_by_inference_offload"] == 0
+    assert r["copied_after_plain_onload"] == r["inference_resident"][WEIGHTS] > 0
     assert r["onload_twice_same"]
     assert r["host_buffers_reused"]
     inference = r["inference_resident"]
@@ -115,6 +119,11 @@ def test_with_free_memory_only_the_active_role_is_resident(workers):
         peak = max(sum(state_bytes(r) + r["bytes"]["other"] for r in m) for m in moments(records))
         assert rank_result["peak"] == peak == max(state_bytes({"bytes": b}) for b in full.values()) + \
             sum(r["bytes"]["other"] for r in moments(records)[0])
+        # Roles that only run inference copied their weights to the host once, when built (offloaded
+        # at birth): every later offload only freed them.
+        for name in ("policy", "reference", "reward", "value"):
+            copied = {r["host_copied_bytes"] for r in records if r["role"] == name}
+            assert copied == {full[name][WEIGHTS]}, (name, copied)
         # Trainable roles really carried every kind while training.
         for name in ("ppo_policy", "ppo_value"):
             assert all(full[name][k] > 0 for k in (WEIGHTS, GRADS, OPTIMIZER_STATE)), full[name]

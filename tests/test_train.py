@@ -69,6 +69,22 @@ def test_the_kv_cache_is_in_the_ledger_for_generation_only_and_as_planned(demo_r
     assert all(r["transient_bytes"] == r["bytes"]["kv_cache"] for r in policy)
 
 
+def test_host_arenas_are_as_planned_and_frozen_weights_are_copied_once(demo_runs, monkeypatch):
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.memory.planner import plan
+
+    base, _, _ = demo_runs
+    records = [json.loads(line) for line in (base / "on" / "memory.jsonl").read_text().splitlines()]
+    last = {r["role"]: r for r in records if r["moment"] == records[-1]["moment"]}
+    monkeypatch.setenv("TP", "2")
+    planned = plan(load_config(str(REPO / "examples/tiny/rlhf.yaml"), world_size=2), 2)
+    assert {role: r["host_bytes"] for role, r in last.items()} == planned.host and planned.host["reference"] > 0
+    # The policy and value serve their trained roles' weights (shared storage): no arena of their own.
+    assert planned.host["policy"] == planned.host["value"] == 0
+    # The reference never changes: its weights went to the host once, when it was built.
+    assert {r["host_copied_bytes"] for r in records if r["role"] == "reference"} == {planned.host["reference"]}
+
+
 def test_free_memory_changes_no_number(demo_runs):
     base, _, _ = demo_runs
     assert without_times(metrics(base / "on")) == without_times(metrics(base / "off"))

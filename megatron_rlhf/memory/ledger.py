@@ -1,6 +1,7 @@
 """The memory ledger: at every onload, offload, transient allocation (the KV cache) and phase end,
 one record per role with the resident device bytes of each kind (counted from the tensors'
-storages; ``resident_bytes`` sums the state kinds, ``transient_bytes`` the transient), plus the allocator's
+storages; ``resident_bytes`` sums the state kinds, ``transient_bytes`` the transient), the host
+arenas' bytes and the bytes copied to them so far, plus the allocator's
 figures on CUDA or the process RSS on CPU. Written as JSON lines to ``memory.jsonl``."""
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class MemoryLedger:
                     "resident_bytes": sum(by_kind[k] for k in LEDGER_KINDS),
                     "transient_bytes": sum(by_kind[k] for k in TRANSIENT_KINDS),
                     "host_bytes": memory.host_bytes(),
+                    "host_copied_bytes": memory.copied_bytes(),
                     "device": stats,
                     "time": now,
                 }

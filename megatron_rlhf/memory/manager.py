@@ -12,8 +12,11 @@ Kinds, in offload order (onload is the reverse), chosen so the transient peak st
 
 Moves work on whole storages: the device storage is resized to 0 and later re-grown in place,
 so every tensor and view that refers to it (param.data, main_grad, optimizer shards, bucket
-views) stays valid and nothing needs re-pointing. Each storage has one host buffer (pinned on CUDA),
-allocated at its first offload and reused on every later round trip. Every step is idempotent.
+views) stays valid and nothing needs re-pointing. Each kind has one host arena of exactly its bytes
+(page-locked on CUDA), allocated at its first offload and reused on every later round trip. A kind
+whose device copy cannot have changed since the arena was written (an inference phase only reads
+weights) is freed on offload without a copy: a frozen role copies its weights once. Every step is
+idempotent.
 """
 
 from __future__ import annotations
@@ -102,47 +105,72 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 class _StorageMover:
-    """Moves the storages of one kind to host memory and back, reusing one host buffer per storage.
+    """Moves the storages of one kind to one host arena and back.
 
+    The arena holds every storage of the kind back to back, exactly their bytes, and is reused on
+    every round trip while the storages keep their sizes. ``host_current`` says whether the arena
+    still holds what the device holds: the owner clears it (``mark_dirty``) whenever the device
+    copy may change, and an offload of a clean kind frees the device storages without copying.
     Storages are keyed by a persistent tensor that refers to them (a Parameter, DDP's param_data,
     an optimizer-state tensor), which the mover holds so that its id stays unique.
     """
 
     def __init__(self, platform: DevicePlatform):
         self.platform = platform
-        self._host: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (tensor, host bytes)
-        self._offloaded: List[torch.Tensor] = []
+        self._arena: Optional[torch.Tensor] = None
+        self._layout: List[Tuple[torch.Tensor, int, int]] = []  # (tensor, offset, bytes) in the arena
+        self._offloaded = False
+        self.host_current = False
+        self.copied_bytes = 0  # device -> host, over the life of the mover
 
     @property
     def offloaded(self) -> bool:
-        return bool(self._offloaded)
+        return self._offloaded
+
+    def mark_dirty(self) -> None:
+        self.host_current = False
 
     def offload(self, tensors: Sequence[torch.Tensor]) -> None:
         if self._offloaded:
             return  # already off the device
+        layout, offset = [], 0
         for t in _unique_storages(tensors):
-            storage = t.untyped_storage()
-            cached = self._host.get(id(t))
-            if cached is None or cached[1].numel() != storage.nbytes():
-                host = self.platform.host_buffer_like(torch.empty(storage.nbytes(), dtype=torch.uint8))
-                cached = self._host[id(t)] = (t, host)
-            cached[1].copy_(_bytes_view(storage), non_blocking=True)
-            self._offloaded.append(t)
-        # The copies must land before the device memory can be handed to anyone else.
-        self.platform.synchronize()
-        for t in self._offloaded:
+            nbytes = t.untyped_storage().nbytes()
+            layout.append((t, offset, nbytes))
+            offset += nbytes
+        if [(id(t), n) for t, _, n in layout] != [(id(t), n) for t, _, n in self._layout]:
+            self.release()  # other storages or sizes: a new arena, and nothing in it yet
+            self._arena, self._layout = self.platform.host_arena(offset), layout
+        if not self.host_current:
+            for t, start, nbytes in self._layout:
+                self._arena[start:start + nbytes].copy_(_bytes_view(t.untyped_storage()), non_blocking=True)
+            self.copied_bytes += offset
+            # The copies must land before the device memory can be handed to anyone else.
+            self.platform.synchronize()
+            self.host_current = True
+        for t, _, _ in self._layout:
             t.untyped_storage().resize_(0)
+        self._offloaded = bool(self._layout)
 
     def onload(self) -> None:
-        for t in self._offloaded:
-            host = self._host[id(t)][1]
+        if not self._offloaded:
+            return
+        for t, start, nbytes in self._layout:
             storage = t.untyped_storage()
-            storage.resize_(host.numel())
-            _bytes_view(storage).copy_(host, non_blocking=True)
-        self._offloaded = []
+            storage.resize_(nbytes)
+            _bytes_view(storage).copy_(self._arena[start:start + nbytes], non_blocking=True)
+        self._offloaded = False
+
+    def release(self) -> None:
+        """Give the host arena back (only while the storages are on the device)."""
+        if self._offloaded:
+            raise RuntimeError("the host arena holds the only copy of an offloaded kind")
+        if self._arena is not None:
+            self.platform.release_host_arena(self._arena)
+        self._arena, self._layout, self.host_current = None, [], False
 
     def host_bytes(self) -> int:
-        return sum(host.numel() for _, host in self._host.values())
+        return 0 if self._arena is None else self._arena.numel()
 
 
 class RoleMemory:
@@ -183,8 +211,9 @@ class RoleMemory:
     def share_weights_with(self, owner: "RoleMemory") -> None:
         """This role's parameters now alias ``owner``'s storage: its weights move with the owner's
         (onload and offload act on the owner's) and are counted once, on the owner."""
+        self.onload([WEIGHTS])
+        self._movers[WEIGHTS].release()  # its own host copy is obsolete: no dead arena
         self.weights_owner = owner
-        self._movers[WEIGHTS] = _StorageMover(self.platform)  # its own host copies are obsolete
 
     def tensors(self, kind: str) -> List[torch.Tensor]:
         """The tensors whose storages make up ``kind`` for this role (possibly freed)."""
@@ -224,7 +253,12 @@ class RoleMemory:
         return {**state, **{kind: storage_bytes(self._transient.get(kind, [])) for kind in TRANSIENT_KINDS}}
 
     def host_bytes(self) -> int:
+        """Bytes of this role's host arenas."""
         return sum(m.host_bytes() for m in self._movers.values())
+
+    def copied_bytes(self) -> int:
+        """Bytes copied device -> host by this role's offloads so far."""
+        return sum(m.copied_bytes for m in self._movers.values())
 
     # -- moves --------------------------------------------------------------------------------
 
@@ -258,18 +292,22 @@ class RoleMemory:
         if self.switches.empty_cache:
             self.platform.empty_cache()
 
-    def onload(self, kinds: Sequence[str] = OFFLOAD_ORDER) -> None:
-        """Bring ``kinds`` back (weights first, grads last)."""
+    def onload(self, kinds: Sequence[str] = OFFLOAD_ORDER, read_only: bool = False) -> None:
+        """Bring ``kinds`` back (weights first, grads last). Unless ``read_only`` (the caller only
+        reads them), their host copies count as stale from now on."""
         for kind in ONLOAD_ORDER:
-            if kind not in kinds or self.is_resident(kind):
+            if kind not in kinds:
                 continue
-            if kind == GRADS:
-                compat.restore_grad_buffers(self.model)
-                self._grads_freed = False
-            elif kind == WEIGHTS and self.weights_owner is not None:
-                self.weights_owner.onload([WEIGHTS])
+            if kind == WEIGHTS and self.weights_owner is not None:
+                self.weights_owner.onload([WEIGHTS], read_only)
+            elif kind == GRADS:
+                if self._grads_freed:
+                    compat.restore_grad_buffers(self.model)
+                    self._grads_freed = False
             else:
                 self._movers[kind].onload()
+                if not read_only:
+                    self._movers[kind].mark_dirty()
         self.platform.synchronize()
 
     def _free_grads(self) -> None:
@@ -290,7 +328,7 @@ class RoleMemory:
         again (the switched-on kinds) when the block ends."""
         if phase not in PHASE_NEEDS:
             raise ValueError(f"phase must be one of {', '.join(PHASE_NEEDS)}, got {phase!r}")
-        self.onload(PHASE_NEEDS[phase])
+        self.onload(PHASE_NEEDS[phase], read_only=phase == "inference")
         self._emit("onload", phase)
         try:
             yield

@@ -9,7 +9,8 @@ pipeline parallelism holds up to PP micro-batches of activations (1F1B's warm-up
 
 A PPO iteration has six phases (four without a critic); in each, the active role holds what the phase needs and every
 other role holds what its EMS switches keep resident. The peak phase bounds the device memory
-the run needs (plus the framework's own overhead, which is not modelled).
+the run needs (plus the framework's own overhead, which is not modelled). Host memory is exact:
+each role's EMS arenas hold exactly the kinds its switches copy, and all stay allocated.
 """
 
 from __future__ import annotations
@@ -145,10 +146,16 @@ class Plan:
     resident: Dict[str, Dict[str, Dict[str, int]]]  # phase -> role -> kind -> bytes
     peak_phase: str
     layout: Dict[str, int]
+    host: Dict[str, int]  # role -> bytes of its EMS host arenas (exact: what its switches copy)
 
     @property
     def peak_bytes(self) -> int:
         return self.phases[self.peak_phase]
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory EMS holds on the rank: every role's arenas, all alive at once."""
+        return sum(self.host.values())
 
 
 def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSwitches]] = None,
@@ -175,8 +182,15 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
                                                         rc.precision, rc.recompute_activations, trainable),
             "kv_cache": kv_cache_bytes(rc.model, decoded_at_once, seq, tp, pp, rc.precision) if name == "policy" else 0,
         }
+    # Host arenas: one per copied kind (grads are freed, never copied). A serving role that shares
+    # its trained role's weights has none of its own; its offload_weights moves the owner's.
+    host = {name: sum(kinds[k] for k in switches[name].kinds() if k != GRADS) for name, kinds in roles.items()}
     for serving in config.served_weights:
-        if serving in roles and config.weight_owner(serving):
+        owner = config.weight_owner(serving) if serving in roles else None
+        if owner:
+            host[serving] -= roles[serving][WEIGHTS] if switches[serving].offload_weights else 0
+            if switches[serving].offload_weights and not switches[owner].offload_weights:
+                host[owner] += roles[owner][WEIGHTS]
             roles[serving] = dict(roles[serving], **{WEIGHTS: 0})
     phases, resident = {}, {}
     for phase, active, extra in PHASES:
@@ -195,7 +209,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
         resident[phase] = table
         phases[phase] = sum(sum(t.values()) for t in table.values())
     peak = max(phases, key=phases.get)
-    return Plan(roles, transient, phases, resident, peak, {"tp": tp, "pp": pp, "dp": dp, "seq": seq})
+    return Plan(roles, transient, phases, resident, peak, {"tp": tp, "pp": pp, "dp": dp, "seq": seq}, host)
 
 
 def recommend(config: RLHFConfig, world_size: int, budget: int, seq_length: Optional[int] = None) -> Tuple[Optional[Dict[str, EMSSwitches]], Plan]:

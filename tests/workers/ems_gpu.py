@@ -36,5 +36,5 @@ for _ in range(3):
         during = levels()
     rounds.append({"before": before, "during": during, "after": levels(),
                    "state": sum(role.memory.resident_bytes().values())})
-pinned = [h.is_pinned() for mover in role.memory._movers.values() for _, h in mover._host.values()]
+pinned = [m._arena.is_pinned() for m in role.memory._movers.values() if m._arena is not None]
 save({"rounds": rounds, "pinned": pinned})

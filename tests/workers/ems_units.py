@@ -5,7 +5,7 @@ import torch
 from common import save, setup, tiny_arch
 
 from megatron_rlhf.config.schema import RoleConfig
-from megatron_rlhf.memory import GRADS, MAIN_PARAMS, OPTIMIZER_STATE, GradientsInUse
+from megatron_rlhf.memory import GRADS, MAIN_PARAMS, OPTIMIZER_STATE, WEIGHTS, GradientsInUse
 from megatron_rlhf.models.llama import build_model
 from megatron_rlhf.models.pipeline import forward_backward
 from megatron_rlhf.models.training import next_token_loss, wrap_for_training
@@ -31,9 +31,13 @@ with role.resident("training"):
     role.train_step(mbs, next_token_loss)
 memory = role.memory
 
-# Idempotence and reuse: a second offload moves nothing; host buffers survive round trips.
+# Idempotence and reuse: a second offload moves nothing; host arenas survive round trips and hold
+# exactly the bytes offloaded.
+memory.onload()
+moved = sum(memory.resident_bytes()[k] for k in (WEIGHTS, MAIN_PARAMS, OPTIMIZER_STATE))
 memory.offload()
-host_ptrs = sorted(h.data_ptr() for _, h in memory._movers[OPTIMIZER_STATE]._host.values())
+result["offloaded_and_host_bytes"] = (moved, memory.host_bytes())
+host_ptrs = memory._movers[OPTIMIZER_STATE]._arena.data_ptr()
 host_bytes = memory.host_bytes()
 memory.offload()
 result["idempotent_offload_host_bytes"] = (host_bytes, memory.host_bytes())
@@ -41,14 +45,18 @@ with role.resident("training"):
     weights = {n: p.detach().clone() for n, p in role.model.named_parameters()}
     memory.onload()  # onloading what is resident is a no-op
     result["onload_twice_same"] = all(torch.equal(weights[n], p) for n, p in role.model.named_parameters())
-result["host_buffers_reused"] = host_ptrs == sorted(
-    h.data_ptr() for _, h in memory._movers[OPTIMIZER_STATE]._host.values()
-) and memory.host_bytes() == host_bytes
-result["host_bytes_equal_moved_state"] = host_bytes
+result["host_buffers_reused"] = host_ptrs == memory._movers[OPTIMIZER_STATE]._arena.data_ptr() \
+    and memory.host_bytes() == host_bytes
 
-# An inference phase brings back the weights alone.
+# An inference phase brings back the weights alone, and only reads them: its offload copies nothing.
+# A phase that may write them (training, or a plain onload) makes the next offload copy again.
+copied = memory.copied_bytes()
 with role.resident("inference"):
     result["inference_resident"] = memory.resident_bytes()
+result["copied_by_inference_offload"] = memory.copied_bytes() - copied
+memory.onload([WEIGHTS])
+memory.offload()
+result["copied_after_plain_onload"] = memory.copied_bytes() - copied
 
 # Gradients mid-accumulation are never silently discarded.
 with role.resident("training"):
