@@ -156,12 +156,16 @@ def main(argv=None) -> int:
     world, per_node, tp, pp, dp = layout
     if tp > per_node:
         print(f"warning: TP={tp} > GPUS_PER_NODE={per_node}: tensor-parallel traffic crosses nodes", file=sys.stderr)
+    # EMS frees large storages and grows them back at every phase: expandable segments let the CUDA
+    # allocator map and unmap them in place instead of leaving fragments of fixed segments reserved.
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     os.environ.update(env)
     if dry:
         from megatron_rlhf.dry_run import dry_run, parse_bytes
 
         return dry_run(config_file, world, per_node, parse_bytes(env.get("GPU_MEMORY", "80GiB")))
-    what = f"{env['MODEL_SIZE']}, {world} GPUs (TP={tp} PP={pp} DP={dp}), output {env['OUTPUT_DIR']}"
+    what = (f"{env['MODEL_SIZE']}, {world} GPUs (TP={tp} PP={pp} DP={dp}), output {env['OUTPUT_DIR']}, "
+            f"PYTORCH_CUDA_ALLOC_CONF={env['PYTORCH_CUDA_ALLOC_CONF']}")
     if env.get("CHECK_ONLY") == "1":
         print(f"{args.name}: inputs checked: {what}")
         return 0

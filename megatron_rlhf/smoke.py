@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     ledger_path = os.path.join(args.output_dir, "memory.jsonl")
     if rank0 and os.path.exists(ledger_path):
         os.remove(ledger_path)  # this run's ledger, not appended to an earlier one
-    ledger = MemoryLedger(ledger_path if rank0 else None)
+    ledger = MemoryLedger(ledger_path if rank0 else None, guard=config.trainer.memory_guard)
     roles = {}
     for name in config.model_roles:
         start = time.perf_counter()

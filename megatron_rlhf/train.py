@@ -379,7 +379,7 @@ def _run(prepared: Prepared) -> list:
     if rank0 and os.path.exists(ledger_path) and resume_from is None:
         os.remove(ledger_path)  # a fresh run's ledger, not appended to an old one
     controller = PPOController(config, prepared.dataset, prepared.tokenizer, prepared.reward_function,
-                               MemoryLedger(ledger_path if rank0 else None))
+                               MemoryLedger(ledger_path if rank0 else None, guard=config.trainer.memory_guard))
     if resume_from is not None:
         controller.load_state_dict(load_ppo_checkpoint(controller.roles, resume_from))
         if rank0:

@@ -59,6 +59,15 @@ def test_moves_are_idempotent_reuse_host_buffers_and_protect_gradients(ems_units
     assert r["fixed_addresses_without_ems"] == ()
 
 
+def test_the_leak_guard_reports_a_tensor_kept_on_the_device_across_an_offload(ems_units):
+    r = ems_units
+    assert r["clean_offload_reports"] == []
+    expected = f"ppo_policy: weights: {r['planted_bytes']:,} bytes still on the device after its offload (inference)"
+    assert r["leak_warning"] == [f"EMS leak guard: {expected}"] and r["planted_bytes"] > 0
+    assert r["leak_error"] == (f"iteration 0: EMS leak guard (trainer.memory_guard: error): {expected}; "
+                               "set trainer.memory_guard: warn to go on regardless")
+
+
 def test_freeing_grads_and_optimizer_state_lowers_rss_on_cpu(ems_units):
     r = ems_units["rss"]
     print(f"RSS {r['before'] / 2**20:.1f} -> {r['after'] / 2**20:.1f} MiB; freed state "

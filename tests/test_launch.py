@@ -16,7 +16,8 @@ RUN_PPO = REPO / "examples" / "llama2" / "run_ppo.sh"
 SBATCH = REPO / "examples" / "llama2" / "slurm" / "run_ppo.sbatch"
 GIB = 2**30
 LAUNCH_VARS = ("TP", "PP", "NNODES", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-               "ROLLOUT_BATCH_SIZE", "ITERATIONS", "OUTPUT_DIR", "PROMPT_FILE", "KL_COEF", "MAX_NEW_TOKENS")
+               "ROLLOUT_BATCH_SIZE", "ITERATIONS", "OUTPUT_DIR", "PROMPT_FILE", "KL_COEF", "MAX_NEW_TOKENS",
+               "PYTORCH_CUDA_ALLOC_CONF")
 
 
 def _tool(name: str) -> str:
@@ -101,6 +102,10 @@ def test_run_ppo_refuses_bad_inputs_before_launching(tmp_path):
 
     ok = _run_ppo(tmp_path, MODEL_SIZE="tiny", PROMPT_FILE="prompts.jsonl", CHECK_ONLY="1")
     assert ok.returncode == 0 and "inputs checked: tiny, 2 GPUs (TP=2 PP=1 DP=1)" in ok.stdout, ok.stderr
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in ok.stdout  # set unless the user set it
+    mine = _run_ppo(tmp_path, MODEL_SIZE="tiny", PROMPT_FILE="prompts.jsonl", CHECK_ONLY="1",
+                    PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512")
+    assert "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512" in mine.stdout, mine.stderr
 
 
 def test_run_ppo_finds_the_repository_venv_and_says_when_the_package_is_missing(tmp_path):

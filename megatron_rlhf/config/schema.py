@@ -228,6 +228,10 @@ class TrainerConfig:
     # checkpoint stays the last finite state), or "skip" that optimizer step and count it
     # (metrics <role>/skipped_steps).
     on_non_finite: Literal["stop", "skip"] = "stop"
+    # EMS leak guard, after every offload: device bytes left by an offloaded kind, or allocated /
+    # reserved device memory grown since the same moment of the first iteration (CUDA): "warn",
+    # "error" (stop the run), or "off".
+    memory_guard: Literal["off", "warn", "error"] = "warn"
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """EMS: per-role offload/onload of weights, grad buffers and optimizer state; the memory ledger."""
 
-from megatron_rlhf.memory.ledger import MemoryLedger
+from megatron_rlhf.memory.ledger import MemoryLeak, MemoryLeakWarning, MemoryLedger
 from megatron_rlhf.memory.manager import (
     GRADS,
     KV_CACHE,
@@ -25,6 +25,8 @@ __all__ = [
     "KV_CACHE",
     "LEDGER_KINDS",
     "MAIN_PARAMS",
+    "MemoryLeak",
+    "MemoryLeakWarning",
     "MemoryLedger",
     "OFFLOAD_ORDER",
     "OPTIMIZER_STATE",

@@ -9,16 +9,39 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Dict, List, Optional
+import warnings
+from typing import Dict, List, Optional, Tuple
 
+from megatron_rlhf.errors import RunError
 from megatron_rlhf.memory.manager import LEDGER_KINDS, TRANSIENT_KINDS, RoleMemory
 from megatron_rlhf.runtime.platform import DevicePlatform, get_platform
 
 
+# Device memory may grow this much between the same moments of two iterations before the guard
+# speaks: one large allocator segment (CUDA rounds large blocks to 2 MiB; small ones live in 2 MiB
+# segments too).
+GROWTH_TOLERANCE = 2 * 2**20
+
+
+class MemoryLeak(RunError):
+    """Device memory that EMS should have released is still held (memory_guard: error)."""
+
+
+class MemoryLeakWarning(UserWarning):
+    pass
+
+
 class MemoryLedger:
-    def __init__(self, path: Optional[str] = None, platform: Optional[DevicePlatform] = None):
-        """``path``: the JSONL file to append to (None: keep records in memory only)."""
+    def __init__(self, path: Optional[str] = None, platform: Optional[DevicePlatform] = None, guard: str = "warn"):
+        """``path``: the JSONL file to append to (None: keep records in memory only). ``guard``:
+        after every offload, check for device memory left behind ("warn", "error" or "off")."""
+        if guard not in ("off", "warn", "error"):
+            raise ValueError(f"guard must be off, warn or error, got {guard!r}")
         self.path = path
+        self.guard = guard
+        self.leaks: List[str] = []
+        self._first_iteration: Dict[Tuple, Dict[str, int]] = {}  # (role, phase, n-th offload) -> device figures
+        self._offloads_this_iteration: Dict[Tuple, int] = {}
         self.platform = platform or get_platform()
         self.roles: Dict[str, RoleMemory] = {}
         self.records: List[dict] = []
@@ -62,11 +85,36 @@ class MemoryLedger:
             )
         self.moments += 1
         self.records.extend(records)
+        if event == "offload" and active_role in self.roles and self.guard != "off":
+            self._check(active_role, phase, stats)
         if self.path is not None:
             with open(self.path, "a", encoding="utf-8") as f:
                 for r in records:
                     f.write(json.dumps(r) + "\n")
         return records
+
+    def _check(self, role: str, phase: str, stats: Dict[str, int]) -> None:
+        """The leak guard after ``role``'s offload: what its offloaded kinds still hold, and (where
+        the allocator reports them) allocated and reserved bytes against the same moment of the
+        first iteration the guard saw."""
+        found = [f"{role}: {kind}: {held:,} bytes still on the device after its offload ({phase})"
+                 for kind, held in self.roles[role].leftovers().items()]
+        key = (role, phase, self.iteration)
+        nth = self._offloads_this_iteration[key] = self._offloads_this_iteration.get(key, 0) + 1
+        moment = (role, phase, nth)
+        figures = {k: stats[k] for k in ("allocated", "reserved") if k in stats}
+        first = self._first_iteration.setdefault(moment, dict(figures, iteration=self.iteration))
+        for name, value in figures.items():
+            grown = value - first[name]
+            if first["iteration"] != self.iteration and grown > GROWTH_TOLERANCE:
+                found.append(f"{role}: {name} device memory after its offload ({phase}) grew by {grown:,} bytes "
+                             f"since iteration {first['iteration']} ({first[name]:,} -> {value:,})")
+        for problem in found:
+            self.leaks.append(problem)
+            if self.guard == "error":
+                raise MemoryLeak(f"iteration {self.iteration}: EMS leak guard (trainer.memory_guard: error): {problem}; "
+                                 "set trainer.memory_guard: warn to go on regardless")
+            warnings.warn(f"EMS leak guard: {problem}", MemoryLeakWarning, stacklevel=3)
 
     def role_peak_bytes(self) -> Dict[str, int]:
         """Per role, the most of its state ever resident: what it would hold if it never left."""

@@ -252,6 +252,24 @@ class RoleMemory:
         }
         return {**state, **{kind: storage_bytes(self._transient.get(kind, [])) for kind in TRANSIENT_KINDS}}
 
+    def leftovers(self) -> Dict[str, int]:
+        """Device bytes still held by kinds that are off the device, counted from every tensor that
+        belongs to the kind as the model and optimizer see it (each parameter, each main_grad, each
+        optimizer tensor), not from the storages EMS moved: a tensor re-pointed behind EMS's back
+        shows here."""
+        params = list(self.model.parameters())
+        seen = {
+            WEIGHTS: params,
+            GRADS: [p.main_grad for p in params if getattr(p, "main_grad", None) is not None],
+        }
+        out = {}
+        for kind in OFFLOAD_ORDER:
+            if not self.is_resident(kind):
+                held = storage_bytes(seen.get(kind) or self.tensors(kind))
+                if held:
+                    out[kind] = held
+        return out
+
     def host_bytes(self) -> int:
         """Bytes of this role's host arenas."""
         return sum(m.host_bytes() for m in self._movers.values())

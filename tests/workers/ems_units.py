@@ -72,6 +72,34 @@ with role.resident("training"):
 memory.offload([GRADS])
 result["grads_freed_after_step"] = memory.resident_bytes()[GRADS]
 
+# The leak guard: a parameter re-pointed to a storage of its own while the role is on the device
+# (a tensor kept on the device across an offload) is reported after the offload, as a warning or an
+# error; a clean offload reports nothing.
+import warnings  # noqa: E402
+
+from megatron_rlhf.memory import MemoryLeak, MemoryLeakWarning, MemoryLedger  # noqa: E402
+
+leaky = make_role(arch, free_memory=True)
+ledger = MemoryLedger(guard="warn")
+ledger.track(leaky.memory)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with leaky.resident("training"):
+        leaky.train_step(mbs, next_token_loss)
+    result["clean_offload_reports"] = list(ledger.leaks)
+    with leaky.resident("inference"):
+        planted = next(p for p in leaky.model.parameters() if p.dim() == 2)
+        planted.data = planted.data.clone()
+result["leak_warning"] = [str(w.message) for w in caught if issubclass(w.category, MemoryLeakWarning)]
+result["planted_bytes"] = planted.untyped_storage().nbytes()
+ledger.guard = "error"
+try:
+    with leaky.resident("inference"):
+        pass
+    result["leak_error"] = "nothing raised"
+except MemoryLeak as e:
+    result["leak_error"] = str(e)
+
 # A model built with settings that need fixed device addresses is refused by EMS, not by EMS off.
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 
