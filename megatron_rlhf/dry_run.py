@@ -166,9 +166,11 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
             optimizer = "Adam, dist" if rc.use_distributed_optimizer else "Adam"
         else:
             global_batch = accum = optimizer = "-"
-        kinds = [k for k in EMSSwitches.from_role_config(rc).kinds() if role in TRAINABLE_ROLES or k == "weights"]
+        kinds = [k for k in EMSSwitches.from_role_config(rc, auto=False).kinds() if role in TRAINABLE_ROLES or k == "weights"]
         owner = config.weight_owner(role)
-        if owner:
+        if rc.free_memory == "auto":
+            kinds = ["auto (chosen at start-up from the free device memory)"]
+        elif owner:
             kinds = [k for k in kinds if k != "weights"] + [f"(weights are {owner}'s)"]
         lines.append(
             f"{role:<11}{network:<14}{_count(params):>9}  {ROLE_HEADS[role]:<8}{rc.precision:<6}"

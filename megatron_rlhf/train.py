@@ -368,12 +368,19 @@ def _run(prepared: Prepared) -> list:
 
     from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint, save_ppo_checkpoint
     from megatron_rlhf.controller import PPOController
+    from megatron_rlhf.errors import RunError
     from megatron_rlhf.memory import MemoryLedger
+    from megatron_rlhf.memory.auto import resolve_free_memory
     from megatron_rlhf.runtime import destroy_distributed, init_distributed
 
     config, output_dir, resume_from = prepared.config, prepared.output_dir, prepared.resume_from
     init_distributed(config.parallel, seed=config.seed)
     rank0 = dist.get_rank() == 0
+    if resolve_free_memory(config, dist.get_world_size(), output_dir):
+        try:  # the arenas of the switches just chosen
+            _check_host_memory(config, dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+        except ConfigError as e:
+            raise RunError(str(e)) from None
     started = time.perf_counter()
     ledger_path = os.path.join(output_dir, "memory.jsonl")
     if rank0 and os.path.exists(ledger_path) and resume_from is None:

@@ -4,6 +4,7 @@ import pytest
 
 from megatron_rlhf.config import load_config
 from megatron_rlhf.memory import planner
+from tests.conftest import REPO
 
 
 def test_planned_state_bytes_equal_the_ledger_under_several_layouts(workers):
@@ -91,3 +92,36 @@ def test_a_critic_free_plan_has_no_value_roles_and_counts_every_response(monkeyp
     # The KV cache holds 8 prompts x 4 responses, as generation decodes them.
     arch, seq = config.policy.model, plan.layout["seq"]
     assert plan.transient["policy"]["kv_cache"] == planner.kv_cache_bytes(arch, 32, seq, 2, 1, config.policy.precision)
+
+
+@pytest.mark.parametrize("size", ["7b", "13b", "70b"])
+def test_free_memory_auto_chooses_what_the_plan_command_recommends(size, monkeypatch):
+    """The start-up choice (memory/auto.py, every role on auto) against the recommendation of the
+    dry run's memory report (`python -m megatron_rlhf.plan --gpu-memory`), for the Llama-2 presets
+    of run_ppo.sh at 80 and 40 GiB."""
+    import re
+
+    from megatron_rlhf.config import ROLE_NAMES, load_config
+    from megatron_rlhf.dry_run import memory_report
+    from megatron_rlhf.launch import resolve_environment
+    from megatron_rlhf.memory.auto import choose_free_memory
+
+    config_file = REPO / "examples/llama2/rlhf.yaml"
+    env = {"MODEL_SIZE": size}
+    assert resolve_environment(env, str(config_file.parent), str(REPO)) == []
+    world = int(env["NNODES"]) * int(env["GPUS_PER_NODE"])
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    configured = load_config(str(config_file), world_size=world, check_inputs=False)
+    for role in ROLE_NAMES:
+        monkeypatch.setenv(f"free_memory_{role}", "auto")
+    auto = load_config(str(config_file), world_size=world, check_inputs=False)
+    assert all(auto.role(r).free_memory == "auto" for r in auto.model_roles)
+    for gib in (80, 40):
+        text, fits = memory_report(configured, world, gib * 2**30)
+        switches, _ = choose_free_memory(auto, world, gib * 2**30)
+        assert (switches is not None) == fits, (size, gib)
+        if fits:
+            listed = re.search(r"when these leave the device while idle: (.*)", text).group(1)
+            chosen = "; ".join(f"{r}: {', '.join(s.kinds())}" for r, s in switches.items() if s.kinds()) or "nothing"
+            assert chosen == listed, (size, gib)

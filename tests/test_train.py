@@ -90,6 +90,17 @@ def test_free_memory_changes_no_number(demo_runs):
     assert without_times(metrics(base / "on")) == without_times(metrics(base / "off"))
 
 
+def test_free_memory_auto_chooses_at_start_up_says_why_and_changes_no_number(demo_runs):
+    base, _, _ = demo_runs
+    run = train(base / "auto", env={**{v: "auto" for v in FREE_MEMORY_VARS}, "ITERATIONS": "3"})
+    choice = json.loads((base / "auto" / "free_memory_auto.json").read_text())
+    assert set(choice["roles"]) == {"policy", "reference", "value", "ppo_policy", "ppo_value"}
+    # The CPU's free RAM holds the tiny demo with nothing offloaded: the fewest offloads are none.
+    assert choice["chosen"] == {r: [] for r in choice["roles"]} and choice["device_free_bytes"] > choice["peak_bytes"]
+    assert f"free_memory: auto: {choice['reason']}" in run.stdout and "offloading nothing gives" in choice["reason"]
+    assert without_times(metrics(base / "auto")) == without_times(metrics(base / "on"))[:3]
+
+
 def test_metrics_ledger_and_tensorboard_are_written(demo_runs):
     base, _, _ = demo_runs
     rows = metrics(base / "on")

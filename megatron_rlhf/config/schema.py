@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, Literal, Optional
+from typing import Dict, Literal, Optional, Union
 
 from megatron_rlhf.config.errors import located
 
@@ -81,8 +81,9 @@ class RoleConfig:
     precision: Literal["fp32", "bf16"] = "bf16"
     load: Optional[str] = None  # checkpoint directory to load weights from
     # EMS: ``free_memory`` turns on every switch that applies to the role; each switch can also be
-    # set on its own (None: follow free_memory).
-    free_memory: bool = False
+    # set on its own (None: follow free_memory). ``auto``: at start-up, the fewest switches that make
+    # the planner's peak fit the device's free memory (memory/auto.py).
+    free_memory: Union[bool, Literal["auto"]] = False
     offload_weights: Optional[bool] = None
     free_grad_buffers: Optional[bool] = None
     offload_optimizer_state: Optional[bool] = None
@@ -108,10 +109,16 @@ class RoleConfig:
     # the serving role reads those weights first. Accepted only to be refused with the reason.
     overlap_param_gather: bool = False
 
-    def ems_switch(self, name: str) -> bool:
+    def ems_switch(self, name: str, auto: Optional[bool] = None) -> bool:
         """An EMS switch (offload_weights, free_grad_buffers, offload_optimizer_state) as it
-        applies: its own value when set, else ``free_memory``."""
+        applies: its own value when set, else ``free_memory``; under ``free_memory: auto`` before
+        the choice is made, ``auto`` (planning: what to assume) or an error."""
         value = getattr(self, name)
+        if value is None and self.free_memory == "auto":
+            if auto is not None:
+                return auto
+            raise RuntimeError(f"free_memory: auto is chosen at start-up (memory.auto.choose_free_memory); {name} "
+                               "was asked before")
         return self.free_memory if value is None else value
 
 

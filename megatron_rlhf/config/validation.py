@@ -131,6 +131,8 @@ def weight_sharing_notes(config: RLHFConfig) -> List[str]:
         owner = config.weight_owner(serving) if serving in config.model_roles else None
         if owner is None:
             continue
+        if "auto" in (config.role(serving).free_memory, config.role(owner).free_memory):
+            continue  # chosen at start-up
         mine, theirs = (config.role(r).ems_switch("offload_weights") for r in (serving, owner))
         if mine != theirs:
             who, other = (serving, owner) if mine else (owner, serving)
@@ -154,8 +156,9 @@ def _fixed_address_problems(config: RLHFConfig) -> List[str]:
         # What moves this role's storages: its own switches, and the offload_weights of a serving
         # role that shares its weights.
         sharing = [s for s in config.served_weights if s in config.model_roles and config.weight_owner(s) == role]
-        moving = [f"{role}.{k}" for k in EMS_SWITCHES if rc.ems_switch(k)] + [
-            f"{s}.offload_weights" for s in sharing if config.role(s).ems_switch("offload_weights")]
+        # free_memory: auto may turn any switch on.
+        moving = [f"{role}.{k}" for k in EMS_SWITCHES if rc.ems_switch(k, auto=True)] + [
+            f"{s}.offload_weights" for s in sharing if config.role(s).ems_switch("offload_weights", auto=True)]
         settings = [("cuda_graph_impl", rc.cuda_graph_impl, "none",
                      "CUDA graphs replay the device addresses they captured"),
                     ("nccl_ub", rc.nccl_ub, False, "NCCL registers DDP's buffers once, at their first address")]

@@ -65,11 +65,13 @@ class EMSSwitches:
     empty_cache: bool = True
 
     @classmethod
-    def from_role_config(cls, rc) -> "EMSSwitches":
+    def from_role_config(cls, rc, auto: Optional[bool] = None) -> "EMSSwitches":
+        """The role's switches; ``auto``: what a switch not yet chosen by free_memory: auto counts
+        as (planning only; None: such a switch is an error)."""
         return cls(
-            offload_weights=rc.ems_switch("offload_weights"),
-            free_grad_buffers=rc.ems_switch("free_grad_buffers"),
-            offload_optimizer_state=rc.ems_switch("offload_optimizer_state"),
+            offload_weights=rc.ems_switch("offload_weights", auto),
+            free_grad_buffers=rc.ems_switch("free_grad_buffers", auto),
+            offload_optimizer_state=rc.ems_switch("offload_optimizer_state", auto),
             empty_cache=rc.empty_cache,
         )
 

@@ -167,7 +167,8 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
     seq = seq_length or (config.data.max_prompt_length + config.generation.max_new_tokens)
     rollout_per_rank = config.rollout_samples // dp
     decoded_at_once = min(rollout_per_rank, config.generation.batch_size or rollout_per_rank)
-    switches = switches or {r: EMSSwitches.from_role_config(config.role(r)) for r in config.model_roles}
+    # Roles still on free_memory: auto are planned with nothing offloaded (recommend() chooses).
+    switches = switches or {r: EMSSwitches.from_role_config(config.role(r), auto=False) for r in config.model_roles}
     roles: Dict[str, Dict[str, int]] = {}
     transient: Dict[str, Dict[str, int]] = {}
     for name in config.model_roles:
@@ -212,15 +213,19 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
     return Plan(roles, transient, phases, resident, peak, {"tp": tp, "pp": pp, "dp": dp, "seq": seq}, host)
 
 
-def recommend(config: RLHFConfig, world_size: int, budget: int, seq_length: Optional[int] = None) -> Tuple[Optional[Dict[str, EMSSwitches]], Plan]:
+def recommend(config: RLHFConfig, world_size: int, budget: int, seq_length: Optional[int] = None,
+              free_roles: Optional[Tuple[str, ...]] = None) -> Tuple[Optional[Dict[str, EMSSwitches]], Plan]:
     """The least offloading that fits ``budget`` bytes: starting from every switch off, turn on
     one at a time the switch that lowers the peak most (or, where phases tie at the peak, the sum
-    over phases most), until it fits. Returns (switches, plan); switches is None when even
-    everything offloaded does not fit."""
+    over phases most), until it fits. ``free_roles``: the roles whose switches may be chosen
+    (default: all); the others keep their configured switches. Returns (switches, plan);
+    switches is None when even everything offloaded does not fit."""
+    free_roles = config.model_roles if free_roles is None else free_roles
     off = EMSSwitches(offload_weights=False, free_grad_buffers=False, offload_optimizer_state=False)
-    chosen = {r: off for r in config.model_roles}
+    chosen = {r: off if r in free_roles else EMSSwitches.from_role_config(config.role(r), auto=False)
+              for r in config.model_roles}
     current = plan(config, world_size, chosen, seq_length)
-    options = [(r, f) for r in config.model_roles for f in ("offload_weights", "free_grad_buffers", "offload_optimizer_state")
+    options = [(r, f) for r in free_roles for f in ("offload_weights", "free_grad_buffers", "offload_optimizer_state")
                if r in TRAINABLE_ROLES or f == "offload_weights"]
     def score(p: Plan) -> Tuple[int, int]:
         return p.peak_bytes, sum(p.phases.values())

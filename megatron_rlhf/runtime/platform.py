@@ -82,6 +82,12 @@ class DevicePlatform:
         """Allocator figures on CUDA, process RSS on CPU, in bytes."""
         raise NotImplementedError
 
+    def device_free_bytes(self) -> int:
+        """Device memory free now (on CPU, the RAM available)."""
+        import psutil
+
+        return psutil.virtual_memory().available
+
     def reset_peak_memory_stats(self) -> None:
         """Start a new peak-measurement window."""
 
@@ -168,6 +174,9 @@ class CudaPlatform(DevicePlatform):
 
     def reset_peak_memory_stats(self) -> None:
         torch.cuda.reset_peak_memory_stats()
+
+    def device_free_bytes(self) -> int:
+        return torch.cuda.mem_get_info(self._device)[0]
 
 
 def _load_libc():

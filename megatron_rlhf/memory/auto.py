@@ -1,0 +1,86 @@
+"""``free_memory: auto``: at start-up, before any model is built, the fewest EMS switches of the
+roles set to auto that make the planner's peak fit the device memory free on every rank. The
+choice is the planner's own recommendation (``recommend``, the same as `python -m
+megatron_rlhf.plan --gpu-memory`), printed with its reason and written to the output directory."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Optional, Tuple
+
+from megatron_rlhf.config.schema import RLHFConfig
+from megatron_rlhf.memory.manager import EMSSwitches
+from megatron_rlhf.memory.planner import Plan, plan, recommend
+
+CHOICE_FILE = "free_memory_auto.json"
+
+
+def auto_roles(config: RLHFConfig) -> Tuple[str, ...]:
+    return tuple(r for r in config.model_roles if config.role(r).free_memory == "auto")
+
+
+def choose_free_memory(config: RLHFConfig, world_size: int, device_memory: int) -> Tuple[Optional[Dict[str, EMSSwitches]], Plan]:
+    """The switches of every role (auto roles chosen, the others as configured) and their plan;
+    None when even every auto role offloaded does not fit ``device_memory``."""
+    return recommend(config, world_size, device_memory, free_roles=auto_roles(config))
+
+
+def apply_choice(config: RLHFConfig, switches: Dict[str, EMSSwitches]) -> None:
+    """Write the chosen switches into the auto roles' configs (a switch set explicitly stays)."""
+    for role in auto_roles(config):
+        rc = config.role(role)
+        for field in ("offload_weights", "free_grad_buffers", "offload_optimizer_state"):
+            if getattr(rc, field) is None:
+                setattr(rc, field, getattr(switches[role], field))
+
+
+def describe(config: RLHFConfig, world_size: int, device_memory: int, switches, fitted: Plan) -> dict:
+    from megatron_rlhf.dry_run import human
+
+    roles = auto_roles(config)
+    nothing = plan(config, world_size)  # auto roles with nothing offloaded
+    chosen = {r: list(switches[r].kinds()) if switches else None for r in roles}
+    moved = "; ".join(f"{r}: {', '.join(k)}" for r, k in chosen.items() if k) or "nothing"
+    if switches is None:
+        reason = (f"does not fit: with every switch of {', '.join(roles)} on, the peak is {human(fitted.peak_bytes)} "
+                  f"({fitted.peak_phase}) against {human(device_memory)} free on the device")
+    else:
+        reason = (f"{human(device_memory)} free on the device (the least over the ranks); with nothing offloaded the "
+                  f"peak would be {human(nothing.peak_bytes)} ({nothing.peak_phase}); offloading {moved} gives "
+                  f"{human(fitted.peak_bytes)} ({fitted.peak_phase})")
+    return {"roles": list(roles), "device_free_bytes": device_memory, "chosen": chosen,
+            "peak_bytes": fitted.peak_bytes, "peak_phase": fitted.peak_phase,
+            "peak_bytes_without_offload": nothing.peak_bytes, "reason": reason}
+
+
+def resolve_free_memory(config: RLHFConfig, world_size: int, output_dir: str) -> Optional[dict]:
+    """Choose the auto roles' switches from the device memory free now (the least over all ranks,
+    so every rank chooses alike), apply them, print and record the choice (rank 0). Needs the
+    process group; raises RunError when nothing fits."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rlhf.errors import RunError
+    from megatron_rlhf.runtime.platform import get_platform
+
+    if not auto_roles(config):
+        return None
+    platform = get_platform()
+    free = torch.tensor([platform.device_free_bytes()], dtype=torch.int64, device=platform.device)
+    dist.all_reduce(free, op=dist.ReduceOp.MIN)
+    device_memory = int(free.item())
+    switches, fitted = choose_free_memory(config, world_size, device_memory)
+    record = describe(config, world_size, device_memory, switches, fitted)
+    if switches is None:
+        raise RunError(f"free_memory: auto: {record['reason']}; raise TP/PP, enable recompute_activations or lower "
+                       "micro-batch and sequence sizes", collective=True)
+    apply_choice(config, switches)
+    if dist.get_rank() == 0:
+        print(f"free_memory: auto: {record['reason']}", flush=True)
+        os.makedirs(output_dir, exist_ok=True)
+        path = os.path.join(output_dir, CHOICE_FILE)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2)
+        os.replace(path + ".tmp", path)
+    return record
