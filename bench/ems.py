@@ -1,6 +1,8 @@
-"""EMS benchmark: for one model size, the offload and onload time of each kind of state, the memory
-before and after, the ratio of a training step's time with EMS to without, and the peak memory of
-all six roles colocated with EMS on and off. Everything is measured side by side in one run.
+"""EMS benchmark: for one model size, the offload and onload time of each kind of state and its GB/s
+next to the machine's copy limit (memcpy bandwidth on CPU; page-locked host <-> device bandwidth on
+CUDA), the memory before and after, the EMS share of a training step (its time with a full onload
+and offload around it against without), and the peak memory of all six roles colocated with EMS on
+and off. Everything is measured side by side in one run.
 
     python bench/ems.py --preset tiny
     python bench/ems.py --hidden 1024 --layers 8 --heads 16 --groups 4 --ffn 2816 --vocab 32000
@@ -25,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, ModelArchConfig, ParallelConfig, RoleConfig  # noqa: E402
-from megatron_rlhf.memory import OFFLOAD_ORDER, MemoryLedger  # noqa: E402
+from megatron_rlhf.memory import OFFLOAD_ORDER, WEIGHTS, MemoryLedger  # noqa: E402
 from megatron_rlhf.models.llama import build_model  # noqa: E402
 from megatron_rlhf.config.presets import LLAMA_PRESETS  # noqa: E402
 from megatron_rlhf.models.training import next_token_loss, scalar_regression_loss, wrap_for_training  # noqa: E402
@@ -87,6 +89,25 @@ def batch(arch, args, device):
     return [{"tokens": tokens}]
 
 
+def copy_limit(platform, nbytes: int, repeats: int = 5) -> dict:
+    """The machine's bandwidth for copies of ``nbytes`` in GB/s: device -> host and host -> device
+    with EMS's own host arenas (on CPU both are memcpy within RAM)."""
+    device = torch.empty(nbytes, dtype=torch.uint8, device=platform.device)
+    host = platform.host_arena(nbytes)
+    rates = {}
+    for name, dst, src in (("to_host", host, device), ("to_device", device, host)):
+        times = []
+        for _ in range(repeats):
+            platform.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            platform.synchronize()
+            times.append(time.perf_counter() - t0)
+        rates[name] = nbytes / statistics.median(times) / 1e9
+    platform.release_host_arena(host)
+    return rates
+
+
 def per_kind_round_trips(role, args, platform):
     """Offload then onload each kind alone, ``repeats`` times; median seconds and memory."""
     rows = []
@@ -105,7 +126,7 @@ def per_kind_round_trips(role, args, platform):
             platform.empty_cache()
             after = memory_figure(platform)
             t2 = time.perf_counter()
-            memory.onload([kind])
+            memory.onload([kind])  # not read-only: the next offload copies again
             t3 = time.perf_counter()
             off_times.append(t1 - t0)
             on_times.append(t3 - t2)
@@ -114,6 +135,19 @@ def per_kind_round_trips(role, args, platform):
             "offload_s": statistics.median(off_times), "onload_s": statistics.median(on_times),
             "memory_before": before, "memory_after_offload": after,
         })
+    # Weights that an inference phase only read: the offload frees them without a copy.
+    clean = []
+    for _ in range(args.repeats):
+        memory.offload([WEIGHTS])
+        memory.onload([WEIGHTS], read_only=True)
+        platform.synchronize()
+        t0 = time.perf_counter()
+        memory.offload([WEIGHTS])
+        platform.synchronize()
+        clean.append(time.perf_counter() - t0)
+        memory.onload([WEIGHTS])
+    rows.append({"kind": "weights (clean)", "bytes": memory.resident_bytes()[WEIGHTS],
+                 "offload_s": statistics.median(clean), "onload_s": float("nan"), "copied": 0})
     return rows
 
 
@@ -179,19 +213,33 @@ def main():
         role.train_step(mbs, next_token_loss)  # creates Adam's state
     role.memory.onload()
     figures = {"round_trips": per_kind_round_trips(role, args, platform)}
-
-    say(f"\n{'kind':<16}{'MiB':>10}{'offload ms':>12}{'onload ms':>12}{'GB/s off':>10}"
-        f"{'mem before MiB':>16}{'after MiB':>11}")
+    largest = max(r["bytes"] for r in figures["round_trips"])
+    figures["copy_limit_gb_s"] = limit = copy_limit(platform, largest)
+    say(f"\ncopy limit ({'pinned host <-> device' if platform.name == 'cuda' else 'memcpy in RAM'}, "
+        f"{largest / MiB:.1f} MiB): {limit['to_host']:.2f} GB/s to the host, {limit['to_device']:.2f} GB/s back")
+    say(f"{'kind':<16}{'MiB':>10}{'offload ms':>12}{'onload ms':>12}{'GB/s off':>10}{'of limit':>10}"
+        f"{'GB/s on':>9}{'of limit':>10}{'mem before MiB':>16}{'after MiB':>11}")
     for r in figures["round_trips"]:
-        rate = r["bytes"] / r["offload_s"] / 1e9 if r["offload_s"] > 0 else float("nan")
+        off = r["bytes"] / r["offload_s"] / 1e9 if r["offload_s"] > 0 else float("nan")
+        on = r["bytes"] / r["onload_s"] / 1e9 if r["onload_s"] > 0 else float("nan")
+        r.update(offload_gb_s=off, onload_gb_s=on)
+        if "copied" in r:  # freed without a copy: its time is the resize alone
+            say(f"{r['kind']:<16}{r['bytes'] / MiB:>10.1f}{r['offload_s'] * 1e3:>12.2f}{'-':>12}{'no copy':>10}")
+            continue
+        if r["kind"] == "grads":  # freed, and rebuilt zeroed: nothing is copied either way
+            say(f"{r['kind']:<16}{r['bytes'] / MiB:>10.1f}{r['offload_s'] * 1e3:>12.2f}{r['onload_s'] * 1e3:>12.2f}"
+                f"{'freed':>10}{'':>10}{'zeroed':>9}{'':>10}{r['memory_before'] / MiB:>16.1f}{r['memory_after_offload'] / MiB:>11.1f}")
+            continue
         say(f"{r['kind']:<16}{r['bytes'] / MiB:>10.1f}{r['offload_s'] * 1e3:>12.2f}{r['onload_s'] * 1e3:>12.2f}"
-            f"{rate:>10.2f}{r['memory_before'] / MiB:>16.1f}{r['memory_after_offload'] / MiB:>11.1f}")
+            f"{off:>10.2f}{off / limit['to_host']:>10.2f}{on:>9.2f}{on / limit['to_device']:>10.2f}"
+            f"{r['memory_before'] / MiB:>16.1f}{r['memory_after_offload'] / MiB:>11.1f}")
 
     plain = step_times(role, arch, args, platform, ems=False)
     with_ems = step_times(role, arch, args, platform, ems=True)
-    figures["step_s"] = {"without_ems": plain, "with_ems": with_ems, "ratio": with_ems / plain}
+    share = (with_ems - plain) / with_ems
+    figures["step_s"] = {"without_ems": plain, "with_ems": with_ems, "ratio": with_ems / plain, "ems_share": share}
     say(f"\ntraining step: {plain * 1e3:.1f} ms without EMS, {with_ems * 1e3:.1f} ms with a full "
-        f"onload/offload around it: ratio {with_ems / plain:.2f}")
+        f"onload/offload around it: ratio {with_ems / plain:.2f}, EMS {share:.0%} of the step")
     del role
 
     if not args.no_six_roles:

@@ -15,6 +15,7 @@ every role brought onto the device only for its phase (EMS). Every rank runs thi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
@@ -71,7 +72,10 @@ class PPOController:
         tokenizer: Tokenizer,
         reward_function: Optional[RewardFunction],
         ledger: MemoryLedger,
+        overlap_budget: Optional[int] = None,
     ):
+        """``overlap_budget``: device bytes free at start-up; with it, each next role's onload
+        overlaps the current role's phase where the planner says both fit in it."""
         from megatron.core import parallel_state as ps
 
         self.config = config
@@ -88,6 +92,7 @@ class PPOController:
         for name in config.model_roles:
             self.roles[name] = build_role(name, config)
             ledger.track(self.roles[name].memory)
+        self.overlaps = self._overlaps(overlap_budget) if overlap_budget is not None else {}
         self.syncs = [
             WeightSync(self.roles[trained], self.roles[serving], share=config.weight_owner(serving) is not None)
             for serving, trained in config.served_weights.items()
@@ -98,6 +103,46 @@ class PPOController:
         )
         self.score_moments = ppo.RunningMoments()
         self.iteration = 0
+
+    def _successions(self) -> Dict[str, str]:
+        """Each role -> the role that always runs right after it within an iteration (none where
+        dynamic sampling may return to the policy)."""
+        dynamic = self.config.algorithm.dynamic_sampling
+        order = {}
+        if self.reward_function is None:
+            order["policy"] = "reward"
+            if not dynamic:
+                order["reward"] = "reference"
+        elif not dynamic:
+            order["policy"] = "reference"
+        order["reference"] = "value" if "value" in self.roles else "ppo_policy"
+        if "value" in self.roles:
+            order["value"] = "ppo_policy"
+        if "ppo_value" in self.roles:
+            order["ppo_policy"] = "ppo_value"
+        return order
+
+    def _overlaps(self, budget: int) -> Dict[str, str]:
+        """The successions whose onload may overlap (both phases fit in ``budget``), printed on rank 0."""
+        from megatron_rlhf.dry_run import human
+        from megatron_rlhf.memory.planner import overlap_fits, plan
+
+        planned = plan(self.config, dist.get_world_size())
+        pairs = {a: b for a, b in self._successions().items() if overlap_fits(self.config, planned, a, b, budget)}
+        if dist.get_rank() == 0:
+            print(f"overlap_onload: {human(budget)} free on the device; overlapping "
+                  f"{', '.join(f'{a} -> {b}' for a, b in pairs.items()) or 'nothing'}", flush=True)
+        return pairs
+
+    @contextlib.contextmanager
+    def _resident(self, name: str, phase: str):
+        """``name`` on the device for ``phase``; where the role that runs next may overlap, its
+        onload starts as soon as this role is on the device."""
+        with self.roles[name].resident(phase):
+            following = self.overlaps.get(name)
+            if following is not None:
+                self.roles[following].memory.prefetch("training" if self.roles[following].trainable else "inference")
+            yield
 
     # -- one iteration -------------------------------------------------------------------------
 
@@ -180,11 +225,11 @@ class PPOController:
                 "sampling/short_groups": float(short),
             })
         tokens, lengths = rows["tokens"], rows["prompt_lengths"] + rows["response_lengths"]
-        with self.roles["reference"].resident("inference"):
+        with self._resident("reference", "inference"):
             ref_log_probs = inference.log_probs(self.roles["reference"], tokens, lengths, self.vocab_size, cfg.generation.temperature)
         old_values = None
         if "value" in self.roles:
-            with self.roles["value"].resident("inference"):
+            with self._resident("value", "inference"):
                 old_values = inference.values(self.roles["value"], tokens, lengths)
         n = cfg.generation.samples_per_prompt
         rollout = Rollout(
@@ -207,7 +252,7 @@ class PPOController:
         indices = torch.tensor(batch["indices"]).repeat_interleave(n)
         seeds = stream_seeds(cfg.seed, self.iteration, round_, indices, torch.arange(n).repeat(len(batch["indices"])))
         policy, temperature = self.roles["policy"], cfg.generation.temperature
-        with policy.resident("inference"):
+        with self._resident("policy", "inference"):
             started = time.perf_counter()
             gen = generate(
                 policy.model, batch["tokens"].repeat_interleave(n, 0).to(self.device), batch["lengths"].repeat_interleave(n),
@@ -232,7 +277,7 @@ class PPOController:
             scores = score_with_function(self.reward_function, prompts, responses).to(self.device)
         else:
             last = (gen.total_lengths - 1).clamp(min=0)
-            with self.roles["reward"].resident("inference"):
+            with self._resident("reward", "inference"):
                 scores = inference.scores(self.roles["reward"], gen.tokens, last)
         check_scores(scores, self.config.reward.max_abs_score, self.iteration, prompts)
         alg = self.config.algorithm
@@ -341,7 +386,7 @@ class PPOController:
         step_rows = cfg.samples_per_step(name) // self.dp_size
         steps: List[List[Dict[str, torch.Tensor]]] = []  # per optimizer step, its micro-batches' metric sums
         grad_norms, skipped = [], 0
-        with role.resident("training"):
+        with self._resident(name, "training"):
             for epoch in range(cfg.ppo.ppo_epochs):
                 # The same order on every rank of this replica (its TP and PP ranks must agree).
                 order = torch.randperm(rows, generator=torch.Generator().manual_seed(

@@ -370,13 +370,14 @@ def _run(prepared: Prepared) -> list:
     from megatron_rlhf.controller import PPOController
     from megatron_rlhf.errors import RunError
     from megatron_rlhf.memory import MemoryLedger
-    from megatron_rlhf.memory.auto import resolve_free_memory
+    from megatron_rlhf.memory.auto import auto_roles, device_budget, resolve_free_memory
     from megatron_rlhf.runtime import destroy_distributed, init_distributed
 
     config, output_dir, resume_from = prepared.config, prepared.output_dir, prepared.resume_from
     init_distributed(config.parallel, seed=config.seed)
     rank0 = dist.get_rank() == 0
-    if resolve_free_memory(config, dist.get_world_size(), output_dir):
+    budget = device_budget() if auto_roles(config) or config.trainer.overlap_onload else None
+    if resolve_free_memory(config, dist.get_world_size(), output_dir, budget):
         try:  # the arenas of the switches just chosen
             _check_host_memory(config, dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
         except ConfigError as e:
@@ -386,7 +387,8 @@ def _run(prepared: Prepared) -> list:
     if rank0 and os.path.exists(ledger_path) and resume_from is None:
         os.remove(ledger_path)  # a fresh run's ledger, not appended to an old one
     controller = PPOController(config, prepared.dataset, prepared.tokenizer, prepared.reward_function,
-                               MemoryLedger(ledger_path if rank0 else None, guard=config.trainer.memory_guard))
+                               MemoryLedger(ledger_path if rank0 else None, guard=config.trainer.memory_guard),
+                               overlap_budget=budget if config.trainer.overlap_onload else None)
     if resume_from is not None:
         controller.load_state_dict(load_ppo_checkpoint(controller.roles, resume_from))
         if rank0:

@@ -38,7 +38,7 @@ def _env(**extra) -> dict:
 
 def _shell_scripts():
     return sorted(REPO.glob("examples/**/*.sh")) + sorted(REPO.glob("examples/**/*.sbatch")) + \
-        sorted(REPO.glob("tests/*.sh")) + [REPO / ".ci" / "run"]
+        sorted(REPO.glob("tests/*.sh")) + sorted(REPO.glob("bench/**/*.sh")) + [REPO / ".ci" / "run"]
 
 
 def test_shell_scripts_pass_shellcheck(tmp_path):

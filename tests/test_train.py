@@ -69,6 +69,18 @@ def test_the_kv_cache_is_in_the_ledger_for_generation_only_and_as_planned(demo_r
     assert all(r["transient_bytes"] == r["bytes"]["kv_cache"] for r in policy)
 
 
+def test_overlapped_onloads_change_no_number(demo_runs):
+    base, _, _ = demo_runs
+    run = train(base / "overlap", env={**{v: "True" for v in FREE_MEMORY_VARS}, "ITERATIONS": "3", "OVERLAP_ONLOAD": "True"})
+    assert "overlapping policy -> reference, reference -> value, value -> ppo_policy, ppo_policy -> ppo_value" in run.stdout
+    assert without_times(metrics(base / "overlap")) == without_times(metrics(base / "on"))[:3]
+    records = [json.loads(line) for line in (base / "overlap" / "memory.jsonl").read_text().splitlines()]
+    # While ppo_policy trains, ppo_value's whole training state is already back on the device.
+    prefetched = [r for r in records if r["event"] == "prefetch" and r["role"] == r["active_role"] == "ppo_value"]
+    assert len(prefetched) == 3 and all(all(r["bytes"][k] > 0 for k in ("weights", "grads", "optimizer_state"))
+                                        for r in prefetched[1:])
+
+
 def test_host_arenas_are_as_planned_and_frozen_weights_are_copied_once(demo_runs, monkeypatch):
     from megatron_rlhf.config import load_config
     from megatron_rlhf.memory.planner import plan

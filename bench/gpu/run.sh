@@ -10,10 +10,10 @@
 # Steps (default: setup env tests ems generation planner demo): setup installs the wheels of
 # bench/gpu/prepare.sh; env records the machine; tests runs the gpu-marked tests; ems,
 # generation and planner run bench/ems.py, bench/generation.py (against transformers) and
-# bench/planner_accuracy.py; demo runs the tiny PPO demo with EMS on and off and compares their
-# metrics. `suite` (not a default) runs the whole test suite.
+# bench/planner_accuracy.py; demo runs the tiny PPO demo with EMS on, off, and on with overlapped
+# onloads, and compares their metrics. `suite` (not a default) runs the whole test suite.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 REPO=$PWD
 export MEGATRON_RLHF_DEVICE=${MEGATRON_RLHF_DEVICE:-cuda}
 OUT=${OUT:-$REPO/outputs/gpu_kit}
@@ -42,7 +42,7 @@ fi
 
 step_setup() {
     [ -f "$WHEELS/requirements.txt" ] || { echo "no $WHEELS/requirements.txt: run bench/gpu/prepare.sh first (where there is a network)"; return 1; }
-    ls "$WHEELS"/*.whl | wc -l
+    find "$WHEELS" -name "*.whl" | wc -l
     if [ "$MEGATRON_RLHF_DEVICE" = cuda ]; then
         "$PY" -m pip install --quiet --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl || return 1
         "$PY" -c "import megatron.core, transformers, torch; print('megatron-core', megatron.core.__version__, '| transformers', transformers.__version__, '| torch', torch.__version__, 'CUDA', torch.version.cuda)"
@@ -78,16 +78,20 @@ step_generation() { "$PY" bench/generation.py "${generation_model[@]}" --json "$
 step_planner() { "$PY" bench/planner_accuracy.py --json "$OUT/planner_accuracy.json"; }
 
 step_demo() {
-    local free run
-    for free in True False; do
-        run=$OUT/demo_ems_$([ $free = True ] && echo on || echo off)
-        env TP=1 ITERATIONS=$demo_iterations free_memory_policy=$free free_memory_reference=$free \
-            free_memory_value=$free free_memory_ppo_policy=$free free_memory_ppo_value=$free \
+    # EMS on, off, and on with overlapped onloads (the side stream): the same metrics all three.
+    local run mode free overlap
+    for mode in on off overlap; do
+        run=$OUT/demo_ems_$mode
+        free=$([ $mode = off ] && echo False || echo True)
+        overlap=$([ $mode = overlap ] && echo True || echo False)
+        env TP=1 ITERATIONS="$demo_iterations" OVERLAP_ONLOAD="$overlap" free_memory_policy="$free" \
+            free_memory_reference="$free" free_memory_value="$free" free_memory_ppo_policy="$free" free_memory_ppo_value="$free" \
             "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 -m megatron_rlhf.train \
             --config examples/tiny/rlhf.yaml --output-dir "$run" --overwrite || return 1
-        tail -n 2 "$run/metrics.jsonl" | cut -c1-300
+        tail -n 1 "$run/metrics.jsonl" | cut -c1-300
     done
-    "$PY" bench/gpu/compare_runs.py "$OUT/demo_ems_on" "$OUT/demo_ems_off"
+    "$PY" bench/gpu/compare_runs.py "$OUT/demo_ems_on" "$OUT/demo_ems_off" &&
+        "$PY" bench/gpu/compare_runs.py "$OUT/demo_ems_on" "$OUT/demo_ems_overlap"
 }
 
 failed=()

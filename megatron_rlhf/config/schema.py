@@ -239,6 +239,9 @@ class TrainerConfig:
     # reserved device memory grown since the same moment of the first iteration (CUDA): "warn",
     # "error" (stop the run), or "off".
     memory_guard: Literal["off", "warn", "error"] = "warn"
+    # EMS: bring the next role back while the current one computes (a side stream on CUDA), for
+    # each pair of phases where the planner says both fit in the device memory free at start-up.
+    overlap_onload: bool = False
 
 
 @dataclasses.dataclass

@@ -54,22 +54,29 @@ def describe(config: RLHFConfig, world_size: int, device_memory: int, switches, 
             "peak_bytes_without_offload": nothing.peak_bytes, "reason": reason}
 
 
-def resolve_free_memory(config: RLHFConfig, world_size: int, output_dir: str) -> Optional[dict]:
-    """Choose the auto roles' switches from the device memory free now (the least over all ranks,
-    so every rank chooses alike), apply them, print and record the choice (rank 0). Needs the
-    process group; raises RunError when nothing fits."""
+def device_budget() -> int:
+    """The device memory free now, the least over all ranks (so that every rank decides alike);
+    collective, before any model is built."""
     import torch
     import torch.distributed as dist
 
-    from megatron_rlhf.errors import RunError
     from megatron_rlhf.runtime.platform import get_platform
 
-    if not auto_roles(config):
-        return None
     platform = get_platform()
     free = torch.tensor([platform.device_free_bytes()], dtype=torch.int64, device=platform.device)
     dist.all_reduce(free, op=dist.ReduceOp.MIN)
-    device_memory = int(free.item())
+    return int(free.item())
+
+
+def resolve_free_memory(config: RLHFConfig, world_size: int, output_dir: str, device_memory: int) -> Optional[dict]:
+    """Choose the auto roles' switches for ``device_memory`` (device_budget()), apply them, print
+    and record the choice (rank 0). Raises RunError when nothing fits."""
+    import torch.distributed as dist
+
+    from megatron_rlhf.errors import RunError
+
+    if not auto_roles(config):
+        return None
     switches, fitted = choose_free_memory(config, world_size, device_memory)
     record = describe(config, world_size, device_memory, switches, fitted)
     if switches is None:

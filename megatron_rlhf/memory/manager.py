@@ -300,6 +300,10 @@ class RoleMemory:
     def offload(self, kinds: Optional[Sequence[str]] = None) -> None:
         """Move ``kinds`` (default: the role's switched-on kinds) off the device, grads first."""
         kinds = self.switches.kinds() if kinds is None else tuple(kinds)
+        # Device work still queued (a prefetch on the side stream, the phase's own kernels) must be
+        # done before storages are freed: the allocator may hand a freed block to the other stream.
+        self.platform.join_side_stream()
+        self.platform.synchronize()
         for kind in OFFLOAD_ORDER:
             if kind not in kinds or not self.is_resident(kind):
                 continue
@@ -315,11 +319,24 @@ class RoleMemory:
     def onload(self, kinds: Sequence[str] = OFFLOAD_ORDER, read_only: bool = False) -> None:
         """Bring ``kinds`` back (weights first, grads last). Unless ``read_only`` (the caller only
         reads them), their host copies count as stale from now on."""
+        self.platform.join_side_stream()
+        self._queue_onload(kinds, read_only)
+        self.platform.synchronize()
+
+    def prefetch(self, phase: str) -> None:
+        """Start bringing back what ``phase`` needs on the platform's side stream, to overlap with
+        the work running now; ``resident(phase)`` (and any move) waits for it first, so the role
+        never sees it half-done. On CPU it completes here, in program order."""
+        with self.platform.side_stream():
+            self._queue_onload(PHASE_NEEDS[phase], read_only=phase == "inference")
+        self._emit("prefetch", phase)
+
+    def _queue_onload(self, kinds: Sequence[str], read_only: bool) -> None:
         for kind in ONLOAD_ORDER:
             if kind not in kinds:
                 continue
             if kind == WEIGHTS and self.weights_owner is not None:
-                self.weights_owner.onload([WEIGHTS], read_only)
+                self.weights_owner._queue_onload([WEIGHTS], read_only)
             elif kind == GRADS:
                 if self._grads_freed:
                     compat.restore_grad_buffers(self.model)
@@ -328,7 +345,6 @@ class RoleMemory:
                 self._movers[kind].onload()
                 if not read_only:
                     self._movers[kind].mark_dirty()
-        self.platform.synchronize()
 
     def _free_grads(self) -> None:
         if not compat.ddp_buffers(self.model):

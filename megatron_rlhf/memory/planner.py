@@ -213,6 +213,22 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
     return Plan(roles, transient, phases, resident, peak, {"tp": tp, "pp": pp, "dp": dp, "seq": seq}, host)
 
 
+PHASE_OF = {active: phase for phase, active, _ in PHASES}
+
+
+def overlap_fits(config: RLHFConfig, p: Plan, current: str, following: str, budget: int) -> bool:
+    """Whether ``following``'s onload can run while ``current`` computes: ``current``'s phase plus
+    what ``following`` needs that is off the device then stays within ``budget`` bytes."""
+    phase = PHASE_OF[current]
+    trainable = following in TRAINABLE_ROLES
+    needs = [(following, k) for k in PHASE_NEEDS["training" if trainable else "inference"]]
+    owner = config.weight_owner(following)
+    if owner:  # a serving role runs on its owner's weights
+        needs = [(owner if k == WEIGHTS else following, k) for _, k in needs]
+    extra = sum(p.roles[r][k] for r, k in needs if k not in p.resident[phase].get(r, {}))
+    return p.phases[phase] + extra <= budget
+
+
 def recommend(config: RLHFConfig, world_size: int, budget: int, seq_length: Optional[int] = None,
               free_roles: Optional[Tuple[str, ...]] = None) -> Tuple[Optional[Dict[str, EMSSwitches]], Plan]:
     """The least offloading that fits ``budget`` bytes: starting from every switch off, turn on

@@ -9,6 +9,7 @@ offloading, and memory figures; it never branches on ``torch.cuda.is_available()
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -69,6 +70,15 @@ class DevicePlatform:
     def synchronize(self) -> None:
         """Wait for all queued device work."""
 
+    def side_stream(self):
+        """A context in which device work is queued apart from the main stream, to overlap with
+        it; it starts after everything queued on the main stream so far. On CPU, work runs in
+        program order (the context does nothing)."""
+        return contextlib.nullcontext()
+
+    def join_side_stream(self) -> None:
+        """Make the main stream wait for everything queued on the side stream so far."""
+
     def copy_to_host_async(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Start copying ``tensor`` to the host (queued after the work that writes it); returns a
         function that waits for the copy and gives it."""
@@ -100,6 +110,7 @@ class CudaPlatform(DevicePlatform):
 
     def __init__(self) -> None:
         self._device = torch.device("cuda", torch.cuda.current_device())
+        self._side = None  # the stream onloads overlap on
 
     @property
     def device(self) -> torch.device:
@@ -146,6 +157,18 @@ class CudaPlatform(DevicePlatform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    @contextlib.contextmanager
+    def side_stream(self):
+        if self._side is None:
+            self._side = torch.cuda.Stream(self._device)
+        self._side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side):
+            yield
+
+    def join_side_stream(self) -> None:
+        if self._side is not None:
+            torch.cuda.current_stream().wait_stream(self._side)
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
