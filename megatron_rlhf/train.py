@@ -90,7 +90,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
         if args.iterations < 1:
             raise ConfigError(f"--iterations: must be >= 1, got {args.iterations}")
         config.ppo.iterations = args.iterations
-    _check_host_memory(config, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    _check_host_memory(config, world_size)
     output_dir = args.output_dir or config.trainer.output_dir
     _check_writable(output_dir)
     if args.resume:
@@ -145,13 +145,14 @@ def _check_writable(output_dir: str) -> None:
                           "--output-dir (or trainer.output_dir)") from None
 
 
-def _check_host_memory(config: RLHFConfig, world_size: int, ranks_on_node: int) -> None:
-    """EMS's host arenas of every rank on this node (the planner's exact figure) must fit in the
-    memory the node has available now."""
+def _check_host_memory(config: RLHFConfig, world_size: int) -> None:
+    """EMS's host arenas of every rank on this node (the planner's exact figure; torchrun's
+    LOCAL_WORLD_SIZE ranks) must fit in the memory the node has available now."""
     import psutil
 
     from megatron_rlhf.memory.planner import plan
 
+    ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     planned = plan(config, world_size)
     need, available = planned.host_bytes * ranks_on_node, psutil.virtual_memory().available
     if need > available:
@@ -379,7 +380,7 @@ def _run(prepared: Prepared) -> list:
     budget = device_budget() if auto_roles(config) or config.trainer.overlap_onload else None
     if resolve_free_memory(config, dist.get_world_size(), output_dir, budget):
         try:  # the arenas of the switches just chosen
-            _check_host_memory(config, dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+            _check_host_memory(config, dist.get_world_size())
         except ConfigError as e:
             raise RunError(str(e)) from None
     started = time.perf_counter()

@@ -41,7 +41,8 @@ class MemoryLedger:
         self.guard = guard
         self.leaks: List[str] = []
         self._first_iteration: Dict[Tuple, Dict[str, int]] = {}  # (role, phase, n-th offload) -> device figures
-        self._offloads_this_iteration: Dict[Tuple, int] = {}
+        self._offloads_this_iteration: Dict[Tuple, int] = {}  # (role, phase) -> offloads so far
+        self._counted_iteration = None
         self.platform = platform or get_platform()
         self.roles: Dict[str, RoleMemory] = {}
         self.records: List[dict] = []
@@ -99,7 +100,9 @@ class MemoryLedger:
         first iteration the guard saw."""
         found = [f"{role}: {kind}: {held:,} bytes still on the device after its offload ({phase})"
                  for kind, held in self.roles[role].leftovers().items()]
-        key = (role, phase, self.iteration)
+        if self._counted_iteration != self.iteration:
+            self._offloads_this_iteration, self._counted_iteration = {}, self.iteration
+        key = (role, phase)
         nth = self._offloads_this_iteration[key] = self._offloads_this_iteration.get(key, 0) + 1
         moment = (role, phase, nth)
         figures = {k: stats[k] for k in ("allocated", "reserved") if k in stats}

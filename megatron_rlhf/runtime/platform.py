@@ -41,10 +41,6 @@ class DevicePlatform:
     def setup(self, local_rank: int) -> None:
         """Bind this process to its device and make megatron-core usable on it."""
 
-    def host_buffer_like(self, tensor: torch.Tensor) -> torch.Tensor:
-        """An uninitialised host tensor able to hold ``tensor`` (pinned where that helps copies)."""
-        raise NotImplementedError
-
     def host_arena(self, nbytes: int) -> torch.Tensor:
         """An uninitialised host byte buffer of exactly ``nbytes`` (page-locked where that helps
         copies), for EMS; give it back with :meth:`release_host_arena`."""
@@ -120,9 +116,6 @@ class CudaPlatform(DevicePlatform):
         torch.cuda.set_device(local_rank)
         self._device = torch.device("cuda", local_rank)
 
-    def host_buffer_like(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-
     def host_arena(self, nbytes: int) -> torch.Tensor:
         # torch's pinned allocator rounds every block up to a power of two and caches freed blocks
         # (1.39x to 1.99x the offloaded bytes for Llama-2 shards); an ordinary allocation
@@ -174,7 +167,7 @@ class CudaPlatform(DevicePlatform):
         torch.cuda.empty_cache()
 
     def copy_to_host_async(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
-        host = self.host_buffer_like(tensor)
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
         host.copy_(tensor, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
@@ -229,10 +222,6 @@ class CpuPlatform(DevicePlatform):
         from megatron_rlhf.runtime import megatron_cpu
 
         megatron_cpu.apply()
-
-    def host_buffer_like(self, tensor: torch.Tensor) -> torch.Tensor:
-        # Pinning needs an accelerator; on CPU the host copy is an ordinary allocation.
-        return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
 
     def empty_cache(self) -> None:
         # The CPU counterpart of the CUDA allocator cache: free heap pages glibc still holds.
