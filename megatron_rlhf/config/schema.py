@@ -71,6 +71,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
 
 
+# The per-kind EMS switches of a role (RoleConfig fields; EMSSwitches carries the same names).
+EMS_SWITCHES = ("offload_weights", "free_grad_buffers", "offload_optimizer_state")
+
+
 @dataclasses.dataclass
 class RoleConfig:
     """One RLHF role. Keys may come from the role's entry in the top file or from the file named

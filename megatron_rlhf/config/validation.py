@@ -7,7 +7,7 @@ import os
 from typing import List, Optional
 
 from megatron_rlhf.config.errors import ConfigError
-from megatron_rlhf.config.schema import CRITIC_ROLES, GROUP_ESTIMATORS, REQUIRED_ARCH_FIELDS, TRAINABLE_ROLES, RLHFConfig
+from megatron_rlhf.config.schema import CRITIC_ROLES, EMS_SWITCHES, GROUP_ESTIMATORS, REQUIRED_ARCH_FIELDS, TRAINABLE_ROLES, RLHFConfig
 
 
 def _divisors(n: int) -> str:
@@ -142,10 +142,6 @@ def weight_sharing_notes(config: RLHFConfig) -> List[str]:
                 f"({config.at(who + '.free_memory')})"
             )
     return notes
-
-
-# EMS switches, in the words of the config.
-EMS_SWITCHES = ("offload_weights", "free_grad_buffers", "offload_optimizer_state")
 
 
 def _fixed_address_problems(config: RLHFConfig) -> List[str]:

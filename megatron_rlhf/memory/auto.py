@@ -9,7 +9,7 @@ import json
 import os
 from typing import Dict, Optional, Tuple
 
-from megatron_rlhf.config.schema import RLHFConfig
+from megatron_rlhf.config.schema import EMS_SWITCHES, RLHFConfig
 from megatron_rlhf.memory.manager import EMSSwitches
 from megatron_rlhf.memory.planner import Plan, plan, recommend
 
@@ -30,7 +30,7 @@ def apply_choice(config: RLHFConfig, switches: Dict[str, EMSSwitches]) -> None:
     """Write the chosen switches into the auto roles' configs (a switch set explicitly stays)."""
     for role in auto_roles(config):
         rc = config.role(role)
-        for field in ("offload_weights", "free_grad_buffers", "offload_optimizer_state"):
+        for field in EMS_SWITCHES:
             if getattr(rc, field) is None:
                 setattr(rc, field, getattr(switches[role], field))
 

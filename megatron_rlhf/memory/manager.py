@@ -27,6 +27,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 
 import torch
 
+from megatron_rlhf.config.schema import EMS_SWITCHES
 from megatron_rlhf.runtime import megatron_compat as compat
 from megatron_rlhf.runtime.platform import DevicePlatform, get_platform
 
@@ -68,12 +69,7 @@ class EMSSwitches:
     def from_role_config(cls, rc, auto: Optional[bool] = None) -> "EMSSwitches":
         """The role's switches; ``auto``: what a switch not yet chosen by free_memory: auto counts
         as (planning only; None: such a switch is an error)."""
-        return cls(
-            offload_weights=rc.ems_switch("offload_weights", auto),
-            free_grad_buffers=rc.ems_switch("free_grad_buffers", auto),
-            offload_optimizer_state=rc.ems_switch("offload_optimizer_state", auto),
-            empty_cache=rc.empty_cache,
-        )
+        return cls(**{name: rc.ems_switch(name, auto) for name in EMS_SWITCHES}, empty_cache=rc.empty_cache)
 
     def kinds(self) -> tuple:
         on = {

@@ -19,7 +19,7 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
-from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES, ModelArchConfig, RLHFConfig, RoleConfig
+from megatron_rlhf.config.schema import EMS_SWITCHES, ROLE_HEADS, TRAINABLE_ROLES, ModelArchConfig, RLHFConfig, RoleConfig
 from megatron_rlhf.memory.manager import GRADS, LEDGER_KINDS as KINDS, MAIN_PARAMS, OPTIMIZER_STATE, PHASE_NEEDS, WEIGHTS, EMSSwitches
 
 TRANSIENT = ("activations", "kv_cache")
@@ -241,7 +241,7 @@ def recommend(config: RLHFConfig, world_size: int, budget: int, seq_length: Opti
     chosen = {r: off if r in free_roles else EMSSwitches.from_role_config(config.role(r), auto=False)
               for r in config.model_roles}
     current = plan(config, world_size, chosen, seq_length)
-    options = [(r, f) for r in free_roles for f in ("offload_weights", "free_grad_buffers", "offload_optimizer_state")
+    options = [(r, f) for r in free_roles for f in EMS_SWITCHES
                if r in TRAINABLE_ROLES or f == "offload_weights"]
     def score(p: Plan) -> Tuple[int, int]:
         return p.peak_bytes, sum(p.phases.values())
