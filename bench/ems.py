@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, ModelArchConfig, ParallelConfig, RoleConfig  # noqa: E402
 from megatron_rlhf.memory import OFFLOAD_ORDER, WEIGHTS, MemoryLedger  # noqa: E402
-from megatron_rlhf.models.llama import build_model  # noqa: E402
-from megatron_rlhf.config.presets import LLAMA_PRESETS  # noqa: E402
+from megatron_rlhf.models.decoder import build_model  # noqa: E402
+from megatron_rlhf.config.presets import PRESETS  # noqa: E402
 from megatron_rlhf.models.training import next_token_loss, scalar_regression_loss, wrap_for_training  # noqa: E402
 from megatron_rlhf.roles.base import assemble_role  # noqa: E402
 from megatron_rlhf.runtime import destroy_distributed, get_platform, init_distributed  # noqa: E402
@@ -39,7 +39,7 @@ MiB = 2**20
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", choices=sorted(LLAMA_PRESETS), help="architecture preset")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="architecture preset")
     p.add_argument("--hidden", type=int)
     p.add_argument("--layers", type=int)
     p.add_argument("--heads", type=int)
@@ -56,7 +56,7 @@ def parse_args():
     p.add_argument("--no-six-roles", action="store_true", help="skip the six-role colocation")
     p.add_argument("--json", help="also write the figures to this JSON file")
     args = p.parse_args()
-    fields = dict(LLAMA_PRESETS[args.preset]) if args.preset else {}
+    fields = dict(PRESETS[args.preset]) if args.preset else {}
     for flag, key in (("hidden", "hidden_size"), ("layers", "num_layers"), ("heads", "num_attention_heads"),
                       ("groups", "num_query_groups"), ("ffn", "ffn_hidden_size"), ("vocab", "vocab_size")):
         if getattr(args, flag) is not None:

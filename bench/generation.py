@@ -32,7 +32,7 @@ from megatron_rlhf.checkpoint.model_files import read_model_meta  # noqa: E402
 from megatron_rlhf.config.schema import ParallelConfig  # noqa: E402
 from megatron_rlhf.generation import SamplingParams, generate  # noqa: E402
 from megatron_rlhf.models.batches import length_grouped  # noqa: E402
-from megatron_rlhf.models.llama import build_model, load_local_state_dict  # noqa: E402
+from megatron_rlhf.models.decoder import build_model, load_local_state_dict  # noqa: E402
 from megatron_rlhf.runtime import destroy_distributed, get_platform, init_distributed  # noqa: E402
 
 PAD = 0

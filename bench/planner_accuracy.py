@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_rlhf.config.schema import ModelArchConfig, ParallelConfig  # noqa: E402
 from megatron_rlhf.generation import SamplingParams, generate  # noqa: E402
 from megatron_rlhf.memory.planner import activation_bytes, kv_cache_bytes  # noqa: E402
-from megatron_rlhf.models.llama import build_model  # noqa: E402
+from megatron_rlhf.models.decoder import build_model  # noqa: E402
 from megatron_rlhf.models.training import next_token_loss  # noqa: E402
 from megatron_rlhf.runtime import get_platform, init_distributed  # noqa: E402
 

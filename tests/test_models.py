@@ -61,11 +61,11 @@ def test_activation_recompute_trains_as_without(workers):
 
 
 def test_the_scalar_head_computes_in_fp32_from_bf16_weights():
-    from megatron_rlhf.config.presets import LLAMA_PRESETS
+    from megatron_rlhf.config.presets import PRESETS
     from megatron_rlhf.config.schema import ModelArchConfig, ParallelConfig
-    from megatron_rlhf.models.llama import ScalarHead, make_transformer_config
+    from megatron_rlhf.models.decoder import ScalarHead, make_transformer_config
 
-    config = make_transformer_config(ModelArchConfig(**LLAMA_PRESETS["tiny"]), ParallelConfig(), "bf16")
+    config = make_transformer_config(ModelArchConfig(**PRESETS["tiny"]), ParallelConfig(), "bf16")
     head = ScalarHead(config, 64)
     hidden = torch.randn(5, 2, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 4
     values, _ = head(hidden)

@@ -1,4 +1,5 @@
-"""Hugging Face Llama <-> Megatron model checkpoints at any TP/PP, streaming tensor by tensor.
+"""Hugging Face <-> Megatron model checkpoints of every family in config/families.py, at any TP/PP,
+streaming tensor by tensor.
 
 hf_to_megatron writes one (TP rank, PP rank) shard at a time, reading each Hugging Face tensor
 from its memory-mapped file when that shard needs it, so host memory holds about one shard plus
@@ -14,7 +15,8 @@ from typing import Optional
 
 import torch
 
-from megatron_rlhf.checkpoint import hf_llama
+from megatron_rlhf.checkpoint import hf_decoder
+from megatron_rlhf.config.families import arch_from_hf_config, hf_config_from_arch
 from megatron_rlhf.checkpoint.model_files import (
     CheckpointError,
     HFCheckpointReader,
@@ -24,7 +26,7 @@ from megatron_rlhf.checkpoint.model_files import (
     write_atomically,
     write_model_meta,
 )
-from megatron_rlhf.models.sharding import shard_state_dict, stage_of
+from megatron_rlhf.models.sharding import shard_state_dict, stages_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -47,8 +49,25 @@ def read_hf_config(hf_dir: str) -> dict:
 
 
 def detect_head(hf_config: dict) -> str:
-    architectures = hf_config.get("architectures") or ["LlamaForCausalLM"]
+    architectures = hf_config.get("architectures") or ["ForCausalLM"]
     return "scalar" if any("SequenceClassification" in a for a in architectures) else "lm"
+
+
+def check_tensors(reader: HFCheckpointReader, arch, head: str) -> None:
+    """Every tensor the architecture needs, with its shape, and nothing else: a tensor we would not
+    read (a bias, a norm of a feature the config does not declare) is an error naming it."""
+    expected = hf_decoder.expected_hf_shapes(arch, head)
+    reader.check(expected)
+    unexpected = sorted(n for n in reader.files if n not in expected and not hf_decoder.DERIVED_HF_TENSORS.match(n))
+    if arch.tied_output(head) and "lm_head.weight" in unexpected:
+        # Some tied checkpoints store the head anyway; it must be the embedding.
+        if not torch.equal(reader.get("lm_head.weight"), reader.get("model.embed_tokens.weight")):
+            raise CheckpointError(f"{reader.files['lm_head.weight']}: tie_word_embeddings is true but lm_head.weight "
+                                  "differs from model.embed_tokens.weight")
+        unexpected.remove("lm_head.weight")
+    if unexpected:
+        shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
+        raise CheckpointError(f"{reader.directory}: tensors the {arch.family} config.json does not account for: {shown}")
 
 
 def hf_to_megatron(
@@ -63,7 +82,7 @@ def hf_to_megatron(
 ) -> None:
     config = read_hf_config(hf_dir)
     head = head or detect_head(config)
-    arch = hf_llama.arch_from_hf_config(config, os.path.join(hf_dir, "config.json"))
+    arch = arch_from_hf_config(config, os.path.join(hf_dir, "config.json"))
     arch.make_vocab_size_divisible_by = make_vocab_size_divisible_by
     if head == "scalar" and config.get("num_labels", 1) != 1 and len(config.get("id2label", {0: 0})) != 1:
         raise CheckpointError(f"{hf_dir}/config.json: a reward model needs one label (a scalar score)")
@@ -74,20 +93,21 @@ def hf_to_megatron(
     if arch.num_layers % pp:
         raise CheckpointError(f"PP={pp} does not divide num_hidden_layers={arch.num_layers}")
     reader = HFCheckpointReader(hf_dir)
-    reader.check(hf_llama.expected_hf_shapes(arch, head))  # before anything is written
+    check_tensors(reader, arch, head)  # before anything is written
     torch_dtype = DTYPES[dtype] if dtype else reader.get("model.embed_tokens.weight").dtype
-    keys = hf_llama.megatron_keys(arch)
-    padded = arch.padded_vocab_size(tp)
+    keys = hf_decoder.megatron_keys(arch, head)
+    padded, tied = arch.padded_vocab_size(tp), arch.tied_output(head)
 
     def fill(tmp: str) -> None:
         bar = _progress(len(keys) * tp, f"HF -> Megatron TP={tp} PP={pp}")
         for pp_rank in range(pp):
-            stage_keys = [k for k in keys if stage_of(k, arch.num_layers, pp) == pp_rank]
+            stage_keys = [k for k in keys if pp_rank in stages_of(k, arch.num_layers, pp, tied)]
             for tp_rank in range(tp):
                 shard = {}
                 for key in stage_keys:
-                    full = hf_llama.megatron_tensor(key, reader.get, arch, head).to(torch_dtype)
-                    shard.update(shard_state_dict({key: full}, arch.num_layers, padded, tp, tp_rank, pp, pp_rank, head=head))
+                    full = hf_decoder.megatron_tensor(key, reader.get, arch, head).to(torch_dtype)
+                    shard.update(shard_state_dict({key: full}, arch.num_layers, padded, tp, tp_rank, pp, pp_rank,
+                                                  head=head, tied=tied))
                     bar.update(1)
                 save_shard(tmp, tp_rank, pp_rank, pp, shard)
                 del shard
@@ -103,7 +123,7 @@ def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrit
     arch, meta = read_model_meta(root)
     head = meta["head"]
     torch_dtype = DTYPES[dtype] if dtype else getattr(torch, meta["dtype"])
-    keys = hf_llama.megatron_keys(arch)
+    keys = hf_decoder.megatron_keys(arch, head)
 
     def file_of(key: str) -> int:
         # 0: embeddings; 1..L: transformer layers; L+1: final norm and head.
@@ -123,7 +143,7 @@ def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrit
                 save_file(pending, os.path.join(tmp, names[current]), metadata={"format": "pt"})
                 pending = {}
             current = index
-            for name, part in hf_llama.hf_tensors(key, tensor, arch, head):
+            for name, part in hf_decoder.hf_tensors(key, tensor, arch, head):
                 pending[name] = part.to(torch_dtype).contiguous()
                 weight_map[name] = names[index]
                 total_bytes += pending[name].numel() * pending[name].element_size()
@@ -131,12 +151,12 @@ def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrit
         if pending:
             save_file(pending, os.path.join(tmp, names[current]), metadata={"format": "pt"})
         bar.close()
-        if len(weight_map) != len(hf_llama.expected_hf_shapes(arch, head)):
+        if len(weight_map) != len(hf_decoder.expected_hf_shapes(arch, head)):
             raise CheckpointError(f"{root}: the checkpoint lacks tensors ({len(weight_map)} written)")
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=1)
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_llama.hf_config_from_arch(arch, head, torch_dtype), f, indent=1)
+            json.dump(hf_config_from_arch(arch, head, str(torch_dtype).replace("torch.", "")), f, indent=1)
 
     write_atomically(output, fill, overwrite)
 

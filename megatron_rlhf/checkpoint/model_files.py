@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import struct
-from typing import Callable, Dict, Iterator, Tuple
+from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 
@@ -127,6 +127,8 @@ def full_tensors(root: str) -> Iterator[Tuple[str, torch.Tensor]]:
         shards = [load_shard(root, t, pp_rank, pp) for t in range(tp)]
         first_layer = stage_layers(arch.num_layers, pp, pp_rank).start
         for key in shards[0]:
+            if key == "output_layer.weight" and arch.tied_output(head):
+                continue  # the last stage's copy of the embedding
             if key.startswith("decoder.layers."):
                 _, _, number, rest = key.split(".", 3)
                 full_key = f"decoder.layers.{int(number) + first_layer}.{rest}"
@@ -139,11 +141,8 @@ def full_tensors(root: str) -> Iterator[Tuple[str, torch.Tensor]]:
 def load_model_shard(root: str, arch: ModelArchConfig, head: str, tp: int, tp_rank: int, pp: int, pp_rank: int) -> StateDict:
     """This rank's state dict for layout (tp, pp) from a checkpoint written at any layout."""
     saved_arch, meta = read_model_meta(root)
-    fields = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
-    differs = [f"{f}: checkpoint {getattr(saved_arch, f)} vs config {getattr(arch, f)}" for f in fields
-               if getattr(saved_arch, f) != getattr(arch, f)]
-    if saved_arch.kv_groups == arch.kv_groups:
-        differs = [d for d in differs if not d.startswith("num_query_groups")]
+    differs = [f"{f}: checkpoint {saved} vs config {mine}" for f, saved, mine in _computation_fields(saved_arch, arch)
+               if saved != mine]
     if differs or meta["head"] != head:
         raise CheckpointError(
             f"{root}: does not fit the configured model: "
@@ -155,7 +154,22 @@ def load_model_shard(root: str, arch: ModelArchConfig, head: str, tp: int, tp_ra
     # Another layout: rebuild the full tensors and cut this rank's piece (reads every shard).
     out: StateDict = {}
     for key, tensor in full_tensors(root):
-        out.update(shard_state_dict({key: tensor}, arch.num_layers, padded, tp, tp_rank, pp, pp_rank, head=head))
+        out.update(shard_state_dict({key: tensor}, arch.num_layers, padded, tp, tp_rank, pp, pp_rank, head=head,
+                                    tied=arch.tied_output(head)))
+    return out
+
+
+# The fields that change what a model computes (not its initialisation, padding, preset or the
+# longest sequence it was told of), compared between a checkpoint and the config that loads it.
+_NOT_COMPUTATION = ("preset", "family", "num_query_groups", "head_dim", "init_method_std",
+                    "make_vocab_size_divisible_by", "max_position_embeddings")
+
+
+def _computation_fields(saved: ModelArchConfig, configured: ModelArchConfig) -> List[Tuple[str, object, object]]:
+    out = [("num_query_groups", saved.kv_groups, configured.kv_groups), ("head_dim", saved.kv_channels, configured.kv_channels)]
+    for field in dataclasses.fields(ModelArchConfig):
+        if field.name not in _NOT_COMPUTATION:
+            out.append((field.name, getattr(saved, field.name), getattr(configured, field.name)))
     return out
 
 

@@ -37,7 +37,7 @@ from megatron_rlhf.checkpoint.model_files import (
 )
 from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES
 from megatron_rlhf.errors import NonFiniteError
-from megatron_rlhf.models.llama import load_local_state_dict, local_state_dict, unwrap
+from megatron_rlhf.models.decoder import load_local_state_dict, local_state_dict, unwrap
 from megatron_rlhf.runtime import megatron_compat as compat
 
 LATEST = "latest"

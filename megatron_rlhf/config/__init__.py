@@ -2,7 +2,7 @@
 
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.loader import load_config, load_tree
-from megatron_rlhf.config.presets import LLAMA_PRESETS
+from megatron_rlhf.config.presets import PRESETS
 from megatron_rlhf.config.schema import (
     ROLE_HEADS,
     ROLE_NAMES,
@@ -16,7 +16,7 @@ from megatron_rlhf.config.validation import input_problems, layout_problems, val
 
 __all__ = [
     "ConfigError",
-    "LLAMA_PRESETS",
+    "PRESETS",
     "ModelArchConfig",
     "ParallelConfig",
     "RLHFConfig",

@@ -12,12 +12,13 @@ import difflib
 import os
 import re
 import typing
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import yaml
 
 from megatron_rlhf.config.errors import ConfigError, located
-from megatron_rlhf.config.presets import LLAMA_PRESETS
+from megatron_rlhf.config.families import FAMILIES, feature_conflicts
+from megatron_rlhf.config.presets import PRESETS
 from megatron_rlhf.config.schema import REQUIRED_ARCH_FIELDS, ROLE_NAMES, ModelArchConfig, RewardRoleConfig, RLHFConfig
 from megatron_rlhf.config.validation import layout_problems, validate
 
@@ -274,26 +275,36 @@ def build(cls: type, data: Any, sources: Sources, path: KeyPath, top_file: str, 
         kwargs[key] = converted
     obj = cls(**kwargs)
     if isinstance(obj, ModelArchConfig):
-        problems.extend(_apply_preset(obj, where(path + ("preset",)), path))
+        problems.extend(_apply_preset(obj, set(kwargs), where, path))
     return obj
 
 
-def _apply_preset(model: ModelArchConfig, file: str, path: KeyPath) -> List[str]:
+def _apply_preset(model: ModelArchConfig, explicit: set, where: Callable[[KeyPath], str], path: KeyPath) -> List[str]:
+    """The preset's values for every key not given explicitly, then the family's fixed features;
+    a given key that contradicts its family is an error."""
+    file = where(path + ("preset",))
     if model.preset is not None:
-        if model.preset not in LLAMA_PRESETS:
+        if model.preset not in PRESETS:
             return [
                 f"{file}: {dotted(path + ('preset',))}: unknown preset {model.preset!r}; "
-                f"valid presets are: {', '.join(LLAMA_PRESETS)}"
+                f"valid presets are: {', '.join(PRESETS)}"
             ]
-        explicit = {k for k, v in dataclasses.asdict(model).items() if v is not None}
-        for key, value in LLAMA_PRESETS[model.preset].items():
+        for key, value in PRESETS[model.preset].items():
             if key not in explicit:
                 setattr(model, key, value)
+    if model.family not in FAMILIES:
+        return [f"{located(where(path + ('family',)), dotted(path + ('family',)))}: unknown family "
+                f"{model.family!r}; supported: {', '.join(FAMILIES)}"]
+    conflicts = feature_conflicts(model, explicit)
+    if conflicts:
+        return [f"{located(where(path + (key,)), dotted(path + (key,)))}: {message}" for key, message in conflicts]
+    for key, value in FAMILIES[model.family].fixed.items():
+        setattr(model, key, value)
     missing = [k for k in REQUIRED_ARCH_FIELDS if getattr(model, k) is None]
     if missing:
         return [
             f"{file}: {dotted(path)}: missing {', '.join(missing)}; set them or name a preset "
-            f"({', '.join(LLAMA_PRESETS)})"
+            f"({', '.join(PRESETS)})"
         ]
     return []
 

@@ -1,9 +1,15 @@
-"""Architecture presets (Llama-2 family and a tiny model for CPU tests and the demo).
+"""Architecture presets: the Llama-2, Llama-3.1, Qwen2.5 and Qwen3 models users align, and a tiny
+model for CPU tests and the demo.
 
-Pure data: a role's ``model: {preset: NAME}`` takes these values for every key it does not set.
+Pure data: a role's ``model: {preset: NAME}`` takes these values for every key it does not set;
+the family (config/families.py) then fixes the features its models always have.
 """
 
-LLAMA_PRESETS = {
+_LLAMA31_ROPE = dict(rotary_base=500000.0, rope_scaling="llama3", rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+                     rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192)
+_QWEN = dict(rotary_base=1000000.0, norm_epsilon=1e-6)
+
+PRESETS = {
     "tiny": dict(
         num_layers=2,
         hidden_size=64,
@@ -39,5 +45,33 @@ LLAMA_PRESETS = {
         ffn_hidden_size=28672,
         vocab_size=32000,
         max_position_embeddings=4096,
+    ),
+    "llama3.1-8b": dict(
+        family="llama", num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+        ffn_hidden_size=14336, vocab_size=128256, max_position_embeddings=131072, **_LLAMA31_ROPE,
+    ),
+    "llama3.1-70b": dict(
+        family="llama", num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
+        ffn_hidden_size=28672, vocab_size=128256, max_position_embeddings=131072, **_LLAMA31_ROPE,
+    ),
+    "qwen2.5-7b": dict(
+        family="qwen2", num_layers=28, hidden_size=3584, num_attention_heads=28, num_query_groups=4,
+        ffn_hidden_size=18944, vocab_size=152064, max_position_embeddings=32768, **_QWEN,
+    ),
+    "qwen2.5-32b": dict(
+        family="qwen2", num_layers=64, hidden_size=5120, num_attention_heads=40, num_query_groups=8,
+        ffn_hidden_size=27648, vocab_size=152064, max_position_embeddings=32768, **_QWEN,
+    ),
+    "qwen2.5-72b": dict(
+        family="qwen2", num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
+        ffn_hidden_size=29568, vocab_size=152064, max_position_embeddings=32768, **_QWEN,
+    ),
+    "qwen3-8b": dict(
+        family="qwen3", num_layers=36, hidden_size=4096, num_attention_heads=32, num_query_groups=8, head_dim=128,
+        ffn_hidden_size=12288, vocab_size=151936, max_position_embeddings=40960, **_QWEN,
+    ),
+    "qwen3-32b": dict(
+        family="qwen3", num_layers=64, hidden_size=5120, num_attention_heads=64, num_query_groups=8, head_dim=128,
+        ffn_hidden_size=25600, vocab_size=151936, max_position_embeddings=40960, **_QWEN,
     ),
 }

@@ -38,10 +38,14 @@ REQUIRED_ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn
 
 @dataclasses.dataclass
 class ModelArchConfig:
-    """A Llama-2 style decoder: RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases,
-    untied input and output embeddings. ``preset`` fills every field not given explicitly."""
+    """A decoder of the Llama line: RMSNorm, SwiGLU, RoPE, grouped-query attention, and the
+    features that tell its families apart (config/families.py: Llama 2/3, Qwen2/2.5, Qwen3,
+    Mistral). ``preset`` fills every field not given explicitly; ``family`` fixes the features the
+    family always has (Qwen2's QKV bias, Qwen3's q/k norm) and names the Hugging Face config it
+    converts to and from."""
 
     preset: Optional[str] = None
+    family: str = "llama"
     num_layers: Optional[int] = None
     hidden_size: Optional[int] = None
     num_attention_heads: Optional[int] = None
@@ -49,7 +53,20 @@ class ModelArchConfig:
     ffn_hidden_size: Optional[int] = None
     vocab_size: Optional[int] = None
     max_position_embeddings: Optional[int] = None
+    head_dim: Optional[int] = None  # None: hidden_size / num_attention_heads
+    qkv_bias: bool = False  # biases on the query, key and value projections (not the output)
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys, before RoPE
+    tie_word_embeddings: bool = False  # the LM head is the input embedding
+    sliding_window: Optional[int] = None  # each token attends to itself and the window - 1 before it
     rotary_base: float = 10000.0
+    # RoPE frequency scaling: "linear" divides every frequency by the factor; "llama3" (Llama 3.1)
+    # divides the low frequencies, keeps the high ones and interpolates between, from the wavelength
+    # bounds original_max_position_embeddings / {low,high}_freq_factor.
+    rope_scaling: Literal["none", "linear", "llama3"] = "none"
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: Optional[int] = None
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
@@ -57,6 +74,16 @@ class ModelArchConfig:
     @property
     def kv_groups(self) -> int:
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def kv_channels(self) -> int:
+        """Width of one attention head."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def tied_output(self, head: str) -> bool:
+        """Whether the output layer is the input embedding (an LM head of a tied model; a score
+        head is always a separate matrix)."""
+        return self.tie_word_embeddings and head == "lm"
 
     def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
         """Vocabulary rounded up so that every TP shard has the same, aligned size (as Megatron)."""

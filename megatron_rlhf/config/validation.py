@@ -14,6 +14,26 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def _feature_problems(m) -> List[str]:
+    """Values of the architecture's features that no model can take."""
+    problems = []
+    for key in ("head_dim", "sliding_window", "rope_original_max_position_embeddings"):
+        value = getattr(m, key)
+        if value is not None and value < 1:
+            problems.append(f"{key}: must be >= 1 (or unset), got {value}")
+    if m.head_dim is not None and m.head_dim % 2:
+        problems.append(f"head_dim: RoPE rotates pairs of channels; {m.head_dim} is odd")
+    if m.rope_scaling != "none" and m.rope_scaling_factor <= 0:
+        problems.append(f"rope_scaling_factor: must be > 0 with rope_scaling {m.rope_scaling!r}, got {m.rope_scaling_factor}")
+    if m.rope_scaling == "llama3":
+        if m.rope_original_max_position_embeddings is None:
+            problems.append("rope_original_max_position_embeddings: rope_scaling 'llama3' needs it")
+        if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+            problems.append(f"rope_low_freq_factor, rope_high_freq_factor: need 0 < low < high, got "
+                            f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}")
+    return problems
+
+
 def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> List[str]:
     """Every problem of the parallel layout and batch sizes, each naming file, key and what is valid."""
     problems: List[str] = []
@@ -68,11 +88,12 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
                 f"{file}: {at}.num_query_groups: {groups} does not divide num_attention_heads={heads}; "
                 f"valid: {_divisors(heads)}"
             )
-        if m.hidden_size % heads != 0:
+        if m.head_dim is None and m.hidden_size % heads != 0:
             problems.append(
                 f"{file}: {at}.hidden_size: {m.hidden_size} is not divisible by "
-                f"num_attention_heads={heads}"
+                f"num_attention_heads={heads}; set head_dim for heads of another width"
             )
+        problems.extend(f"{file}: {at}.{p}" for p in _feature_problems(m))
         if heads % tp != 0:
             problems.append(
                 f"{config.at(tp_key)}: {tp} does not divide {role}'s "

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron_rlhf.generation.kv_cache import SlotKVCache, StepLayout, attend
 from megatron_rlhf.generation.sampling import SamplingParams, sample_next
 from megatron_rlhf.models.batches import action_mask
-from megatron_rlhf.models.llama import unwrap
+from megatron_rlhf.models.decoder import unwrap
 from megatron_rlhf.models.pipeline import broadcast_from_last_stage
 from megatron_rlhf.runtime import megatron_compat as compat
 from megatron_rlhf.runtime.platform import get_platform

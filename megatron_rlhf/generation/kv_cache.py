@@ -82,11 +82,14 @@ def attend(attention: torch.nn.Module, layer: int, cache: SlotKVCache, step: Ste
     keys[step.slots, :, step.positions] = key[:, 0]
     values[step.slots, :, step.positions] = value[:, 0]
     scale = getattr(attention.core_attention, "softmax_scale", None)
+    # A sliding window (megatron's (left, 0)): a token sees itself and the `left` positions before it.
+    left = config.window_size[0] if config.window_size else None
     out = torch.empty_like(query)
     for start, n in step.prefill:  # a prompt attends to itself only: its row's positions start at 0
         q, k, v = (t[start : start + n, 0].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+        mask = None if left is None else _visible(torch.arange(n, device=q.device), n, left)
         out[start : start + n, 0] = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)[0].transpose(0, 1)
     if step.decode_slots is not None:
         first = step.decode_start
         extent = step.decode_extent
@@ -96,7 +99,15 @@ def attend(attention: torch.nn.Module, layer: int, cache: SlotKVCache, step: Ste
         else:
             k, v = keys[step.decode_slots, :, :extent], values[step.decode_slots, :, :extent]
         q = query[first:, 0].unsqueeze(2)  # [D, heads, 1, dim]
-        visible = torch.arange(extent, device=q.device) <= step.positions[first:].unsqueeze(1)
+        visible = _visible(step.positions[first:], extent, left)
         out[first:, 0] = F.scaled_dot_product_attention(
             q, k, v, attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True).squeeze(2)
     return attention.linear_proj(out.view(out.shape[0], 1, -1))
+
+
+def _visible(positions: torch.Tensor, extent: int, left: Optional[int]) -> torch.Tensor:
+    """[len(positions), extent]: which cache positions each query position attends to (causal,
+    within ``left`` positions before it when a sliding window is set)."""
+    keys = torch.arange(extent, device=positions.device)
+    distance = positions.unsqueeze(1) - keys
+    return (distance >= 0) if left is None else (distance >= 0) & (distance <= left)

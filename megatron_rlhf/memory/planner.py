@@ -36,23 +36,27 @@ PHASES = (
 
 
 def param_numels(arch: ModelArchConfig, head: str, tp: int, pp: int, pp_rank: int) -> List[int]:
-    """Element counts of this rank's parameters, in module order (megatron local layers)."""
-    h, hd = arch.hidden_size, arch.hidden_size // arch.num_attention_heads
+    """Element counts of this rank's parameters, in module order (megatron local layers). A tied
+    LM head has no weight of its own, except the last stage's copy under PP."""
+    h, hd = arch.hidden_size, arch.kv_channels
     vocab = arch.padded_vocab_size(tp) // tp
+    qkv = (arch.num_attention_heads + 2 * arch.kv_groups) * hd // tp
     out: List[int] = []
     if pp_rank == 0:
         out.append(vocab * h)
-    per_layer = [
-        h,  # input norm
-        (arch.num_attention_heads + 2 * arch.kv_groups) * hd // tp * h,  # fused QKV
-        h * arch.num_attention_heads * hd // tp,  # attention output
+    per_layer = [h, h * arch.num_attention_heads * hd // tp, qkv * h]  # input norm, attention output, fused QKV
+    per_layer += [qkv] if arch.qkv_bias else []
+    per_layer += [hd, hd] if arch.qk_norm else []
+    per_layer += [
         h,  # pre-MLP norm
         2 * arch.ffn_hidden_size // tp * h,  # [gate; up]
         h * arch.ffn_hidden_size // tp,  # down
     ]
     out += per_layer * (arch.num_layers // pp)
     if pp_rank == pp - 1:
-        out += [h, (vocab if head == "lm" else 1) * h]  # final norm, output layer or scalar head
+        out.append(h)  # final norm
+        if not (arch.tied_output(head) and pp == 1):
+            out.append((vocab if head == "lm" else 1) * h)  # output layer or scalar head
     return out
 
 
@@ -129,7 +133,7 @@ def activation_bytes(arch: ModelArchConfig, head: str, micro_batch: int, seq: in
 
 def kv_cache_bytes(arch: ModelArchConfig, batch: int, seq: int, tp: int, pp: int, precision: str) -> int:
     """Keys and values of every layer on the stage for ``batch`` sequences of ``seq`` tokens."""
-    hd = arch.hidden_size // arch.num_attention_heads
+    hd = arch.kv_channels
     return 2 * (arch.num_layers // pp) * batch * seq * (arch.kv_groups // tp) * hd * BYTES[precision]
 
 

@@ -6,18 +6,22 @@ use the same functions. Keys are those of megatron's GPTModel with local layers
 and the true (unpadded) vocabulary, shards use local layer numbers and the padded vocabulary.
 
 How each weight is split across TP ranks:
-- column-parallel (output rows split): linear_qkv (Megatron orders rows per query group:
-  that group's query heads, then its key, then its value head, so contiguous chunks are whole
-  groups), word embeddings and output_layer (vocabulary rows);
+- column-parallel (output rows split): linear_qkv's weight and bias (Megatron orders rows per
+  query group: that group's query heads, then its key, then its value head, so contiguous chunks
+  are whole groups), word embeddings and output_layer (vocabulary rows);
 - linear_fc1 holds [gate; up] stacked: each rank holds [gate_r; up_r];
 - row-parallel (input columns split): linear_proj, linear_fc2;
-- replicated: norms and the scalar head.
+- replicated: norms (q/k norms included: they act on one head) and the scalar head.
+
+A tied model (``tied=True``: the LM head is the input embedding) has no output_layer in the full
+dict; under PP the last stage holds its own copy of the embedding as output_layer (megatron keeps
+the two equal by all-reducing their gradients), cut from the embedding here and dropped on merge.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -25,7 +29,7 @@ StateDict = Dict[str, torch.Tensor]
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
-_COLUMN = ("self_attention.linear_qkv.weight",)
+_COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
 _ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 _GATED = ("mlp.linear_fc1.weight",)
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -118,8 +122,10 @@ def shard_state_dict(
     pp_size: int = 1,
     pp_rank: int = 0,
     head: str = "lm",
+    tied: bool = False,
 ) -> StateDict:
-    """This rank's state dict (local layer numbers, padded vocabulary) from the full one."""
+    """This rank's state dict (local layer numbers, padded vocabulary) from the full one (or any
+    part of it: keys this rank does not hold are skipped)."""
     vocab = _vocab_keys(head)
     layers = stage_layers(num_layers, pp_size, pp_rank)
     first, last = pp_rank == 0, pp_rank == pp_size - 1
@@ -133,6 +139,8 @@ def shard_state_dict(
             local_key = f"decoder.layers.{layer - layers.start}.{rest}"
             out[local_key] = _split(rest, tensor, tp_size, tp_rank, vocab).clone()
             continue
+        if key == _VOCAB[0] and tied and last and not first:
+            out[_VOCAB[1]] = _split(_VOCAB[1], _pad_vocab(tensor, padded_vocab), tp_size, tp_rank, vocab).clone()
         if key.startswith("embedding.") and not first:
             continue
         if (key.startswith("output_layer.") or key.startswith("decoder.final_layernorm.")) and not last:
@@ -144,15 +152,18 @@ def shard_state_dict(
 
 
 def merge_state_dicts(
-    shards: List[List[StateDict]], num_layers: int, vocab_size: int, head: str = "lm"
+    shards: List[List[StateDict]], num_layers: int, vocab_size: int, head: str = "lm", tied: bool = False
 ) -> StateDict:
-    """The full state dict from ``shards[pp_rank][tp_rank]``; vocabulary padding is dropped."""
+    """The full state dict from ``shards[pp_rank][tp_rank]``; vocabulary padding (and a tied
+    model's copy of the embedding on the last stage) is dropped."""
     vocab = _vocab_keys(head)
     pp_size, tp_size = len(shards), len(shards[0])
     full: StateDict = {}
     for pp_rank, stage in enumerate(shards):
         layers = stage_layers(num_layers, pp_size, pp_rank)
         for key in stage[0]:
+            if tied and key == _VOCAB[1]:
+                continue
             pieces = [stage[tp][key] for tp in range(tp_size)]
             match = _LAYER_KEY.match(key)
             if match:
@@ -167,12 +178,15 @@ def merge_state_dicts(
     return full
 
 
-def stage_of(key: str, num_layers: int, pp_size: int) -> int:
-    """The pipeline stage that holds full-state-dict key ``key``."""
+def stages_of(key: str, num_layers: int, pp_size: int, tied: bool = False) -> Tuple[int, ...]:
+    """The pipeline stages that need full-state-dict key ``key`` (a tied model's embedding: the
+    first and, as its output layer, the last)."""
     match = _LAYER_KEY.match(key)
     if match:
-        return int(match.group(1)) // (num_layers // pp_size)
-    return 0 if key.startswith("embedding.") else pp_size - 1
+        return (int(match.group(1)) // (num_layers // pp_size),)
+    if key.startswith("embedding."):
+        return (0, pp_size - 1) if tied and key == _VOCAB[0] and pp_size > 1 else (0,)
+    return (pp_size - 1,)
 
 
 def merge_tensor(key: str, tp_pieces: List[torch.Tensor], vocab_size: int, head: str = "lm") -> torch.Tensor:

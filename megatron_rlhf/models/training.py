@@ -9,7 +9,7 @@ import torch
 
 from megatron_rlhf.config.schema import RoleConfig
 from megatron_rlhf.models.batches import at_actions, next_tokens
-from megatron_rlhf.models.llama import unwrap
+from megatron_rlhf.models.decoder import unwrap
 from megatron_rlhf.runtime import megatron_compat as compat
 from megatron_rlhf.models.pipeline import LossFn, MicroBatch, forward_backward
 

@@ -11,7 +11,7 @@ import torch
 
 from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES, RLHFConfig, RoleConfig
 from megatron_rlhf.memory.manager import WEIGHTS, EMSSwitches, RoleMemory
-from megatron_rlhf.models.llama import build_model, load_local_state_dict
+from megatron_rlhf.models.decoder import build_model, load_local_state_dict
 from megatron_rlhf.models.pipeline import LossFn, MicroBatch, Reduce, forward_backward
 from megatron_rlhf.models.training import train_step, wrap_for_training
 from megatron_rlhf.runtime.distributed import set_seed

@@ -14,7 +14,7 @@ import contextlib
 import torch
 
 from megatron_rlhf.memory.manager import WEIGHTS
-from megatron_rlhf.models.llama import unwrap
+from megatron_rlhf.models.decoder import unwrap
 from megatron_rlhf.roles.base import Role
 
 

@@ -82,6 +82,11 @@ ANCHORS: Dict[str, Tuple[Site, ...]] = {
         Site("models/gpt/gpt_model.py", "self.rotary_pos_emb = RotaryEmbedding("),
         Site("models/gpt/gpt_model.py", "hidden_states = self.decoder("),
     ),
+    "rope_frequencies": (  # megatron's llama3 scaling fixes its bounds; scaled models set their own
+        Site("models/common/embeddings/rotary_pos_embedding.py", "self.inv_freq = 1.0 / ("),
+        Site("models/common/embeddings/rotary_pos_embedding.py", "freqs = torch.outer(seq, self.inv_freq)"),
+        Site("models/common/embeddings/rotary_pos_embedding.py", "@lru_cache(maxsize=32)"),
+    ),
     "grad_sync_hooks": (
         Site("model_parallel_config.py", "finalize_model_grads_func"),
         Site("model_parallel_config.py", "no_sync_func"),
@@ -272,3 +277,10 @@ def attention_replaced(gpt_model: torch.nn.Module, make_forward: Callable[[int, 
 def rotary_angles(gpt_model: torch.nn.Module, length: int) -> torch.Tensor:
     """The model's RoPE angles for positions 0..length-1: [length, 1, 1, rotary dim]."""
     return gpt_model.rotary_pos_emb(length)
+
+
+def set_rope_inv_freq(gpt_model: torch.nn.Module, inv_freq: torch.Tensor) -> None:
+    """Replace the RoPE frequencies of a model not yet run (its embedding caches by length)."""
+    rope = gpt_model.rotary_pos_emb
+    rope.inv_freq = inv_freq.to(rope.inv_freq.device)
+    rope.forward.cache_clear()

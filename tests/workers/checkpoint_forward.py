@@ -7,7 +7,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_rlhf.checkpoint import load_model_shard
 from megatron_rlhf.checkpoint.model_files import read_model_meta
-from megatron_rlhf.models.llama import build_model, load_local_state_dict
+from megatron_rlhf.models.decoder import build_model, load_local_state_dict
 from megatron_rlhf.models.pipeline import forward_backward, gather_vocab_parallel
 
 root, tp, pp = ARGS[0], int(ARGS[1]), int(ARGS[2])

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.config.schema import ModelArchConfig, ParallelConfig
-from megatron_rlhf.config.presets import LLAMA_PRESETS
+from megatron_rlhf.config.presets import PRESETS
 from megatron_rlhf.runtime import init_distributed
 
 OUT_DIR = sys.argv[1]
@@ -15,7 +15,7 @@ ARGS = sys.argv[2:]
 
 
 def tiny_arch(**overrides) -> ModelArchConfig:
-    return ModelArchConfig(**{**LLAMA_PRESETS["tiny"], **overrides})
+    return ModelArchConfig(**{**PRESETS["tiny"], **overrides})
 
 
 def setup(tp: int = 1, pp: int = 1, sp: bool = False, seed: int = 1234) -> ParallelConfig:

@@ -7,7 +7,7 @@ from common import ARGS, save, setup, tiny_arch
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.config.schema import RoleConfig
-from megatron_rlhf.models.llama import build_model, unwrap
+from megatron_rlhf.models.decoder import build_model, unwrap
 from megatron_rlhf.models.training import next_token_loss, train_step, wrap_for_training
 
 use_dist_opt = ARGS[0] == "dist"

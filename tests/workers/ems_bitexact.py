@@ -10,7 +10,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_rlhf.config.schema import RoleConfig
 from megatron_rlhf.memory import OFFLOAD_ORDER
-from megatron_rlhf.models.llama import build_model
+from megatron_rlhf.models.decoder import build_model
 from megatron_rlhf.models.training import next_token_loss, wrap_for_training
 from megatron_rlhf.roles.base import assemble_role
 from megatron_rlhf.runtime import set_seed

@@ -10,7 +10,7 @@ from common import save, setup, tiny_arch
 
 from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, TRAINABLE_ROLES, RoleConfig
 from megatron_rlhf.memory import LEDGER_KINDS
-from megatron_rlhf.models.llama import build_model
+from megatron_rlhf.models.decoder import build_model
 from megatron_rlhf.models.training import next_token_loss, scalar_regression_loss, wrap_for_training
 from megatron_rlhf.roles.base import assemble_role
 

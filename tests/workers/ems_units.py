@@ -6,7 +6,7 @@ from common import save, setup, tiny_arch
 
 from megatron_rlhf.config.schema import RoleConfig
 from megatron_rlhf.memory import GRADS, MAIN_PARAMS, OPTIMIZER_STATE, WEIGHTS, GradientsInUse
-from megatron_rlhf.models.llama import build_model
+from megatron_rlhf.models.decoder import build_model
 from megatron_rlhf.models.pipeline import forward_backward
 from megatron_rlhf.models.training import next_token_loss, wrap_for_training
 from megatron_rlhf.roles.base import assemble_role

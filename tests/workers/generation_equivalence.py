@@ -7,7 +7,7 @@ from common import save, setup, tiny_arch
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.generation import SamplingParams, generate
-from megatron_rlhf.models.llama import build_model, load_local_state_dict, local_state_dict
+from megatron_rlhf.models.decoder import build_model, load_local_state_dict, local_state_dict
 from megatron_rlhf.models.pipeline import forward_backward, gather_vocab_parallel
 from megatron_rlhf.models.sharding import merge_state_dicts, shard_state_dict
 from megatron_rlhf.models.vocab_parallel import token_entropy, token_log_probs

@@ -9,7 +9,7 @@ from megatron.core import parallel_state as ps
 from megatron_rlhf.checkpoint import load_model_shard
 from megatron_rlhf.checkpoint.model_files import read_model_meta
 from megatron_rlhf.generation import SamplingParams, generate
-from megatron_rlhf.models.llama import build_model, load_local_state_dict
+from megatron_rlhf.models.decoder import build_model, load_local_state_dict
 
 LENGTHS = [3, 17, 9, 1, 30, 12, 5, 24]
 root, eos = ARGS[0], int(ARGS[1])

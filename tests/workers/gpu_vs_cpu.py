@@ -7,7 +7,7 @@ from common import ARGS, save, setup, tiny_arch
 
 from megatron_rlhf.config.schema import RoleConfig
 from megatron_rlhf.generation import SamplingParams, generate
-from megatron_rlhf.models.llama import build_model, load_local_state_dict, local_state_dict
+from megatron_rlhf.models.decoder import build_model, load_local_state_dict, local_state_dict
 from megatron_rlhf.models.training import next_token_loss, train_step, wrap_for_training
 from megatron_rlhf.runtime import get_platform
 

@@ -8,7 +8,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_rlhf.config.schema import RoleConfig
 from megatron_rlhf.generation import SamplingParams, generate
-from megatron_rlhf.models.llama import build_model
+from megatron_rlhf.models.decoder import build_model
 from megatron_rlhf.models.training import next_token_loss, train_step, wrap_for_training
 
 arch = tiny_arch()

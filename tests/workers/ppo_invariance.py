@@ -12,7 +12,7 @@ from megatron.core import parallel_state as ps
 from megatron_rlhf import ppo
 from megatron_rlhf.config.schema import PPOConfig, RoleConfig
 from megatron_rlhf.models.batches import action_mask, length_grouped, split_rows
-from megatron_rlhf.models.llama import build_model, load_local_state_dict, local_state_dict, unwrap
+from megatron_rlhf.models.decoder import build_model, load_local_state_dict, local_state_dict, unwrap
 from megatron_rlhf.models.pipeline import forward_backward
 from megatron_rlhf.models.sharding import merge_state_dicts, shard_state_dict, to_local_layer_names
 from megatron_rlhf.models.training import wrap_for_training

@@ -8,7 +8,7 @@ from common import save, setup
 
 from megatron_rlhf.config import load_config
 from megatron_rlhf.memory.manager import WEIGHTS
-from megatron_rlhf.models.llama import unwrap
+from megatron_rlhf.models.decoder import unwrap
 from megatron_rlhf.models.training import next_token_loss
 from megatron_rlhf.roles import build_role
 from megatron_rlhf.roles.weight_sync import WeightSync

@@ -1,4 +1,5 @@
-"""Builders of Llama-2 style Megatron GPT models with a language-model or a scalar head.
+"""Builders of Megatron GPT models of the Llama line (the families of config/families.py) with a
+language-model or a scalar head.
 
 A built model is a megatron ``GPTModel`` for this process's pipeline stage and TP rank (wrapped in
 ``Float16Module`` for bf16). Trainable models are further wrapped in megatron DDP (see training.py).
@@ -8,10 +9,13 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from megatron_rlhf.config.schema import ModelArchConfig, ParallelConfig
+from megatron_rlhf.runtime import megatron_compat as compat
 from megatron_rlhf.runtime.platform import get_platform
 
 Head = Literal["lm", "scalar"]
@@ -24,8 +28,8 @@ def make_transformer_config(
     recompute_activations: bool = False,
     cuda_graph_impl: str = "none",
 ):
-    """megatron TransformerConfig for the Llama-2 architecture (no dropout: RLHF needs the same
-    log-probs in rollout and training)."""
+    """megatron TransformerConfig of ``arch`` (no dropout: RLHF needs the same log-probs in rollout
+    and training). The RoPE frequencies are set on the built model (:func:`rope_inv_freq`)."""
     from megatron.core.transformer import TransformerConfig
 
     extra = {}
@@ -37,13 +41,16 @@ def make_transformer_config(
         num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.kv_groups,
         ffn_hidden_size=arch.ffn_hidden_size,
-        kv_channels=arch.hidden_size // arch.num_attention_heads,
+        kv_channels=arch.kv_channels,
         normalization="RMSNorm",
         layernorm_epsilon=arch.norm_epsilon,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        # megatron's window (left, right) counts the tokens before and after; ours includes the token.
+        window_size=(arch.sliding_window - 1, 0) if arch.sliding_window else None,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=arch.init_method_std,
@@ -105,17 +112,39 @@ class ScalarHead(torch.nn.Module):
         return values, None
 
 
-def layer_spec():
+def layer_spec(arch: ModelArchConfig):
     """transformer-engine layers on GPU when installed, megatron-core's local layers otherwise."""
     if get_platform().has_transformer_engine:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec()
+    return get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm)
+
+
+def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
+    """RoPE's inverse frequencies [kv_channels / 2] (fp32) with ``arch``'s scaling.
+
+    linear: every frequency divided by the factor. llama3: wavelengths 2*pi/f longer than
+    original / low_freq_factor are divided by the factor, those shorter than original /
+    high_freq_factor kept, and the band between interpolated linearly in original / wavelength.
+    """
+    dim = arch.kv_channels
+    inv_freq = 1.0 / (arch.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if arch.rope_scaling == "linear":
+        return inv_freq / arch.rope_scaling_factor
+    if arch.rope_scaling == "llama3":
+        original, factor = arch.rope_original_max_position_embeddings, arch.rope_scaling_factor
+        low, high = arch.rope_low_freq_factor, arch.rope_high_freq_factor
+        wavelength = 2 * math.pi / inv_freq
+        smooth = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+        interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        return torch.where(wavelength > original / low, inv_freq / factor,
+                           torch.where(wavelength < original / high, inv_freq, interpolated))
+    return inv_freq
 
 
 def build_model(
@@ -147,16 +176,18 @@ def build_model(
         post_process = parallel_state.is_pipeline_last_stage()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_spec(arch),
         vocab_size=arch.padded_vocab_size(parallel.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=arch.tied_output(head),
         position_embedding_type="rope",
         rotary_base=int(arch.rotary_base),
     )
+    if arch.rope_scaling != "none":
+        compat.set_rope_inv_freq(model, rope_inv_freq(arch))
     if post_process and head == "scalar":
         model.output_layer = ScalarHead(config, arch.hidden_size)
     elif head not in ("lm", "scalar"):

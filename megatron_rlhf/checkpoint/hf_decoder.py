@@ -1,0 +1,157 @@
+"""Hugging Face decoders of the Llama line (config/families.py) <-> the full Megatron state dict of
+models/sharding.py, one tensor at a time. Pure tensor code. Every family here uses the same
+tensor names; the architecture's features decide which exist.
+
+Names (layer i):
+  model.embed_tokens.weight                      embedding.word_embeddings.weight
+  model.layers.i.input_layernorm.weight          decoder.layers.i.input_layernorm.weight
+  model.layers.i.self_attn.{q,k,v}_proj.weight   decoder.layers.i.self_attention.linear_qkv.weight
+  model.layers.i.self_attn.{q,k,v}_proj.bias     decoder.layers.i.self_attention.linear_qkv.bias (qkv_bias)
+  model.layers.i.self_attn.{q,k}_norm.weight     decoder.layers.i.self_attention.{q,k}_layernorm.weight (qk_norm)
+  model.layers.i.self_attn.o_proj.weight         decoder.layers.i.self_attention.linear_proj.weight
+  model.layers.i.post_attention_layernorm.weight decoder.layers.i.pre_mlp_layernorm.weight
+  model.layers.i.mlp.{gate,up}_proj.weight       decoder.layers.i.mlp.linear_fc1.weight  ([gate; up])
+  model.layers.i.mlp.down_proj.weight            decoder.layers.i.mlp.linear_fc2.weight
+  model.norm.weight                              decoder.final_layernorm.weight
+  lm_head.weight (LM) | score.weight (reward)    output_layer.weight (none for a tied LM: the embedding)
+
+Megatron's fused QKV orders rows (and bias entries) by query group: the group's query heads, its
+key head, its value head. Both use the same (non-interleaved, rotate-half) rotary layout, so no
+permutation is needed.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Dict, Iterator, List, Tuple
+
+import torch
+
+from megatron_rlhf.config.schema import ModelArchConfig
+
+GetTensor = Callable[[str], torch.Tensor]
+
+_LAYER_SIMPLE = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_QKV = {"self_attention.linear_qkv.weight": "weight", "self_attention.linear_qkv.bias": "bias"}
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# Tensors older checkpoints carry that are derived, not learnt (RoPE frequencies).
+DERIVED_HF_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+
+def head_key(head: str) -> str:
+    return "lm_head.weight" if head == "lm" else "score.weight"
+
+
+def layer_keys(arch: ModelArchConfig) -> List[str]:
+    """The Megatron keys of one transformer layer (after ``decoder.layers.i.``), in module order."""
+    keys = ["input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight"]
+    if arch.qkv_bias:
+        keys.append("self_attention.linear_qkv.bias")
+    if arch.qk_norm:
+        keys += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
+    return keys + ["pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+
+
+def megatron_keys(arch: ModelArchConfig, head: str) -> List[str]:
+    """Every key of the full Megatron state dict, in order."""
+    keys = ["embedding.word_embeddings.weight"]
+    for i in range(arch.num_layers):
+        keys += [f"decoder.layers.{i}.{k}" for k in layer_keys(arch)]
+    return keys + ["decoder.final_layernorm.weight"] + ([] if arch.tied_output(head) else ["output_layer.weight"])
+
+
+def expected_hf_shapes(arch: ModelArchConfig, head: str) -> Dict[str, Tuple[int, ...]]:
+    """The tensors (and shapes) a Hugging Face checkpoint of this architecture must hold."""
+    h, ffn, hd = arch.hidden_size, arch.ffn_hidden_size, arch.kv_channels
+    q, kv = arch.num_attention_heads * hd, arch.kv_groups * hd
+    shapes = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,)}
+    if not arch.tied_output(head):
+        shapes[head_key(head)] = (arch.vocab_size, h) if head == "lm" else (1, h)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (ffn, h),
+            p + "mlp.up_proj.weight": (ffn, h),
+            p + "mlp.down_proj.weight": (h, ffn),
+        })
+        if arch.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if arch.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return shapes
+
+
+def _qkv_from_hf(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ModelArchConfig) -> torch.Tensor:
+    groups, hd = arch.kv_groups, arch.kv_channels
+    per_group = arch.num_attention_heads // groups
+    tail = q.shape[1:]  # (hidden,) for weights, () for biases
+    q = q.reshape(groups, per_group * hd, *tail)
+    k, v = k.reshape(groups, hd, *tail), v.reshape(groups, hd, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+
+
+def _qkv_to_hf(qkv: torch.Tensor, arch: ModelArchConfig) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups, hd = arch.kv_groups, arch.kv_channels
+    per_group = arch.num_attention_heads // groups
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(groups, (per_group + 2) * hd, *tail)
+    q, k, v = grouped.split([per_group * hd, hd, hd], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+def megatron_tensor(key: str, get: GetTensor, arch: ModelArchConfig, head: str) -> torch.Tensor:
+    """One tensor of the full Megatron state dict, read from the HF checkpoint through ``get``."""
+    if key == "embedding.word_embeddings.weight":
+        return get("model.embed_tokens.weight")
+    if key == "decoder.final_layernorm.weight":
+        return get("model.norm.weight")
+    if key == "output_layer.weight":
+        return get(head_key(head))
+    layer, rest = _LAYER_KEY.match(key).groups()
+    p = f"model.layers.{layer}."
+    if rest in _LAYER_SIMPLE:
+        return get(p + _LAYER_SIMPLE[rest])
+    if rest in _QKV:
+        kind = _QKV[rest]
+        return _qkv_from_hf(*(get(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"), arch)
+    if rest == "mlp.linear_fc1.weight":
+        return torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+    raise KeyError(key)
+
+
+def hf_tensors(key: str, tensor: torch.Tensor, arch: ModelArchConfig, head: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    """The HF tensors that one full Megatron tensor becomes."""
+    if key == "embedding.word_embeddings.weight":
+        yield "model.embed_tokens.weight", tensor
+    elif key == "decoder.final_layernorm.weight":
+        yield "model.norm.weight", tensor
+    elif key == "output_layer.weight":
+        yield head_key(head), tensor
+    else:
+        layer, rest = _LAYER_KEY.match(key).groups()
+        p = f"model.layers.{layer}."
+        if rest in _LAYER_SIMPLE:
+            yield p + _LAYER_SIMPLE[rest], tensor
+        elif rest in _QKV:
+            for name, part in zip("qkv", _qkv_to_hf(tensor, arch)):
+                yield p + f"self_attn.{name}_proj.{_QKV[rest]}", part.contiguous()
+        elif rest == "mlp.linear_fc1.weight":
+            gate, up = tensor.chunk(2)
+            yield p + "mlp.gate_proj.weight", gate.contiguous()
+            yield p + "mlp.up_proj.weight", up.contiguous()
+        else:
+            raise KeyError(key)

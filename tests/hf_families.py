@@ -1,0 +1,46 @@
+"""Tiny random Hugging Face models of each supported family, their distinctive features on, every
+norm and bias moved away from its initial value (so a dropped or misplaced one shows)."""
+
+import torch
+
+# name -> (transformers config class name, model class prefix, config fields beyond the shared ones)
+FAMILY_MODELS = {
+    "llama3.1": ("LlamaConfig", "Llama", dict(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "llama3.2": ("LlamaConfig", "Llama", dict(
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "qwen2.5": ("Qwen2Config", "Qwen2", dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen3": ("Qwen3Config", "Qwen3", dict(head_dim=24)),
+    "mistral": ("MistralConfig", "Mistral", dict(sliding_window=6)),
+}
+SHARED = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+              vocab_size=100, max_position_embeddings=256, rms_norm_eps=1e-5, num_labels=1, pad_token_id=0)
+
+
+def make_hf_model(name: str, path, head: str = "lm", **overrides):
+    """Save a tiny random model of family ``name`` (FAMILY_MODELS) at ``path``; return it (eval)."""
+    import transformers
+
+    config_class, prefix, fields = FAMILY_MODELS[name]
+    fields = {"tie_word_embeddings": False, **fields, **overrides}
+    config = getattr(transformers, config_class)(**SHARED, **fields)
+    cls = getattr(transformers, prefix + ("ForCausalLM" if head == "lm" else "ForSequenceClassification"))
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name_, p in model.named_parameters():
+            moved_from_init = "norm" in name_ or name_.endswith("bias")  # ones and zeros at birth
+            p.add_(torch.randn_like(p) * (0.2 if moved_from_init else 0.02))
+    model.save_pretrained(path)
+    return model
+
+
+def hf_outputs(model, tokens, head):
+    with torch.no_grad():
+        if head == "lm":
+            return model(tokens).logits
+        hidden = model.model(tokens).last_hidden_state
+        return model.score(hidden)  # per-token scores, as our scalar head gives them
