@@ -33,7 +33,7 @@ def make_hf_model(name: str, path, head: str = "lm", **overrides):
     with torch.no_grad():
         for name_, p in model.named_parameters():
             moved_from_init = "norm" in name_ or name_.endswith("bias")  # ones and zeros at birth
-            p.add_(torch.randn_like(p) * (0.2 if moved_from_init else 0.02))
+            p.add_(torch.randn_like(p) * (0.2 if moved_from_init else 0.1))
     model.save_pretrained(path)
     return model
 

@@ -1,0 +1,223 @@
+"""Model families (config/families.py): each converts from a tiny random transformers model, runs
+at TP=2 and PP=2 with transformers' logits and greedy generate(), converts back to the same
+tensors and a config transformers loads as the same model, and every field we do not model is
+refused by name before anything is written."""
+
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+from megatron_rlhf.checkpoint.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
+from megatron_rlhf.checkpoint.model_files import CheckpointError  # noqa: E402
+from tests.hf_families import FAMILY_MODELS, hf_outputs, make_hf_model  # noqa: E402
+
+# The families (and heads) the equivalence worker runs: each family's LM, and score heads of two.
+CASES = [(name, "lm") for name in FAMILY_MODELS] + [("qwen3", "scalar"), ("qwen2.5", "scalar")]
+
+
+def all_tensors(directory):
+    out = {}
+    for name in os.listdir(directory):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, name)))
+    return out
+
+
+def hf_greedy(model, prompts, lengths, eos):
+    rows = []
+    for row, n in enumerate(lengths):
+        out = model.generate(prompts[row : row + 1, :n], attention_mask=torch.ones(1, n, dtype=torch.long),
+                             max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)[0, n:].tolist()
+        rows.append(out[: out.index(eos) + 1] if eos is not None and eos in out else out)
+    return rows
+
+
+def spread_eos(rows):
+    """The token whose first appearances end the free-running rows at the most distinct lengths."""
+    def ends(token):
+        return len({row.index(token) for row in rows if token in row})
+
+    return max(sorted({t for row in rows for t in row}), key=ends)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Each case's transformers model, converted at TP=1 PP=1, and the worker's results."""
+    from tests.conftest import run_workers
+
+    root = tmp_path_factory.mktemp("families")
+    transformers.logging.set_verbosity_error()
+    models, args = {}, []
+    prompts = torch.randint(3, 100, (8, 30), generator=torch.Generator().manual_seed(0))
+    lengths = [3, 17, 9, 1, 30, 12, 5, 24]
+    for name, head in CASES:
+        case = f"{name}-{head}"
+        model = make_hf_model(name, root / case / "hf", head)
+        hf_to_megatron(str(root / case / "hf"), str(root / case / "mg"))
+        eos = -1
+        if head == "lm":
+            with torch.no_grad():
+                eos = spread_eos(hf_greedy(model, prompts, lengths, None))
+        models[case] = (model, head, eos)
+        args.append(f"{case}={root / case / 'mg'}:{eos}")
+    ranks = run_workers(root, 2, "family_equivalence", *args)
+    return root, models, ranks
+
+
+@pytest.mark.parametrize("layout", ["tp2_pp1", "tp1_pp2"])
+def test_each_family_gives_transformers_outputs_at_tp2_and_pp2(converted, layout):
+    _, models, ranks = converted
+    for case, (model, head, _) in models.items():
+        expected = hf_outputs(model, ranks[0]["tokens"], head)
+        got = [r[f"{case}/{layout}"] for r in ranks if f"{case}/{layout}" in r]
+        assert len(got) == (2 if layout == "tp2_pp1" else 1), case  # the last stage's ranks
+        for g in got:
+            assert (g - expected).abs().max().item() <= 1e-4, case
+
+
+@pytest.mark.parametrize("layout", ["tp2_pp1", "tp1_pp2"])
+def test_greedy_generation_equals_transformers_row_by_row(converted, layout):
+    _, models, ranks = converted
+    prompts, lengths = ranks[0]["prompts"], ranks[0]["lengths"]
+    for case, (model, head, eos) in models.items():
+        if head != "lm":
+            continue
+        with torch.no_grad():
+            expected = hf_greedy(model, prompts, lengths, eos)
+        assert len({len(r) for r in expected}) > 2, case  # EOS ends rows at spread lengths
+        if case.startswith("mistral"):
+            assert max(lengths) + 10 > 2 * model.config.sliding_window  # the window is crossed
+        for r in ranks:
+            assert r[f"{case}/{layout}/generated"] == expected, case
+
+
+def test_each_family_converts_back_to_the_same_tensors_and_model(converted):
+    root, models, ranks = converted
+    for case, (model, head, _) in models.items():
+        back = root / case / "back"
+        megatron_to_hf(str(root / case / "mg"), str(back))
+        original, written = all_tensors(root / case / "hf"), all_tensors(back)
+        assert sorted(written) == sorted(original), case
+        assert all(torch.equal(written[k], original[k]) for k in original), case
+        config = json.loads((back / "config.json").read_text())
+        assert config["model_type"] == model.config.model_type
+        assert config["architectures"] == [type(model).__name__]
+        reloaded = type(model).from_pretrained(back).eval()
+        assert reloaded.config.tie_word_embeddings == model.config.tie_word_embeddings
+        tokens = ranks[0]["tokens"]
+        assert torch.equal(hf_outputs(reloaded, tokens, head), hf_outputs(model, tokens, head)), case
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama") / "hf"
+    make_hf_model("llama3.1", path)
+    return path
+
+
+REFUSED = [  # (model_type, field, value, what the error says)
+    ("llama", "attention_bias", True, r"attention_bias: True is not supported \(supported: False\): Llama's attention_bias also biases o_proj"),
+    ("llama", "mlp_bias", True, r"mlp_bias: True is not supported \(supported: False\)"),
+    ("llama", "hidden_act", "gelu", r"hidden_act: 'gelu' is not supported \(supported: 'silu'\)"),
+    ("llama", "pretraining_tp", 2, r"pretraining_tp: 2 is not supported"),
+    ("llama", "attention_dropout", 0.1, r"attention_dropout: 0.1 is not supported"),
+    ("llama", "partial_rotary_factor", 0.5, r"partial_rotary_factor: not a field of the llama family that we model"),
+    ("llama", "sliding_window", 8, r"sliding_window: not a field of the llama family"),
+    ("llama", "rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+     r"rope type 'dynamic' is not supported \(supported: default, linear, llama3\): dynamic NTK"),
+    ("llama", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}, r"rope type 'yarn' is not supported"),
+    ("llama", "rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4, "attention_factor": 1.0},
+     r"rope parameters attention_factor are not supported for rope type 'linear'"),
+    ("qwen2", "use_sliding_window", True, r"use_sliding_window: True is not supported"),
+    ("qwen2", "layer_types", ["sliding_attention", "full_attention"], r"layer_types: \['full_attention', 'sliding_attention'\]"),
+    ("qwen3", "attention_bias", True, r"attention_bias: True is not supported \(supported: False\): Qwen3's"),
+    ("gemma", "model_type", "gemma", r"model_type 'gemma' is not supported; supported: llama, qwen2, qwen3, mistral"),
+]
+
+
+@pytest.mark.parametrize("model_type,field,value,message", REFUSED, ids=[f"{r[0]}-{r[1]}-{r[2]}" for r in REFUSED])
+def test_each_field_we_do_not_model_is_refused_by_name_before_writing(tmp_path, llama_dir, model_type, field, value, message):
+    config = json.loads((llama_dir / "config.json").read_text())
+    config["model_type"] = model_type
+    config[field] = value
+    if field == "rope_parameters":
+        config.pop("rope_scaling", None)
+    work = tmp_path / "hf"
+    work.mkdir()
+    for name in os.listdir(llama_dir):
+        (work / name).symlink_to(llama_dir / name)
+    (work / "config.json").unlink()
+    (work / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        hf_to_megatron(str(work), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_tensors_the_config_does_not_declare_are_refused_by_name(tmp_path):
+    from safetensors.torch import save_file
+
+    model = make_hf_model("llama3.1", tmp_path / "hf")
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)  # a bias attention_bias: false drops
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"tensors the llama config.json does not account for: "
+                                              r"model\.layers\.0\.self_attn\.o_proj\.bias"):
+        hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tied_checkpoint_may_store_its_head_only_as_the_embedding(tmp_path):
+    from safetensors.torch import save_file
+
+    model = make_hf_model("qwen2.5", tmp_path / "hf")
+    tensors = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "same"))
+    tensors["lm_head.weight"] += 1.0
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="tie_word_embeddings is true but lm_head.weight differs"):
+        hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "out"))
+
+
+def test_rope_scaling_equals_transformers_frequencies():
+    """Our llama3 / linear frequencies against transformers' own rope initialisation."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron_rlhf.config.families import arch_from_hf_config
+    from megatron_rlhf.models.decoder import rope_inv_freq
+
+    for params in ({"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                   {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}):
+        config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_parameters=params)
+        expected, _ = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+        arch = arch_from_hf_config({**config.to_dict(), "intermediate_size": 1, "num_hidden_layers": 1, "vocab_size": 8}, "x")
+        assert torch.allclose(rope_inv_freq(arch), expected.float(), rtol=1e-6, atol=0), params["rope_type"]
+
+
+def test_a_family_fixes_its_features_in_the_config(tmp_path):
+    from megatron_rlhf.config import ConfigError, load_config
+
+    base = os.path.join(os.path.dirname(__file__), "..", "examples", "tiny", "rlhf.yaml")
+
+    def load(model_yaml):
+        (tmp_path / "rlhf.yaml").write_text(f"includes: {os.path.abspath(base)}\nreference:\n  model: {model_yaml}\n")
+        return load_config(str(tmp_path / "rlhf.yaml"), world_size=2, check_inputs=False)
+
+    qwen3 = load("{preset: qwen3-8b}").role("reference").model
+    assert (qwen3.family, qwen3.qk_norm, qwen3.qkv_bias, qwen3.head_dim) == ("qwen3", True, False, 128)
+    llama31 = load("{preset: llama3.1-8b}").role("reference").model
+    assert (llama31.rope_scaling, llama31.rotary_base) == ("llama3", 500000.0)
+    with pytest.raises(ConfigError, match=r"reference\.model\.qk_norm: False contradicts family 'qwen3', whose "
+                                          r"models always have qk_norm: True"):
+        load("{preset: qwen3-8b, qk_norm: false}")
+    with pytest.raises(ConfigError, match=r"reference\.model\.family: unknown family 'gemma'; supported: llama, qwen2"):
+        load("{preset: tiny, family: gemma}")
+    with pytest.raises(ConfigError, match=r"reference\.model\.sliding_window: must be >= 1"):
+        load("{preset: tiny, family: mistral, sliding_window: 0}")
