@@ -221,3 +221,21 @@ def test_a_family_fixes_its_features_in_the_config(tmp_path):
         load("{preset: tiny, family: gemma}")
     with pytest.raises(ConfigError, match=r"reference\.model\.sliding_window: must be >= 1"):
         load("{preset: tiny, family: mistral, sliding_window: 0}")
+
+
+def test_one_rl_iteration_per_family_at_tp2_is_the_same_with_ems_on_and_off(tmp_path):
+    from tests.conftest import run_workers
+
+    ranks = run_workers(tmp_path, 2, "family_iteration")
+    for rank in ranks:
+        assert sorted(rank) == ["llama3.1", "mistral", "qwen2.5", "qwen3"]
+        for family, runs in rank.items():
+            assert runs["on"]["metrics"] == runs["off"]["metrics"], family
+            assert runs["on"]["metrics"]["reward/mean"] > 0, family
+            for role, weights in runs["off"]["weights"].items():
+                moved = runs["on"]["weights"][role]
+                assert sorted(moved) == sorted(weights)
+                assert all(torch.equal(moved[k], weights[k]) for k in weights), (family, role)
+    qwen = ranks[0]["qwen2.5"]["off"]["weights"]["ppo_policy"]
+    assert "output_layer.weight" not in qwen and any(k.endswith("linear_qkv.bias") for k in qwen)  # tied, biased
+    assert any(k.endswith("q_layernorm.weight") for k in ranks[0]["qwen3"]["off"]["weights"]["ppo_policy"])
