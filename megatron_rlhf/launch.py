@@ -8,7 +8,8 @@ layout, nodes, batch sizes), every variable the user exported wins over them, an
 what only a launch knows (nodes, the rendezvous, that a real model needs checkpoints) is checked
 here. All problems are listed at once, before anything starts.
 
-    MODEL_SIZE         tiny, 7b, 13b, 70b [7b];  REWARD_MODEL_SIZE [MODEL_SIZE]
+    MODEL_SIZE         tiny, 7b, 13b, 70b (Llama-2), llama3.1-8b, llama3.1-70b, qwen2.5-7b, qwen2.5-32b,
+                       qwen2.5-72b, qwen3-8b, qwen3-32b [7b];  REWARD_MODEL_SIZE [MODEL_SIZE]
     NNODES, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT [29500], RDZV_ID
     GPU_MEMORY         the device memory the dry run checks the plan against [80GiB]
     DRY_RUN=1          print the plan (missing files are warnings) and exit
@@ -28,6 +29,9 @@ from megatron_rlhf.config.loader import read_config
 _LLAMA2 = dict(NNODES=1, GPUS_PER_NODE=8, ROLLOUT_BATCH_SIZE=512, TRAIN_GLOBAL_BATCH_SIZE=128, TRAIN_MICRO_BATCH_SIZE=2,
                INFERENCE_MICRO_BATCH_SIZE=8, GENERATION_BATCH_SIZE=32, ITERATIONS=1000, MAX_PROMPT_LENGTH=1024,
                MAX_NEW_TOKENS=512, TOKENIZER_TYPE="hf", PRECISION="bf16")
+# The special tokens of the instruction-tuned checkpoints (a response ends at the end of its turn).
+_LLAMA3 = dict(_LLAMA2, BOS_TOKEN="<|begin_of_text|>", EOS_TOKEN="<|eot_id|>")
+_QWEN = dict(_LLAMA2, BOS_TOKEN="", EOS_TOKEN="<|im_end|>")
 # MODEL_SIZE -> (model preset, launch defaults). tiny: a random tiny model that checks a cluster's
 # set-up end to end without checkpoints (PROMPT_FILE relative to the config's directory).
 LAUNCH_PRESETS: Dict[str, Tuple[str, Dict[str, object]]] = {
@@ -38,6 +42,13 @@ LAUNCH_PRESETS: Dict[str, Tuple[str, Dict[str, object]]] = {
     "7b": ("llama2-7b", dict(_LLAMA2, TP=2, PP=1)),
     "13b": ("llama2-13b", dict(_LLAMA2, TP=4, PP=1)),
     "70b": ("llama2-70b", dict(_LLAMA2, TP=8, PP=2, NNODES=4)),
+    "llama3.1-8b": ("llama3.1-8b", dict(_LLAMA3, TP=2, PP=1)),
+    "llama3.1-70b": ("llama3.1-70b", dict(_LLAMA3, TP=8, PP=2, NNODES=4)),
+    "qwen2.5-7b": ("qwen2.5-7b", dict(_QWEN, TP=2, PP=1)),
+    "qwen2.5-32b": ("qwen2.5-32b", dict(_QWEN, TP=8, PP=1, NNODES=2)),
+    "qwen2.5-72b": ("qwen2.5-72b", dict(_QWEN, TP=8, PP=2, NNODES=4)),
+    "qwen3-8b": ("qwen3-8b", dict(_QWEN, TP=2, PP=1)),
+    "qwen3-32b": ("qwen3-32b", dict(_QWEN, TP=8, PP=1, NNODES=2)),
 }
 PATH_VARIABLES = ("POLICY_LOAD", "REWARD_LOAD", "VALUE_LOAD", "TOKENIZER", "PROMPT_FILE", "OUTPUT_DIR")
 
@@ -69,7 +80,7 @@ def resolve_environment(env: Dict[str, str], config_dir: str, cwd: str, algorith
         if name == "PROMPT_FILE" and name not in env:
             env[name] = os.path.normpath(os.path.join(config_dir, str(value)))
         env.setdefault(name, str(value))
-    env.setdefault("OUTPUT_DIR", f"outputs/llama2-{size}-{algorithm}")
+    env.setdefault("OUTPUT_DIR", f"outputs/{policy_preset}-{algorithm}")
     if env.get("REWARD_LOAD") and "VALUE_LOAD" not in env:
         env["VALUE_LOAD"] = env["REWARD_LOAD"]
     for name in PATH_VARIABLES:

@@ -5,6 +5,7 @@ refused by name before anything is written."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -239,3 +240,48 @@ def test_one_rl_iteration_per_family_at_tp2_is_the_same_with_ems_on_and_off(tmp_
     qwen = ranks[0]["qwen2.5"]["off"]["weights"]["ppo_policy"]
     assert "output_layer.weight" not in qwen and any(k.endswith("linear_qkv.bias") for k in qwen)  # tied, biased
     assert any(k.endswith("q_layernorm.weight") for k in ranks[0]["qwen3"]["off"]["weights"]["ppo_policy"])
+
+
+NEW_PRESETS = {  # MODEL_SIZE: (parameters of the policy in billions, nodes of 8 GPUs by default)
+    "llama3.1-8b": (8.03, 1), "llama3.1-70b": (70.55, 4), "qwen2.5-7b": (7.62, 1), "qwen2.5-32b": (32.76, 2),
+    "qwen2.5-72b": (72.71, 4), "qwen3-8b": (8.19, 1), "qwen3-32b": (32.76, 2),
+}
+
+
+@pytest.mark.parametrize("size", sorted(NEW_PRESETS))
+def test_each_new_preset_plans_to_fit_8_gpus_of_80_gib_per_node(size, monkeypatch, capsys):
+    from megatron_rlhf import launch
+
+    saved = dict(os.environ)  # the launcher writes its resolved environment into os.environ
+    try:
+        for name in ("TP", "PP", "NNODES", "GPUS_PER_NODE", "OUTPUT_DIR", "PROMPT_FILE", "MASTER_ADDR"):
+            os.environ.pop(name, None)
+        os.environ.update(DRY_RUN="1", MODEL_SIZE=size)
+        monkeypatch.setattr(os, "execv", None)  # a dry run never launches
+        code = launch.main(["--config", os.path.join("examples", "llama2", "rlhf.yaml")])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    out = capsys.readouterr().out
+    billions, nodes = NEW_PRESETS[size]
+    assert code == 0
+    assert f"{nodes * 8} processes = {nodes} node(s) x 8" in out
+    assert re.search(rf"ppo_policy +{re.escape(size)} +{billions:.2f}B +lm", out), out
+    assert re.search(r"^fits in 80\.00 GiB", out, re.M), out
+
+
+def test_a_checkpoint_is_refused_by_a_config_that_would_compute_otherwise(tmp_path):
+    import dataclasses
+
+    from megatron_rlhf.checkpoint import load_model_shard
+    from megatron_rlhf.checkpoint.model_files import read_model_meta
+
+    make_hf_model("mistral", tmp_path / "hf")
+    hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"))
+    arch, _ = read_model_meta(str(tmp_path / "mg"))
+    assert load_model_shard(str(tmp_path / "mg"), arch, "lm", 1, 0, 1, 0)
+    for change, message in ((dict(sliding_window=None), "sliding_window: checkpoint 6 vs config None"),
+                            (dict(rotary_base=5e5), "rotary_base: checkpoint 10000.0 vs config 500000.0"),
+                            (dict(tie_word_embeddings=True), "tie_word_embeddings: checkpoint False vs config True")):
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            load_model_shard(str(tmp_path / "mg"), dataclasses.replace(arch, **change), "lm", 1, 0, 1, 0)
