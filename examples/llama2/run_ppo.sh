@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# PPO for Llama-2 with megatron-rlhf, configured from environment variables. On one node:
+# PPO (or GRPO) with megatron-rlhf for every supported family (Llama 2/3, Qwen2.5, Qwen3, Mistral:
+# README "Supported models", examples/families.md), configured from environment variables. On one node:
 #
 #   export MODEL_SIZE=7b POLICY_LOAD=/ckpt/llama2-7b-sft-tp2 REWARD_LOAD=/ckpt/llama2-7b-rm-tp2 \
 #          TOKENIZER=/models/Llama-2-7b-hf/tokenizer.json PROMPT_FILE=/data/prompts.jsonl
@@ -14,15 +15,18 @@
 # (the MODEL_SIZE defaults and the launch checks) and the config's own validation.
 #
 # Variables (default in brackets; MODEL_SIZE sets the ones marked *):
-#   MODEL_SIZE               policy size: 7b, 13b, 70b, or tiny (a random tiny model, to check a
-#                            cluster's set-up end to end; needs no checkpoint or tokenizer) [7b]
+#   MODEL_SIZE               policy preset: 7b, 13b, 70b (Llama-2), llama3.1-8b, llama3.1-70b, qwen2.5-7b,
+#                            qwen2.5-32b, qwen2.5-72b, qwen3-8b, qwen3-32b, or tiny (a random tiny model, to
+#                            check a cluster's set-up end to end; needs no checkpoint or tokenizer) [7b]
 #   REWARD_MODEL_SIZE        reward/value size [MODEL_SIZE]
 #   POLICY_LOAD              converted SFT checkpoint (tools/convert_hf_to_megatron.py): reference, ppo_policy
 #   REWARD_LOAD              converted reward model (score head): reward
 #   VALUE_LOAD               starting point of the value model [REWARD_LOAD]
 #   TOKENIZER                the policy's tokenizer.json;  TOKENIZER_TYPE hf or char [hf; tiny: char]
+#   BOS_TOKEN, EOS_TOKEN     * its special tokens [<s>, </s>; Llama 3: <|begin_of_text|>, <|eot_id|>;
+#                            Qwen: none, <|im_end|>]
 #   PROMPT_FILE              JSONL, one {"prompt": "..."} per line
-#   OUTPUT_DIR               metrics, memory ledger, TensorBoard, checkpoints [outputs/llama2-MODEL_SIZE-ppo]
+#   OUTPUT_DIR               metrics, memory ledger, TensorBoard, checkpoints [outputs/PRESET-ppo]
 #   NNODES, GPUS_PER_NODE    * nodes, and GPUs (processes) per node
 #   TP, PP                   * tensor and pipeline parallel sizes (every role: one layout)
 #   free_memory_policy, free_memory_reference, free_memory_reward, free_memory_value,
