@@ -17,8 +17,8 @@ from megatron_rlhf.checkpoint.convert import hf_to_megatron, megatron_to_hf  # n
 from megatron_rlhf.checkpoint.model_files import CheckpointError  # noqa: E402
 from tests.hf_families import FAMILY_MODELS, hf_outputs, make_hf_model  # noqa: E402
 
-# The families (and heads) the equivalence worker runs: each family's LM, and score heads of two.
-CASES = [(name, "lm") for name in FAMILY_MODELS] + [("qwen3", "scalar"), ("qwen2.5", "scalar")]
+# The families (and heads) the equivalence worker runs: each family's LM and score head.
+CASES = [(name, "lm") for name in FAMILY_MODELS] + [(name, "scalar") for name in ("llama3.1", "qwen2.5", "qwen3", "mistral")]
 
 
 def all_tensors(directory):

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Convert a Hugging Face Llama / Llama-2 checkpoint (LlamaForCausalLM, or LlamaForSequenceClassification
-with one label for a reward/value model) to a Megatron checkpoint at a target TP and PP.
+"""Convert a Hugging Face checkpoint of a supported family (Llama 2/3, Qwen2/2.5, Qwen3, Mistral:
+XForCausalLM, or XForSequenceClassification with one label for a reward/value model) to a Megatron
+checkpoint at a target TP and PP.
 
-    python tools/convert_hf_to_megatron.py --hf-dir Llama-2-7b-hf --output ckpt/llama2-7b-tp2pp1 --tp 2 --pp 1
+    python tools/convert_hf_to_megatron.py --hf-dir Qwen2.5-7B-Instruct --output ckpt/qwen2.5-7b-tp2 --tp 2 --pp 1
 """
 
 import argparse

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Convert a Megatron checkpoint (any TP/PP, written by convert_hf_to_megatron.py or by a PPO run)
-to a Hugging Face Llama directory (config.json, safetensors files and their index).
+to a Hugging Face directory of its family (config.json naming the family's model_type and class,
+safetensors files and their index).
 
     python tools/convert_megatron_to_hf.py --megatron-dir ckpt/llama2-7b-tp2pp1 --output Llama-2-7b-rlhf
 """
