@@ -1,6 +1,8 @@
 """Tiny random Hugging Face models of each supported family, their distinctive features on, every
 norm and bias moved away from its initial value (so a dropped or misplaced one shows)."""
 
+import os
+
 import torch
 
 # name -> (transformers config class name, model class prefix, config fields beyond the shared ones)
@@ -44,3 +46,14 @@ def hf_outputs(model, tokens, head):
             return model(tokens).logits
         hidden = model.model(tokens).last_hidden_state
         return model.score(hidden)  # per-token scores, as our scalar head gives them
+
+
+def all_tensors(directory):
+    """Every tensor of a Hugging Face model directory's safetensors files."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in os.listdir(directory):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, name)))
+    return out

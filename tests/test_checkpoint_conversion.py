@@ -7,11 +7,10 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402
 
 from megatron_rlhf.checkpoint.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
 from megatron_rlhf.checkpoint.model_files import CheckpointError  # noqa: E402
-from tests.hf_families import make_hf_model  # noqa: E402
+from tests.hf_families import all_tensors, hf_outputs, make_hf_model  # noqa: E402
 
 
 def tiny_hf(path, head):
@@ -28,22 +27,6 @@ def tiny_hf(path, head):
             p.add_(torch.randn_like(p) * 0.02)
     model.save_pretrained(path)
     return model
-
-
-def hf_outputs(model, tokens, head):
-    with torch.no_grad():
-        if head == "lm":
-            return model(tokens).logits
-        hidden = model.model(tokens).last_hidden_state
-        return model.score(hidden)  # per-token scores, as our scalar head gives them
-
-
-def all_tensors(directory):
-    out = {}
-    for name in os.listdir(directory):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, name)))
-    return out
 
 
 @pytest.mark.parametrize("family,head", [("qwen2.5", "lm"), ("llama2", "scalar")])

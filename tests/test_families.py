@@ -11,22 +11,13 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402
 
 from megatron_rlhf.checkpoint.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
 from megatron_rlhf.checkpoint.model_files import CheckpointError  # noqa: E402
-from tests.hf_families import FAMILY_MODELS, hf_outputs, make_hf_model  # noqa: E402
+from tests.hf_families import FAMILY_MODELS, all_tensors, hf_outputs, make_hf_model  # noqa: E402
 
 # The families (and heads) the equivalence worker runs: each family's LM and score head.
 CASES = [(name, "lm") for name in FAMILY_MODELS] + [(name, "scalar") for name in ("llama3.1", "qwen2.5", "qwen3", "mistral")]
-
-
-def all_tensors(directory):
-    out = {}
-    for name in os.listdir(directory):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, name)))
-    return out
 
 
 def hf_greedy(model, prompts, lengths, eos):
