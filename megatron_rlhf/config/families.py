@@ -59,8 +59,8 @@ def _full_attention_layers(value) -> Tuple[Dict[str, Any], Optional[str]]:
 FULL_ATTENTION_ONLY = Rule(_full_attention_layers, lambda arch: _SKIP)
 
 
-def _head_dim_rule() -> Rule:
-    return Rule(lambda v: ({"head_dim": v}, None), lambda arch: arch.kv_channels)
+# Written back as the effective width: some families' configs default it to another value.
+HEAD_DIM = Rule(lambda v: ({"head_dim": v}, None), lambda arch: arch.kv_channels)
 
 
 # Fields every family has.
@@ -69,7 +69,7 @@ COMMON: Dict[str, Rule] = {
     "intermediate_size": to("ffn_hidden_size"),
     "num_attention_heads": to("num_attention_heads"),
     "num_hidden_layers": to("num_layers"),
-    "num_key_value_heads": to("num_query_groups"),
+    "num_key_value_heads": Rule(lambda v: ({"num_query_groups": v}, None), lambda arch: arch.kv_groups),
     "vocab_size": to("vocab_size"),
     "max_position_embeddings": to("max_position_embeddings"),
     "rms_norm_eps": to("norm_epsilon"),
@@ -142,7 +142,7 @@ FAMILIES: Dict[str, Family] = {
             "attention_bias": only(False, why=": Llama's attention_bias also biases o_proj; use Qwen2 for a "
                                    "q/k/v bias"),
             "mlp_bias": only(False),
-            "head_dim": _head_dim_rule(),
+            "head_dim": HEAD_DIM,
             "pretraining_tp": only(1),
         },
         {"qkv_bias": False, "qk_norm": False, **_NO_WINDOW},
@@ -150,13 +150,13 @@ FAMILIES: Dict[str, Family] = {
     "qwen2": Family("qwen2", "Qwen2", dict(_QWEN_WINDOW), {"qkv_bias": True, "qk_norm": False, **_NO_WINDOW}),
     "qwen3": Family(
         "qwen3", "Qwen3",
-        {"attention_bias": only(False, why=": Qwen3's attention_bias also biases o_proj"), "head_dim": _head_dim_rule(),
+        {"attention_bias": only(False, why=": Qwen3's attention_bias also biases o_proj"), "head_dim": HEAD_DIM,
          **_QWEN_WINDOW},
         {"qkv_bias": False, "qk_norm": True, **_NO_WINDOW},
     ),
     "mistral": Family(
         "mistral", "Mistral",
-        {"head_dim": _head_dim_rule(), "sliding_window": to("sliding_window")},
+        {"head_dim": HEAD_DIM, "sliding_window": to("sliding_window")},
         {"qkv_bias": False, "qk_norm": False},
     ),
 }
@@ -248,7 +248,6 @@ def hf_config_from_arch(arch: ModelArchConfig, head: str, dtype_name: str) -> di
         value = rule.write(arch)
         if value is not _SKIP:
             cfg[key] = value
-    cfg["num_key_value_heads"] = arch.kv_groups
     cfg["rope_theta"] = arch.rotary_base
     cfg["rope_parameters"] = _rope_parameters(arch)
     cfg["torch_dtype"] = dtype_name
