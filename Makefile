@@ -7,7 +7,7 @@ NPROC ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-grpo test clean
+.PHONY: install demo demo-grpo demo-math test clean
 
 install: $(STAMP)
 
@@ -31,6 +31,16 @@ demo: $(STAMP) examples/tiny/prompts.jsonl
 demo-grpo: $(STAMP) examples/tiny/prompts.jsonl
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.train \
 		--config examples/tiny/grpo.yaml --overwrite
+
+# GRPO with verifiable rewards: a Hugging Face tokenizer with a chat template, chat rows with ground
+# truth, the built-in verifier, validation (examples/tiny_math/grpo.yaml). Its inputs are committed;
+# make_data.py writes them again when it changes.
+examples/tiny_math/train.jsonl: examples/tiny_math/make_data.py | $(STAMP)
+	$(PY) examples/tiny_math/make_data.py
+
+demo-math: $(STAMP) examples/tiny_math/train.jsonl
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.train \
+		--config examples/tiny_math/grpo.yaml --overwrite
 
 test: $(STAMP)
 	bash tests/setup_slurm.sh

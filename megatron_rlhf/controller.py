@@ -36,7 +36,7 @@ from megatron_rlhf.models.pipeline import sum_over
 from megatron_rlhf.roles import Role, build_role
 from megatron_rlhf.roles import inference
 from megatron_rlhf.roles.losses import policy_loss_fn, policy_stats, reported_metrics, value_loss_fn
-from megatron_rlhf.roles.reward_function import RewardFunction, check_scores, score_with_function
+from megatron_rlhf.rewards.pool import RewardPool, check_scores
 from megatron_rlhf.roles.weight_sync import WeightSync
 from megatron_rlhf.runtime.platform import get_platform
 
@@ -70,24 +70,25 @@ class PPOController:
         config: RLHFConfig,
         dataset: PromptDataset,
         tokenizer: Tokenizer,
-        reward_function: Optional[RewardFunction],
+        reward_scorer: Optional[RewardPool],
         ledger: MemoryLedger,
         overlap_budget: Optional[int] = None,
+        val_dataset: Optional[PromptDataset] = None,
     ):
         """``overlap_budget``: device bytes free at start-up; with it, each next role's onload
         overlaps the current role's phase where the planner says both fit in it."""
         from megatron.core import parallel_state as ps
 
         self.config = config
-        self.dataset = dataset
+        self.dataset, self.val_dataset = dataset, val_dataset
         self.tokenizer = tokenizer
-        self.reward_function = reward_function
+        self.reward_scorer = reward_scorer  # rule rewards; None: the reward model
         self.ledger = ledger
         self.device = get_platform().device
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.vocab_size = tokenizer.vocab_size
-        self.sampling = SamplingParams.from_config(config.generation, tokenizer.eos_id, tokenizer.pad_id)
+        self.sampling = SamplingParams.from_config(config.generation, tokenizer.eos_ids, tokenizer.pad_id)
         self.roles: Dict[str, Role] = {}
         for name in config.model_roles:
             self.roles[name] = build_role(name, config)
@@ -109,7 +110,7 @@ class PPOController:
         dynamic sampling may return to the policy)."""
         dynamic = self.config.algorithm.dynamic_sampling
         order = {}
-        if self.reward_function is None:
+        if self.reward_scorer is None:
             order["policy"] = "reward"
             if not dynamic:
                 order["reward"] = "reference"
@@ -151,6 +152,7 @@ class PPOController:
         self.iteration += 1
         self.ledger.iteration = self.iteration
         start = time.perf_counter()
+        self.reward_metrics: List[Dict[str, float]] = []
         rollout, texts, sampling = self._rollout()
         shaped = self._advantages(rollout)
         train_metrics = self._train(rollout)
@@ -164,6 +166,7 @@ class PPOController:
             **shaped,
             **train_metrics,
             **sampling,
+            **merged_reward_metrics(self.reward_metrics),
             "response/length_mean": rollout.response_lengths.float().mean().item(),
         }
         metrics = self._dp_mean(metrics)
@@ -238,7 +241,7 @@ class PPOController:
             rows["old_log_probs"], ref_log_probs, rows["scores"],
             group_index=torch.arange(len(tokens), device=tokens.device) // n, old_values=old_values,
         )
-        texts = list(zip([self.dataset.texts[i] for i in rows["prompt_index"].tolist()], self._decode(rows)))
+        texts = list(zip([self.dataset.prompt_of(i) for i in rows["prompt_index"].tolist()], self._decode(rows)))
         return rollout, texts, sampling
 
     def _sample(self, round_: int):
@@ -254,12 +257,8 @@ class PPOController:
         policy, temperature = self.roles["policy"], cfg.generation.temperature
         with self._resident("policy", "inference"):
             started = time.perf_counter()
-            gen = generate(
-                policy.model, batch["tokens"].repeat_interleave(n, 0).to(self.device), batch["lengths"].repeat_interleave(n),
-                self.sampling, self.vocab_size, seeds, batch_size=cfg.generation.batch_size,
-                cache_length=cfg.data.max_prompt_length + cfg.generation.max_new_tokens,
-                on_cache=lambda cache: policy.memory.holding(KV_CACHE, [cache.storage], "generate"),
-            )
+            gen = self._generate(batch["tokens"].repeat_interleave(n, 0), batch["lengths"].repeat_interleave(n), seeds,
+                                 self.sampling)
             seconds = time.perf_counter() - started
             old_log_probs = inference.log_probs(policy, gen.tokens, gen.total_lengths, self.vocab_size, temperature)
         rows = {
@@ -268,13 +267,61 @@ class PPOController:
             "prompt_index": torch.tensor(batch["indices"], device=self.device).repeat_interleave(n),
         }
         prompts = [text for text in batch["texts"] for _ in range(n)]
-        rows["scores"] = self._score(prompts, self._decode(rows), gen)
+        fields = [row for row in batch["fields"] for _ in range(n)]
+        rows["scores"] = self._score(prompts, self._decode(rows), fields, gen)
         return rows, seconds
 
-    def _score(self, prompts: List[str], responses: List[str], gen) -> torch.Tensor:
-        """[B] scores of the reward (function or model), plus the overlong penalty when set."""
-        if self.reward_function is not None:
-            scores = score_with_function(self.reward_function, prompts, responses).to(self.device)
+    def _generate(self, tokens: torch.Tensor, lengths: torch.Tensor, seeds: torch.Tensor, sampling: SamplingParams):
+        """Responses of the (resident) policy to prompts [B, P], its KV cache in the ledger."""
+        policy = self.roles["policy"]
+        return generate(
+            policy.model, tokens.to(self.device), lengths, sampling, self.vocab_size, seeds,
+            batch_size=self.config.generation.batch_size,
+            cache_length=self.config.data.max_prompt_length + self.config.generation.max_new_tokens,
+            on_cache=lambda cache: policy.memory.holding(KV_CACHE, [cache.storage], "generate"),
+        )
+
+    # -- validation ---------------------------------------------------------------------------
+
+    def validate(self) -> Dict[str, float]:
+        """Responses to every validation prompt (trainer.val_samples_per_prompt each, greedy or
+        sampled as in training, each from its own stream), scored like the rollout's: val/reward/mean,
+        val/mean@k (the mean score), val/pass@k (the share of prompts with a response that scores at
+        least 1, a verifier's "correct"), overall and per data_source. The same on every rank."""
+        cfg, data = self.config, self.val_dataset
+        k = cfg.trainer.val_samples_per_prompt
+        sampling = dataclasses.replace(self.sampling, greedy=cfg.trainer.val_greedy)
+        mine = data.usable_indices()[self.dp_rank :: self.dp_size]
+        chunk = max(1, cfg.ppo.rollout_batch_size // self.dp_size)
+        generated = []
+        with self._resident("policy", "inference"):
+            for start in range(0, len(mine), chunk):
+                indices = mine[start : start + chunk]
+                batch = data.batch_of(indices)
+                seeds = stream_seeds(cfg.seed, VALIDATION_STREAM, 0, torch.tensor(indices).repeat_interleave(k),
+                                     torch.arange(k).repeat(len(indices)))
+                gen = self._generate(batch["tokens"].repeat_interleave(k, 0), batch["lengths"].repeat_interleave(k),
+                                     seeds, sampling)
+                generated.append((batch, gen))
+        results = []  # (data source, scores of the prompt's k responses)
+        self.reward_metrics = []
+        for batch, gen in generated:  # scored once the policy has left (a reward model may need the room)
+            rows = {"tokens": gen.tokens, "prompt_lengths": gen.prompt_lengths, "response_lengths": gen.response_lengths}
+            prompts = [t for t in batch["texts"] for _ in range(k)]
+            fields = [f for f in batch["fields"] for _ in range(k)]
+            scores = self._score(prompts, self._decode(rows), fields, gen).view(len(batch["texts"]), k).cpu()
+            results += [(str(f.get("data_source") or ""), s.tolist()) for f, s in zip(batch["fields"], scores)]
+        gathered = [None] * self.dp_size
+        dist.all_gather_object(gathered, results, group=self.dp_group)
+        return validation_metrics([r for part in gathered for r in part], k)
+
+    def _score(self, prompts: List[str], responses: List[str], fields: List[Dict], gen) -> torch.Tensor:
+        """[B] scores of the reward (rule functions or model), plus the overlong penalty when set.
+        The rule functions' metrics (failures, sub-scores) add up in ``reward_metrics``."""
+        if self.reward_scorer is not None:
+            scores, metrics = self.reward_scorer.score(prompts, responses, fields)
+            scores = scores.to(self.device)
+            self.reward_metrics.append(metrics)
         else:
             last = (gen.total_lengths - 1).clamp(min=0)
             with self._resident("reward", "inference"):
@@ -419,11 +466,40 @@ class PPOController:
         return torch.cat(parts)
 
     def _dp_mean(self, metrics: Dict[str, float]) -> Dict[str, float]:
+        """The mean over DP ranks (equal shares of the rollout), the sum for counts."""
         if self.dp_size == 1:
             return metrics
         keys = sorted(metrics)
         values = sum_over(torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device), self.dp_group)
-        return {k: v / self.dp_size for k, v in zip(keys, values.tolist())}
+        return {k: v if k in COUNTED_METRICS else v / self.dp_size for k, v in zip(keys, values.tolist())}
+
+
+COUNTED_METRICS = ("reward/failures", "reward/timeouts")
+VALIDATION_STREAM = -1  # the iteration key of validation's sampling streams (training's are >= 1)
+
+
+def validation_metrics(results: List, k: int) -> Dict[str, float]:
+    """val/reward/mean, val/mean@k and val/pass@k over (data source, k scores) per prompt, and the
+    same per data source (val/<source>/...) when the rows name more than none."""
+    def summary(rows, prefix):
+        scores = [s for _, row in rows for s in row]
+        return {f"{prefix}reward/mean": sum(scores) / len(scores), f"{prefix}mean@{k}": sum(scores) / len(scores),
+                f"{prefix}pass@{k}": sum(max(row) >= 1.0 for _, row in rows) / len(rows)}
+
+    metrics = summary(results, "val/")
+    sources = sorted({source for source, _ in results if source})
+    for source in sources:
+        metrics.update(summary([r for r in results if r[0] == source], f"val/{source}/"))
+    return metrics
+
+
+def merged_reward_metrics(parts: List[Dict[str, float]]) -> Dict[str, float]:
+    """The rule reward's metrics of an iteration's scoring rounds: counts added, means averaged."""
+    merged: Dict[str, float] = {}
+    for key in sorted({k for part in parts for k in part}):
+        values = [part[key] for part in parts if key in part]
+        merged[key] = sum(values) if key in COUNTED_METRICS else sum(values) / len(values)
+    return merged
 
 
 def _cat_rows(parts: List[SampleRows], pad_id: int, width: Optional[int] = None) -> SampleRows:

@@ -29,9 +29,9 @@ from megatron_rlhf.config.loader import read_config
 _LLAMA2 = dict(NNODES=1, GPUS_PER_NODE=8, ROLLOUT_BATCH_SIZE=512, TRAIN_GLOBAL_BATCH_SIZE=128, TRAIN_MICRO_BATCH_SIZE=2,
                INFERENCE_MICRO_BATCH_SIZE=8, GENERATION_BATCH_SIZE=32, ITERATIONS=1000, MAX_PROMPT_LENGTH=1024,
                MAX_NEW_TOKENS=512, TOKENIZER_TYPE="hf", PRECISION="bf16")
-# The special tokens of the instruction-tuned checkpoints (a response ends at the end of its turn).
-_LLAMA3 = dict(_LLAMA2, BOS_TOKEN="<|begin_of_text|>", EOS_TOKEN="<|eot_id|>")
-_QWEN = dict(_LLAMA2, BOS_TOKEN="", EOS_TOKEN="<|im_end|>")
+# The end of a turn of the instruction-tuned checkpoints (a bare tokenizer.json names no end token).
+_LLAMA3 = dict(_LLAMA2, EOS_TOKEN="<|eot_id|>")
+_QWEN = dict(_LLAMA2, EOS_TOKEN="<|im_end|>")
 # MODEL_SIZE -> (model preset, launch defaults). tiny: a random tiny model that checks a cluster's
 # set-up end to end without checkpoints (PROMPT_FILE relative to the config's directory).
 LAUNCH_PRESETS: Dict[str, Tuple[str, Dict[str, object]]] = {

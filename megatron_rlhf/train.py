@@ -18,7 +18,7 @@ import tempfile
 import time
 import uuid
 import warnings
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 from megatron_rlhf.config import ConfigError, input_problems, load_config
 from megatron_rlhf.config.schema import RLHFConfig
@@ -67,7 +67,8 @@ class Prepared:
     output_dir: str
     tokenizer: Any
     dataset: Any
-    reward_function: Optional[Callable]
+    val_dataset: Any  # None without data.val_file
+    reward_functions: Optional[Dict[str, float]]  # rule reward specs (files absolute) -> weight
     resume_from: Optional[str]  # the checkpoint to continue from
     run: Dict[str, Any]  # id, config fingerprint and values: saved with every checkpoint
 
@@ -78,9 +79,8 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     accident), the checkpoint to resume (complete, same layout, same run), the tokenizer, the
     prompt file and the reward function."""
     from megatron_rlhf.checkpoint.ppo_state import latest_checkpoint
-    from megatron_rlhf.data import PromptDataset, build_tokenizer
-    from megatron_rlhf.data.prompts import read_prompt_lines
-    from megatron_rlhf.roles.reward_function import load_reward_function
+    from megatron_rlhf.data import build_tokenizer
+    from megatron_rlhf.rewards.contract import reward_functions
 
     config = load_config(args.config, world_size=world_size, check_inputs=False)
     problems = input_problems(config, needs_prompts=True)
@@ -119,20 +119,27 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
                 f"{config.source_of(role + '.model')}: {role}.model.vocab_size: {model_vocab} is smaller "
                 f"than the tokenizer's vocabulary ({tokenizer.vocab_size}); use at least {tokenizer.vocab_size}"
             )
-    prompt_file = config.path_of("data.prompt_file")
-    lines, texts = zip(*read_prompt_lines(prompt_file))
-    dataset = PromptDataset(list(texts), tokenizer, config.data.max_prompt_length, config.seed, config.data.shuffle,
-                            source=prompt_file, lines=list(lines))
+    dataset = _dataset(config, "data.prompt_file", tokenizer)
     if len(dataset) < config.ppo.rollout_batch_size:
-        warnings.warn(f"{prompt_file}: {len(dataset)} prompts, fewer than one rollout batch; prompts repeat within a batch")
-    if dataset.truncated:
-        warnings.warn(f"{prompt_file}: {dataset.truncated} of {len(dataset)} prompts are longer than "
-                      f"data.max_prompt_length={config.data.max_prompt_length} tokens and keep only their last tokens")
-    reward_function = None
-    if config.reward.type == "function":
-        base = os.path.dirname(config.source_of("reward.function"))
-        reward_function = load_reward_function(config.reward.function, base)
-    return Prepared(config, output_dir, tokenizer, dataset, reward_function, resume_from, run)
+        warnings.warn(f"{dataset.rows.path}: {len(dataset)} prompts, fewer than one rollout batch; prompts repeat within a batch")
+    val_dataset = _dataset(config, "data.val_file", tokenizer, shuffle=False) if config.data.val_file else None
+    functions = reward_functions(config) if config.reward.type == "function" else None
+    return Prepared(config, output_dir, tokenizer, dataset, val_dataset, functions, resume_from, run)
+
+
+def _dataset(config: RLHFConfig, key: str, tokenizer, shuffle: Optional[bool] = None):
+    """The prompts of the file at ``key``, every one tokenized once to find errors (file and line)
+    and to count those longer than data.max_prompt_length (reported)."""
+    from megatron_rlhf.data import PromptDataset
+
+    data = config.data
+    dataset = PromptDataset.from_file(config.path_of(key), tokenizer, data, config.seed, shuffle)
+    overlong = dataset.check_encodes()
+    if overlong:
+        what = "are skipped" if data.overlong_prompts == "filter" else "keep only their last tokens"
+        warnings.warn(f"{dataset.rows.path}: {overlong} of {len(dataset)} prompts are longer than "
+                      f"data.max_prompt_length={data.max_prompt_length} tokens and {what} (data.overlong_prompts)")
+    return dataset
 
 
 def _check_writable(output_dir: str) -> None:
@@ -225,11 +232,12 @@ def check_resume(path: str, config: RLHFConfig, now: Dict[str, Any], output_dir:
 
 
 def completed_iterations(metrics_path: str) -> int:
-    """Iterations a run has written to metrics.jsonl (0 for none or no file)."""
+    """Iterations a run has written to metrics.jsonl (0 for none or no file; a validation before
+    training is iteration 0)."""
     if not os.path.exists(metrics_path):
         return 0
     with open(metrics_path) as f:
-        return sum(1 for line in f if line.strip())
+        return sum(1 for line in f if line.strip() and not line.startswith('{"iteration": 0,'))
 
 
 def clear_run(output_dir: str) -> None:
@@ -275,38 +283,67 @@ class RunLog:
             self.bar = tqdm(total=config.ppo.iterations, initial=resumed_at, desc="PPO", unit="it",
                             file=sys.stderr, dynamic_ncols=True, disable=None)
 
-    def log(self, metrics: dict, total: int) -> None:
-        if not self.enabled:
-            return
-        # Strict JSON: a non-finite figure (a skipped step's loss) is written as null.
+    def _record(self, metrics: dict) -> None:
+        """One metrics.jsonl line (strict JSON: a non-finite figure, a skipped step's loss, is
+        written as null) and the TensorBoard scalars."""
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()}
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(finite, allow_nan=False) + "\n")
-        step = metrics["iteration"]
         if self.writer is not None:
             for key, value in metrics.items():
                 if key != "iteration" and finite[key] is not None:
-                    self.writer.add_scalar(key, value, step)
+                    self.writer.add_scalar(key, value, metrics["iteration"])
             self.writer.flush()
-        parts = [f"iter {step:>4}/{total}", f"reward {metrics['reward/mean']:.3f}", f"kl {metrics['kl/mean']:+.4f}",
-                 f"loss/policy {metrics['loss/policy']:+.4f}"]
+
+    def _print(self, line: str, advance: int) -> None:
+        if self.bar is not None:
+            self.bar.update(advance)
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def log(self, metrics: dict, total: int) -> None:
+        if not self.enabled:
+            return
+        self._record(metrics)
+        parts = [f"iter {metrics['iteration']:>4}/{total}", f"reward {metrics['reward/mean']:.3f}",
+                 f"kl {metrics['kl/mean']:+.4f}", f"loss/policy {metrics['loss/policy']:+.4f}"]
         if "loss/value" in metrics:  # GAE only
             parts.append(f"loss/value {metrics['loss/value']:.4f}")
         if "sampling/dropped_groups" in metrics:  # dynamic sampling
             parts.append(f"dropped {metrics['sampling/dropped_groups']:.0f}")
+        if metrics.get("reward/failures"):
+            parts.append(f"reward failures {metrics['reward/failures']:.0f}")
         parts += [f"len {metrics['response/length_mean']:.1f}", f"{metrics['time/iteration_s']:.1f}s"]
-        line = " | ".join(parts)
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.write(line)
-        else:
-            print(line, flush=True)
+        parts += _validation_parts(metrics)
+        self._print(" | ".join(parts), 1)
+
+    def log_validation(self, metrics: dict, iteration: int) -> None:
+        """Validation outside an iteration (before training): its own record at ``iteration``."""
+        if not self.enabled:
+            return
+        self._record({"iteration": iteration, **metrics})
+        self._print(" | ".join(["validation before training"] + _validation_parts(metrics)), 0)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def _validation_parts(metrics: dict) -> list:
+    """``val reward R | val pass@k P`` of the metrics that have validation's figures."""
+    passes = [k for k in metrics if k.startswith("val/pass@")]
+    if not passes:
+        return []
+    return [f"val reward {metrics['val/reward/mean']:.3f}", f"{passes[0]} {metrics[passes[0]]:.3f}"]
+
+
+def _validation_summary(first: dict, last: dict) -> str:
+    passes = next(k for k in first if k.startswith("val/pass@"))
+    return (f"validation: reward {first['val/reward/mean']:.3f} -> {last['val/reward/mean']:.3f}, "
+            f"{passes[4:]} {first[passes]:.3f} -> {last[passes]:.3f}")
 
 
 def _summary(history: list, seconds: float) -> str:
@@ -372,6 +409,7 @@ def _run(prepared: Prepared) -> list:
     from megatron_rlhf.errors import RunError
     from megatron_rlhf.memory import MemoryLedger
     from megatron_rlhf.memory.auto import auto_roles, device_budget, resolve_free_memory
+    from megatron_rlhf.rewards.pool import RewardPool
     from megatron_rlhf.runtime import destroy_distributed, init_distributed
 
     config, output_dir, resume_from = prepared.config, prepared.output_dir, prepared.resume_from
@@ -387,9 +425,13 @@ def _run(prepared: Prepared) -> list:
     ledger_path = os.path.join(output_dir, "memory.jsonl")
     if rank0 and os.path.exists(ledger_path) and resume_from is None:
         os.remove(ledger_path)  # a fresh run's ledger, not appended to an old one
-    controller = PPOController(config, prepared.dataset, prepared.tokenizer, prepared.reward_function,
+    rewards = config.reward
+    scorer = RewardPool(prepared.reward_functions, num_workers=rewards.num_workers, timeout_s=rewards.timeout_s,
+                        failure_score=rewards.failure_score) if prepared.reward_functions else None
+    controller = PPOController(config, prepared.dataset, prepared.tokenizer, scorer,
                                MemoryLedger(ledger_path if rank0 else None, guard=config.trainer.memory_guard),
-                               overlap_budget=budget if config.trainer.overlap_onload else None)
+                               overlap_budget=budget if config.trainer.overlap_onload else None,
+                               val_dataset=prepared.val_dataset)
     if resume_from is not None:
         controller.load_state_dict(load_ppo_checkpoint(controller.roles, resume_from))
         if rank0:
@@ -398,9 +440,17 @@ def _run(prepared: Prepared) -> list:
     log = RunLog(output_dir, config, enabled=rank0, resumed_at=controller.iteration)
     history = []
     interval = config.trainer.save_interval
+    val_interval = config.trainer.val_interval
+    validations = []
     try:
+        if config.trainer.val_before_train and controller.iteration == 0:
+            validations.append(controller.validate())
+            log.log_validation(validations[-1], 0)
         while controller.iteration < config.ppo.iterations:
             metrics = controller.step()
+            if val_interval and controller.iteration % val_interval == 0:
+                validations.append(controller.validate())
+                metrics.update(validations[-1])
             history.append(metrics)
             log.log(metrics, config.ppo.iterations)
             last = controller.iteration == config.ppo.iterations
@@ -408,8 +458,12 @@ def _run(prepared: Prepared) -> list:
                 save_ppo_checkpoint(controller.roles, {**controller.state_dict(), "run": prepared.run}, output_dir)
     finally:
         log.close()
+        if scorer is not None:
+            scorer.close()
     if rank0 and history:
         print(_summary(history, time.perf_counter() - started), flush=True)
+        if len(validations) > 1:
+            print(_validation_summary(validations[0], validations[-1]), flush=True)
         prompt, response = controller.last_samples[0]
         print(f"sample: {prompt!r} -> {response!r}", flush=True)
         ledger = controller.ledger

@@ -1,55 +1,108 @@
+"""Tokenizers (character, Hugging Face directory with a chat template, bare tokenizer.json) and
+prompt data (JSONL and Parquet rows, prompt keys, fields, overlong prompts, batches over DP)."""
+
 import json
 
 import pytest
 
-from megatron_rlhf.config.schema import TokenizerConfig
-from megatron_rlhf.data import CharTokenizer, PromptDataset, build_tokenizer, read_prompts
+from megatron_rlhf.config.schema import DataConfig, TokenizerConfig
+from megatron_rlhf.data import CharTokenizer, PromptDataset, build_tokenizer, open_rows
+from tests.hf_tokenizer import CHAT_TEMPLATE, make_tokenizer_dir
 
 
-def write_prompts(path, prompts):
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
 
 def test_char_tokenizer_round_trip_and_errors():
     tok = CharTokenizer("ab ")
-    assert tok.vocab_size == 6 and (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
-    assert tok.encode("ab a") == [3, 4, 5, 3]
+    assert tok.vocab_size == 6 and (tok.pad_id, tok.bos_id, tok.eos_ids) == (0, 1, (2,))
+    assert tok.encode("ab a") == [3, 4, 5, 3] and tok.encode_prompt("ab", chat=False) == [1, 3, 4]
     assert tok.decode([1, 3, 4, 2, 0]) == "ab"
     with pytest.raises(ValueError, match="'z' is not in the tokenizer alphabet"):
         tok.encode("az")
+    with pytest.raises(ValueError, match="the char tokenizer has no chat template"):
+        tok.encode_prompt([{"role": "user", "content": "ab"}], chat=True)
 
 
-def test_hugging_face_tokenizer_from_a_local_file(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def test_a_hugging_face_directory_renders_chats_as_transformers_does(tmp_path):
+    from transformers import AutoTokenizer
 
-    vocab = {"<s>": 0, "</s>": 1, "hello": 2, "world": 3, "[UNK]": 4}
-    hf = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    hf.pre_tokenizer = pre_tokenizers.Whitespace()
-    hf.save(str(tmp_path / "tokenizer.json"))
-    tok = build_tokenizer(TokenizerConfig(type="hf"), str(tmp_path / "tokenizer.json"))
-    assert (tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id) == (5, 0, 1, 1)
-    assert tok.encode("hello world") == [2, 3]
+    directory = make_tokenizer_dir(tmp_path / "tok", generation_eos=["<|endoftext|>", "<|im_end|>"])
+    tok = build_tokenizer(TokenizerConfig(type="hf"), str(directory))
+    theirs = AutoTokenizer.from_pretrained(directory)
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is 2 + 3?"}]
+    expected = theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert tok.encode_prompt(chat, chat=True) == expected
+    text = theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n") and theirs(text, add_special_tokens=False)["input_ids"] == expected
+    # End tokens: the tokenizer's own and generation_config.json's list; pad: the tokenizer's.
+    ids = theirs.convert_tokens_to_ids
+    assert tok.eos_ids == (ids("<|im_end|>"), ids("<|endoftext|>")) and tok.pad_id == ids("<|pad|>")
+    assert tok.encode_prompt("what is 2 + 3?", chat=False) == theirs("what is 2 + 3?")["input_ids"]
+    assert tok.decode(expected).startswith("system")  # special tokens dropped
     with pytest.raises(ValueError, match="token '<pad>' is not in the vocabulary"):
-        build_tokenizer(TokenizerConfig(type="hf", pad_token="<pad>"), str(tmp_path / "tokenizer.json"))
-    with pytest.raises(ValueError, match="not a readable tokenizers JSON file"):
+        build_tokenizer(TokenizerConfig(type="hf", pad_token="<pad>"), str(directory))
+    with pytest.raises(ValueError, match="not a readable Hugging Face tokenizer"):
         build_tokenizer(TokenizerConfig(type="hf"), str(tmp_path / "missing.json"))
 
 
-def test_prompt_file_errors_name_the_line(tmp_path):
+def test_a_bare_tokenizer_json_needs_its_end_token(tmp_path):
+    directory = make_tokenizer_dir(tmp_path / "tok")
+    bare = str(directory / "tokenizer.json")
+    with pytest.raises(ValueError, match="names no end-of-sequence token and data.tokenizer.eos_token is not set"):
+        build_tokenizer(TokenizerConfig(type="hf"), bare)
+    tok = build_tokenizer(TokenizerConfig(type="hf", eos_token="<|im_end|>"), bare)
+    assert len(tok.eos_ids) == 1 and not tok.has_chat_template
+
+
+def test_prompt_files_name_file_and_line_of_each_problem(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
-    with pytest.raises(ValueError, match=r"p\.jsonl:2: expected an object with a string \"prompt\""):
-        read_prompts(str(path))
-    path.write_text('{"prompt": "ok"}\nnot json\n')
-    with pytest.raises(ValueError, match=r"p\.jsonl:2: not valid JSON"):
-        read_prompts(str(path))
+    cases = {
+        '{"prompt": "ok"}\n{"text": "no prompt key"}\n': r"p\.jsonl:2: no 'prompt' \(a string\) or 'messages' \(a chat\) column; columns: text",
+        '{"prompt": "ok"}\nnot json\n': r"p\.jsonl:2: not valid JSON",
+        '{"prompt": "ok", "messages": [{"role": "user", "content": "hi"}]}\n': r"p\.jsonl:1: has both 'prompt' and 'messages'",
+        '{"prompt": "  "}\n': r"p\.jsonl:1: empty 'prompt'",
+        '{"messages": [{"role": "user"}]}\n': r"p\.jsonl:1: 'messages' must be a string or a list of",
+    }
+    for text, message in cases.items():
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            open_rows(str(path), None)
+    path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xae"}\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: not UTF-8 text"):
+        open_rows(str(path), None)
+    path.write_text('{"question": "q", "answer": "1"}\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:1: no 'query' column \(data.prompt_key\); columns: answer, question"):
+        open_rows(str(path), "query")
+    assert open_rows(str(path), "question").prompt_and_fields(0) == ("q", {"answer": "1"})
+
+
+def test_parquet_rows_and_a_file_that_is_not_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "ground_truth": str(i), "data_source": "s"} for i in range(5)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet", row_group_size=2)
+    table = open_rows(str(tmp_path / "d.parquet"), None)
+    assert len(table) == 5 and table.key == "prompt"
+    assert table.prompt_and_fields(3) == ([{"role": "user", "content": "q3"}], {"ground_truth": "3", "data_source": "s"})
+    (tmp_path / "fake.parquet").write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match=r"fake\.parquet: not a Parquet file"):
+        open_rows(str(tmp_path / "fake.parquet"), None)
+    pq.write_table(pa.Table.from_pylist([{"question": "q"}]), tmp_path / "other.parquet")
+    with pytest.raises(ValueError, match=r"other\.parquet: no 'prompt' \(a string\) or 'messages'"):
+        open_rows(str(tmp_path / "other.parquet"), None)
 
 
 def test_batches_split_over_data_parallel_ranks_and_reshuffle_each_pass(tmp_path):
     prompts = [f"{'a' * (1 + i % 4)}" for i in range(10)]
     tok = CharTokenizer("a")
-    make = lambda: PromptDataset(read_prompts(write_prompts(tmp_path / "p.jsonl", prompts)), tok, 3, seed=5)  # noqa: E731
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p, "n": i} for i, p in enumerate(prompts)])
+    data = DataConfig(max_prompt_length=3, overlong_prompts="truncate")
+    make = lambda: PromptDataset.from_file(path, tok, data, seed=5)  # noqa: E731
     ranks = [make(), make()]
     served = []
     for _ in range(4):  # 2 batches of 4 per pass over 10 prompts; the last 2 of a pass are skipped
@@ -57,8 +110,8 @@ def test_batches_split_over_data_parallel_ranks_and_reshuffle_each_pass(tmp_path
         assert not set(parts[0]["indices"]) & set(parts[1]["indices"])
         served.extend(parts[0]["indices"] + parts[1]["indices"])
         for part in parts:
-            rows = part["tokens"]
-            for row, n, i in zip(rows, part["lengths"], part["indices"]):
+            assert [f["n"] for f in part["fields"]] == part["indices"]  # the row's other columns
+            for row, n, i in zip(part["tokens"], part["lengths"], part["indices"]):
                 expected = ([tok.bos_id] + tok.encode(prompts[i]))[-3:]  # long prompts keep their end
                 assert row[:n].tolist() == expected and (row[n:] == tok.pad_id).all()
     first_pass, second_pass = served[:8], served[8:]
@@ -67,3 +120,30 @@ def test_batches_split_over_data_parallel_ranks_and_reshuffle_each_pass(tmp_path
     restored = make()
     restored.load_state_dict(ranks[0].state_dict())
     assert restored.next_batch(4, 0, 2)["indices"] == ranks[0].next_batch(4, 0, 2)["indices"]
+
+
+def test_overlong_prompts_are_filtered_and_counted_alike_on_every_rank(tmp_path):
+    prompts = ["a" * (1 + i % 5) for i in range(20)]  # with bos: 2..6 tokens
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in prompts])
+    tok = CharTokenizer("a")
+    ranks = [PromptDataset.from_file(path, tok, DataConfig(max_prompt_length=4), seed=3) for _ in range(2)]
+    assert ranks[0].check_encodes() == 8  # the 5- and 6-token prompts
+    parts = [d.next_batch(6, r, 2) for r, d in enumerate(ranks)]
+    kept = parts[0]["indices"] + parts[1]["indices"]
+    assert len(set(kept)) == 6 and all(len(prompts[i]) + 1 <= 4 for i in kept)
+    assert ranks[0].filtered == ranks[1].filtered > 0 and ranks[0].consumed == ranks[1].consumed
+    assert ranks[0].usable_indices() == [i for i, p in enumerate(prompts) if len(p) < 4]
+    never = PromptDataset.from_file(path, tok, DataConfig(max_prompt_length=1), seed=3)
+    with pytest.raises(ValueError, match="every prompt is longer than data.max_prompt_length=1"):
+        never.next_batch(2, 0, 1)
+
+
+def test_a_system_prompt_leads_the_chat(tmp_path):
+    directory = make_tokenizer_dir(tmp_path / "tok")
+    tok = build_tokenizer(TokenizerConfig(type="hf"), str(directory))
+    path = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": "2 + 2?"}]}, {"prompt": "1 + 1?"}][:1])
+    data = DataConfig(apply_chat_template=True, system_prompt="answer with ####", max_prompt_length=200)
+    dataset = PromptDataset.from_file(path, tok, data, seed=0)
+    ids = dataset.next_batch(1, 0, 1)["tokens"][0].tolist()
+    assert tok.decode(ids).startswith("system\nanswer with ####") and "user\n2 + 2?" in tok.decode(ids)
+    assert CHAT_TEMPLATE

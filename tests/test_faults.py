@@ -125,13 +125,14 @@ def test_converter_flags_are_checked_and_files_get_the_umask_mode(tmp_path):
     assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o755
 
 
+# Called once per response in its rank's one reward worker: 4 responses per rank an iteration.
 REWARD = """
 calls = [0]
 
 
 def sometimes_huge(prompts, responses):
     calls[0] += 1
-    return [1e30 if calls[0] >= 2 else 0.5 for _ in responses]
+    return [1e30 if calls[0] > 4 else 0.5 for _ in responses]
 """
 
 
@@ -139,7 +140,7 @@ def sometimes_huge(prompts, responses):
 def test_a_huge_reward_stops_or_skips_and_every_checkpoint_stays_finite(tmp_path, mode):
     (tmp_path / "reward.py").write_text(REWARD)
     config = tmp_path / "rlhf.yaml"
-    reward = f"reward:\n  function: {tmp_path}/reward.py:sometimes_huge\n"
+    reward = f"reward:\n  function: {tmp_path}/reward.py:sometimes_huge\n  num_workers: 1\n"
     if mode == "skip":  # the bound raised, so the gradient guard is what stops the steps
         reward += "  max_abs_score: 1.0e+38\n"
     config.write_text(f"includes: {TINY}\n{reward}trainer:\n  save_interval: 1\n"

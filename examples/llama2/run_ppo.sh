@@ -22,10 +22,12 @@
 #   POLICY_LOAD              converted SFT checkpoint (tools/convert_hf_to_megatron.py): reference, ppo_policy
 #   REWARD_LOAD              converted reward model (score head): reward
 #   VALUE_LOAD               starting point of the value model [REWARD_LOAD]
-#   TOKENIZER                the policy's tokenizer.json;  TOKENIZER_TYPE hf or char [hf; tiny: char]
-#   BOS_TOKEN, EOS_TOKEN     * its special tokens [<s>, </s>; Llama 3: <|begin_of_text|>, <|eot_id|>;
-#                            Qwen: none, <|im_end|>]
-#   PROMPT_FILE              JSONL, one {"prompt": "..."} per line
+#   TOKENIZER                the policy's Hugging Face directory (tokenizer files, chat template,
+#                            generation_config.json) or tokenizer.json;  TOKENIZER_TYPE hf or char [hf; tiny: char]
+#   EOS_TOKEN                * one more end token [none; Llama 3: <|eot_id|>; Qwen: <|im_end|>]
+#   APPLY_CHAT_TEMPLATE      render prompts (or {"messages": [...]} rows) with the chat template [False]
+#   VAL_FILE                 validation prompts (with trainer.val_interval)
+#   PROMPT_FILE              JSONL ({"prompt": "..."} or {"messages": [...]} per line) or Parquet
 #   OUTPUT_DIR               metrics, memory ledger, TensorBoard, checkpoints [outputs/PRESET-ppo]
 #   NNODES, GPUS_PER_NODE    * nodes, and GPUs (processes) per node
 #   TP, PP                   * tensor and pipeline parallel sizes (every role: one layout)

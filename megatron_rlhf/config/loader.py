@@ -206,6 +206,9 @@ def _type_name(tp: Any) -> str:
         return " or ".join(names) + " (or null)"
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is dict:
+        key, value = typing.get_args(tp)
+        return f"a mapping of {_type_name(key)} to {_type_name(value)}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -223,6 +226,13 @@ def _check_type(value: Any, tp: Any) -> Tuple[bool, Any]:
         return False, value
     if origin is typing.Literal:
         return value in typing.get_args(tp), value
+    if origin is dict:
+        if not isinstance(value, dict) or not value:
+            return False, value
+        key_type, value_type = typing.get_args(tp)
+        checked = {k: _check_type(v, value_type) for k, v in value.items()}
+        ok = all(_check_type(k, key_type)[0] and good for k, (good, _) in checked.items())
+        return ok, {k: v for k, (_, v) in checked.items()}
     if tp is bool:
         return isinstance(value, bool), value
     if tp is int:

@@ -155,34 +155,53 @@ class RoleConfig:
 
 @dataclasses.dataclass
 class RewardRoleConfig(RoleConfig):
-    """The reward role: a scalar-head model scoring the last response token (``type: model``), or a
-    rule function ``function: module:callable`` (or ``path/to/file.py:callable``, relative to the
-    file that names it) called as ``fn(prompts: list[str], responses: list[str]) -> list[float]``."""
+    """The reward role: a scalar-head model scoring the last response token (``type: model``), or
+    rule functions (``type: function``): ``function: module:callable`` (or ``path/to/file.py:callable``,
+    relative to the file that names it), or several as ``functions: {spec: weight, ...}`` whose
+    weighted sum is the score. Each is called per response as ``fn(prompts, responses, **fields)``
+    with one-element lists (rewards/contract.py) in a pool of worker processes (rewards/pool.py)."""
 
     type: Literal["model", "function"] = "model"
     function: Optional[str] = None
+    functions: Optional[Dict[str, float]] = None
     # A score beyond +-max_abs_score stops the run (naming the prompt): a reward that large breaks
     # the losses long before it is infinite.
     max_abs_score: float = 1.0e4
+    # A call that raises or takes longer than timeout_s scores failure_score and is counted
+    # (reward/failures, reward/timeouts); the worker of a call that timed out is replaced.
+    timeout_s: float = 30.0
+    failure_score: float = 0.0
+    num_workers: int = 2  # worker processes per rank
 
 
 @dataclasses.dataclass
 class TokenizerConfig:
     """``char``: the built-in character tokenizer (ids: pad 0, bos 1, eos 2, then ``alphabet``);
-    ``hf``: a Hugging Face ``tokenizers`` JSON file at ``path`` (relative to the config file)."""
+    ``hf``: a Hugging Face tokenizer at ``path`` (relative to the config file): a model directory,
+    whose special tokens, chat template and end tokens (generation_config.json's too) come from its
+    own files, or a bare tokenizer.json (which names none: set eos_token)."""
 
     type: Literal["char", "hf"] = "char"
     path: Optional[str] = None
     alphabet: Optional[str] = None  # char only; None: printable ASCII
-    bos_token: Optional[str] = "<s>"  # hf only: token strings; None: no such token
-    eos_token: Optional[str] = "</s>"
-    pad_token: Optional[str] = None  # None: the eos token pads
+    eos_token: Optional[str] = None  # hf: one more token that ends a response
+    pad_token: Optional[str] = None  # hf: None: the tokenizer's own, else its first end token
 
 
 @dataclasses.dataclass
 class DataConfig:
-    prompt_file: Optional[str] = None  # JSONL, one {"prompt": "..."} per line; relative to the config
-    max_prompt_length: int = 128  # tokens; longer prompts keep their last tokens
+    # JSONL (one object per line) or Parquet; relative to the config file.
+    prompt_file: Optional[str] = None
+    val_file: Optional[str] = None  # validation prompts (trainer.val_interval), same format
+    # The column that holds the prompt: a string, or a chat (a list of {"role", "content"}
+    # messages). None: "prompt" or "messages", whichever the rows have. Every other column travels
+    # with the row to the reward function (ground_truth, data_source, extra_info, ...).
+    prompt_key: Optional[str] = None
+    apply_chat_template: bool = False  # the tokenizer's chat template, generation prompt added
+    system_prompt: Optional[str] = None  # with the template: a system message first, unless the row has one
+    max_prompt_length: int = 128  # tokens
+    # A longer prompt: "filter" skips it (counted and reported), "truncate" keeps its last tokens.
+    overlong_prompts: Literal["filter", "truncate"] = "filter"
     shuffle: bool = True  # reshuffled every pass over the data, from the run's seed
     tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
 
@@ -273,6 +292,13 @@ class TrainerConfig:
     # EMS: bring the next role back while the current one computes (a side stream on CUDA), for
     # each pair of phases where the planner says both fit in the device memory free at start-up.
     overlap_onload: bool = False
+    # Validation on data.val_file: every val_interval iterations (0: never) and, with
+    # val_before_train, before the first; val_samples_per_prompt responses per prompt (the k of
+    # val/pass@k and val/mean@k), greedy or sampled with the generation settings.
+    val_interval: int = 0
+    val_before_train: bool = False
+    val_samples_per_prompt: int = 1
+    val_greedy: bool = True
 
 
 @dataclasses.dataclass

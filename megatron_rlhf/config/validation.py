@@ -197,18 +197,27 @@ def _fixed_address_problems(config: RLHFConfig) -> List[str]:
 
 def _reward_problems(config: RLHFConfig) -> List[str]:
     reward = config.reward
+    problems = []
     if reward.type == "function":
-        if not reward.function or ":" not in reward.function:
-            return [
-                f"{config.at('reward.function')}: reward.type is 'function', "
-                f"so name the rule as 'module:callable' or 'file.py:callable', got {reward.function!r}"
-            ]
-    elif reward.function is not None:
-        return [
-            f"{config.at('reward.function')}: set, but reward.type is "
-            "'model'; set reward.type: function to use it, or remove it"
-        ]
-    return []
+        if reward.function is not None and reward.functions is not None:
+            return [f"{config.at('reward.functions')}: set together with reward.function; name one function there, or "
+                    "every function with its weight here"]
+        specs = [reward.function] if reward.functions is None else list(reward.functions)
+        key = "reward.function" if reward.functions is None else "reward.functions"
+        for spec in specs:
+            if not spec or ":" not in spec:
+                problems.append(f"{config.at(key)}: reward.type is 'function', so name the rule as 'module:callable' or "
+                                f"'file.py:callable', got {spec!r}")
+        if reward.timeout_s <= 0:
+            problems.append(f"{config.at('reward.timeout_s')}: must be > 0 seconds, got {reward.timeout_s}")
+        if reward.num_workers < 1:
+            problems.append(f"{config.at('reward.num_workers')}: must be >= 1, got {reward.num_workers}")
+    else:
+        for key in ("function", "functions"):
+            if getattr(reward, key) is not None:
+                problems.append(f"{config.at('reward.' + key)}: set, but reward.type is 'model'; set reward.type: "
+                                "function to use it, or remove it")
+    return problems
 
 
 def _algorithm_problems(config: RLHFConfig) -> List[str]:
@@ -290,6 +299,19 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
         bad("ppo.lam" if not 0 <= ppo.lam <= 1 else "ppo.gamma", "must be in [0, 1]")
     if data.tokenizer.type == "char" and data.tokenizer.path:
         bad("data.tokenizer.path", "set, but the tokenizer type is 'char'; set type: hf or remove it")
+    if data.tokenizer.type == "char" and data.apply_chat_template:
+        bad("data.apply_chat_template", "the char tokenizer has no chat template; use a Hugging Face tokenizer (type: hf)")
+    trainer = config.trainer
+    if trainer.val_interval < 0:
+        bad("trainer.val_interval", f"must be >= 0 (0: no validation), got {trainer.val_interval}")
+    if (trainer.val_interval or trainer.val_before_train) and not data.val_file:
+        key = "trainer.val_interval" if trainer.val_interval else "trainer.val_before_train"
+        bad(key, "validation needs data.val_file")
+    if trainer.val_samples_per_prompt < 1:
+        bad("trainer.val_samples_per_prompt", f"must be >= 1, got {trainer.val_samples_per_prompt}")
+    elif trainer.val_samples_per_prompt > 1 and trainer.val_greedy:
+        bad("trainer.val_samples_per_prompt", f"{trainer.val_samples_per_prompt} greedy responses to a prompt are "
+            "all the same; set trainer.val_greedy: false to sample them (pass@k needs distinct tries)")
     longest = data.max_prompt_length + gen.max_new_tokens
     for role in config.model_roles:
         limit = config.role(role).model.max_position_embeddings
@@ -350,14 +372,17 @@ def input_problems(config: RLHFConfig, needs_prompts: bool = False) -> List[str]
     if tokenizer.type == "hf":
         path = config.path_of("data.tokenizer.path")
         if not path:
-            missing("data.tokenizer.path", "tokenizer type 'hf' needs the path of a tokenizer.json file")
-        elif not os.path.isfile(path):
-            missing("data.tokenizer.path", f"{path}: no such file (expected a Hugging Face tokenizer.json)")
+            missing("data.tokenizer.path", "tokenizer type 'hf' needs a Hugging Face model directory or tokenizer.json")
+        elif not os.path.exists(path):
+            missing("data.tokenizer.path", f"{path}: no such file or directory (expected a Hugging Face model "
+                    "directory with its tokenizer files, or a tokenizer.json)")
     prompt_file = config.path_of("data.prompt_file")
     if prompt_file is None and needs_prompts:
-        missing("data.prompt_file", 'no prompt file given; name a JSONL file of {"prompt": ...} lines')
-    elif prompt_file is not None and not os.path.isfile(prompt_file):
-        missing("data.prompt_file", f"{prompt_file}: no such file (expected JSONL, one {{\"prompt\": ...}} per line)")
+        missing("data.prompt_file", 'no prompt file given; name a JSONL file of {"prompt": ...} lines or a Parquet file')
+    for key in ("data.prompt_file", "data.val_file"):
+        path = config.path_of(key)
+        if path is not None and not os.path.isfile(path):
+            missing(key, f"{path}: no such file (expected JSONL, one {{\"prompt\": ...}} per line, or Parquet)")
     return problems
 
 

@@ -1,78 +1,87 @@
-"""Prompt data: a JSONL file of ``{"prompt": "..."}`` lines, tokenized once, served in batches.
+"""Prompt data served in batches: the rows of a JSONL or Parquet file (data/rows.py), tokenized when
+first served (a plain prompt, or a chat through the tokenizer's template), with the row's other
+columns carried along for the reward.
 
 Every rank reads the same file and draws the same global order (seeded per pass); each
-data-parallel rank takes its contiguous slice of every global batch.
+data-parallel rank takes its contiguous slice of every global batch. A prompt longer than
+``max_length`` tokens is skipped and counted (``overlong: filter``: the next one in the order takes
+its place, on every rank alike) or keeps its last tokens (``truncate``).
 """
 
 from __future__ import annotations
 
-import json
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Literal, Optional
 
 import torch
 
+from megatron_rlhf.data.rows import Prompt, RowFile, open_rows
 from megatron_rlhf.data.tokenizer import Tokenizer
 
 
-def read_prompts(path: str) -> List[str]:
-    """The prompts of a JSONL file, with errors that name the file and line."""
-    return [text for _, text in read_prompt_lines(path)]
-
-
-def read_prompt_lines(path: str) -> List[Tuple[int, str]]:
-    """(line number, prompt) of every prompt of a JSONL file; an empty prompt is an error."""
-    prompts = []
-    try:
-        f = open(path, encoding="utf-8")
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: prompt file not found (data.prompt_file)") from None
-    with f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise ValueError(f'{path}:{number}: expected an object with a string "prompt", got {line.strip()[:80]}')
-            if not record["prompt"].strip():
-                raise ValueError(f"{path}:{number}: empty prompt; every line needs text to respond to")
-            prompts.append((number, record["prompt"]))
-    if not prompts:
-        raise ValueError(f"{path}: no prompts in the file")
-    return prompts
+def prompt_text(prompt: Prompt) -> str:
+    """What the reward function sees as the prompt: the string, or a chat's last message."""
+    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
 
 
 class PromptDataset:
-    """Tokenized prompts (bos first when the tokenizer has one; longer than ``max_length`` keeps
-    the last tokens) and a position in an endless, per-pass shuffled order. A batch never spans
-    two passes (the tail of a pass that cannot fill one is skipped), unless the whole file is
-    smaller than a batch."""
+    """A position in an endless, per-pass shuffled order over the rows of a file. A batch never
+    spans two passes (the tail of a pass that cannot fill one is skipped), unless the whole file
+    is smaller than a batch."""
 
-    def __init__(self, prompts: List[str], tokenizer: Tokenizer, max_length: int, seed: int, shuffle: bool = True,
-                 source: str = "prompts", lines: Optional[List[int]] = None):
-        self.texts = prompts
-        self.tokenizer = tokenizer
-        self.seed = seed
-        self.shuffle = shuffle
-        bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-        lines = lines or list(range(1, len(prompts) + 1))
-        self.token_ids = []
-        self.truncated = 0  # prompts longer than max_length (they keep their last tokens)
-        for line, text in zip(lines, prompts):
-            try:
-                ids = bos + tokenizer.encode(text)
-            except ValueError as e:
-                raise ValueError(f"{source}:{line}: {e}") from None
-            if not ids:
-                raise ValueError(f"{source}:{line}: the prompt {text!r} encodes to no tokens")
-            self.truncated += len(ids) > max_length
-            self.token_ids.append(ids[-max_length:])
-        self.consumed = 0  # prompts served so far, over all ranks
+    def __init__(self, rows: RowFile, tokenizer: Tokenizer, max_length: int, seed: int, shuffle: bool = True,
+                 chat: bool = False, system_prompt: Optional[str] = None,
+                 overlong: Literal["filter", "truncate"] = "filter"):
+        self.rows, self.tokenizer = rows, tokenizer
+        self.max_length, self.seed, self.shuffle = max_length, seed, shuffle
+        self.chat, self.system_prompt, self.overlong = chat, system_prompt, overlong
+        self._cache: Dict[int, List[int]] = {}  # ids of the batch being served
+        self._lengths: Dict[int, int] = {}  # token count of every prompt seen
+        self.consumed = 0  # rows drawn so far, over all ranks (skipped ones included)
+        self.filtered = 0  # rows skipped for their length, since the start of this process
+        self.truncated = 0
+
+    @classmethod
+    def from_file(cls, path: str, tokenizer: Tokenizer, data, seed: int, shuffle: Optional[bool] = None) -> "PromptDataset":
+        """The dataset of ``path`` with the settings of ``data`` (a DataConfig)."""
+        return cls(open_rows(path, data.prompt_key), tokenizer, data.max_prompt_length, seed,
+                   data.shuffle if shuffle is None else shuffle, data.apply_chat_template, data.system_prompt,
+                   data.overlong_prompts)
 
     def __len__(self) -> int:
-        return len(self.texts)
+        return len(self.rows)
+
+    def token_ids(self, index: int) -> List[int]:
+        """The prompt's ids as the model reads them (before any cut to max_length); only the
+        current batch's are kept."""
+        if index not in self._cache:
+            prompt, _ = self.rows.prompt_and_fields(index)
+            if self.chat and self.system_prompt is not None:
+                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+                if messages[0]["role"] != "system":
+                    prompt = [{"role": "system", "content": self.system_prompt}] + messages
+            try:
+                ids = self.tokenizer.encode_prompt(prompt, self.chat)
+            except ValueError as e:
+                raise ValueError(f"{self.rows.where(index)}: {e}") from None
+            if not ids:
+                raise ValueError(f"{self.rows.where(index)}: the prompt encodes to no tokens")
+            self._cache[index] = ids
+            self._lengths[index] = len(ids)
+        return self._cache[index]
+
+    def length(self, index: int) -> int:
+        if index not in self._lengths:
+            self.token_ids(index)
+        return self._lengths[index]
+
+    def check_encodes(self) -> int:
+        """Tokenize every prompt (errors name file and line; lengths are kept, ids are not); the
+        number longer than max_length."""
+        overlong = 0
+        for i in range(len(self)):
+            overlong += self.length(i) > self.max_length
+            self._cache.clear()
+        return overlong
 
     def _order(self, epoch: int) -> List[int]:
         if not self.shuffle:
@@ -80,27 +89,60 @@ class PromptDataset:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(len(self), generator=gen).tolist()
 
-    def next_batch(self, global_size: int, dp_rank: int, dp_size: int) -> Dict[str, object]:
-        """This DP rank's share of the next ``global_size`` prompts: ``tokens`` [b, P] right-padded
-        with the pad id, ``lengths`` [b], ``texts``, ``indices`` (into the file)."""
+    def _draw(self, count: int) -> List[int]:
+        """The next ``count`` rows of the order (overlong ones skipped under ``filter``)."""
+        drawn: List[int] = []
+        skipped_in_a_row = 0
+        while len(drawn) < count:
+            epoch, offset = divmod(self.consumed, len(self))
+            index = self._order(epoch)[offset]
+            self.consumed += 1
+            if self.overlong == "filter" and self.length(index) > self.max_length:
+                self.filtered += 1
+                skipped_in_a_row += 1
+                if skipped_in_a_row >= len(self):
+                    raise ValueError(f"{self.rows.path}: every prompt is longer than data.max_prompt_length="
+                                     f"{self.max_length} tokens; raise it or set data.overlong_prompts: truncate")
+                continue
+            skipped_in_a_row = 0
+            drawn.append(index)
+        return drawn
+
+    def next_batch(self, global_size: int, dp_rank: int, dp_size: int) -> Dict[str, Any]:
+        """This DP rank's share of the next ``global_size`` prompts, as :meth:`batch_of`."""
         epoch, offset = divmod(self.consumed, len(self))
         if offset + global_size > len(self) >= global_size:
             # The rest of this pass cannot fill a batch: drop it, so no batch repeats a prompt.
             self.consumed += len(self) - offset
-        indices = []
-        while len(indices) < global_size:
-            epoch, offset = divmod(self.consumed, len(self))
-            take = min(global_size - len(indices), len(self) - offset)
-            indices.extend(self._order(epoch)[offset : offset + take])
-            self.consumed += take
+        indices = self._draw(global_size)
         per_rank = global_size // dp_size
-        mine = indices[dp_rank * per_rank : (dp_rank + 1) * per_rank]
-        ids = [self.token_ids[i] for i in mine]
+        return self.batch_of(indices[dp_rank * per_rank : (dp_rank + 1) * per_rank])
+
+    def usable_indices(self) -> List[int]:
+        """Every row in file order, without those ``filter`` skips (validation's prompts)."""
+        return [i for i in range(len(self)) if self.overlong == "truncate" or self.length(i) <= self.max_length]
+
+    def batch_of(self, indices: List[int]) -> Dict[str, Any]:
+        """Rows ``indices``: ``tokens`` [b, P] right-padded with the pad id (a longer prompt keeps
+        its last max_length tokens), ``lengths`` [b], ``texts`` (the prompts as the reward sees
+        them), ``fields`` (each row's other columns) and ``indices``."""
+        self._cache.clear()
+        ids = [self.token_ids(i)[-self.max_length:] for i in indices]
+        self.truncated += sum(self.length(i) > self.max_length for i in indices)
         lengths = torch.tensor([len(x) for x in ids])
         tokens = torch.full((len(ids), int(lengths.max())), self.tokenizer.pad_id, dtype=torch.long)
         for row, x in enumerate(ids):
             tokens[row, : len(x)] = torch.tensor(x)
-        return {"tokens": tokens, "lengths": lengths, "texts": [self.texts[i] for i in mine], "indices": mine}
+        texts, fields = [], []
+        for i in indices:
+            prompt, row_fields = self.rows.prompt_and_fields(i)
+            texts.append(prompt_text(prompt))
+            fields.append(row_fields)
+        return {"tokens": tokens, "lengths": lengths, "texts": texts, "fields": fields, "indices": list(indices)}
+
+    def prompt_of(self, index: int) -> str:
+        """Row ``index``'s prompt as the reward sees it."""
+        return prompt_text(self.rows.prompt_and_fields(index)[0])
 
     def state_dict(self) -> Dict[str, int]:
         return {"consumed": self.consumed}

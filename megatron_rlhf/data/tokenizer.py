@@ -1,31 +1,42 @@
-"""Tokenizers: a Hugging Face ``tokenizers`` file, or a built-in character tokenizer for the demo."""
+"""Tokenizers: a Hugging Face tokenizer (a model directory, the ecosystem's convention, loaded with
+transformers' AutoTokenizer: its special tokens, chat template and end tokens come from its own
+files), or a built-in character tokenizer for the demo.
+
+A tokenizer turns a prompt into the ids the model reads (:meth:`encode_prompt`: a plain string with
+the special tokens the tokenizer adds itself, or a chat with the template's generation prompt) and
+knows every token that ends a response (``eos_ids``: Llama 3 and Qwen stop on more than one).
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import string
-from typing import List, Optional, Protocol
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 from megatron_rlhf.config.schema import TokenizerConfig
 
 PRINTABLE = "".join(c for c in string.printable if c not in "\t\n\r\x0b\x0c")
+Messages = List[Dict[str, str]]  # [{"role": "user", "content": "..."}, ...]
 
 
 class Tokenizer(Protocol):
     vocab_size: int
-    bos_id: Optional[int]
-    eos_id: int
+    eos_ids: Tuple[int, ...]  # every token that ends a response
     pad_id: int
+    has_chat_template: bool
 
-    def encode(self, text: str) -> List[int]: ...
+    def encode_prompt(self, prompt: Union[str, Messages], chat: bool) -> List[int]: ...
 
-    def decode(self, ids: List[int]) -> str: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
 
 
 class CharTokenizer:
     """One id per character: pad 0, bos 1, eos 2, then the alphabet in order. Characters outside
-    the alphabet are an error (the demo's data is generated within it)."""
+    the alphabet are an error (the demo's data is generated within it). No chat template."""
 
     SPECIALS = ("<pad>", "<bos>", "<eos>")
+    has_chat_template = False
 
     def __init__(self, alphabet: Optional[str] = None):
         alphabet = PRINTABLE if alphabet is None else alphabet
@@ -33,6 +44,7 @@ class CharTokenizer:
             raise ValueError(f"char tokenizer alphabet must be non-empty without repeats, got {alphabet!r}")
         self.alphabet = alphabet
         self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self.eos_ids = (self.eos_id,)
         self._ids = {c: i + len(self.SPECIALS) for i, c in enumerate(alphabet)}
         self.vocab_size = len(self.SPECIALS) + len(alphabet)
 
@@ -42,48 +54,84 @@ class CharTokenizer:
         except KeyError as e:
             raise ValueError(f"character {e.args[0]!r} is not in the tokenizer alphabet {self.alphabet!r}") from None
 
-    def decode(self, ids: List[int]) -> str:
+    def encode_prompt(self, prompt: Union[str, Messages], chat: bool) -> List[int]:
+        if chat or not isinstance(prompt, str):
+            raise ValueError("the char tokenizer has no chat template; give string prompts and apply_chat_template: false")
+        return [self.bos_id] + self.encode(prompt)
+
+    def decode(self, ids: Sequence[int]) -> str:
         first = len(self.SPECIALS)
         return "".join(self.alphabet[i - first] for i in ids if first <= i < self.vocab_size)
 
 
 class HFTokenizer:
-    """A ``tokenizers`` JSON file (the ``tokenizer.json`` of a Hugging Face model directory)."""
+    """A Hugging Face tokenizer: a model directory (tokenizer.json or a slow tokenizer's files,
+    tokenizer_config.json, optionally generation_config.json) or a bare tokenizer.json (which names
+    no special tokens: then ``eos_token`` must be given). End tokens: the tokenizer's own, every id
+    of generation_config.json's ``eos_token_id``, and ``eos_token``. Padding: ``pad_token``, else
+    the tokenizer's own, else the first end token (padding is always masked)."""
 
-    def __init__(self, path: str, bos_token: Optional[str], eos_token: Optional[str], pad_token: Optional[str]):
-        from tokenizers import Tokenizer as _Tokenizer
+    def __init__(self, path: str, eos_token: Optional[str] = None, pad_token: Optional[str] = None):
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         try:
-            self._tok = _Tokenizer.from_file(path)
-        except Exception as e:  # tokenizers raises plain Exceptions with its own message
-            raise ValueError(f"{path}: not a readable tokenizers JSON file ({e})") from None
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+            if os.path.isdir(path):
+                self._tok = AutoTokenizer.from_pretrained(path)
+            else:
+                self._tok = PreTrainedTokenizerFast(tokenizer_file=path)
+        except Exception as e:  # transformers and tokenizers raise many kinds for unreadable files
+            raise ValueError(f"{path}: not a readable Hugging Face tokenizer ({type(e).__name__}: {e})") from None
+        self.path = path
+        self.vocab_size = len(self._tok)
+        eos = [self._tok.eos_token_id] + _generation_config_eos(path) + [self._token_id("eos_token", eos_token)]
+        self.eos_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
+        if not self.eos_ids:
+            raise ValueError(f"{path}: the tokenizer names no end-of-sequence token and data.tokenizer.eos_token is not "
+                             "set: generation needs one (give the model directory, or set eos_token)")
+        pad = self._token_id("pad_token", pad_token)
+        self.pad_id = pad if pad is not None else self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_ids[0]
+        self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
 
-        def token_id(key: str, token: Optional[str]) -> Optional[int]:
-            if token is None:
-                return None
-            tid = self._tok.token_to_id(token)
-            if tid is None:
-                raise ValueError(f"{path}: data.tokenizer.{key}: token {token!r} is not in the vocabulary")
-            return tid
+    def _token_id(self, key: str, token: Optional[str]) -> Optional[int]:
+        if token is None:
+            return None
+        tid = self._tok.convert_tokens_to_ids(token)
+        if tid is None or tid == self._tok.unk_token_id and token != self._tok.unk_token:
+            raise ValueError(f"{self.path}: data.tokenizer.{key}: token {token!r} is not in the vocabulary")
+        return tid
 
-        self.bos_id = token_id("bos_token", bos_token)
-        eos = token_id("eos_token", eos_token)
-        if eos is None:
-            raise ValueError(f"{path}: data.tokenizer.eos_token: generation needs an end-of-sequence token")
-        self.eos_id = eos
-        pad = token_id("pad_token", pad_token)
-        self.pad_id = eos if pad is None else pad
+    def encode_prompt(self, prompt: Union[str, Messages], chat: bool) -> List[int]:
+        """A string with the special tokens the tokenizer adds itself (Llama's BOS), or ``chat``: the
+        messages (or the string as one user message) through the chat template, generation prompt added."""
+        if not chat:
+            if not isinstance(prompt, str):
+                raise ValueError("a chat (a list of messages) needs data.apply_chat_template: true")
+            return list(self._tok(prompt, add_special_tokens=True)["input_ids"])
+        if not self.has_chat_template:
+            raise ValueError(f"{self.path}: data.apply_chat_template is true but the tokenizer has no chat template")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    def encode(self, text: str) -> List[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def decode(self, ids: List[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+
+def _generation_config_eos(path: str) -> List[int]:
+    """generation_config.json's eos_token_id (an id or a list) of a model directory."""
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return []
+    try:
+        with open(file, encoding="utf-8") as f:
+            value = json.load(f).get("eos_token_id")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    return [value] if isinstance(value, int) else [int(v) for v in value or []]
 
 
 def build_tokenizer(config: TokenizerConfig, path: Optional[str] = None) -> Tokenizer:
-    """``path``: the tokenizer file resolved against the config file (config.path_of)."""
+    """``path``: the tokenizer directory or file resolved against the config file (config.path_of)."""
     if config.type == "char":
         return CharTokenizer(config.alphabet)
-    return HFTokenizer(path or config.path, config.bos_token, config.eos_token, config.pad_token)
+    return HFTokenizer(path or config.path, config.eos_token, config.pad_token)

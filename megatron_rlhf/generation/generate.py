@@ -196,6 +196,7 @@ def generate(
     response_lengths = torch.zeros(rows, dtype=torch.long, device=device)
     alive = torch.zeros(slots, dtype=torch.bool, device=device)
     last_token = torch.zeros(slots, dtype=torch.long, device=device)
+    eos_ids = torch.tensor(params.eos_ids, dtype=torch.long, device=device) if params.eos_ids else None
 
     cache = SlotKVCache(len(compat.attention_layers(inner)), slots + (scratch is not None), cache_length,
                         config.num_query_groups // tp if config.num_query_groups else config.num_attention_heads // tp,
@@ -278,8 +279,8 @@ def generate(
             column = torch.where(write, prompt_len_dev[out_rows] + counters, width)
             tokens[out_rows, column] = sampled
             response_lengths.index_add_(0, out_rows, write.long())
-            if params.eos_id is not None:
-                alive[slot_index] = write & (sampled != params.eos_id)
+            if eos_ids is not None:
+                alive[slot_index] = write & ~torch.isin(sampled, eos_ids)
             last_token[slot_index] = sampled
             for s in admitted:
                 fed[s] = lengths[row_in[s]]
@@ -287,7 +288,7 @@ def generate(
                 fed[s] += 1
             for s in out_slots:
                 produced[s] += 1
-            if params.eos_id is not None:
+            if eos_ids is not None:
                 pending.append((step, list(row_in), platform.copy_to_host_async(alive)))
             stats.forward_passes += 1
             stats.computed_tokens += len(positions)

@@ -9,7 +9,7 @@ arithmetic that never overflows int64, so it is the same on every device.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -21,18 +21,18 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
-    eos_id: Optional[int] = None  # a row ends after it emits this token
+    eos_ids: Tuple[int, ...] = ()  # a row ends after it emits one of these tokens
     pad_id: int = 0  # fills each row after its end
 
     @classmethod
-    def from_config(cls, generation, eos_id: Optional[int], pad_id: int) -> "SamplingParams":
+    def from_config(cls, generation, eos_ids: Tuple[int, ...], pad_id: int) -> "SamplingParams":
         return cls(
             max_new_tokens=generation.max_new_tokens,
             greedy=generation.greedy,
             temperature=generation.temperature,
             top_k=generation.top_k,
             top_p=generation.top_p,
-            eos_id=eos_id,
+            eos_ids=tuple(eos_ids),
             pad_id=pad_id,
         )
 

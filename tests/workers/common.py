@@ -36,3 +36,13 @@ def rank() -> int:
 def save(result: dict) -> None:
     torch.save(result, os.path.join(OUT_DIR, f"rank{rank()}.pt"))
     dist.barrier()
+
+
+def reward_pool(functions):
+    """A rule-reward pool of one worker for ``functions`` (spec -> weight, or a bare spec)."""
+    from megatron_rlhf.rewards.pool import RewardPool
+
+    return RewardPool(functions if isinstance(functions, dict) else {functions: 1.0}, num_workers=1)
+
+
+REWARDS_FOR_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rewards_for_tests.py")

@@ -6,7 +6,7 @@ metrics and the prompts the dataset served, in order."""
 import copy
 import os
 
-from common import OUT_DIR, save
+from common import OUT_DIR, REWARDS_FOR_TESTS, reward_pool, save
 
 from megatron_rlhf.controller import PPOController
 from megatron_rlhf.memory import MemoryLedger
@@ -20,12 +20,8 @@ config, tokenizer, dataset = prepared.config, prepared.tokenizer, prepared.datas
 untouched = copy.deepcopy(dataset)
 
 
-def reward(prompts, responses):
-    return [0.5 if p < "n" else float(sum(map(ord, r))) for p, r in zip(prompts, responses)]
-
-
 init_distributed(config.parallel, seed=config.seed)
-controller = PPOController(config, dataset, tokenizer, reward, MemoryLedger(None))
+controller = PPOController(config, dataset, tokenizer, reward_pool(f"{REWARDS_FOR_TESTS}:signal_after_n"), MemoryLedger(None))
 captured = {}
 advantages = controller._advantages
 

@@ -6,7 +6,7 @@ import copy
 import os
 
 import torch
-from common import OUT_DIR, save
+from common import OUT_DIR, reward_pool, save
 
 from megatron_rlhf.config.families import FAMILIES
 from megatron_rlhf.config.schema import EMS_SWITCHES
@@ -26,6 +26,7 @@ FEATURES = {
 os.environ.update(TP="2", ITERATIONS="1", ROLLOUT_BATCH_SIZE="8", MAX_NEW_TOKENS="12")
 prepared = prepare(parse_args(["--config", "examples/tiny/rlhf.yaml", "--output-dir", OUT_DIR]), int(os.environ["WORLD_SIZE"]))
 init_distributed(prepared.config.parallel, seed=prepared.config.seed)
+scorer = reward_pool(prepared.reward_functions)
 
 
 def run(features: dict, ems: bool) -> dict:
@@ -37,8 +38,7 @@ def run(features: dict, ems: bool) -> dict:
         role.free_memory = ems
         for switch in EMS_SWITCHES:
             setattr(role, switch, None)
-    controller = PPOController(config, copy.deepcopy(prepared.dataset), prepared.tokenizer, prepared.reward_function,
-                               MemoryLedger(None))
+    controller = PPOController(config, copy.deepcopy(prepared.dataset), prepared.tokenizer, scorer, MemoryLedger(None))
     metrics = {k: v for k, v in controller.step().items() if not k.startswith("time/")}
     weights = {}
     for name in config.trainable_roles:

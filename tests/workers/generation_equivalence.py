@@ -42,7 +42,7 @@ def argmax_without_cache(model, params):
                 continue
             tokens[row, position] = nxt[row]
             produced[row] += 1
-            if produced[row] >= params.max_new_tokens or (params.eos_id is not None and nxt[row] == params.eos_id):
+            if produced[row] >= params.max_new_tokens or int(nxt[row]) in params.eos_ids:
                 done[row] = True
         if done.all():
             break
@@ -77,7 +77,7 @@ result["tp1"] = as_tuple(generate(model, prompts, lengths, GREEDY, VOCAB))
 result["tp1_left"] = as_tuple(generate(model, left, lengths, GREEDY, VOCAB, padding_side="left"))
 # EOS: the token row 0 emits third becomes the end token; every row stops at its first one.
 eos = int(result["nocache"][0][0, 3 + 2])
-with_eos = SamplingParams(max_new_tokens=6, greedy=True, eos_id=eos, pad_id=0)
+with_eos = SamplingParams(max_new_tokens=6, greedy=True, eos_ids=(eos,), pad_id=0)
 result["eos"] = eos
 result["tp1_eos"] = as_tuple(generate(model, prompts, lengths, with_eos, VOCAB))
 result["nocache_eos"] = argmax_without_cache(model, with_eos)

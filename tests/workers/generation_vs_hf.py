@@ -17,7 +17,7 @@ arch, meta = read_model_meta(root)
 prompts = torch.randint(3, arch.vocab_size, (len(LENGTHS), max(LENGTHS)), generator=torch.Generator().manual_seed(0))
 for row, n in enumerate(LENGTHS):
     prompts[row, n:] = 0
-params = SamplingParams(max_new_tokens=10, greedy=True, eos_id=eos, pad_id=0)
+params = SamplingParams(max_new_tokens=10, greedy=True, eos_ids=(eos,), pad_id=0)
 result = {"prompts": prompts, "lengths": LENGTHS}
 for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
     parallel = setup(tp, pp)

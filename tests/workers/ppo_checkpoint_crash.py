@@ -4,7 +4,7 @@ checkpoint complete, `latest` pointing to it, and loadable. Run with 1 process (
 import os
 
 import torch
-from common import OUT_DIR, save
+from common import OUT_DIR, reward_pool, save
 
 from megatron_rlhf.checkpoint import ppo_state
 from megatron_rlhf.controller import PPOController
@@ -14,10 +14,10 @@ from megatron_rlhf.train import parse_args, prepare
 
 os.environ["TP"] = "1"
 prepared = prepare(parse_args(["--config", "examples/tiny/rlhf.yaml", "--output-dir", OUT_DIR]), 1)
-config, tokenizer, dataset, reward_fn = prepared.config, prepared.tokenizer, prepared.dataset, prepared.reward_function
+config, tokenizer, dataset = prepared.config, prepared.tokenizer, prepared.dataset
 config.ppo.rollout_batch_size = 8
 init_distributed(config.parallel, seed=config.seed)
-controller = PPOController(config, dataset, tokenizer, reward_fn, MemoryLedger(None))
+controller = PPOController(config, dataset, tokenizer, reward_pool(prepared.reward_functions), MemoryLedger(None))
 controller.step()
 first = ppo_state.save_ppo_checkpoint(controller.roles, controller.state_dict(), OUT_DIR)
 controller.step()
@@ -40,7 +40,7 @@ except OSError as e:
 ppo_state.torch.save = real_save
 
 latest = ppo_state.latest_checkpoint(OUT_DIR)
-fresh = PPOController(config, dataset, tokenizer, reward_fn, MemoryLedger(None))
+fresh = PPOController(config, dataset, tokenizer, controller.reward_scorer, MemoryLedger(None))
 real_load, map_locations = torch.load, []
 
 

@@ -18,7 +18,7 @@ result = {}
 model = build_model(arch, parallel, "lm")
 prompts = torch.randint(3, arch.vocab_size, (4, 6), generator=torch.Generator().manual_seed(0))
 diverged = torch.arange(4) + 100 * ps.get_tensor_model_parallel_rank()
-params = SamplingParams(max_new_tokens=12, temperature=1.0, eos_id=None, pad_id=0)
+params = SamplingParams(max_new_tokens=12, temperature=1.0, pad_id=0)
 tokens = generate(model, prompts, torch.tensor([6, 4, 5, 2]), params, arch.vocab_size, diverged).tokens
 everyone = [torch.empty_like(tokens) for _ in range(2)]
 torch.distributed.all_gather(everyone, tokens, group=ps.get_tensor_model_parallel_group())

@@ -1,0 +1,179 @@
+"""Rows of a prompt file, JSONL (one object per line) or Parquet, read by index without holding the
+file in memory: a JSONL file is indexed once (the byte offset of every row), a Parquet file is read
+one row group at a time. Opening a file checks every row's prompt (present, of the right type, not
+empty), so bad data is found before start-up, named by file and line (JSONL) or row (Parquet).
+
+The prompt column (``data.prompt_key``) holds a string, or a chat: a list of ``{"role", "content"}``
+messages. Every other column travels with the row (ground truth, data source, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+Prompt = Union[str, List[Dict[str, str]]]
+AUTO_KEYS = ("prompt", "messages")  # what prompt_key None looks for
+
+
+class RowFile:
+    """The rows of one file: ``len()``, ``row(i)`` (a dict of every column) and ``where(i)``
+    (``file:line`` or ``file: row i``, for messages). ``key`` is the prompt column."""
+
+    path: str
+    key: str
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def row(self, index: int) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def where(self, index: int) -> str:
+        raise NotImplementedError
+
+    def prompt_and_fields(self, index: int) -> Tuple[Prompt, Dict[str, Any]]:
+        row = self.row(index)
+        prompt = row.pop(self.key)
+        return prompt, row
+
+
+def open_rows(path: str, prompt_key: Optional[str]) -> RowFile:
+    """The rows of ``path`` (Parquet by its magic bytes or extension, else JSONL), checked."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"PAR1" or path.endswith((".parquet", ".pq")):
+        return ParquetRows(path, prompt_key)
+    return JsonlRows(path, prompt_key)
+
+
+def _prompt_key(keys, prompt_key: Optional[str], where: str) -> str:
+    """The prompt column of a row (or file) with columns ``keys``."""
+    if prompt_key is not None:
+        if prompt_key not in keys:
+            raise ValueError(f"{where}: no {prompt_key!r} column (data.prompt_key); columns: {', '.join(sorted(keys))}")
+        return prompt_key
+    present = [k for k in AUTO_KEYS if k in keys]
+    if len(present) == 2:
+        raise ValueError(f"{where}: has both 'prompt' and 'messages'; set data.prompt_key to the one that holds the prompt")
+    if not present:
+        raise ValueError(f"{where}: no 'prompt' (a string) or 'messages' (a chat) column; columns: "
+                         f"{', '.join(sorted(keys)) or 'none'} (data.prompt_key names another)")
+    return present[0]
+
+
+def check_prompt(prompt: Any, key: str, where: str) -> None:
+    """A non-empty string, or a non-empty list of {"role": str, "content": str} messages."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError(f"{where}: empty {key!r}; every row needs text to respond to")
+        return
+    if isinstance(prompt, (list, tuple)) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
+        return
+    shown = json.dumps(prompt, default=str)[:80]
+    raise ValueError(f"{where}: {key!r} must be a string or a list of {{\"role\": ..., \"content\": ...}} messages, "
+                     f"got {shown}")
+
+
+class JsonlRows(RowFile):
+    def __init__(self, path: str, prompt_key: Optional[str]):
+        self.path, self.offsets, self.lines = path, [], []
+        self.key = prompt_key
+        with open(path, "rb") as f:
+            offset = 0
+            for number, raw in enumerate(f, 1):
+                start, offset = offset, offset + len(raw)
+                if not raw.strip():
+                    continue
+                record = self._parse(raw, number)
+                where = f"{path}:{number}"
+                key = _prompt_key(record, prompt_key, where)
+                if self.key is None:
+                    self.key = key
+                elif key != self.key:
+                    raise ValueError(f"{where}: holds its prompt in {key!r}, earlier rows in {self.key!r}; one file, one "
+                                     "prompt column (data.prompt_key)")
+                check_prompt(record[key], key, where)
+                self.offsets.append(start)
+                self.lines.append(number)
+        if not self.offsets:
+            raise ValueError(f"{path}: no prompts in the file")
+        self._file = None
+
+    def _parse(self, raw: bytes, number: int) -> Dict[str, Any]:
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{self.path}:{number}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                             "is this a JSONL file?") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{self.path}:{number}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{self.path}:{number}: expected a JSON object, got {raw.strip()[:80].decode('utf-8', 'replace')}")
+        return record
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def row(self, index: int) -> Dict[str, Any]:
+        if self._file is None:
+            self._file = open(self.path, "rb")
+        self._file.seek(self.offsets[index])
+        return self._parse(self._file.readline(), self.lines[index])
+
+    def where(self, index: int) -> str:
+        return f"{self.path}:{self.lines[index]}"
+
+    def __getstate__(self):  # deep copies (tests, dynamic sampling's replay) reopen the file
+        return {**self.__dict__, "_file": None}
+
+
+class ParquetRows(RowFile):
+    def __init__(self, path: str, prompt_key: Optional[str]):
+        import pyarrow.parquet as pq
+
+        self.path = path
+        try:
+            self._parquet = pq.ParquetFile(path)
+        except Exception as e:  # pyarrow raises ArrowInvalid and OSError kinds for files it cannot read
+            raise ValueError(f"{path}: not a Parquet file ({type(e).__name__}: {e})") from None
+        self.key = _prompt_key(self._parquet.schema_arrow.names, prompt_key, path)
+        self.starts = [0]
+        for group in range(self._parquet.num_row_groups):
+            column = self._parquet.read_row_group(group, columns=[self.key]).column(0).to_pylist()
+            for i, prompt in enumerate(column):
+                check_prompt(prompt, self.key, self.where(self.starts[-1] + i))
+            self.starts.append(self.starts[-1] + len(column))
+        if not len(self):
+            raise ValueError(f"{path}: no prompts in the file")
+        self._cached: Tuple[int, Optional[List[Dict[str, Any]]]] = (-1, None)
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def row(self, index: int) -> Dict[str, Any]:
+        import bisect
+
+        group = bisect.bisect_right(self.starts, index) - 1
+        if self._cached[0] != group:
+            self._cached = (group, self._parquet.read_row_group(group).to_pylist())
+        return dict(self._cached[1][index - self.starts[group]])
+
+    def where(self, index: int) -> str:
+        return f"{self.path}: row {index + 1}"
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_parquet")
+        state["_cached"] = (-1, None)
+        return state
+
+    def __setstate__(self, state):
+        import pyarrow.parquet as pq
+
+        self.__dict__.update(state)
+        self._parquet = pq.ParquetFile(self.path)

@@ -1,0 +1,127 @@
+"""The reward function contract: how a rule reward is named, loaded and called.
+
+``reward.function: module:callable`` or ``path/to/file.py:callable`` (relative to the config file
+that names it). A function is called as ``fn(prompts, responses, **fields)``: lists of equal
+length (the pool calls it with one response at a time), ``fields`` being the row's other data
+columns (``ground_truth``, ``data_source``, ...), of which it receives those its signature names
+(all of them with ``**kwargs``). It returns one real number per response, or a mapping of named
+sub-scores, each a list of one number per response, with the reward under ``"score"``; the others
+are logged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import numbers
+import os
+import traceback
+from typing import Any, Callable, Dict, List
+
+RewardFunction = Callable[..., Any]
+
+
+class ContractError(Exception):
+    """What a reward function returned breaks the contract (a bug in it, not a hard input)."""
+
+
+def load_reward_function(spec: str, base_dir: str) -> RewardFunction:
+    """Import the callable named by ``spec``; errors name the spec and what is missing, and a
+    file that does not import names its own file and line."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise ValueError(f"reward function: expected 'module:callable' or 'file.py:callable', got {spec!r}")
+    try:
+        if target.endswith(".py"):
+            path = target if os.path.isabs(target) else os.path.join(base_dir, target)
+            if not os.path.isfile(path):
+                raise ValueError(f"reward function {spec!r}: no file {path}")
+            module_spec = importlib.util.spec_from_file_location(f"reward_{abs(hash(path))}", path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except ValueError:
+        raise
+    except SyntaxError as e:
+        raise ValueError(f"reward function {spec!r}: {e.filename}:{e.lineno}: syntax error: {e.msg}") from None
+    except ImportError as e:
+        raise ValueError(f"reward function {spec!r}: cannot import {target} ({e})") from None
+    except Exception as e:  # the user's module failed while it was imported
+        raise ValueError(f"reward function {spec!r}: importing it raised {describe(e)}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r}: {target} has no callable {attr!r}")
+    return fn
+
+
+_OWN_CODE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def describe(error: BaseException) -> str:
+    """``Type: message at file:line`` of the innermost frame of the user's code (not ours)."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_OWN_CODE)]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+    return f"{type(error).__name__}: {error}{where}"
+
+
+def accepted_fields(fn: RewardFunction, fields: Dict[str, Any]) -> Dict[str, Any]:
+    """The fields ``fn``'s signature takes (all with **kwargs; none for a non-introspectable one)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return fields
+    names = {p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return {k: v for k, v in fields.items() if k in names}
+
+
+def call(fn: RewardFunction, prompts: List[str], responses: List[str], fields: List[Dict[str, Any]]) -> List[Dict[str, float]]:
+    """Per response, its named scores (``score`` first). Raises what ``fn`` raises, or
+    ContractError for a result that breaks the contract."""
+    columns = sorted({k for row in fields for k in row})
+    keywords = accepted_fields(fn, {k: [row.get(k) for row in fields] for k in columns})
+    out = fn(prompts, responses, **keywords)
+    n = len(responses)
+    if isinstance(out, dict):
+        if "score" not in out:
+            raise ContractError(f"returned a mapping without 'score' (keys: {', '.join(map(str, out))}); the reward goes "
+                                "under 'score', other keys are logged")
+        named = {str(k): _numbers(v, n, f"[{k!r}]") for k, v in out.items()}
+        names = ["score"] + [k for k in named if k != "score"]
+        return [{k: named[k][i] for k in names} for i in range(n)]
+    return [{"score": x} for x in _numbers(out, n, "")]
+
+
+def _numbers(out: Any, n: int, what: str) -> List[float]:
+    expected = f"expected a list of {n} numbers, one per response"
+    if out is None or isinstance(out, (str, bytes, int, float)) or not hasattr(out, "__len__"):
+        raise ContractError(f"returned{what} {type(out).__name__} {out!r:.80}; {expected}")
+    values = list(out.tolist() if hasattr(out, "tolist") else out)
+    if len(values) != n:
+        raise ContractError(f"returned{what} {len(values)} values for {n} responses; {expected}")
+    for x in values:
+        if isinstance(x, bool) or not isinstance(x, numbers.Real):
+            raise ContractError(f"returned{what} {type(x).__name__} {x!r:.40}; {expected} (convert strings with "
+                                "float() in the function if you mean them)")
+    return [float(x) for x in values]
+
+
+def reward_functions(config) -> Dict[str, float]:
+    """The configured rule rewards (``reward.function``, or ``reward.functions`` with their
+    weights) as spec -> weight, a file path made absolute against the config file that names it;
+    each is imported here once, so that a missing or broken one stops the run before start-up."""
+    reward = config.reward
+    key = "reward.function" if reward.functions is None else "reward.functions"
+    specs = {reward.function: 1.0} if reward.functions is None else dict(reward.functions)
+    base = os.path.dirname(config.source_of(key))
+    resolved = {}
+    for spec, weight in specs.items():
+        target, _, attr = spec.rpartition(":")
+        if target.endswith(".py") and not os.path.isabs(target):
+            spec = f"{os.path.join(base, target)}:{attr}"
+        load_reward_function(spec, base)
+        resolved[spec] = weight
+    return resolved

@@ -1,0 +1,175 @@
+"""Rule rewards scored in worker processes, one response per call, each call with a time-out.
+
+A verifier can hang on a pathological answer or a remote judge never reply; the run must not.
+Every rank keeps ``num_workers`` worker processes (plain interpreters running
+``megatron_rlhf.rewards.worker``: they import the reward modules only, not torch or the training
+program). A call that raises, or outlives ``timeout_s`` (its worker is killed and replaced),
+scores ``failure_score`` and is counted. What is a bug rather than a hard input ends the run with
+one line naming the function: a result that breaks the contract, a call that exits its worker
+(``sys.exit``, ``os._exit``, a crash), or an iteration in which every call failed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_rlhf.errors import NonFiniteError, RewardFunctionError
+
+FAILED = None  # a call that raised or timed out
+
+
+class _Worker:
+    def __init__(self, specs: Sequence[str]):
+        parent, child = socket.socketpair()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "megatron_rlhf.rewards.worker", str(child.fileno()), *specs],
+            pass_fds=[child.fileno()], stdin=subprocess.DEVNULL)
+        child.close()
+        self.conn = Connection(parent.detach())
+        self.task: Optional[Tuple[int, int]] = None  # (response, function) being scored
+        self.deadline = 0.0
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.conn.close()
+
+
+class RewardPool:
+    """``functions``: spec (a module, or an absolute file path) -> weight; the score is the
+    weighted sum of each function's ``score``."""
+
+    def __init__(self, functions: Dict[str, float], num_workers: int = 2, timeout_s: float = 30.0,
+                 failure_score: float = 0.0):
+        self.specs, self.weights = list(functions), list(functions.values())
+        self.timeout_s, self.failure_score = timeout_s, failure_score
+        self.workers = [_Worker(self.specs) for _ in range(num_workers)]
+        self._ready()
+
+    def _ready(self) -> None:
+        """Every worker has loaded the functions (or the first load error is raised)."""
+        for worker in self.workers:
+            kind, message = self._receive(worker, self.timeout_s + 60.0, "loading the reward functions")
+            if kind != "ready":
+                self.close()
+                raise ValueError(message)
+
+    def _receive(self, worker: _Worker, timeout: float, doing: str):
+        if not worker.conn.poll(timeout):
+            raise RewardFunctionError(f"a reward worker took over {timeout:.0f}s {doing}")
+        try:
+            return worker.conn.recv()
+        except EOFError:
+            code = worker.process.wait()
+            raise RewardFunctionError(f"a reward worker ended (exit code {code}) while {doing}") from None
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.kill()
+        self.workers = []
+
+    def _name(self, function: int) -> str:
+        return self.specs[function]
+
+    def score(self, prompts: List[str], responses: List[str], fields: List[Dict[str, Any]]) -> Tuple[torch.Tensor, Dict[str, float]]:
+        """[B] float32 scores and their metrics (``reward/failures``, ``reward/timeouts``, and the
+        mean of every function's score and named sub-score when there are several or any)."""
+        tasks = [(row, f) for row in range(len(responses)) for f in range(len(self.specs))]
+        results: Dict[Tuple[int, int], Optional[Dict[str, float]]] = {}
+        counts = {"failures": 0, "timeouts": 0}
+        first_failure: Optional[str] = None
+        pending = list(reversed(tasks))
+        while len(results) < len(tasks):
+            for worker in self.workers:
+                if worker.task is None and pending:
+                    row, f = worker.task = pending.pop()
+                    worker.deadline = time.monotonic() + self.timeout_s
+                    worker.conn.send((f, prompts[row], responses[row], fields[row]))
+            busy = [w for w in self.workers if w.task is not None]
+            wait([w.conn for w in busy], timeout=max(0.0, min(w.deadline for w in busy) - time.monotonic()))
+            for worker in busy:
+                row, f = worker.task
+                if worker.conn.poll():
+                    outcome = self._collect(worker, row, f, prompts)
+                elif time.monotonic() >= worker.deadline:
+                    outcome = ("timeout", f"took over {self.timeout_s:g}s (reward.timeout_s)")
+                    self._replace(worker)
+                else:
+                    continue
+                worker.task = None
+                kind, value = outcome
+                if kind == "ok":
+                    results[row, f] = value
+                    continue
+                results[row, f] = FAILED
+                counts["failures"] += 1
+                counts["timeouts"] += kind == "timeout"
+                first_failure = first_failure or (f"reward function {self._name(f)} {value} on response {row} "
+                                                  f"(prompt {prompts[row]!r:.60})")
+        if tasks and counts["failures"] == len(tasks):
+            raise RewardFunctionError(f"every reward call of the batch failed; the first: {first_failure}")
+        return self._combine(results, len(responses)), self._metrics(results, counts, len(responses))
+
+    def _collect(self, worker: _Worker, row: int, f: int, prompts: List[str]):
+        try:
+            kind, value = worker.conn.recv()
+        except EOFError:
+            code = worker.process.wait()
+            raise RewardFunctionError(f"reward function {self._name(f)} ended its worker process (exit code {code}) on "
+                                      f"response {row} (prompt {prompts[row]!r:.60}); a reward must return its scores, "
+                                      "not exit") from None
+        if kind in ("exit", "contract"):
+            raise RewardFunctionError(f"reward function {self._name(f)} {value} on response {row} "
+                                      f"(prompt {prompts[row]!r:.60})")
+        return kind, value
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        fresh = _Worker(self.specs)
+        kind, message = self._receive(fresh, self.timeout_s + 60.0, "loading the reward functions")
+        if kind != "ready":
+            raise RewardFunctionError(message)
+        worker.__dict__.update(fresh.__dict__)
+
+    def _combine(self, results, rows: int) -> torch.Tensor:
+        scores = []
+        for row in range(rows):
+            total = 0.0
+            for f, weight in enumerate(self.weights):
+                value = results[row, f]
+                total += weight * (self.failure_score if value is FAILED else value["score"])
+            scores.append(total)
+        return torch.tensor(scores, dtype=torch.float32)
+
+    def _metrics(self, results, counts: Dict[str, int], rows: int) -> Dict[str, float]:
+        metrics = {f"reward/{k}": float(v) for k, v in counts.items()}
+        for f, spec in enumerate(self.specs):
+            named: Dict[str, List[float]] = {}
+            for row in range(rows):
+                for key, value in (results[row, f] or {}).items():
+                    named.setdefault(key, []).append(value)
+            if len(self.specs) == 1 and set(named) <= {"score"}:
+                continue  # reward/mean says it already
+            prefix = f"reward/{spec.rpartition(':')[2]}"
+            for key, values in named.items():
+                metrics[prefix if key == "score" else f"{prefix}/{key}"] = sum(values) / len(values)
+        return metrics
+
+
+def check_scores(scores: torch.Tensor, bound: float, iteration: int, prompts: Sequence[str]) -> None:
+    """Stop on a score that is not finite or beyond +-bound (reward.max_abs_score), naming it."""
+    bad = ~torch.isfinite(scores) | (scores.abs() > bound)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0])
+        raise NonFiniteError(
+            f"iteration {iteration}: the reward gave {scores[i].item():.6g} for response {i} (prompt {prompts[i]!r:.60}), "
+            f"{int(bad.sum())} of {len(scores)} beyond +-{bound:g} or not finite; fix the reward, or raise "
+            "reward.max_abs_score if such scores are meant")

@@ -1,0 +1,145 @@
+"""Rule rewards: the built-in verifiers against hand-made cases, the contract (fields as keyword
+arguments, named sub-scores, weights), and the worker pool's faults: a call that raises or hangs
+scores reward.failure_score and is counted; a breach of the contract, an exit from the worker or a
+batch where every call failed ends the run with a line naming the function."""
+
+import time
+
+import pytest
+
+from megatron_rlhf.errors import RewardFunctionError
+from megatron_rlhf.rewards.contract import load_reward_function
+from megatron_rlhf.rewards.pool import RewardPool
+from megatron_rlhf.rewards.verifiers import answer_format, gsm8k, math
+
+RULES = '''
+import os, sys, time
+
+def exact(prompts, responses, ground_truth):
+    return [float(r.strip() == t) for r, t in zip(responses, ground_truth)]
+
+def parts(prompts, responses, **fields):
+    return {"score": [len(r) for r in responses], "source_is_a": [float(f == "a") for f in fields["data_source"]]}
+
+def picky(prompts, responses):
+    return [1.0 / (len(r) - 2) for r in responses]
+
+def always_raises(prompts, responses):
+    raise KeyError("boom")
+
+def sleeps_on_x(prompts, responses):
+    if responses[0] == "x":
+        time.sleep(1e6)
+    return [1.0]
+
+def strings(prompts, responses):
+    return ["0.5" for r in responses]
+
+def scalar(prompts, responses):
+    return 0.5
+
+def exits(prompts, responses):
+    sys.exit(3)
+
+def dies(prompts, responses):
+    print("about to die")
+    os._exit(7)
+'''
+
+
+@pytest.fixture
+def rules(tmp_path):
+    (tmp_path / "rules.py").write_text(RULES)
+    return lambda name: f"{tmp_path}/rules.py:{name}"
+
+
+def test_gsm8k_and_format_read_the_final_answer():
+    responses = ["so 3 + 4 = 7\n#### 7", "#### 1,234.", "the answer is 7", "#### 6\n#### 7", "#### $12"]
+    assert gsm8k([""] * 5, responses, ["7", "1234", "7", "7", "12"]) == [1.0, 1.0, 0.0, 1.0, 1.0]
+    assert gsm8k([""], ["#### 8"], ["7"]) == [0.0]
+    assert answer_format([""] * 3, ["#### 3", r"\boxed{3}", "three"]) == [1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("response,truth,right", [
+    (r"so \boxed{\frac{1}{2}}", "0.5", True),
+    (r"\boxed{2/4}", r"\frac{1}{2}", True),  # equivalent fractions
+    (r"\boxed{x^2 + 2x + 1}", "(x+1)^2", True),  # equivalent expressions
+    (r"\boxed{\{1, 2\}}", r"\{2, 1\}", True),
+    (r"\boxed{3}", "4", False),  # wrong
+    (r"\boxed{\frac{1}{3}}", "0.5", False),
+    ("I do not know", "4", False),  # no answer
+])
+def test_the_math_verifier_on_hand_made_cases(response, truth, right):
+    assert math([""], [response], [truth]) == [float(right)]
+
+
+def test_fields_sub_scores_and_weights(rules):
+    pool = RewardPool({rules("exact"): 1.0, rules("parts"): 0.5}, num_workers=2)
+    try:
+        scores, metrics = pool.score(["p", "q"], ["7", "8"], [{"ground_truth": "7", "data_source": "a"},
+                                                            {"ground_truth": "7", "data_source": "b"}])
+    finally:
+        pool.close()
+    assert scores.tolist() == [1.0 + 0.5 * 1, 0.0 + 0.5 * 1]
+    assert metrics["reward/exact"] == 0.5 and metrics["reward/parts"] == 1.0 and metrics["reward/parts/source_is_a"] == 0.5
+    assert metrics["reward/failures"] == 0 and metrics["reward/timeouts"] == 0
+
+
+def test_a_call_that_raises_or_hangs_scores_the_failure_score_and_is_counted(rules):
+    pool = RewardPool({rules("picky"): 1.0}, num_workers=2, failure_score=-1.0)
+    try:
+        scores, metrics = pool.score(["p0", "p1", "p2"], ["abc", "ab", "abcd"], [{}, {}, {}])
+    finally:
+        pool.close()
+    assert scores.tolist() == [1.0, -1.0, 0.5] and metrics["reward/failures"] == 1
+    pool = RewardPool({rules("sleeps_on_x"): 1.0}, num_workers=1, timeout_s=2.0, failure_score=-1.0)
+    try:
+        started = time.monotonic()
+        scores, metrics = pool.score(["p"] * 3, ["a", "x", "b"], [{}] * 3)
+        assert time.monotonic() - started < 2.0 + 5.0
+        assert scores.tolist() == [1.0, -1.0, 1.0] and metrics["reward/timeouts"] == 1  # the worker was replaced
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("name,message", [
+    ("strings", r"rules.py:strings returned str '0.5'; expected a list of 1 numbers.* on response 0 \(prompt 'p0'\)"),
+    ("scalar", r"rules.py:scalar returned float 0.5; expected a list of 1 numbers"),
+    ("exits", r"rules.py:exits called sys.exit\(3\); a reward must return its scores, not exit on response 0"),
+    ("dies", r"rules.py:dies ended its worker process \(exit code 7\) on response 0 \(prompt 'p0'\)"),
+    ("always_raises", r"every reward call of the batch failed; the first: reward function .*rules.py:always_raises "
+                      r"raised KeyError: 'boom' at .*rules.py:\d+ .* on response 0"),
+])
+def test_a_broken_function_ends_the_run_naming_it(rules, name, message):
+    pool = RewardPool({rules(name): 1.0}, num_workers=1)
+    try:
+        with pytest.raises(RewardFunctionError, match=message):
+            pool.score(["p0", "p1"], ["abc", "ab"], [{}, {}])
+    finally:
+        pool.close()
+
+
+def test_loading_errors_name_the_spec(tmp_path):
+    (tmp_path / "rules.py").write_text("def length(prompts, responses):\n    return [len(r) for r in responses]\n")
+    assert load_reward_function("os.path:basename", str(tmp_path)) is __import__("os").path.basename
+    with pytest.raises(ValueError, match="has no callable 'missing'"):
+        load_reward_function("rules.py:missing", str(tmp_path))
+    with pytest.raises(ValueError, match="no file"):
+        load_reward_function("nothere.py:f", str(tmp_path))
+    (tmp_path / "broken.py").write_text("def f(prompts, responses)\n    return []\n")
+    with pytest.raises(ValueError, match=r"broken.py:1: syntax error"):
+        load_reward_function("broken.py:f", str(tmp_path))
+    with pytest.raises(ValueError, match="rules.py:missing.*has no callable"):
+        RewardPool({f"{tmp_path}/rules.py:missing": 1.0}, num_workers=1)
+
+
+def test_scores_beyond_the_bound_are_named():
+    import torch
+
+    from megatron_rlhf.errors import NonFiniteError
+    from megatron_rlhf.rewards.pool import check_scores
+
+    with pytest.raises(NonFiniteError, match=r"iteration 3: the reward gave 1e\+30 for response 1 \(prompt 'p1'\).*"
+                       r"reward.max_abs_score"):
+        check_scores(torch.tensor([0.5, 1e30, float("nan")]), 1e4, 3, ["p0", "p1", "p2"])
+    check_scores(torch.tensor([0.5, -1e4]), 1e4, 3, ["p0", "p1"])  # within the bound: no error
