@@ -82,7 +82,8 @@ class PPOController:
         self.config = config
         self.dataset, self.val_dataset = dataset, val_dataset
         self.tokenizer = tokenizer
-        self.reward_scorer = reward_scorer  # rule rewards; None: the reward model
+        # Rule rewards (used on the first rank of each model-parallel group); None: the reward model.
+        self.reward_scorer = reward_scorer
         self.ledger = ledger
         self.device = get_platform().device
         self.dp_group = ps.get_data_parallel_group()
@@ -318,8 +319,8 @@ class PPOController:
     def _score(self, prompts: List[str], responses: List[str], fields: List[Dict], gen) -> torch.Tensor:
         """[B] scores of the reward (rule functions or model), plus the overlong penalty when set.
         The rule functions' metrics (failures, sub-scores) add up in ``reward_metrics``."""
-        if self.reward_scorer is not None:
-            scores, metrics = self.reward_scorer.score(prompts, responses, fields)
+        if self.config.reward.type == "function":
+            scores, metrics = self._rule_scores(prompts, responses, fields)
             scores = scores.to(self.device)
             self.reward_metrics.append(metrics)
         else:
@@ -332,6 +333,18 @@ class PPOController:
             scores = scores + ppo.overlong_penalty(gen.response_lengths, self.config.generation.max_new_tokens,
                                                    alg.overlong_buffer_length, alg.overlong_penalty_factor).to(scores.device)
         return scores
+
+    def _rule_scores(self, prompts: List[str], responses: List[str], fields: List[Dict]):
+        """The rule reward's (scores, metrics), computed on the first rank of the model-parallel
+        group and sent to the others: every rank of a replica holds the same rows, and a time-out
+        on one of them must not give its TP or PP peers other scores."""
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_model_parallel_group()
+        result = [self.reward_scorer.score(prompts, responses, fields) if group.rank() == 0 else None]
+        if group.size() > 1:
+            dist.broadcast_object_list(result, src=dist.get_global_rank(group, 0), group=group)
+        return result[0]
 
     def _decode(self, rows: SampleRows) -> List[str]:
         return [

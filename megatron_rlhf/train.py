@@ -426,8 +426,12 @@ def _run(prepared: Prepared) -> list:
     if rank0 and os.path.exists(ledger_path) and resume_from is None:
         os.remove(ledger_path)  # a fresh run's ledger, not appended to an old one
     rewards = config.reward
-    scorer = RewardPool(prepared.reward_functions, num_workers=rewards.num_workers, timeout_s=rewards.timeout_s,
-                        failure_score=rewards.failure_score) if prepared.reward_functions else None
+    from megatron.core import parallel_state as ps
+
+    scorer = None  # the rule rewards run on each model-parallel group's first rank (controller._rule_scores)
+    if prepared.reward_functions and ps.get_model_parallel_group().rank() == 0:
+        scorer = RewardPool(prepared.reward_functions, num_workers=rewards.num_workers, timeout_s=rewards.timeout_s,
+                            failure_score=rewards.failure_score)
     controller = PPOController(config, prepared.dataset, prepared.tokenizer, scorer,
                                MemoryLedger(ledger_path if rank0 else None, guard=config.trainer.memory_guard),
                                overlap_budget=budget if config.trainer.overlap_onload else None,

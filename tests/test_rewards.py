@@ -3,7 +3,10 @@ arguments, named sub-scores, weights), and the worker pool's faults: a call that
 scores reward.failure_score and is counted; a breach of the contract, an exit from the worker or a
 batch where every call failed ends the run with a line naming the function."""
 
+import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -143,3 +146,60 @@ def test_scores_beyond_the_bound_are_named():
                        r"reward.max_abs_score"):
         check_scores(torch.tensor([0.5, 1e30, float("nan")]), 1e4, 3, ["p0", "p1", "p2"])
     check_scores(torch.tensor([0.5, -1e4]), 1e4, 3, ["p0", "p1"])  # within the bound: no error
+
+
+TRUTH = '''
+import os, time
+
+
+def check_truth(prompts, responses, ground_truth, data_source):
+    """Scores 0, and says whether the row's ground truth is the answer to its question."""
+    matches = [float(str(eval(p.replace("= ?", ""))) == t and s in ("add", "sub"))
+               for p, t, s in zip(prompts, ground_truth, data_source)]
+    marker = os.environ.get("BLOCK_MARKER")
+    if marker and os.environ["RANK"] == "1" and not os.path.exists(marker):
+        open(marker, "w").close()
+        time.sleep(1e6)  # a verifier stuck on one rank only, once
+    return {"score": [0.0] * len(prompts), "truth_matches": matches}
+'''
+
+
+def _math_run(tmp_path, prompt_file, env=None, before_train=True):
+    from tests.test_train import metrics, train
+
+    (tmp_path / "truth.py").write_text(TRUTH)
+    config = tmp_path / "grpo.yaml"
+    config.write_text(
+        f"includes: {os.path.abspath('examples/tiny_math/grpo.yaml')}\n"
+        f"data:\n  prompt_file: {prompt_file}\n  val_file: {os.path.abspath('examples/tiny_math/val.jsonl')}\n"
+        f"reward:\n  functions:\n    {tmp_path}/truth.py:check_truth: 1.0\n  timeout_s: 3\n  num_workers: 1\n"
+        f"trainer:\n  val_before_train: {before_train}\n")
+    out = tmp_path / "out"
+    started = time.monotonic()
+    train(out, config=config, env={"ITERATIONS": "2", "ROLLOUT_BATCH_SIZE": "4", "VAL_INTERVAL": "2", **(env or {})})
+    return metrics(out), time.monotonic() - started
+
+
+def test_chat_rows_hand_their_ground_truth_to_the_reward_and_validation_reports(tmp_path):
+    rows, _ = _math_run(tmp_path, os.path.abspath("examples/tiny_math/train.jsonl"))
+    assert [r["iteration"] for r in rows] == [0, 1, 2]  # validation before training, then 2 iterations
+    for row in rows[1:]:
+        assert row["reward/check_truth/truth_matches"] == 1.0 and row["reward/failures"] == 0
+    for row in (rows[0], rows[2]):
+        assert {"val/reward/mean", "val/mean@4", "val/pass@4", "val/add/pass@4", "val/sub/mean@4"} <= set(row)
+    assert "val/pass@4" not in rows[1]
+
+
+def test_a_parquet_file_and_a_reward_that_blocks_on_one_rank(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lines = Path("examples/tiny_math/train.jsonl").read_text().splitlines()
+    pq.write_table(pa.Table.from_pylist([json.loads(line) for line in lines]), tmp_path / "train.parquet")
+    # TP=1: 2 data-parallel ranks, each scoring its own rows; only rank 1's verifier blocks.
+    rows, seconds = _math_run(tmp_path, tmp_path / "train.parquet", env={"BLOCK_MARKER": str(tmp_path / "blocked"),
+                                                                        "TP": "1"}, before_train=False)
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert rows[0]["reward/timeouts"] == 1 and rows[0]["reward/failures"] == 1  # rank 1's first call, counted
+    assert rows[1]["reward/timeouts"] == 0 and rows[1]["reward/check_truth/truth_matches"] == 1.0
+    assert seconds < 60
