@@ -111,7 +111,7 @@ class PPOController:
         dynamic sampling may return to the policy)."""
         dynamic = self.config.algorithm.dynamic_sampling
         order = {}
-        if self.reward_scorer is None:
+        if self.config.reward.type == "model":
             order["policy"] = "reward"
             if not dynamic:
                 order["reward"] = "reference"

@@ -101,11 +101,9 @@ def check(env: Dict[str, str], config_file: str) -> Tuple[List[str], List[str], 
     if nodes and nodes > 1 and not env.get("MASTER_ADDR"):
         missing.append(f"NNODES={nodes}: a multi-node launch needs MASTER_ADDR, the first node's address "
                        "(slurm/run_ppo.sbatch sets it)")
-    if env["MODEL_SIZE"] != "tiny":
-        for name in ("POLICY_LOAD", "REWARD_LOAD"):
-            if not env.get(name):
-                missing.append(f"{name} is not set: the directory of a converted checkpoint "
-                               "(tools/convert_hf_to_megatron.py)")
+    needs_checkpoints = env["MODEL_SIZE"] != "tiny"
+    if needs_checkpoints and not env.get("POLICY_LOAD"):
+        missing.append("POLICY_LOAD is not set: the directory of a converted checkpoint (tools/convert_hf_to_megatron.py)")
     if not (nodes and per_node):
         return errors, missing, None
     world = nodes * per_node
@@ -121,6 +119,9 @@ def check(env: Dict[str, str], config_file: str) -> Tuple[List[str], List[str], 
         os.environ.update(saved)
     errors += problems + layout_problems(config, world)
     missing += input_problems(config, needs_prompts=True)
+    if needs_checkpoints and config.reward.type == "model" and not env.get("REWARD_LOAD"):
+        missing.append("REWARD_LOAD is not set: the directory of a converted reward model (tools/convert_hf_to_megatron.py); "
+                       "a rule reward (reward.type: function) needs none")
     if errors:
         return errors, missing, None
     tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size

@@ -111,6 +111,12 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
                     "it has no checkpoint to resume from; ")
             raise ConfigError(f"{output_dir} already holds a run ({done} iterations in metrics.jsonl); {hint}choose "
                               "another --output-dir, or pass --overwrite to delete it and start again")
+    if config.trainer.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise ConfigError(f"{config.at('trainer.wandb')}: true, but the wandb package is not installed; install "
+                              "it with pip install -e .[wandb] (or pip install wandb), or set wandb: false") from None
     tokenizer = build_tokenizer(config.data.tokenizer, config.path_of("data.tokenizer.path"))
     for role in ("policy", "reference", "ppo_policy"):
         model_vocab = config.role(role).model.vocab_size
@@ -174,7 +180,8 @@ def _check_host_memory(config: RLHFConfig, world_size: int) -> None:
 # a resume may change these freely.
 _FREE_ON_RESUME = ("ppo.iterations", "trainer.", "generation.batch_size", ".micro_batch_size", ".free_memory",
                    ".offload_weights", ".free_grad_buffers", ".offload_optimizer_state", ".empty_cache",
-                   ".recompute_activations", ".overlap_grad_reduce", ".cuda_graph_impl", ".nccl_ub", "reward.max_abs_score")
+                   ".recompute_activations", ".overlap_grad_reduce", ".cuda_graph_impl", ".nccl_ub", "reward.max_abs_score",
+                   "reward.num_workers", "data.val_file")
 
 
 def run_identity(config: RLHFConfig) -> Dict[str, Any]:
@@ -265,7 +272,7 @@ class RunLog:
 
     def __init__(self, output_dir: str, config: RLHFConfig, enabled: bool, resumed_at: int = 0):
         self.enabled = enabled
-        self.writer = self.bar = None
+        self.writer = self.bar = self.wandb = None
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
@@ -276,6 +283,11 @@ class RunLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        if config.trainer.wandb:
+            import wandb
+
+            self.wandb = wandb.init(project=config.trainer.wandb_project, name=config.trainer.wandb_run_name,
+                                    dir=output_dir, config=run_identity(config)["config"], resume="allow")
         if config.trainer.progress_bar:
             from tqdm import tqdm
 
@@ -294,6 +306,8 @@ class RunLog:
                 if key != "iteration" and finite[key] is not None:
                     self.writer.add_scalar(key, value, metrics["iteration"])
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in finite.items() if k != "iteration" and v is not None}, step=metrics["iteration"])
 
     def _print(self, line: str, advance: int) -> None:
         if self.bar is not None:
@@ -330,6 +344,8 @@ class RunLog:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def _validation_parts(metrics: dict) -> list:

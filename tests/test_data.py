@@ -147,3 +147,34 @@ def test_a_system_prompt_leads_the_chat(tmp_path):
     ids = dataset.next_batch(1, 0, 1)["tokens"][0].tolist()
     assert tok.decode(ids).startswith("system\nanswer with ####") and "user\n2 + 2?" in tok.decode(ids)
     assert CHAT_TEMPLATE
+
+
+def test_the_math_recipe_prepares_gsm8k_and_math_rows_and_its_config_loads(tmp_path, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "qwen2.5" / "prepare_math_data.py"
+    spec = importlib.util.spec_from_file_location("prepare_math_data", script)
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    pq.write_table(pa.Table.from_pylist([{"question": "2 + 2?", "answer": "Add them.\n#### 1,004"}]), tmp_path / "test.parquet")
+    pq.write_table(pa.Table.from_pylist([{"problem": "Half?", "solution": r"It is $\boxed{\frac{1}{2}}$."}]), tmp_path / "m.parquet")
+    assert prepare.main(["gsm8k", str(tmp_path / "test.parquet"), str(tmp_path / "g.parquet")]) == 0
+    assert prepare.main(["math", str(tmp_path / "m.parquet"), str(tmp_path / "mo.parquet")]) == 0
+    rows = open_rows(str(tmp_path / "g.parquet"), None)
+    prompt, fields = rows.prompt_and_fields(0)
+    assert prompt[0]["content"].startswith("2 + 2? Let's think step by step") and fields["ground_truth"] == "1004"
+    assert fields["data_source"] == "gsm8k" and fields["extra_info"] == {"split": "test", "index": 0}
+    assert open_rows(str(tmp_path / "mo.parquet"), None).prompt_and_fields(0)[1]["ground_truth"] == r"\frac{1}{2}"
+    pq.write_table(pa.Table.from_pylist([{"question": "q", "answer": "no marker"}]), tmp_path / "bad.parquet")
+    assert prepare.main(["gsm8k", str(tmp_path / "bad.parquet"), str(tmp_path / "x.parquet")]) == 2
+
+    from megatron_rlhf.config.loader import read_config
+
+    monkeypatch.setenv("POLICY_PRESET", "qwen2.5-7b")
+    config, problems = read_config("examples/qwen2.5/grpo_gsm8k.yaml")
+    assert not problems and config.reward.type == "function" and config.data.apply_chat_template
+    assert set(config.reward.functions) == {"megatron_rlhf.rewards.verifiers:gsm8k", "megatron_rlhf.rewards.verifiers:answer_format"}

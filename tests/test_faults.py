@@ -93,7 +93,7 @@ def test_input_faults_are_found_before_start_up_with_file_and_line(tmp_path, mon
     prompts = tmp_path / "prompts.jsonl"
     monkeypatch.setenv("PROMPT_FILE", str(prompts))
     prompts.write_text('{"prompt": "abc"}\n{"prompt": "  "}\n')
-    with pytest.raises(ValueError, match=r"prompts.jsonl:2: empty prompt"):
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2: empty 'prompt'"):
         prepared(tmp_path / "out")
     prompts.write_text('{"prompt": "abc"}\n\n{"prompt": "abC"}\n')
     with pytest.raises(ValueError, match=r"prompts.jsonl:3: character 'C' is not in the tokenizer alphabet"):
@@ -125,14 +125,14 @@ def test_converter_flags_are_checked_and_files_get_the_umask_mode(tmp_path):
     assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o755
 
 
-# Called once per response in its rank's one reward worker: 4 responses per rank an iteration.
+# Called once per response in the one reward worker (TP=2: one scoring rank): 8 responses an iteration.
 REWARD = """
 calls = [0]
 
 
 def sometimes_huge(prompts, responses):
     calls[0] += 1
-    return [1e30 if calls[0] > 4 else 0.5 for _ in responses]
+    return [1e30 if calls[0] > 8 else 0.5 for _ in responses]
 """
 
 
@@ -163,3 +163,13 @@ def test_a_huge_reward_stops_or_skips_and_every_checkpoint_stays_finite(tmp_path
     for shard in shards:
         weights = torch.load(shard, map_location="cpu", weights_only=False)["model"]
         assert all(torch.isfinite(t).all() for t in weights.values() if torch.is_tensor(t) and t.is_floating_point())
+
+
+def test_weights_and_biases_without_its_package_is_refused_naming_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what an environment without wandb answers
+    config = tmp_path / "rlhf.yaml"
+    config.write_text(f"includes: {TINY}\ntrainer:\n  wandb: true\n")
+    with pytest.raises(ConfigError, match=r"trainer.wandb: true, but the wandb package is not installed; install it "
+                                          r"with pip install -e .\[wandb\]"):
+        prepare(parse_args(["--config", str(config), "--output-dir", str(tmp_path / "out")]), 2)
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

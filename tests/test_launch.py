@@ -80,7 +80,7 @@ def test_run_ppo_refuses_bad_inputs_before_launching(tmp_path):
         "NNODES=4: a multi-node launch needs MASTER_ADDR",
         f"(environment variable POLICY_LOAD={tmp_path}/no/such/ckpt): {tmp_path}/no/such/ckpt is not a model checkpoint",
         "REWARD_LOAD is not set",
-        "data.tokenizer.path (environment variable TOKENIZER, not set): tokenizer type 'hf' needs the path",
+        "data.tokenizer.path (environment variable TOKENIZER, not set): tokenizer type 'hf' needs a Hugging Face model directory",
         f"(environment variable PROMPT_FILE={tmp_path}/prompts.jsonl): {tmp_path}/prompts.jsonl: no such file",
         "run_ppo.sh: nothing was launched",
     ):

@@ -276,7 +276,12 @@ class AlgorithmConfig:
 @dataclasses.dataclass
 class TrainerConfig:
     output_dir: str = "outputs/ppo"  # --output-dir wins; relative to the working directory
-    tensorboard: bool = True
+    tensorboard: bool = True  # events in <output_dir>/tensorboard
+    # Weights & Biases beside TensorBoard (pip install -e .[wandb]); WANDB_MODE=offline logs
+    # without a network, into <output_dir>/wandb.
+    wandb: bool = False
+    wandb_project: str = "megatron-rlhf"
+    wandb_run_name: Optional[str] = None
     progress_bar: bool = True
     save_interval: int = 0  # PPO checkpoint every N iterations (0: only at the end)
     save_at_end: bool = True
