@@ -1,6 +1,6 @@
 """Every family's converted checkpoint at TP=2 and at PP=2 (2 processes): full outputs on fixed
 tokens, and (LM heads) greedy generation of mixed-length prompts with 3 decode slots and an EOS.
-Args: NAME=CHECKPOINT_DIR:EOS ... (EOS -1: an LM without one; scalar heads ignore it)."""
+Args: NAME=CHECKPOINT_DIR:EOS,EOS ... (the end tokens; none for scalar heads)."""
 
 import torch
 from common import ARGS, save, setup
@@ -32,7 +32,7 @@ for tp, pp in ((2, 1), (1, 2)):
             output = out[0]["output"]
             result[key] = gather_vocab_parallel(output)[..., : arch.vocab_size] if head == "lm" else output
         if head == "lm":
-            params = SamplingParams(max_new_tokens=10, greedy=True, eos_ids=(int(eos),) if int(eos) >= 0 else (), pad_id=0)
+            params = SamplingParams(max_new_tokens=10, greedy=True, eos_ids=tuple(int(t) for t in eos.split(",") if t), pad_id=0)
             gen = generate(model, prompts, torch.tensor(LENGTHS), params, arch.vocab_size, batch_size=3)
             result[key + "/generated"] = [gen.tokens[r, n : n + int(gen.response_lengths[r])].tolist()
                                           for r, n in enumerate(LENGTHS)]
