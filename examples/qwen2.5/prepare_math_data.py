@@ -14,22 +14,12 @@ import argparse
 import os
 import sys
 
+from megatron_rlhf.rewards.verifiers import last_boxed
+
 INSTRUCTIONS = {
     "gsm8k": "Let's think step by step and output the final answer after \"####\".",
     "math": "Let's think step by step and output the final answer within \\boxed{}.",
 }
-
-
-def _boxed(solution: str):
-    start = solution.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(solution)):
-        depth += {"{": 1, "}": -1}.get(solution[j], 0)
-        if depth == 0:
-            return solution[i + 1 : j]
-    return None
 
 
 def convert_row(kind: str, row: dict, index: int, split: str, source: str) -> dict:
@@ -37,7 +27,7 @@ def convert_row(kind: str, row: dict, index: int, split: str, source: str) -> di
         question, answer = row["question"], row["answer"].rsplit("####", 1)
         truth = answer[1].strip().replace(",", "") if len(answer) == 2 else None
     else:
-        question, truth = row["problem"], _boxed(row["solution"])
+        question, truth = row["problem"], last_boxed(row["solution"])
     if not truth:
         raise ValueError(f"{source}: row {index + 1}: no final answer in its {'answer' if kind == 'gsm8k' else 'solution'}")
     return {"prompt": [{"role": "user", "content": f"{question} {INSTRUCTIONS[kind]}"}], "ground_truth": truth,

@@ -41,7 +41,7 @@ def gsm8k(prompts: List[str], responses: List[str], ground_truth: Sequence) -> L
     return out
 
 
-def _last_boxed(text: str) -> Optional[str]:
+def last_boxed(text: str) -> Optional[str]:
     """The content of the last ``\\boxed{...}`` (braces balanced), or None."""
     start = text.rfind("\\boxed{")
     if start < 0:
@@ -63,7 +63,7 @@ def math_equal(response: str, truth: str) -> bool:
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)
 
-    boxed = _last_boxed(response)
+    boxed = last_boxed(response)
     answer = parse(f"${boxed}$" if boxed is not None else response, parsing_timeout=None)
     expected = parse(truth if "$" in truth or "\\boxed" in truth else f"${truth}$", parsing_timeout=None)
     return bool(answer) and bool(expected) and verify(expected, answer, timeout_seconds=None)
@@ -74,4 +74,4 @@ def math(prompts: List[str], responses: List[str], ground_truth: Sequence) -> Li
 
 
 def answer_format(prompts: List[str], responses: List[str]) -> List[float]:
-    return [1.0 if gsm8k_answer(r) is not None or _last_boxed(r) is not None else 0.0 for r in responses]
+    return [1.0 if gsm8k_answer(r) is not None or last_boxed(r) is not None else 0.0 for r in responses]
