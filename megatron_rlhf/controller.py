@@ -479,12 +479,17 @@ class PPOController:
         return torch.cat(parts)
 
     def _dp_mean(self, metrics: Dict[str, float]) -> Dict[str, float]:
-        """The mean over DP ranks (equal shares of the rollout), the sum for counts."""
+        """The mean over DP ranks (equal shares of the rollout), the sum for counts. A metric only
+        some ranks have (a reward's sub-score where every call of it failed) is the mean of those."""
         if self.dp_size == 1:
             return metrics
-        keys = sorted(metrics)
-        values = sum_over(torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device), self.dp_group)
-        return {k: v if k in COUNTED_METRICS else v / self.dp_size for k, v in zip(keys, values.tolist())}
+        names = [None] * self.dp_size
+        dist.all_gather_object(names, sorted(metrics), group=self.dp_group)
+        keys = sorted(set().union(*names))
+        local = torch.tensor([[metrics.get(k, 0.0), float(k in metrics)] for k in keys], dtype=torch.float64,
+                             device=self.device)
+        totals = sum_over(local, self.dp_group).tolist()
+        return {k: v if k in COUNTED_METRICS else v / present for k, (v, present) in zip(keys, totals)}
 
 
 COUNTED_METRICS = ("reward/failures", "reward/timeouts")
@@ -493,7 +498,7 @@ VALIDATION_STREAM = -1  # the iteration key of validation's sampling streams (tr
 
 def validation_metrics(results: List, k: int) -> Dict[str, float]:
     """val/reward/mean, val/mean@k and val/pass@k over (data source, k scores) per prompt, and the
-    same per data source (val/<source>/...) when the rows name more than none."""
+    same per data source (val/<source>/...) for the rows that name one."""
     def summary(rows, prefix):
         scores = [s for _, row in rows for s in row]
         return {f"{prefix}reward/mean": sum(scores) / len(scores), f"{prefix}mean@{k}": sum(scores) / len(scores),
