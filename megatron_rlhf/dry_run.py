@@ -180,7 +180,10 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
         if rc.load:
             lines.append(f"{'':<11}load: {config.path_of(role + '.load')}")
     if config.reward.type == "function":
-        lines.append(f"{'reward':<11}rule function {config.reward.function} (no network)")
+        named = config.reward.functions or {config.reward.function: 1.0}
+        shown = ", ".join(spec if len(named) == 1 else f"{weight:g} x {spec}" for spec, weight in named.items())
+        lines.append(f"{'reward':<11}rule function {shown} (no network; {config.reward.num_workers} worker processes "
+                     f"per model-parallel group, {config.reward.timeout_s:g}s per call)")
     lines.extend(f"note: {n}" for n in weight_sharing_notes(config))
     return "\n".join(lines)
 
