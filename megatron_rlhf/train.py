@@ -97,10 +97,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
         config.trainer.resume = "auto"
     run = run_identity(config)
     resume_from = None
-    if args.overwrite:
-        if int(os.environ.get("RANK", "0")) == 0:
-            clear_run(output_dir)
-    else:
+    if not args.overwrite:  # --overwrite clears the old run last, once every input below has been checked
         latest = latest_checkpoint(output_dir)
         done = completed_iterations(os.path.join(output_dir, "metrics.jsonl"))
         if config.trainer.resume == "auto" and latest is not None:
@@ -130,6 +127,8 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
         warnings.warn(f"{dataset.rows.path}: {len(dataset)} prompts, fewer than one rollout batch; prompts repeat within a batch")
     val_dataset = _dataset(config, "data.val_file", tokenizer, shuffle=False) if config.data.val_file else None
     functions = reward_functions(config) if config.reward.type == "function" else None
+    if args.overwrite and int(os.environ.get("RANK", "0")) == 0:
+        clear_run(output_dir)
     return Prepared(config, output_dir, tokenizer, dataset, val_dataset, functions, resume_from, run)
 
 

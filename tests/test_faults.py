@@ -173,3 +173,14 @@ def test_weights_and_biases_without_its_package_is_refused_naming_the_extra(tmp_
                                           r"with pip install -e .\[wandb\]"):
         prepare(parse_args(["--config", str(config), "--output-dir", str(tmp_path / "out")]), 2)
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_overwrite_keeps_the_old_run_when_an_input_is_bad(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "abc"}\n{"text": "no prompt"}\n')
+    monkeypatch.setenv("PROMPT_FILE", str(tmp_path / "prompts.jsonl"))
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2: no 'prompt'"):
+        prepared(out, "--overwrite")
+    assert (out / "metrics.jsonl").read_text() == '{"iteration": 1}\n'  # the earlier run is still there

@@ -16,6 +16,7 @@ def test_cached_greedy_equals_argmax_of_the_full_forward(generated):
     assert torch.equal(r["tp1"][0], r["nocache"][0]) and torch.equal(r["tp1"][1], r["nocache"][1])
     assert r["tp1"][1].tolist() == [6, 6, 6, 6]  # no EOS: every row runs to max_new_tokens
     assert torch.equal(r["tp1_left"][0], r["tp1"][0])
+    assert torch.equal(r["tp1_wide"][0], r["tp1"][0])  # prompt tensors of any width
 
 
 @pytest.mark.parametrize("layout", ["tp2_pp1", "tp1_pp2", "tp2_pp2"])

@@ -191,7 +191,7 @@ def generate(
     prompts = right_pad(prompts.to(device), prompt_lengths.to(device), params.pad_id, padding_side)
     seeds = (torch.arange(rows) if seeds is None else seeds).to(device=device, dtype=torch.int64)
     tokens = torch.full((rows, width + 1), params.pad_id, dtype=torch.long, device=device)  # last column: discards
-    tokens[:, : prompts.shape[1]] = prompts[:, :width]
+    tokens[:, : min(prompts.shape[1], width)] = prompts[:, :width]  # a wider prompt tensor holds only padding there
     prompt_len_dev = torch.tensor(lengths, device=device)
     response_lengths = torch.zeros(rows, dtype=torch.long, device=device)
     alive = torch.zeros(slots, dtype=torch.bool, device=device)

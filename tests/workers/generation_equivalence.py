@@ -75,6 +75,9 @@ result["stats_reference"] = (logp.gather(-1, torch.roll(prompts, -1, 1).unsqueez
 result["stats_tp1"] = stats(model)
 result["tp1"] = as_tuple(generate(model, prompts, lengths, GREEDY, VOCAB))
 result["tp1_left"] = as_tuple(generate(model, left, lengths, GREEDY, VOCAB, padding_side="left"))
+# Prompts padded far wider than the longest prompt + max_new_tokens (a batch's width from elsewhere).
+result["tp1_wide"] = as_tuple(generate(model, torch.cat([prompts, torch.zeros(4, 300, dtype=torch.long)], 1), lengths,
+                                       GREEDY, VOCAB))
 # EOS: the token row 0 emits third becomes the end token; every row stops at its first one.
 eos = int(result["nocache"][0][0, 3 + 2])
 with_eos = SamplingParams(max_new_tokens=6, greedy=True, eos_ids=(eos,), pad_id=0)
