@@ -103,6 +103,11 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
         if config.trainer.resume == "auto" and latest is not None:
             resume_from = latest
             run = check_resume(latest, config, run, output_dir, args.allow_config_change)
+            reached = int(os.path.basename(latest).rpartition("_")[2])
+            if config.ppo.iterations <= reached:
+                raise ConfigError(f"{latest} is at iteration {reached} and the run is to end at "
+                                  f"{config.ppo.iterations} ({'--iterations' if args.iterations else 'ppo.iterations'}): "
+                                  f"nothing to do; resume with more than {reached} iterations")
         elif done:
             hint = (f"pass --resume to continue it from {os.path.basename(latest)}, " if latest else
                     "it has no checkpoint to resume from; ")
@@ -237,13 +242,27 @@ def check_resume(path: str, config: RLHFConfig, now: Dict[str, Any], output_dir:
     return {**now, "id": before["id"]}
 
 
+def read_records(path: str) -> list:
+    """The JSON records of a JSONL log; a torn line (what a crash or a full disk leaves as the last
+    one) is dropped with a warning naming it."""
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                warnings.warn(f"{path}:{number}: a torn record ({line.strip()[:40]!r}...) is dropped")
+    return records
+
+
 def completed_iterations(metrics_path: str) -> int:
     """Iterations a run has written to metrics.jsonl (0 for none or no file; a validation before
     training is iteration 0)."""
     if not os.path.exists(metrics_path):
         return 0
-    with open(metrics_path) as f:
-        return sum(1 for line in f if line.strip() and not line.startswith('{"iteration": 0,'))
+    return sum(1 for record in read_records(metrics_path) if record.get("iteration", 0) >= 1)
 
 
 def clear_run(output_dir: str) -> None:
@@ -257,13 +276,13 @@ def clear_run(output_dir: str) -> None:
 
 
 def cut_back(path: str, iteration: int) -> None:
-    """Keep the records of a JSONL file up to ``iteration`` (a resume redoes the later ones)."""
+    """Keep the records of a JSONL file up to ``iteration`` (a resume redoes the later ones; a torn
+    last record goes too)."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["iteration"] <= iteration]
-    with open(path, "w") as f:
-        f.writelines(kept)
+    kept = [r for r in read_records(path) if r.get("iteration", 0) <= iteration]
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in kept)
 
 
 class RunLog:

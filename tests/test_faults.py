@@ -184,3 +184,18 @@ def test_overwrite_keeps_the_old_run_when_an_input_is_bad(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match=r"prompts.jsonl:2: no 'prompt'"):
         prepared(out, "--overwrite")
     assert (out / "metrics.jsonl").read_text() == '{"iteration": 1}\n'  # the earlier run is still there
+
+
+def test_a_torn_log_line_is_dropped_on_resume_and_a_resume_with_nothing_to_do_is_refused(tmp_path):
+    out = tmp_path / "out"
+    config = prepared(out).config
+    fake_checkpoint(out, "iter_0000002", config)
+    (out / "metrics.jsonl").write_text('{"iteration": 1}\n{"iteration": 2}\n{"iteration": 3, "rew')  # a full disk
+    with pytest.warns(UserWarning, match=r"metrics.jsonl:3: a torn record"):
+        assert prepared(out, "--resume").resume_from.endswith("iter_0000002")
+    with pytest.warns(UserWarning, match="a torn record"):
+        cut_back(str(out / "metrics.jsonl"), 2)
+    assert [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    with pytest.raises(ConfigError, match=r"iter_0000002 is at iteration 2 and the run is to end at 2 \(--iterations\): "
+                                          r"nothing to do; resume with more than 2 iterations"):
+        prepared(out, "--resume", "--iterations", "2")
