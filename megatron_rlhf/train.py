@@ -401,7 +401,22 @@ def report_and_exit(error: Any, printed_here: bool) -> None:
     sys.exit(2)
 
 
+def _end_with_the_launcher() -> None:
+    """Under torchrun (Linux): this rank is killed when its launcher dies (kill -9 of torchrun would
+    otherwise leave ranks running, writing checkpoints that a relaunch then races)."""
+    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher died before the request was made
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv=None) -> Optional[list]:
+    _end_with_the_launcher()
     args = parse_args(argv)
     # megatron-core and torch warn about fallbacks in their own internals (=1 shows them); the
     # project's own warnings always show.

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from megatron_rlhf.checkpoint.model_files import CheckpointError
 from megatron_rlhf.config import ConfigError
 from megatron_rlhf.train import cut_back, parse_args, prepare, run_identity
-from tests.conftest import REPO
+from tests.conftest import REPO, _free_port
 from tests.test_train import metrics, train
 
 TINY = str(REPO / "examples" / "tiny" / "rlhf.yaml")
@@ -199,3 +200,27 @@ def test_a_torn_log_line_is_dropped_on_resume_and_a_resume_with_nothing_to_do_is
     with pytest.raises(ConfigError, match=r"iter_0000002 is at iteration 2 and the run is to end at 2 \(--iterations\): "
                                           r"nothing to do; resume with more than 2 iterations"):
         prepared(out, "--resume", "--iterations", "2")
+
+
+def test_ranks_end_within_seconds_when_their_launcher_is_killed(tmp_path):
+    import psutil
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           "-m", "megatron_rlhf.train", "--config", TINY, "--output-dir", str(out)]
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", ITERATIONS="40"),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():
+            assert time.monotonic() < deadline and launcher.poll() is None, "the run did not reach iteration 1"
+            time.sleep(0.2)
+        ranks = psutil.Process(launcher.pid).children()
+        assert len(ranks) == 2
+        launcher.kill()  # kill -9 of torchrun
+        launcher.wait()
+        gone, alive = psutil.wait_procs(ranks, timeout=10)
+        assert not alive, f"ranks still running 10 s after their launcher died: {[p.pid for p in alive]}"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
