@@ -69,7 +69,7 @@ def resolve_environment(env: Dict[str, str], config_dir: str, cwd: str, algorith
     size = env.setdefault("MODEL_SIZE", "7b")
     reward_size = env.setdefault("REWARD_MODEL_SIZE", size)
     for name, value in (("MODEL_SIZE", size), ("REWARD_MODEL_SIZE", reward_size)):
-        if value not in LAUNCH_PRESETS:
+        if value not in LAUNCH_PRESETS and not (name == "REWARD_MODEL_SIZE" and value == size):
             problems.append(f"{name}={value}: expected one of {', '.join(LAUNCH_PRESETS)}")
     if problems:
         return problems
