@@ -93,6 +93,8 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     _check_host_memory(config, world_size)
     output_dir = args.output_dir or config.trainer.output_dir
     _check_writable(output_dir)
+    if int(os.environ.get("RANK", "0")) == 0:
+        lock_output_dir(output_dir)
     if args.resume:
         config.trainer.resume = "auto"
     run = run_identity(config)
@@ -160,6 +162,39 @@ def _check_writable(output_dir: str) -> None:
     except OSError as e:
         raise ConfigError(f"output directory {output_dir}: not writable ({e.strerror}); choose another "
                           "--output-dir (or trainer.output_dir)") from None
+
+
+_LOCKS: Dict[str, int] = {}  # output directory -> the descriptor holding its lock (for the process's life)
+LOCK_FILE = ".run.lock"
+
+
+def lock_output_dir(output_dir: str) -> None:
+    """One run per output directory: an exclusive lock on ``.run.lock``, held until this process
+    ends (the kernel releases it however the process ends, so a dead run's lock is taken over).
+    Refused with the holder's host and pid while another run holds it."""
+    import fcntl
+    import socket
+
+    path = os.path.join(os.path.abspath(output_dir), LOCK_FILE)
+    if path in _LOCKS:
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(f"{output_dir} is in use by another run ({holder}); wait for it to end, or choose another "
+                          "--output-dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    _LOCKS[path] = fd
+
+
+def release_output_dir(output_dir: str) -> None:
+    fd = _LOCKS.pop(os.path.join(os.path.abspath(output_dir), LOCK_FILE), None)
+    if fd is not None:
+        os.close(fd)
 
 
 def _check_host_memory(config: RLHFConfig, world_size: int) -> None:

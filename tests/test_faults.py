@@ -224,3 +224,19 @@ def test_ranks_end_within_seconds_when_their_launcher_is_killed(tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def test_one_run_per_output_directory(tmp_path):
+    import socket
+
+    from megatron_rlhf.train import release_output_dir
+
+    out = tmp_path / "out"
+    prepared(out)  # this process now holds the directory's lock, as a running run's rank 0 does
+    code = ("from megatron_rlhf.train import parse_args, prepare; "
+            f"prepare(parse_args(['--config', {TINY!r}, '--output-dir', {str(out)!r}]), 2)")
+    second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert second.returncode != 0
+    assert f"is in use by another run (host {socket.gethostname()}, pid {os.getpid()}, since " in second.stderr
+    release_output_dir(str(out))  # the holder ended
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120).returncode == 0

@@ -82,7 +82,10 @@ def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any],
     layout = _layout()
     name = f"iter_{trainer_state['iteration']:07d}"
     root = checkpoints_dir(output_dir)
-    final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp")
+    # Temporary names unique to this run (rank 0's pid), so no other writer can share one.
+    writer = [os.getpid()]
+    dist.broadcast_object_list(writer, src=0)
+    final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp-{writer[0]}")
     rank0 = dist.get_rank() == 0
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -112,7 +115,7 @@ def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any],
     if rank0:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
-        pointer_tmp = os.path.join(root, f".{LATEST}.tmp")
+        pointer_tmp = os.path.join(root, f".{LATEST}.tmp-{writer[0]}")
         with open(pointer_tmp, "w") as f:
             f.write(name)
         os.replace(pointer_tmp, os.path.join(root, LATEST))
