@@ -36,7 +36,7 @@ from megatron_rlhf.checkpoint.model_files import (
     write_model_meta,
 )
 from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES
-from megatron_rlhf.errors import NonFiniteError
+from megatron_rlhf.errors import NonFiniteError, RunError
 from megatron_rlhf.models.decoder import load_local_state_dict, local_state_dict, unwrap
 from megatron_rlhf.runtime import megatron_compat as compat
 
@@ -78,14 +78,29 @@ def _optim_files(role_dir: str, tp_rank: int, pp_rank: int):
 
 def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any], output_dir: str) -> str:
     """Save the trainable roles and ``trainer_state`` (the controller's state_dict(), with its
-    ``iteration``) after that iteration (collective: every rank calls it)."""
-    layout = _layout()
+    ``iteration``) after that iteration (collective: every rank calls it). A write that fails (a
+    full disk) removes the partial checkpoint and raises RunError naming it; the previous
+    checkpoint and ``latest`` stay as they were."""
     name = f"iter_{trainer_state['iteration']:07d}"
     root = checkpoints_dir(output_dir)
     # Temporary names unique to this run (rank 0's pid), so no other writer can share one.
     writer = [os.getpid()]
     dist.broadcast_object_list(writer, src=0)
     final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp-{writer[0]}")
+    try:
+        _write_checkpoint(roles, trainer_state, root, name, tmp, final, writer[0])
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest_checkpoint(output_dir)
+        where = f" ({e.filename})" if e.filename else ""
+        raise RunError(f"iteration {trainer_state['iteration']}: writing the checkpoint {final} failed: "
+                       f"{e.strerror or e}{where}; the partial checkpoint was removed; the last complete one, "
+                       f"{previous or 'none'}, is kept") from None
+    return final
+
+
+def _write_checkpoint(roles, trainer_state, root: str, name: str, tmp: str, final: str, writer: int) -> None:
+    layout = _layout()
     rank0 = dist.get_rank() == 0
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -115,12 +130,11 @@ def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any],
     if rank0:
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
-        pointer_tmp = os.path.join(root, f".{LATEST}.tmp-{writer[0]}")
+        pointer_tmp = os.path.join(root, f".{LATEST}.tmp-{writer}")
         with open(pointer_tmp, "w") as f:
             f.write(name)
         os.replace(pointer_tmp, os.path.join(root, LATEST))
     dist.barrier()
-    return final
 
 
 def _checksum(path: str) -> int:

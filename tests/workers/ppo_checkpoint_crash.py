@@ -8,6 +8,7 @@ from common import OUT_DIR, reward_pool, save
 
 from megatron_rlhf.checkpoint import ppo_state
 from megatron_rlhf.controller import PPOController
+from megatron_rlhf.errors import RunError
 from megatron_rlhf.memory import MemoryLedger
 from megatron_rlhf.runtime import init_distributed
 from megatron_rlhf.train import parse_args, prepare
@@ -35,7 +36,7 @@ ppo_state.torch.save = failing_save
 error = None
 try:
     ppo_state.save_ppo_checkpoint(controller.roles, controller.state_dict(), OUT_DIR)
-except OSError as e:
+except RunError as e:
     error = str(e)
 ppo_state.torch.save = real_save
 
