@@ -105,6 +105,7 @@ class PPOController:
         )
         self.score_moments = ppo.RunningMoments()
         self.iteration = 0
+        self.phase = "start-up"  # what the controller is doing, for a message about a collective that timed out
 
     def _successions(self) -> Dict[str, str]:
         """Each role -> the role that always runs right after it within an iteration (none where
@@ -140,6 +141,7 @@ class PPOController:
     def _resident(self, name: str, phase: str):
         """``name`` on the device for ``phase``; where the role that runs next may overlap, its
         onload starts as soon as this role is on the device."""
+        self.phase = f"{name} ({phase})"
         with self.roles[name].resident(phase):
             following = self.overlaps.get(name)
             if following is not None:
@@ -154,9 +156,12 @@ class PPOController:
         self.ledger.iteration = self.iteration
         start = time.perf_counter()
         self.reward_metrics: List[Dict[str, float]] = []
+        self.phase = "rollout"
         rollout, texts, sampling = self._rollout()
+        self.phase = "advantages"
         shaped = self._advantages(rollout)
         train_metrics = self._train(rollout)
+        self.phase = "weight sync"
         for sync in self.syncs:
             sync()
         self.ledger.record("phase_end", "iteration")
@@ -170,6 +175,7 @@ class PPOController:
             **merged_reward_metrics(self.reward_metrics),
             "response/length_mean": rollout.response_lengths.float().mean().item(),
         }
+        self.phase = "metrics"
         metrics = self._dp_mean(metrics)
         if isinstance(self.kl_controller, ppo.AdaptiveKLController):
             self.kl_controller.update(metrics["kl/sequence_mean"], self.config.rollout_samples)  # responses, as verl counts them

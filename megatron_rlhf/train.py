@@ -485,10 +485,37 @@ def main(argv=None) -> Optional[list]:
         report_and_exit(f"(rank {rank}) {e}" if world_size > 1 else e, first)
 
 
+def _run_iterations(controller, log, prepared: Prepared, validations: list, history: list) -> None:
+    """Validation before training, the iterations (each validated at the interval), checkpoints."""
+    from megatron_rlhf.checkpoint.ppo_state import save_ppo_checkpoint
+
+    config = prepared.config
+    interval, val_interval = config.trainer.save_interval, config.trainer.val_interval
+    if config.trainer.val_before_train and controller.iteration == 0:
+        validations.append(controller.validate())
+        log.log_validation(validations[-1], 0)
+    while controller.iteration < config.ppo.iterations:
+        metrics = controller.step()
+        if val_interval and controller.iteration % val_interval == 0:
+            validations.append(controller.validate())
+            metrics.update(validations[-1])
+        history.append(metrics)
+        log.log(metrics, config.ppo.iterations)
+        last = controller.iteration == config.ppo.iterations
+        if (interval and controller.iteration % interval == 0) or (last and config.trainer.save_at_end):
+            save_ppo_checkpoint(controller.roles, {**controller.state_dict(), "run": prepared.run}, prepared.output_dir)
+
+
+def _is_timeout(error: RuntimeError) -> bool:
+    """Whether a collective gave up waiting (gloo and NCCL say it in their own words)."""
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
+
+
 def _run(prepared: Prepared) -> list:
     import torch.distributed as dist
 
-    from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint, save_ppo_checkpoint
+    from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint
     from megatron_rlhf.controller import PPOController
     from megatron_rlhf.errors import RunError
     from megatron_rlhf.memory import MemoryLedger
@@ -497,7 +524,7 @@ def _run(prepared: Prepared) -> list:
     from megatron_rlhf.runtime import destroy_distributed, init_distributed
 
     config, output_dir, resume_from = prepared.config, prepared.output_dir, prepared.resume_from
-    init_distributed(config.parallel, seed=config.seed)
+    init_distributed(config.parallel, seed=config.seed, timeout_s=config.trainer.collective_timeout_s)
     rank0 = dist.get_rank() == 0
     budget = device_budget() if auto_roles(config) or config.trainer.overlap_onload else None
     if resolve_free_memory(config, dist.get_world_size(), output_dir, budget):
@@ -526,24 +553,17 @@ def _run(prepared: Prepared) -> list:
             cut_back(ledger_path, controller.iteration)
             print(f"resumed from {resume_from} (iteration {controller.iteration}, run {prepared.run['id']})", flush=True)
     log = RunLog(output_dir, config, enabled=rank0, resumed_at=controller.iteration)
-    history = []
-    interval = config.trainer.save_interval
-    val_interval = config.trainer.val_interval
-    validations = []
+    history, validations = [], []
     try:
-        if config.trainer.val_before_train and controller.iteration == 0:
-            validations.append(controller.validate())
-            log.log_validation(validations[-1], 0)
-        while controller.iteration < config.ppo.iterations:
-            metrics = controller.step()
-            if val_interval and controller.iteration % val_interval == 0:
-                validations.append(controller.validate())
-                metrics.update(validations[-1])
-            history.append(metrics)
-            log.log(metrics, config.ppo.iterations)
-            last = controller.iteration == config.ppo.iterations
-            if (interval and controller.iteration % interval == 0) or (last and config.trainer.save_at_end):
-                save_ppo_checkpoint(controller.roles, {**controller.state_dict(), "run": prepared.run}, output_dir)
+        _run_iterations(controller, log, prepared, validations, history)
+    except RuntimeError as e:
+        if not _is_timeout(e):
+            raise
+        first = str(e).strip().splitlines()[0][:200]
+        when = f"iteration {controller.iteration}" if controller.iteration else "before the first iteration"
+        raise RunError(f"{when}, {controller.phase}: a collective waited longer than "
+                       f"trainer.collective_timeout_s={config.trainer.collective_timeout_s:g}s: another rank did not "
+                       f"arrive (hung or dead; its own output says which) [{first}]") from None
     finally:
         log.close()
         if scorer is not None:

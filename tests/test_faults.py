@@ -240,3 +240,30 @@ def test_one_run_per_output_directory(tmp_path):
     assert f"is in use by another run (host {socket.gethostname()}, pid {os.getpid()}, since " in second.stderr
     release_output_dir(str(out))  # the holder ended
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120).returncode == 0
+
+
+STALL = """
+import os, time
+
+
+def stall_on_rank_1(prompts, responses):
+    marker = os.environ["STALL_MARKER"]
+    if os.environ["RANK"] == "1" and not os.path.exists(marker):
+        open(marker, "w").close()
+        time.sleep(60)  # within the reward's own time-out: the peer rank waits in its next collective
+    return [0.5 for _ in responses]
+"""
+
+
+def test_a_rank_that_does_not_arrive_ends_the_run_with_a_line_naming_the_phase(tmp_path):
+    (tmp_path / "stall.py").write_text(STALL)
+    config = tmp_path / "rlhf.yaml"
+    config.write_text(f"includes: {TINY}\nreward:\n  function: {tmp_path}/stall.py:stall_on_rank_1\n  timeout_s: 120\n"
+                      "trainer:\n  collective_timeout_s: 5\n")
+    started = time.monotonic()
+    proc = train(tmp_path / "out", config=config, check=False,
+                 env={"TP": "1", "ITERATIONS": "2", "STALL_MARKER": str(tmp_path / "stalled")}, timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - started < 50
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "iteration 1, " in errors[0] and "a collective waited longer than trainer.collective_timeout_s=5s" in errors[0]

@@ -297,6 +297,9 @@ class TrainerConfig:
     # EMS: bring the next role back while the current one computes (a side stream on CUDA), for
     # each pair of phases where the planner says both fit in the device memory free at start-up.
     overlap_onload: bool = False
+    # A collective that waits longer than this (a rank that never arrives: a hang, a dead peer)
+    # ends the run with one line naming the phase, instead of waiting forever.
+    collective_timeout_s: float = 1800.0
     # Validation on data.val_file: every val_interval iterations (0: never) and, with
     # val_before_train, before the first; val_samples_per_prompt responses per prompt (the k of
     # val/pass@k and val/mean@k), greedy or sampled with the generation settings.

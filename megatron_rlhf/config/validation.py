@@ -302,6 +302,8 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
     if data.tokenizer.type == "char" and data.apply_chat_template:
         bad("data.apply_chat_template", "the char tokenizer has no chat template; use a Hugging Face tokenizer (type: hf)")
     trainer = config.trainer
+    if trainer.collective_timeout_s <= 0:
+        bad("trainer.collective_timeout_s", f"must be > 0 seconds, got {trainer.collective_timeout_s}")
     if trainer.val_interval < 0:
         bad("trainer.val_interval", f"must be >= 0 (0: no validation), got {trainer.val_interval}")
     if (trainer.val_interval or trainer.val_before_train) and not data.val_file:

@@ -24,9 +24,10 @@ def _env_int(name: str, default: int) -> int:
     return default if value is None else int(value)
 
 
-def init_distributed(layout: ParallelConfig, seed: int = 1234, timeout_minutes: int = 30) -> None:
+def init_distributed(layout: ParallelConfig, seed: int = 1234, timeout_s: float = 1800.0) -> None:
     """Start torch.distributed from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
-    MASTER_ADDR, MASTER_PORT; a single process without them), then megatron's parallel state."""
+    MASTER_ADDR, MASTER_PORT; a single process without them), then megatron's parallel state.
+    Every collective, in every group, gives up after ``timeout_s`` (a rank that never arrives)."""
     from megatron.core import parallel_state
 
     rank = _env_int("RANK", 0)
@@ -51,12 +52,13 @@ def init_distributed(layout: ParallelConfig, seed: int = 1234, timeout_minutes: 
             backend=platform.dist_backend,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            timeout=datetime.timedelta(seconds=timeout_s),
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tensor_model_parallel_size,
             pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+            distributed_timeout_minutes=timeout_s / 60,  # typed int, used as timedelta(minutes=...)
         )
     set_seed(seed)
 
