@@ -1,3 +1,4 @@
+import os
 import textwrap
 from pathlib import Path
 
@@ -294,7 +295,30 @@ def test_group_sampling_and_clip_settings_are_checked(tmp_path):
         load_config(str(top), world_size=2)
     text = str(e.value)
     assert "generation.samples_per_prompt: greedy decoding gives every response to a prompt the same tokens" in text
-    assert "algorithm.overlong_buffer_length: must be in [0, generation.max_new_tokens=16), got 16" in text
+    assert "algorithm.overlong_buffer_length: must be below generation.max_new_tokens=16, got 16" in text
     assert "ppo.clip_ratio_low: the ratio is clipped below at 1 - 1.2" in text
     assert "ppo.clip_ratio_high: must be >= 0, got -0.1" in text
     assert "ppo.rollout_batch_size: 3 is not divisible by DP = 2" in text
+
+
+def test_every_numeric_key_is_checked_against_its_domain_all_at_once(tmp_path, monkeypatch):
+    """Domains live beside the keys (schema.bounded); a negative KL coefficient or zero lengths are
+    reported together, each by file, key and environment variable, without consequences of them."""
+    from megatron_rlhf.config.schema import RLHFConfig
+    from megatron_rlhf.config.validation import domain_problems
+
+    monkeypatch.setenv("KL_COEF", "-1")
+    monkeypatch.setenv("MAX_NEW_TOKENS", "0")
+    (tmp_path / "rlhf.yaml").write_text(f"includes: {os.path.abspath('examples/tiny/rlhf.yaml')}\n"
+                                       "ppo:\n  gamma: 1.5\n  ppo_epochs: 0\nreward:\n  timeout_s: 0\n"
+                                       "policy:\n  micro_batch_size: 0\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(tmp_path / "rlhf.yaml"), world_size=2)
+    text = str(e.value)
+    for expected in ("ppo.kl_coef (environment variable KL_COEF=-1): must be >= 0, got -1.0",
+                     "generation.max_new_tokens (environment variable MAX_NEW_TOKENS=0): must be >= 1, got 0",
+                     "ppo.gamma: must be >= 0 and <= 1, got 1.5", "ppo.ppo_epochs: must be >= 1, got 0",
+                     "reward.timeout_s: must be > 0, got 0", "policy.micro_batch_size: must be >= 1, got 0"):
+        assert expected in text, text
+    assert "overlong" not in text  # no consequence of max_new_tokens: 0
+    assert domain_problems(RLHFConfig()) == []  # every default is in its domain

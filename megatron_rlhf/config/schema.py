@@ -4,10 +4,36 @@ key is absent. Only these keys are accepted: anything else is an error naming fi
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from typing import Dict, Literal, Optional, Union
 
 from megatron_rlhf.config.errors import located
+
+
+@dataclasses.dataclass(frozen=True)
+class Domain:
+    """The values a numeric key takes: every bound given must hold (None: no bound)."""
+
+    ge: Optional[float] = None
+    gt: Optional[float] = None
+    le: Optional[float] = None
+    lt: Optional[float] = None
+
+    def problem(self, value) -> Optional[str]:
+        """None, or what is wrong with ``value`` ("must be >= 1, got 0")."""
+        bounds = [(op, bound, holds) for op, bound, holds in (
+            (">=", self.ge, operator.ge), (">", self.gt, operator.gt), ("<=", self.le, operator.le), ("<", self.lt, operator.lt),
+        ) if bound is not None]
+        if all(holds(value, bound) for _, bound, holds in bounds):
+            return None
+        return "must be " + " and ".join(f"{op} {bound:g}" for op, bound, _ in bounds) + f", got {value}"
+
+
+def bounded(default, **domain) -> dataclasses.Field:
+    """A numeric key and its domain (ge, gt, le, lt): the one home of what values it takes;
+    validation.domain_problems checks every key so marked, all at once."""
+    return dataclasses.field(default=default, metadata={"domain": Domain(**domain)})
 
 ROLE_NAMES = ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value")
 TRAINABLE_ROLES = ("ppo_policy", "ppo_value")
@@ -46,30 +72,30 @@ class ModelArchConfig:
 
     preset: Optional[str] = None
     family: str = "llama"
-    num_layers: Optional[int] = None
-    hidden_size: Optional[int] = None
-    num_attention_heads: Optional[int] = None
-    num_query_groups: Optional[int] = None  # None: as many KV heads as query heads
-    ffn_hidden_size: Optional[int] = None
-    vocab_size: Optional[int] = None
-    max_position_embeddings: Optional[int] = None
-    head_dim: Optional[int] = None  # None: hidden_size / num_attention_heads
+    num_layers: Optional[int] = bounded(None, ge=1)
+    hidden_size: Optional[int] = bounded(None, ge=1)
+    num_attention_heads: Optional[int] = bounded(None, ge=1)
+    num_query_groups: Optional[int] = bounded(None, ge=1)  # None: as many KV heads as query heads
+    ffn_hidden_size: Optional[int] = bounded(None, ge=1)
+    vocab_size: Optional[int] = bounded(None, ge=1)
+    max_position_embeddings: Optional[int] = bounded(None, ge=1)
+    head_dim: Optional[int] = bounded(None, ge=1)  # None: hidden_size / num_attention_heads
     qkv_bias: bool = False  # biases on the query, key and value projections (not the output)
     qk_norm: bool = False  # RMSNorm over each head's queries and keys, before RoPE
     tie_word_embeddings: bool = False  # the LM head is the input embedding
-    sliding_window: Optional[int] = None  # each token attends to itself and the window - 1 before it
-    rotary_base: float = 10000.0
+    sliding_window: Optional[int] = bounded(None, ge=1)  # each token attends to itself and the window - 1 before it
+    rotary_base: float = bounded(10000.0, gt=0)
     # RoPE frequency scaling: "linear" divides every frequency by the factor; "llama3" (Llama 3.1)
     # divides the low frequencies, keeps the high ones and interpolates between, from the wavelength
     # bounds original_max_position_embeddings / {low,high}_freq_factor.
     rope_scaling: Literal["none", "linear", "llama3"] = "none"
-    rope_scaling_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position_embeddings: Optional[int] = None
-    norm_epsilon: float = 1e-5
-    init_method_std: float = 0.02
-    make_vocab_size_divisible_by: int = 128
+    rope_scaling_factor: float = bounded(1.0, gt=0)
+    rope_low_freq_factor: float = bounded(1.0, gt=0)
+    rope_high_freq_factor: float = bounded(4.0, gt=0)
+    rope_original_max_position_embeddings: Optional[int] = bounded(None, ge=1)
+    norm_epsilon: float = bounded(1e-5, gt=0)
+    init_method_std: float = bounded(0.02, gt=0)
+    make_vocab_size_divisible_by: int = bounded(128, ge=1)
 
     @property
     def kv_groups(self) -> int:
@@ -93,8 +119,8 @@ class ModelArchConfig:
 
 @dataclasses.dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = bounded(1, ge=1)
+    pipeline_model_parallel_size: int = bounded(1, ge=1)
     sequence_parallel: bool = False
 
 
@@ -119,18 +145,18 @@ class RoleConfig:
     free_grad_buffers: Optional[bool] = None
     offload_optimizer_state: Optional[bool] = None
     empty_cache: bool = True  # torch.cuda.empty_cache() at this role's phase boundaries
-    micro_batch_size: int = 1
-    global_batch_size: Optional[int] = None  # trainable roles: samples per optimizer step
+    micro_batch_size: int = bounded(1, ge=1)
+    global_batch_size: Optional[int] = bounded(None, ge=1)  # trainable roles: samples per optimizer step
     # Trainable roles only.
     use_distributed_optimizer: bool = True
     overlap_grad_reduce: bool = False
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    lr: float = bounded(1e-6, ge=0)
+    min_lr: float = bounded(0.0, ge=0)
+    weight_decay: float = bounded(0.0, ge=0)
+    adam_beta1: float = bounded(0.9, ge=0, lt=1)
+    adam_beta2: float = bounded(0.95, ge=0, lt=1)
+    adam_eps: float = bounded(1e-8, gt=0)
+    clip_grad: float = bounded(1.0, ge=0)
     recompute_activations: bool = False
     # megatron settings that keep device addresses fixed for the life of the run; EMS re-allocates
     # storages on every onload, so they are refused while the role's state moves (validation.py).
@@ -166,12 +192,12 @@ class RewardRoleConfig(RoleConfig):
     functions: Optional[Dict[str, float]] = None
     # A score beyond +-max_abs_score stops the run (naming the prompt): a reward that large breaks
     # the losses long before it is infinite.
-    max_abs_score: float = 1.0e4
+    max_abs_score: float = bounded(1.0e4, gt=0)
     # A call that raises or takes longer than timeout_s scores failure_score and is counted
     # (reward/failures, reward/timeouts); the worker of a call that timed out is replaced.
-    timeout_s: float = 30.0
+    timeout_s: float = bounded(30.0, gt=0)
     failure_score: float = 0.0
-    num_workers: int = 2  # worker processes per rank
+    num_workers: int = bounded(2, ge=1)  # worker processes per rank
 
 
 @dataclasses.dataclass
@@ -199,7 +225,7 @@ class DataConfig:
     prompt_key: Optional[str] = None
     apply_chat_template: bool = False  # the tokenizer's chat template, generation prompt added
     system_prompt: Optional[str] = None  # with the template: a system message first, unless the row has one
-    max_prompt_length: int = 128  # tokens
+    max_prompt_length: int = bounded(128, ge=1)  # tokens
     # A longer prompt: "filter" skips it (counted and reported), "truncate" keeps its last tokens.
     overlong_prompts: Literal["filter", "truncate"] = "filter"
     shuffle: bool = True  # reshuffled every pass over the data, from the run's seed
@@ -208,39 +234,40 @@ class DataConfig:
 
 @dataclasses.dataclass
 class GenerationConfig:
-    max_new_tokens: int = 128
+    max_new_tokens: int = bounded(128, ge=1)
     greedy: bool = False
-    temperature: float = 1.0  # also applied to every log-prob PPO computes, so ratios match sampling
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1.0: off
-    batch_size: Optional[int] = None  # rows decoded at once per DP rank (KV cache size); None: the whole rollout
+    temperature: float = bounded(1.0, gt=0)  # also applied to every log-prob PPO computes, so ratios match sampling
+    top_k: int = bounded(0, ge=0)  # 0: off
+    top_p: float = bounded(1.0, gt=0, le=1)  # 1.0: off
+    # Rows decoded at once per DP rank (the KV cache's size); None: the whole rollout.
+    batch_size: Optional[int] = bounded(None, ge=1)
     # Responses per prompt (a group): kept together on one DP rank, each sampled independently.
-    samples_per_prompt: int = 1
+    samples_per_prompt: int = bounded(1, ge=1)
 
 
 @dataclasses.dataclass
 class PPOConfig:
-    iterations: int = 100
-    rollout_batch_size: int = 64  # prompts per iteration, over all data-parallel ranks
-    ppo_epochs: int = 1  # passes over each rollout; each pass has rollout/global_batch_size steps
-    clip_ratio: float = 0.2
+    iterations: int = bounded(100, ge=1)
+    rollout_batch_size: int = bounded(64, ge=1)  # prompts per iteration, over all data-parallel ranks
+    ppo_epochs: int = bounded(1, ge=1)  # passes over each rollout; each pass has rollout/global_batch_size steps
+    clip_ratio: float = bounded(0.2, ge=0)
     # The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]; None: clip_ratio (DAPO's
     # "clip-higher" sets clip_ratio_high above clip_ratio_low).
-    clip_ratio_low: Optional[float] = None
-    clip_ratio_high: Optional[float] = None
-    value_clip: Optional[float] = 0.2
-    kl_coef: float = 0.05
+    clip_ratio_low: Optional[float] = bounded(None, ge=0)
+    clip_ratio_high: Optional[float] = bounded(None, ge=0)
+    value_clip: Optional[float] = bounded(0.2, gt=0)
+    kl_coef: float = bounded(0.05, ge=0)
     # k1: log p - log q; k3: (q/p - 1) - log(q/p); low_var_kl: k3 clamped to [-10, 10].
     kl_estimator: Literal["k1", "k3", "low_var_kl"] = "k1"
     # False: the KL penalty is part of every token's reward (classic RLHF PPO); True: it is a term
     # of the policy loss, kl_coef * KL(policy || reference) per token (the GRPO way), not a reward.
     kl_in_loss: bool = False
     adaptive_kl: bool = False  # Ziegler et al.: steer kl_coef towards kl_target
-    kl_target: float = 6.0
-    kl_horizon: int = 10000
-    gamma: float = 1.0
-    lam: float = 0.95
-    reward_clip: Optional[float] = None
+    kl_target: float = bounded(6.0, gt=0)
+    kl_horizon: int = bounded(10000, ge=1)
+    gamma: float = bounded(1.0, ge=0, le=1)
+    lam: float = bounded(0.95, ge=0, le=1)
+    reward_clip: Optional[float] = bounded(None, gt=0)
     normalize_reward: bool = False  # divide scores by the running std of every score seen
     whiten_advantages: bool = True  # over the whole rollout (every DP rank's share together)
     # How per-token losses make a step's loss; the same over any micro-batch size, DP or PP layout:
@@ -266,11 +293,11 @@ class AlgorithmConfig:
     # DAPO's dynamic sampling: groups whose scores are all equal teach nothing; drop them and
     # generate more groups, at most ``dynamic_sampling_extra_rounds`` more rollouts' worth.
     dynamic_sampling: bool = False
-    dynamic_sampling_extra_rounds: int = 2
+    dynamic_sampling_extra_rounds: int = bounded(2, ge=0)
     # DAPO's overlong reward shaping: a response longer than max_new_tokens - overlong_buffer_length
     # loses overlong_penalty_factor * (excess / overlong_buffer_length) of score (0: off).
-    overlong_buffer_length: int = 0
-    overlong_penalty_factor: float = 1.0
+    overlong_buffer_length: int = bounded(0, ge=0)
+    overlong_penalty_factor: float = bounded(1.0, ge=0)
 
 
 @dataclasses.dataclass
@@ -283,7 +310,7 @@ class TrainerConfig:
     wandb_project: str = "megatron-rlhf"
     wandb_run_name: Optional[str] = None
     progress_bar: bool = True
-    save_interval: int = 0  # PPO checkpoint every N iterations (0: only at the end)
+    save_interval: int = bounded(0, ge=0)  # PPO checkpoint every N iterations (0: only at the end)
     save_at_end: bool = True
     resume: Literal["never", "auto"] = "never"  # auto: continue from the output dir's latest checkpoint
     # A NaN or infinite loss or gradient: "stop" the run before the optimizer applies it (the last
@@ -299,13 +326,13 @@ class TrainerConfig:
     overlap_onload: bool = False
     # A collective that waits longer than this (a rank that never arrives: a hang, a dead peer)
     # ends the run with one line naming the phase, instead of waiting forever.
-    collective_timeout_s: float = 1800.0
+    collective_timeout_s: float = bounded(1800.0, gt=0)
     # Validation on data.val_file: every val_interval iterations (0: never) and, with
     # val_before_train, before the first; val_samples_per_prompt responses per prompt (the k of
     # val/pass@k and val/mean@k), greedy or sampled with the generation settings.
-    val_interval: int = 0
+    val_interval: int = bounded(0, ge=0)
     val_before_train: bool = False
-    val_samples_per_prompt: int = 1
+    val_samples_per_prompt: int = bounded(1, ge=1)
     val_greedy: bool = True
 
 

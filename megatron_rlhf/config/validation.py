@@ -3,6 +3,7 @@ roles that must share an architecture. Run before any model is built."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import List, Optional
 
@@ -14,37 +15,54 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def domain_problems(config: RLHFConfig) -> List[str]:
+    """Every numeric key outside its domain (schema.bounded), each naming file and key."""
+    problems: List[str] = []
+
+    def walk(obj, prefix: str) -> None:
+        for field in dataclasses.fields(obj):
+            value = getattr(obj, field.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, prefix + field.name + ".")
+            elif "domain" in field.metadata and isinstance(value, (int, float)) and not isinstance(value, bool):
+                problem = field.metadata["domain"].problem(value)
+                if problem:
+                    problems.append(f"{config.at(prefix + field.name)}: {problem}")
+
+    walk(config, "")
+    return problems
+
+
+def _in_domain(obj, *names: str) -> bool:
+    """Whether the bounded keys ``names`` of dataclass ``obj`` (all of its own, without names) are in
+    their domains: the checks across keys skip what domain_problems already reported."""
+    return not any("domain" in f.metadata and getattr(obj, f.name) is not None and (not names or f.name in names)
+                   and f.metadata["domain"].problem(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+
+
 def _feature_problems(m) -> List[str]:
-    """Values of the architecture's features that no model can take."""
+    """Combinations of the architecture's features that no model can take."""
     problems = []
-    for key in ("head_dim", "sliding_window", "rope_original_max_position_embeddings"):
-        value = getattr(m, key)
-        if value is not None and value < 1:
-            problems.append(f"{key}: must be >= 1 (or unset), got {value}")
     if m.head_dim is not None and m.head_dim % 2:
         problems.append(f"head_dim: RoPE rotates pairs of channels; {m.head_dim} is odd")
-    if m.rope_scaling != "none" and m.rope_scaling_factor <= 0:
-        problems.append(f"rope_scaling_factor: must be > 0 with rope_scaling {m.rope_scaling!r}, got {m.rope_scaling_factor}")
     if m.rope_scaling == "llama3":
         if m.rope_original_max_position_embeddings is None:
             problems.append("rope_original_max_position_embeddings: rope_scaling 'llama3' needs it")
-        if not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
-            problems.append(f"rope_low_freq_factor, rope_high_freq_factor: need 0 < low < high, got "
+        if m.rope_low_freq_factor >= m.rope_high_freq_factor:
+            problems.append(f"rope_low_freq_factor, rope_high_freq_factor: need low < high, got "
                             f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}")
     return problems
 
 
 def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> List[str]:
     """Every problem of the parallel layout and batch sizes, each naming file, key and what is valid."""
-    problems: List[str] = []
+    # Values outside their domain first, all of them, then the checks across keys (which skip what
+    # an invalid value would only make confusing).
+    problems = domain_problems(config)
     par = config.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     tp_key, pp_key = "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size"
-
-    for key, value in ((tp_key, tp), (pp_key, pp)):
-        if value < 1:
-            problems.append(f"{config.at(key)}: must be >= 1, got {value}")
-    if problems:
+    if tp < 1 or pp < 1:  # nothing below divides by a size that is not one
         return problems
     if par.sequence_parallel:
         problems.append(
@@ -79,6 +97,8 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
         else:
             same[1].append(role)
     for m, users in networks:
+        if not _in_domain(m):
+            continue
         role = ", ".join(users)
         at = f"{users[0]}.model"
         file = config.source_of(at)
@@ -117,12 +137,8 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
             )
     for role in config.model_roles:
         rc = config.role(role)
-        if rc.micro_batch_size < 1:
-            problems.append(
-                f"{config.at(role + '.micro_batch_size')}: must be "
-                f">= 1, got {rc.micro_batch_size}"
-            )
-        if role in TRAINABLE_ROLES and rc.global_batch_size is not None and dp is not None:
+        if role in TRAINABLE_ROLES and rc.global_batch_size is not None and dp is not None \
+                and _in_domain(rc, "micro_batch_size", "global_batch_size"):
             step = rc.micro_batch_size * dp
             if rc.global_batch_size % step != 0:
                 problems.append(
@@ -208,10 +224,6 @@ def _reward_problems(config: RLHFConfig) -> List[str]:
             if not spec or ":" not in spec:
                 problems.append(f"{config.at(key)}: reward.type is 'function', so name the rule as 'module:callable' or "
                                 f"'file.py:callable', got {spec!r}")
-        if reward.timeout_s <= 0:
-            problems.append(f"{config.at('reward.timeout_s')}: must be > 0 seconds, got {reward.timeout_s}")
-        if reward.num_workers < 1:
-            problems.append(f"{config.at('reward.num_workers')}: must be >= 1, got {reward.num_workers}")
     else:
         for key in ("function", "functions"):
             if getattr(reward, key) is not None:
@@ -237,9 +249,7 @@ def _algorithm_problems(config: RLHFConfig) -> List[str]:
                 problems.append(
                     f"{config.source_of(entry)}: {role}: configured, but algorithm.advantage_estimator={estimator} "
                     f"has no critic: it runs {needs}; remove {' and '.join(CRITIC_ROLES)} (or use advantage_estimator: gae)")
-    if gen.samples_per_prompt < 1:
-        bad("generation.samples_per_prompt", f"must be >= 1, got {gen.samples_per_prompt}")
-    elif gen.samples_per_prompt < 2 and estimator in GROUP_ESTIMATORS:
+    if gen.samples_per_prompt < 2 and estimator in GROUP_ESTIMATORS:
         bad("generation.samples_per_prompt", f"{estimator} compares the responses to one prompt with each other; "
             "set samples_per_prompt >= 2 (4 to 16 is usual)")
     elif gen.samples_per_prompt < 2 and alg.dynamic_sampling:
@@ -248,17 +258,9 @@ def _algorithm_problems(config: RLHFConfig) -> List[str]:
     if gen.samples_per_prompt > 1 and gen.greedy:
         bad("generation.samples_per_prompt", "greedy decoding gives every response to a prompt the same "
             "tokens; sample (greedy: false) or use samples_per_prompt: 1")
-    if alg.dynamic_sampling_extra_rounds < 0:
-        bad("algorithm.dynamic_sampling_extra_rounds", f"must be >= 0, got {alg.dynamic_sampling_extra_rounds}")
-    if not 0 <= alg.overlong_buffer_length < gen.max_new_tokens:
-        bad("algorithm.overlong_buffer_length", f"must be in [0, generation.max_new_tokens={gen.max_new_tokens}), "
+    if gen.max_new_tokens >= 1 and alg.overlong_buffer_length >= gen.max_new_tokens:
+        bad("algorithm.overlong_buffer_length", f"must be below generation.max_new_tokens={gen.max_new_tokens}, "
             f"got {alg.overlong_buffer_length}")
-    if alg.overlong_penalty_factor < 0:
-        bad("algorithm.overlong_penalty_factor", f"must be >= 0, got {alg.overlong_penalty_factor}")
-    for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
-        value = getattr(ppo, key)
-        if value is not None and value < 0:
-            bad(f"ppo.{key}", f"must be >= 0, got {value}")
     low = ppo.clip_ratio if ppo.clip_ratio_low is None else ppo.clip_ratio_low
     if low >= 1:
         bad("ppo.clip_ratio_low" if ppo.clip_ratio_low is not None else "ppo.clip_ratio",
@@ -274,44 +276,20 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
     def bad(key: str, message: str) -> None:
         problems.append(f"{config.at(key)}: {message}")
 
-    for key, value, low in (
-        ("ppo.iterations", ppo.iterations, 1),
-        ("ppo.rollout_batch_size", ppo.rollout_batch_size, 1),
-        ("ppo.ppo_epochs", ppo.ppo_epochs, 1),
-        ("generation.max_new_tokens", gen.max_new_tokens, 1),
-        ("generation.top_k", gen.top_k, 0),
-        ("data.max_prompt_length", data.max_prompt_length, 1),
-    ):
-        if value < low:
-            bad(key, f"must be >= {low}, got {value}")
-    if gen.batch_size is not None and gen.batch_size < 1:
-        bad("generation.batch_size", f"must be >= 1 (or null: the whole per-rank rollout at once), got {gen.batch_size}")
-    if gen.temperature <= 0:
-        bad("generation.temperature", f"must be > 0 (use greedy: true for argmax), got {gen.temperature}")
-    if not 0 < gen.top_p <= 1:
-        bad("generation.top_p", f"must be in (0, 1], got {gen.top_p}")
-    elif (gen.top_k or gen.top_p < 1) and not gen.greedy:
+    if (gen.top_k or gen.top_p < 1) and not gen.greedy:
         key = "generation.top_k" if gen.top_k else "generation.top_p"
         bad(key, "PPO's ratios need the log-probs of the distribution the rollout sampled from, and "
             "those are computed over the full vocabulary (after temperature); truncated sampling would "
             "make the old log-probs those of another distribution. Set top_k: 0 and top_p: 1.0")
-    if not 0 <= ppo.lam <= 1 or not 0 <= ppo.gamma <= 1:
-        bad("ppo.lam" if not 0 <= ppo.lam <= 1 else "ppo.gamma", "must be in [0, 1]")
     if data.tokenizer.type == "char" and data.tokenizer.path:
         bad("data.tokenizer.path", "set, but the tokenizer type is 'char'; set type: hf or remove it")
     if data.tokenizer.type == "char" and data.apply_chat_template:
         bad("data.apply_chat_template", "the char tokenizer has no chat template; use a Hugging Face tokenizer (type: hf)")
     trainer = config.trainer
-    if trainer.collective_timeout_s <= 0:
-        bad("trainer.collective_timeout_s", f"must be > 0 seconds, got {trainer.collective_timeout_s}")
-    if trainer.val_interval < 0:
-        bad("trainer.val_interval", f"must be >= 0 (0: no validation), got {trainer.val_interval}")
     if (trainer.val_interval or trainer.val_before_train) and not data.val_file:
         key = "trainer.val_interval" if trainer.val_interval else "trainer.val_before_train"
         bad(key, "validation needs data.val_file")
-    if trainer.val_samples_per_prompt < 1:
-        bad("trainer.val_samples_per_prompt", f"must be >= 1, got {trainer.val_samples_per_prompt}")
-    elif trainer.val_samples_per_prompt > 1 and trainer.val_greedy:
+    if trainer.val_samples_per_prompt > 1 and trainer.val_greedy:
         bad("trainer.val_samples_per_prompt", f"{trainer.val_samples_per_prompt} greedy responses to a prompt are "
             "all the same; set trainer.val_greedy: false to sample them (pass@k needs distinct tries)")
     longest = data.max_prompt_length + gen.max_new_tokens
@@ -324,7 +302,7 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
                 f"max_position_embeddings={limit}",
             )
             break
-    if dp is None or problems:
+    if dp is None or problems or not (_in_domain(ppo, "rollout_batch_size") and _in_domain(gen, "samples_per_prompt")):
         return problems
     if ppo.rollout_batch_size % dp:
         bad("ppo.rollout_batch_size", f"{ppo.rollout_batch_size} is not divisible by DP = {dp}")
@@ -333,7 +311,7 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
     rollout = f"ppo.rollout_batch_size={ppo.rollout_batch_size}"
     if gen.samples_per_prompt > 1:
         rollout += f" x generation.samples_per_prompt={gen.samples_per_prompt}"
-    for role in config.model_roles:
+    for role in (r for r in config.model_roles if _in_domain(config.role(r), "micro_batch_size", "global_batch_size")):
         rc = config.role(role)
         if role in TRAINABLE_ROLES:
             step = config.samples_per_step(role)
