@@ -322,3 +322,9 @@ def test_every_numeric_key_is_checked_against_its_domain_all_at_once(tmp_path, m
         assert expected in text, text
     assert "overlong" not in text  # no consequence of max_new_tokens: 0
     assert domain_problems(RLHFConfig()) == []  # every default is in its domain
+
+
+def test_a_config_file_that_is_not_utf8_names_its_line(tmp_path):
+    (tmp_path / "rlhf.yaml").write_bytes(b"seed: 1\n# caf\xae\nppo: {iterations: 2}\n")
+    with pytest.raises(ConfigError, match=r"rlhf\.yaml:2: not UTF-8 text; save the file as UTF-8"):
+        load_config(str(tmp_path / "rlhf.yaml"))

@@ -125,11 +125,23 @@ def _read_yaml(file: str, named_by: Optional[str]) -> Dict[str, Any]:
         raise ConfigError(f"{file}: no such config file{where}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{file}: not valid YAML: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{file}:{_first_non_utf8_line(file)}: not UTF-8 text; save the file as UTF-8") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{file}: the top level must be a mapping of keys, not {type(data).__name__}")
     return data
+
+
+def _first_non_utf8_line(file: str) -> int:
+    with open(file, "rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                return number
+    return 0
 
 
 def _merge(base: Dict, base_sources: Sources, over: Dict, over_sources: Sources, at: KeyPath) -> None:
