@@ -182,9 +182,35 @@ def main(argv=None) -> int:
         print(f"{args.name}: inputs checked: {what}")
         return 0
     print(f"{args.name}: launching {what} on {os.uname().nodename}", flush=True)
-    command = torchrun_command(env, config_file, args.train_args)
-    os.execv(command[0], command)
-    return 0  # not reached
+    return run_torchrun(torchrun_command(env, config_file, args.train_args), env, args.name)
+
+
+def run_torchrun(command: List[str], env: Dict[str, str], name: str) -> int:
+    """torchrun with the terminal's output, and the run's own error line repeated last when it
+    fails (torchrun prints its own report of the failed ranks after it). Ctrl-C: torchrun stops the
+    ranks; one line, exit status 130."""
+    import signal
+    import subprocess
+    import tempfile
+
+    from megatron_rlhf.train import ERROR_FILE_VARIABLE
+
+    with tempfile.NamedTemporaryFile("r", suffix=".error", encoding="utf-8") as error_file:
+        process = subprocess.Popen(command, env=dict(env, **{ERROR_FILE_VARIABLE: error_file.name}))
+        # A scheduler's SIGTERM (requeue, time limit) goes on to torchrun, which stops the ranks.
+        signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum))
+        try:
+            code = process.wait()
+        except KeyboardInterrupt:
+            code = process.wait()
+            print(f"{name}: interrupted (Ctrl-C); the last checkpoint is kept: --resume (RESUME=auto) continues "
+                  "from it", file=sys.stderr, flush=True)
+            return 130
+        if code != 0:
+            reported = error_file.read().strip()
+            print(f"{name}: the run failed (exit status {code})" + (f": {reported}" if reported else ""),
+                  file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -425,12 +425,18 @@ def _summary(history: list, seconds: float) -> str:
     )
 
 
+ERROR_FILE_VARIABLE = "MEGATRON_RLHF_ERROR_FILE"
+
+
 def report_and_exit(error: Any, printed_here: bool) -> None:
     """One line on stderr, no traceback, exit status 2. Ranks that do not print wait a moment
     first: torchrun stops every rank when the first one exits, and the rank that prints must not
     be stopped before it has."""
     if printed_here:
         print(f"error: {error}", file=sys.stderr, flush=True)
+        if os.environ.get(ERROR_FILE_VARIABLE):  # the launcher repeats it after torchrun's own report
+            with open(os.environ[ERROR_FILE_VARIABLE], "a", encoding="utf-8") as f:
+                f.write(f"error: {error}\n")
     else:
         time.sleep(5)
     sys.exit(2)

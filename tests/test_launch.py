@@ -247,3 +247,17 @@ def test_sbatch_on_a_single_node_slurm_runs_ppo(slurm, tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2]
     assert re.search(r"done: 2 iterations", log)
+
+
+def test_a_failed_launch_ends_with_the_runs_own_error_line(tmp_path):
+    from tests.conftest import _free_port
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"iteration": 1}\n')  # an earlier run: this launch must not mix into it
+    failed = _run_ppo(tmp_path, MODEL_SIZE="tiny", GPUS_PER_NODE="2", ITERATIONS="2", OUTPUT_DIR=str(out),
+                      MASTER_PORT=str(_free_port()))
+    assert failed.returncode != 0
+    last = [line for line in failed.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("run_ppo.sh: the run failed (exit status 1): error: ") and "already holds a run" in last, \
+        failed.stderr[-3000:]
