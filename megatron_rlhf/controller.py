@@ -127,7 +127,7 @@ class PPOController:
 
     def _overlaps(self, budget: int) -> Dict[str, str]:
         """The successions whose onload may overlap (both phases fit in ``budget``), printed on rank 0."""
-        from megatron_rlhf.dry_run import human
+        from megatron_rlhf.units import human
         from megatron_rlhf.memory.planner import overlap_fits, plan
 
         planned = plan(self.config, dist.get_world_size())

@@ -173,7 +173,8 @@ def main(argv=None) -> int:
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     os.environ.update(env)
     if dry:
-        from megatron_rlhf.dry_run import dry_run, parse_bytes
+        from megatron_rlhf.dry_run import dry_run
+        from megatron_rlhf.units import parse_bytes
 
         return dry_run(config_file, world, per_node, parse_bytes(env.get("GPU_MEMORY", "80GiB")))
     what = (f"{env['MODEL_SIZE']}, {world} GPUs (TP={tp} PP={pp} DP={dp}), output {env['OUTPUT_DIR']}, "

@@ -12,7 +12,8 @@ import os
 import sys
 
 from megatron_rlhf.config import ConfigError
-from megatron_rlhf.dry_run import dry_run, parse_bytes
+from megatron_rlhf.dry_run import dry_run
+from megatron_rlhf.units import parse_bytes
 
 
 def main(argv=None) -> int:

@@ -8,21 +8,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import math
 import os
-import shutil
 import sys
 import tempfile
 import time
-import uuid
 import warnings
 from typing import Any, Dict, Optional
 
+from megatron_rlhf.checkpoint.run_state import (
+    check_resume,
+    clear_run,
+    completed_iterations,
+    cut_back,
+    lock_output_dir,
+    run_identity,
+)
 from megatron_rlhf.config import ConfigError, input_problems, load_config
 from megatron_rlhf.config.schema import RLHFConfig
-from megatron_rlhf.dry_run import host_text, human, parse_bytes, positive_int
+from megatron_rlhf.dry_run import host_text
+from megatron_rlhf.units import human, parse_bytes, positive_int
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -164,39 +170,6 @@ def _check_writable(output_dir: str) -> None:
                           "--output-dir (or trainer.output_dir)") from None
 
 
-_LOCKS: Dict[str, int] = {}  # output directory -> the descriptor holding its lock (for the process's life)
-LOCK_FILE = ".run.lock"
-
-
-def lock_output_dir(output_dir: str) -> None:
-    """One run per output directory: an exclusive lock on ``.run.lock``, held until this process
-    ends (the kernel releases it however the process ends, so a dead run's lock is taken over).
-    Refused with the holder's host and pid while another run holds it."""
-    import fcntl
-    import socket
-
-    path = os.path.join(os.path.abspath(output_dir), LOCK_FILE)
-    if path in _LOCKS:
-        return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 200).decode("utf-8", "replace").strip() or "unknown"
-        os.close(fd)
-        raise ConfigError(f"{output_dir} is in use by another run ({holder}); wait for it to end, or choose another "
-                          "--output-dir") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
-    _LOCKS[path] = fd
-
-
-def release_output_dir(output_dir: str) -> None:
-    fd = _LOCKS.pop(os.path.join(os.path.abspath(output_dir), LOCK_FILE), None)
-    if fd is not None:
-        os.close(fd)
-
-
 def _check_host_memory(config: RLHFConfig, world_size: int) -> None:
     """EMS's host arenas of every rank on this node (the planner's exact figure; torchrun's
     LOCAL_WORLD_SIZE ranks) must fit in the memory the node has available now."""
@@ -217,109 +190,6 @@ def _check_host_memory(config: RLHFConfig, world_size: int) -> None:
 
 # What only changes how the work is cut or kept (never the numbers), or how long the run goes:
 # a resume may change these freely.
-_FREE_ON_RESUME = ("ppo.iterations", "trainer.", "generation.batch_size", ".micro_batch_size", ".free_memory",
-                   ".offload_weights", ".free_grad_buffers", ".offload_optimizer_state", ".empty_cache",
-                   ".recompute_activations", ".overlap_grad_reduce", ".cuda_graph_impl", ".nccl_ub", "reward.max_abs_score",
-                   "reward.num_workers", "data.val_file")
-
-
-def run_identity(config: RLHFConfig) -> Dict[str, Any]:
-    """A new run's id, the fingerprint of the settings that shape its numbers, and those settings."""
-    tree = dataclasses.asdict(config)
-    tree.pop("origin")
-    values = {k: v for k, v in _flatten(tree).items() if not any(
-        k.endswith(f) if f.startswith(".") else k.startswith(f) if f.endswith(".") else k == f for f in _FREE_ON_RESUME)}
-    digest = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return {"id": uuid.uuid4().hex[:12], "fingerprint": digest, "config": values}
-
-
-def _flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def check_resume(path: str, config: RLHFConfig, now: Dict[str, Any], output_dir: str,
-                 allow_config_change: bool) -> Dict[str, Any]:
-    """The run a resume continues (its id, with ``now``'s fingerprint: run_identity of this config),
-    after checking that the checkpoint is intact, of this TP/PP and of a run with the same settings
-    (unless allowed)."""
-    import torch
-
-    from megatron_rlhf.checkpoint.model_files import CheckpointError
-    from megatron_rlhf.checkpoint.ppo_state import check_layout, intact_checkpoints, verify_checkpoint
-
-    try:
-        verify_checkpoint(path, checksums=int(os.environ.get("LOCAL_RANK", "0")) == 0)
-        state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
-    except (CheckpointError, OSError, RuntimeError, EOFError) as e:
-        older = [c for c in intact_checkpoints(output_dir) if c != path]
-        advice = (f"the newest intact checkpoint is {older[0]}: to resume from it, write "
-                  f"'{os.path.basename(older[0])}' into {os.path.join(os.path.dirname(path), 'latest')}"
-                  if older else "no older intact checkpoint exists; start again with --overwrite")
-        raise CheckpointError(f"cannot resume from {path}: {e}; {advice}") from None
-    par = config.parallel
-    check_layout(path, state, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                 config.at("parallel.tensor_model_parallel_size"))
-    before = state.get("run")
-    if before is None:
-        return now
-    if before["fingerprint"] != now["fingerprint"] and not allow_config_change:
-        changed = sorted(k for k in set(before["config"]) | set(now["config"])
-                         if before["config"].get(k) != now["config"].get(k))
-        shown = "; ".join(f"{k}: {before['config'].get(k)!r} then, {now['config'].get(k)!r} now" for k in changed[:8])
-        raise ConfigError(f"{path} belongs to a run with other settings ({shown}); resume with the same settings, "
-                          "pass --allow-config-change to continue it with these, or start again with --overwrite")
-    return {**now, "id": before["id"]}
-
-
-def read_records(path: str) -> list:
-    """The JSON records of a JSONL log; a torn line (what a crash or a full disk leaves as the last
-    one) is dropped with a warning naming it."""
-    records = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                warnings.warn(f"{path}:{number}: a torn record ({line.strip()[:40]!r}...) is dropped")
-    return records
-
-
-def completed_iterations(metrics_path: str) -> int:
-    """Iterations a run has written to metrics.jsonl (0 for none or no file; a validation before
-    training is iteration 0)."""
-    if not os.path.exists(metrics_path):
-        return 0
-    return sum(1 for record in read_records(metrics_path) if record.get("iteration", 0) >= 1)
-
-
-def clear_run(output_dir: str) -> None:
-    """--overwrite: the earlier run's metrics, ledger, TensorBoard events and checkpoints go."""
-    for name in ("metrics.jsonl", "memory.jsonl"):
-        path = os.path.join(output_dir, name)
-        if os.path.exists(path):
-            os.remove(path)
-    for name in ("checkpoints", "tensorboard"):
-        shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
-
-
-def cut_back(path: str, iteration: int) -> None:
-    """Keep the records of a JSONL file up to ``iteration`` (a resume redoes the later ones; a torn
-    last record goes too)."""
-    if not os.path.exists(path):
-        return
-    kept = [r for r in read_records(path) if r.get("iteration", 0) <= iteration]
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, allow_nan=False) + "\n" for r in kept)
-
-
 class RunLog:
     """Rank 0's outputs: metrics.jsonl, TensorBoard, the progress bar and one line per iteration."""
 

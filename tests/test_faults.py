@@ -12,7 +12,8 @@ import torch
 
 from megatron_rlhf.checkpoint.model_files import CheckpointError
 from megatron_rlhf.config import ConfigError
-from megatron_rlhf.train import cut_back, parse_args, prepare, run_identity
+from megatron_rlhf.checkpoint.run_state import cut_back, run_identity
+from megatron_rlhf.train import parse_args, prepare
 from tests.conftest import REPO, _free_port
 from tests.test_train import metrics, train
 
@@ -229,7 +230,7 @@ def test_ranks_end_within_seconds_when_their_launcher_is_killed(tmp_path):
 def test_one_run_per_output_directory(tmp_path):
     import socket
 
-    from megatron_rlhf.train import release_output_dir
+    from megatron_rlhf.checkpoint.run_state import release_output_dir
 
     out = tmp_path / "out"
     prepared(out)  # this process now holds the directory's lock, as a running run's rank 0 does

@@ -1,5 +1,3 @@
-import pytest
-
 
 def test_weight_sync_shares_storage_or_copies(workers):
     for r in workers(2, "weight_sync"):

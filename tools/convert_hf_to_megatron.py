@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from megatron_rlhf.checkpoint.convert import DTYPES, hf_to_megatron
-from megatron_rlhf.dry_run import positive_int
+from megatron_rlhf.units import positive_int
 from megatron_rlhf.checkpoint.model_files import CheckpointError
 
 

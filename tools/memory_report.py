@@ -13,7 +13,7 @@ import sys
 from collections import defaultdict
 
 from megatron_rlhf.memory.manager import LEDGER_KINDS
-from megatron_rlhf.dry_run import human
+from megatron_rlhf.units import human
 
 # Which planner phase each role's onload starts.
 PHASE_OF_ROLE = {"policy": "generate", "reference": "reference", "reward": "reward", "value": "value",

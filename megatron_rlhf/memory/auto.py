@@ -36,7 +36,7 @@ def apply_choice(config: RLHFConfig, switches: Dict[str, EMSSwitches]) -> None:
 
 
 def describe(config: RLHFConfig, world_size: int, device_memory: int, switches, fitted: Plan) -> dict:
-    from megatron_rlhf.dry_run import human
+    from megatron_rlhf.units import human
 
     roles = auto_roles(config)
     nothing = plan(config, world_size)  # auto roles with nothing offloaded

@@ -11,7 +11,6 @@ one line naming the function: a result that breaks the contract, a call that exi
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys

@@ -5,7 +5,6 @@ window, llama3 RoPE scaling), EMS on and off: the metrics and the trained weight
 import copy
 import os
 
-import torch
 from common import OUT_DIR, reward_pool, save
 
 from megatron_rlhf.config.families import FAMILIES
