@@ -1,4 +1,3 @@
-
 def test_weight_sync_shares_storage_or_copies(workers):
     for r in workers(2, "weight_sync"):
         assert r["shared"] and r["same_storage"] and r["policy_weight_bytes"] == 0
