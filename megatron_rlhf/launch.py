@@ -187,27 +187,41 @@ def main(argv=None) -> int:
 
 
 def run_torchrun(command: List[str], env: Dict[str, str], name: str) -> int:
-    """torchrun with the terminal's output, and the run's own error line repeated last when it
-    fails (torchrun prints its own report of the failed ranks after it). Ctrl-C: torchrun stops the
-    ranks; one line, exit status 130."""
+    """torchrun as this process's child, in a session of its own (killed if this process dies), with
+    the terminal's output; a failed run's own error line repeated last (torchrun prints its report
+    of the failed ranks after it). Ctrl-C reaches only this process: torchrun and its ranks are
+    killed at once (checkpoints are written whole or not at all) and one line says so, status 130.
+    A scheduler's SIGTERM or a hang-up is passed on to torchrun, which stops the ranks."""
     import signal
     import subprocess
     import tempfile
 
-    from megatron_rlhf.train import ERROR_FILE_VARIABLE
+    from megatron_rlhf.train import ERROR_FILE_VARIABLE, die_with_parent
 
     with tempfile.NamedTemporaryFile("r", suffix=".error", encoding="utf-8") as error_file:
-        process = subprocess.Popen(command, env=dict(env, **{ERROR_FILE_VARIABLE: error_file.name}))
-        # A scheduler's SIGTERM (requeue, time limit) goes on to torchrun, which stops the ranks.
-        signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum))
+        process = subprocess.Popen(command, env=dict(env, **{ERROR_FILE_VARIABLE: error_file.name}),
+                                   start_new_session=True,
+                                   preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+        received = []
+
+        def pass_on(signum, frame):
+            received.append(signal.Signals(signum).name)
+            process.send_signal(signum)
+
+        for passed_on in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(passed_on, pass_on)
         try:
             code = process.wait()
         except KeyboardInterrupt:
-            code = process.wait()
+            process.kill()  # its ranks follow (parent-death signal)
+            process.wait()
             print(f"{name}: interrupted (Ctrl-C); the last checkpoint is kept: --resume (RESUME=auto) continues "
                   "from it", file=sys.stderr, flush=True)
             return 130
-        if code != 0:
+        if received:
+            print(f"{name}: stopped by {received[0]}, passed on to torchrun; the last checkpoint is kept",
+                  file=sys.stderr, flush=True)
+        elif code != 0:
             reported = error_file.read().strip()
             print(f"{name}: the run failed (exit status {code})" + (f": {reported}" if reported else ""),
                   file=sys.stderr, flush=True)

@@ -312,18 +312,22 @@ def report_and_exit(error: Any, printed_here: bool) -> None:
     sys.exit(2)
 
 
-def _end_with_the_launcher() -> None:
-    """Under torchrun (Linux): this rank is killed when its launcher dies (kill -9 of torchrun would
-    otherwise leave ranks running, writing checkpoints that a relaunch then races)."""
-    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
-        return
+def die_with_parent() -> None:
+    """Linux: this process is killed (SIGKILL) when its parent dies."""
     import ctypes
     import signal
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # the launcher died before the request was made
+    if os.getppid() == 1:  # the parent died before the request was made
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _end_with_the_launcher() -> None:
+    """Under torchrun (Linux): this rank is killed when its launcher dies (kill -9 of torchrun would
+    otherwise leave ranks running, writing checkpoints that a relaunch then races)."""
+    if "LOCAL_RANK" in os.environ and sys.platform.startswith("linux"):
+        die_with_parent()
 
 
 def main(argv=None) -> Optional[list]:
@@ -336,6 +340,16 @@ def main(argv=None) -> Optional[list]:
             warnings.filterwarnings("ignore", module=module)
     if args.dry_run:
         sys.exit(_dry_run(args))
+    try:
+        return _main(args)
+    except KeyboardInterrupt:  # Ctrl-C: every rank gets it; one says so, none prints a traceback
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("interrupted (Ctrl-C); the last checkpoint is kept: --resume continues from it", file=sys.stderr,
+                  flush=True)
+        sys.exit(130)
+
+
+def _main(args: argparse.Namespace) -> Optional[list]:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         prepared = prepare(args, world_size)

@@ -261,3 +261,29 @@ def test_a_failed_launch_ends_with_the_runs_own_error_line(tmp_path):
     last = [line for line in failed.stderr.splitlines() if line.strip()][-1]
     assert last.startswith("run_ppo.sh: the run failed (exit status 1): error: ") and "already holds a run" in last, \
         failed.stderr[-3000:]
+
+
+def test_ctrl_c_under_the_launcher_is_one_line_and_status_130(tmp_path):
+    import signal
+    import time
+
+    from tests.conftest import _free_port
+
+    out = tmp_path / "run"
+    launch = subprocess.Popen(["bash", str(RUN_PPO)], cwd=tmp_path, env=_env(
+        MODEL_SIZE="tiny", GPUS_PER_NODE="2", ITERATIONS="40", OUTPUT_DIR=str(out), MASTER_PORT=str(_free_port())),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():
+            assert time.monotonic() < deadline and launch.poll() is None, "the run did not reach iteration 1"
+            time.sleep(0.2)
+        os.killpg(launch.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole foreground group
+        _, err = launch.communicate(timeout=60)
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)
+    assert launch.returncode == 130, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1].startswith("run_ppo.sh: interrupted (Ctrl-C); the last checkpoint is kept"), err[-3000:]
+    assert "Traceback" not in err and err.count("interrupted (Ctrl-C)") == 1, err[-3000:]  # one line, nothing else
