@@ -19,11 +19,13 @@ from typing import Any, Dict, Optional
 
 from megatron_rlhf.checkpoint.run_state import (
     check_resume,
-    clear_run,
+    drop_set_aside,
     completed_iterations,
     cut_back,
     lock_output_dir,
+    restore_set_aside,
     run_identity,
+    set_aside_run,
 )
 from megatron_rlhf.config import ConfigError, input_problems, load_config
 from megatron_rlhf.config.schema import RLHFConfig
@@ -101,6 +103,8 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     _check_writable(output_dir)
     if int(os.environ.get("RANK", "0")) == 0:
         lock_output_dir(output_dir)
+        if restore_set_aside(output_dir):  # a launch that --overwrite'd it died before its first iteration
+            warnings.warn(f"{output_dir}: put back the run an --overwrite launch set aside and never replaced")
     if args.resume:
         config.trainer.resume = "auto"
     run = run_identity(config)
@@ -141,7 +145,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     val_dataset = _dataset(config, "data.val_file", tokenizer, shuffle=False) if config.data.val_file else None
     functions = reward_functions(config) if config.reward.type == "function" else None
     if args.overwrite and int(os.environ.get("RANK", "0")) == 0:
-        clear_run(output_dir)
+        set_aside_run(output_dir)  # dropped after the first iteration, put back if the launch fails before
     return Prepared(config, output_dir, tokenizer, dataset, val_dataset, functions, resume_from, run)
 
 
@@ -357,7 +361,11 @@ def _main(args: argparse.Namespace) -> Optional[list]:
         report_and_exit(e, int(os.environ.get("LOCAL_RANK", "0")) == 0)
     try:
         return _run(prepared)
-    except Exception as e:
+    except BaseException as e:
+        if int(os.environ.get("RANK", "0")) == 0 and restore_set_aside(prepared.output_dir):
+            print(f"{prepared.output_dir}: the run --overwrite set aside is back in place", file=sys.stderr, flush=True)
+        if not isinstance(e, Exception):
+            raise
         from megatron_rlhf.checkpoint.model_files import CheckpointError
         from megatron_rlhf.errors import RunError
 
@@ -391,6 +399,8 @@ def _run_iterations(controller, log, prepared: Prepared, validations: list, hist
             metrics.update(validations[-1])
         history.append(metrics)
         log.log(metrics, config.ppo.iterations)
+        if log.enabled:  # the new run has an iteration: the run --overwrite set aside goes
+            drop_set_aside(prepared.output_dir)
         last = controller.iteration == config.ppo.iterations
         if (interval and controller.iteration % interval == 0) or (last and config.trainer.save_at_end):
             save_ppo_checkpoint(controller.roles, {**controller.state_dict(), "run": prepared.run}, prepared.output_dir)

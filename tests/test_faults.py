@@ -268,3 +268,28 @@ def test_a_rank_that_does_not_arrive_ends_the_run_with_a_line_naming_the_phase(t
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
     assert "iteration 1, " in errors[0] and "a collective waited longer than trainer.collective_timeout_s=5s" in errors[0]
+
+
+def test_overwrite_puts_the_old_run_back_when_the_launch_fails_before_its_first_iteration(tmp_path):
+    out = tmp_path / "out"
+    (out / "checkpoints" / "iter_0000003").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"iteration": 1}\n{"iteration": 2}\n{"iteration": 3}\n')
+    wrong = tmp_path / "wrong_ckpt"  # a checkpoint that exists but does not fit: found when the model is built
+    wrong.mkdir()
+    arch = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                vocab_size=128, max_position_embeddings=256)
+    (wrong / "megatron_rlhf_model.json").write_text(json.dumps({"arch": arch, "head": "lm", "dtype": "float32",
+                                                                "tp": 1, "pp": 1}))
+    config = tmp_path / "rlhf.yaml"
+    config.write_text(f"includes: {TINY}\nreference:\n  load: {wrong}\n")
+    proc = train(out, "--overwrite", config=config, check=False)
+    assert proc.returncode != 0 and "does not fit the configured model" in proc.stderr, proc.stderr[-3000:]
+    assert (out / "metrics.jsonl").read_text().count("iteration") == 3 and (out / "checkpoints" / "iter_0000003").is_dir()
+    assert not (out / ".overwritten").exists()
+    # A launch killed before its first iteration leaves the set-aside run: the next launch puts it back.
+    (out / ".overwritten").mkdir()
+    (out / "metrics.jsonl").rename(out / ".overwritten" / "metrics.jsonl")
+    (out / "metrics.jsonl").write_text("")
+    with pytest.warns(UserWarning, match="put back the run an --overwrite launch set aside"):
+        with pytest.raises(ConfigError, match=r"already holds a run \(3 iterations"):
+            prepared(out)

@@ -135,14 +135,43 @@ def completed_iterations(metrics_path: str) -> int:
     return sum(1 for record in read_records(metrics_path) if record.get("iteration", 0) >= 1)
 
 
-def clear_run(output_dir: str) -> None:
-    """--overwrite: the earlier run's metrics, ledger, TensorBoard events and checkpoints go."""
-    for name in ("metrics.jsonl", "memory.jsonl"):
-        path = os.path.join(output_dir, name)
-        if os.path.exists(path):
-            os.remove(path)
-    for name in ("checkpoints", "tensorboard"):
-        shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+RUN_FILES = ("metrics.jsonl", "memory.jsonl", "checkpoints", "tensorboard", "wandb", "free_memory_auto.json")
+SET_ASIDE = ".overwritten"  # the run an --overwrite launch replaces, until its first iteration is done
+
+
+def set_aside_run(output_dir: str) -> None:
+    """--overwrite: move the earlier run (metrics, ledger, checkpoints, TensorBoard and W&B logs)
+    into ``.overwritten/``, to be dropped once the new run has finished an iteration
+    (drop_set_aside) or put back if it fails before (restore_set_aside)."""
+    aside = os.path.join(output_dir, SET_ASIDE)
+    shutil.rmtree(aside, ignore_errors=True)
+    os.makedirs(aside)
+    for name in RUN_FILES:
+        if os.path.exists(os.path.join(output_dir, name)):
+            os.rename(os.path.join(output_dir, name), os.path.join(aside, name))
+
+
+def restore_set_aside(output_dir: str) -> bool:
+    """Put back a run an --overwrite launch set aside and never replaced (what the failed launch
+    wrote goes); whether there was one."""
+    aside = os.path.join(output_dir, SET_ASIDE)
+    if not os.path.isdir(aside):
+        return False
+    for name in RUN_FILES:
+        current = os.path.join(output_dir, name)
+        if os.path.isdir(current):
+            shutil.rmtree(current)
+        elif os.path.exists(current):
+            os.remove(current)
+        if os.path.exists(os.path.join(aside, name)):
+            os.rename(os.path.join(aside, name), current)
+    os.rmdir(aside)
+    return True
+
+
+def drop_set_aside(output_dir: str) -> None:
+    """The new run has finished an iteration: the run it replaced goes."""
+    shutil.rmtree(os.path.join(output_dir, SET_ASIDE), ignore_errors=True)
 
 
 def cut_back(path: str, iteration: int) -> None:
