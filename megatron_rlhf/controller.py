@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron_rlhf import ppo
 from megatron_rlhf.config.schema import RLHFConfig
 from megatron_rlhf.data import PromptDataset, Tokenizer
-from megatron_rlhf.errors import NonFiniteError
+from megatron_rlhf.errors import NonFiniteError, RewardFunctionError
 from megatron_rlhf.generation import SamplingParams, generate, stream_seeds
 from megatron_rlhf.memory import KV_CACHE, MemoryLedger
 from megatron_rlhf.models.batches import action_mask, length_grouped
@@ -347,9 +347,16 @@ class PPOController:
         from megatron.core import parallel_state as ps
 
         group = ps.get_model_parallel_group()
-        result = [self.reward_scorer.score(prompts, responses, fields) if group.rank() == 0 else None]
+        result = [None]
+        if group.rank() == 0:
+            try:
+                result = [self.reward_scorer.score(prompts, responses, fields)]
+            except RewardFunctionError as e:  # the peers learn it too, so none waits for scores
+                result = [e]
         if group.size() > 1:
             dist.broadcast_object_list(result, src=dist.get_global_rank(group, 0), group=group)
+        if isinstance(result[0], RewardFunctionError):
+            raise RewardFunctionError(str(result[0]))
         return result[0]
 
     def _decode(self, rows: SampleRows) -> List[str]:

@@ -340,8 +340,11 @@ def main(argv=None) -> Optional[list]:
     # megatron-core and torch warn about fallbacks in their own internals (=1 shows them); the
     # project's own warnings always show.
     if not os.environ.get("MEGATRON_RLHF_WARNINGS"):
-        for module in ("megatron", "torch", "transformer_engine", "apex"):
-            warnings.filterwarnings("ignore", module=module)
+        for module in ("megatron", "torch", "transformer_engine", "apex"):  # a regex: not megatron_rlhf
+            warnings.filterwarnings("ignore", module=rf"{module}(\.|$)")
+        # Warnings of torch's and megatron's internals raised where their calls pass the CPU adaptation's
+        # function mode (it warns nothing of its own).
+        warnings.filterwarnings("ignore", module=r"megatron_rlhf\.runtime\.megatron_cpu$")
     if args.dry_run:
         sys.exit(_dry_run(args))
     try:
@@ -406,10 +409,16 @@ def _run_iterations(controller, log, prepared: Prepared, validations: list, hist
             save_ppo_checkpoint(controller.roles, {**controller.state_dict(), "run": prepared.run}, prepared.output_dir)
 
 
-def _is_timeout(error: RuntimeError) -> bool:
-    """Whether a collective gave up waiting (gloo and NCCL say it in their own words)."""
+def _peer_problem(error: RuntimeError, timeout_s: float) -> Optional[str]:
+    """What a collective's failure says of the other ranks (gloo and NCCL in their own words), or
+    None for an error of this rank's own."""
     text = str(error).lower()
-    return "timed out" in text or "timeout" in text
+    if "timed out" in text or "timeout" in text:
+        return (f"a collective waited longer than trainer.collective_timeout_s={timeout_s:g}s: another rank did not "
+                "arrive (hung or dead)")
+    if "connection closed by peer" in text or "connection reset by peer" in text or "broken pipe" in text:
+        return "another rank stopped in the middle of a collective"
+    return None
 
 
 def _run(prepared: Prepared) -> list:
@@ -457,13 +466,12 @@ def _run(prepared: Prepared) -> list:
     try:
         _run_iterations(controller, log, prepared, validations, history)
     except RuntimeError as e:
-        if not _is_timeout(e):
+        what = _peer_problem(e, config.trainer.collective_timeout_s)
+        if what is None:
             raise
         first = str(e).strip().splitlines()[0][:200]
         when = f"iteration {controller.iteration}" if controller.iteration else "before the first iteration"
-        raise RunError(f"{when}, {controller.phase}: a collective waited longer than "
-                       f"trainer.collective_timeout_s={config.trainer.collective_timeout_s:g}s: another rank did not "
-                       f"arrive (hung or dead; its own output says which) [{first}]") from None
+        raise RunError(f"{when}, {controller.phase}: {what} (its own output says why) [{first}]") from None
     finally:
         log.close()
         if scorer is not None:
