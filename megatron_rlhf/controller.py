@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import random
 import time
 from typing import Dict, List, Optional
@@ -105,7 +106,22 @@ class PPOController:
         )
         self.score_moments = ppo.RunningMoments()
         self.iteration = 0
-        self.phase = "start-up"  # what the controller is doing, for a message about a collective that timed out
+        # Where each rank is (iteration, phase), one small file per rank under ``progress_dir`` when
+        # set: a rank that times out in a collective names the ranks that are elsewhere.
+        self.progress_dir: Optional[str] = None
+        self.phase = "start-up"
+
+    @property
+    def phase(self) -> str:
+        """What the controller is doing now (a role's phase, "advantages", "metrics", ...)."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        if self.progress_dir is not None:
+            with open(os.path.join(self.progress_dir, f"rank{dist.get_rank()}"), "w", encoding="utf-8") as f:
+                f.write(f"{self.iteration}\t{value}\t{time.time():.0f}")
 
     def _successions(self) -> Dict[str, str]:
         """Each role -> the role that always runs right after it within an iteration (none where

@@ -409,13 +409,30 @@ def _run_iterations(controller, log, prepared: Prepared, validations: list, hist
             save_ppo_checkpoint(controller.roles, {**controller.state_dict(), "run": prepared.run}, prepared.output_dir)
 
 
+def _ranks_elsewhere(progress_dir: str, iteration: int, phase: str) -> str:
+    """The ranks whose last recorded (iteration, phase) is not this rank's: who did not arrive."""
+    import torch.distributed as dist
+
+    behind = []
+    for rank in range(dist.get_world_size()):
+        try:
+            with open(os.path.join(progress_dir, f"rank{rank}"), encoding="utf-8") as f:
+                their_iteration, their_phase, since = f.read().split("\t")
+        except (OSError, ValueError):
+            behind.append(f"rank {rank} (no record)")
+            continue
+        if (int(their_iteration), their_phase) != (iteration, phase):
+            behind.append(f"rank {rank} in iteration {their_iteration}, {their_phase} for "
+                          f"{time.time() - float(since):.0f}s")
+    return ("elsewhere: " + "; ".join(behind)) if behind else "every rank recorded this phase (its own output says why)"
+
+
 def _peer_problem(error: RuntimeError, timeout_s: float) -> Optional[str]:
     """What a collective's failure says of the other ranks (gloo and NCCL in their own words), or
     None for an error of this rank's own."""
     text = str(error).lower()
     if "timed out" in text or "timeout" in text:
-        return (f"a collective waited longer than trainer.collective_timeout_s={timeout_s:g}s: another rank did not "
-                "arrive (hung or dead)")
+        return f"a collective waited longer than trainer.collective_timeout_s={timeout_s:g}s: another rank did not arrive"
     if "connection closed by peer" in text or "connection reset by peer" in text or "broken pipe" in text:
         return "another rank stopped in the middle of a collective"
     return None
@@ -461,6 +478,8 @@ def _run(prepared: Prepared) -> list:
         if rank0:
             cut_back(ledger_path, controller.iteration)
             print(f"resumed from {resume_from} (iteration {controller.iteration}, run {prepared.run['id']})", flush=True)
+    controller.progress_dir = os.path.join(output_dir, ".progress")
+    os.makedirs(controller.progress_dir, exist_ok=True)
     log = RunLog(output_dir, config, enabled=rank0, resumed_at=controller.iteration)
     history, validations = [], []
     try:
@@ -471,7 +490,8 @@ def _run(prepared: Prepared) -> list:
             raise
         first = str(e).strip().splitlines()[0][:200]
         when = f"iteration {controller.iteration}" if controller.iteration else "before the first iteration"
-        raise RunError(f"{when}, {controller.phase}: {what} (its own output says why) [{first}]") from None
+        elsewhere = _ranks_elsewhere(controller.progress_dir, controller.iteration, controller.phase)
+        raise RunError(f"{when}, {controller.phase}: {what}; {elsewhere} [{first}]") from None
     finally:
         log.close()
         if scorer is not None:

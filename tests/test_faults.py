@@ -268,6 +268,7 @@ def test_a_rank_that_does_not_arrive_ends_the_run_with_a_line_naming_the_phase(t
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
     assert "iteration 1, " in errors[0] and "a collective waited longer than trainer.collective_timeout_s=5s" in errors[0]
+    assert "elsewhere: rank 1 in iteration 1, policy (inference) for " in errors[0]  # the rank that did not arrive
 
 
 def test_overwrite_puts_the_old_run_back_when_the_launch_fails_before_its_first_iteration(tmp_path):
