@@ -101,7 +101,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     _check_host_memory(config, world_size)
     output_dir = args.output_dir or config.trainer.output_dir
     _check_writable(output_dir)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if _launch_rank0():
         lock_output_dir(output_dir)
         if restore_set_aside(output_dir):  # a launch that --overwrite'd it died before its first iteration
             warnings.warn(f"{output_dir}: put back the run an --overwrite launch set aside and never replaced")
@@ -114,8 +114,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
         done = completed_iterations(os.path.join(output_dir, "metrics.jsonl"))
         if config.trainer.resume == "auto" and latest is not None:
             resume_from = latest
-            run = check_resume(latest, config, run, output_dir, args.allow_config_change)
-            reached = int(os.path.basename(latest).rpartition("_")[2])
+            run, reached = check_resume(latest, config, run, output_dir, args.allow_config_change)
             if config.ppo.iterations <= reached:
                 raise ConfigError(f"{latest} is at iteration {reached} and the run is to end at "
                                   f"{config.ppo.iterations} ({'--iterations' if args.iterations else 'ppo.iterations'}): "
@@ -144,9 +143,14 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
         warnings.warn(f"{dataset.rows.path}: {len(dataset)} prompts, fewer than one rollout batch; prompts repeat within a batch")
     val_dataset = _dataset(config, "data.val_file", tokenizer, shuffle=False) if config.data.val_file else None
     functions = reward_functions(config) if config.reward.type == "function" else None
-    if args.overwrite and int(os.environ.get("RANK", "0")) == 0:
+    if args.overwrite and _launch_rank0():
         set_aside_run(output_dir)  # dropped after the first iteration, put back if the launch fails before
     return Prepared(config, output_dir, tokenizer, dataset, val_dataset, functions, resume_from, run)
+
+
+def _launch_rank0() -> bool:
+    """Whether this process is global rank 0 (from torchrun's environment: no process group yet)."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def _dataset(config: RLHFConfig, key: str, tokenizer, shuffle: Optional[bool] = None):
@@ -192,8 +196,6 @@ def _check_host_memory(config: RLHFConfig, world_size: int) -> None:
             "or run fewer ranks per node")
 
 
-# What only changes how the work is cut or kept (never the numbers), or how long the run goes:
-# a resume may change these freely.
 class RunLog:
     """Rank 0's outputs: metrics.jsonl, TensorBoard, the progress bar and one line per iteration."""
 
@@ -350,7 +352,7 @@ def main(argv=None) -> Optional[list]:
     try:
         return _main(args)
     except KeyboardInterrupt:  # Ctrl-C: every rank gets it; one says so, none prints a traceback
-        if int(os.environ.get("RANK", "0")) == 0:
+        if _launch_rank0():
             print("interrupted (Ctrl-C); the last checkpoint is kept: --resume continues from it", file=sys.stderr,
                   flush=True)
         sys.exit(130)
@@ -365,7 +367,7 @@ def _main(args: argparse.Namespace) -> Optional[list]:
     try:
         return _run(prepared)
     except BaseException as e:
-        if int(os.environ.get("RANK", "0")) == 0 and restore_set_aside(prepared.output_dir):
+        if _launch_rank0() and restore_set_aside(prepared.output_dir):
             print(f"{prepared.output_dir}: the run --overwrite set aside is back in place", file=sys.stderr, flush=True)
         if not isinstance(e, Exception):
             raise
@@ -440,6 +442,7 @@ def _peer_problem(error: RuntimeError, timeout_s: float) -> Optional[str]:
 
 def _run(prepared: Prepared) -> list:
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
     from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint
     from megatron_rlhf.controller import PPOController
@@ -462,11 +465,9 @@ def _run(prepared: Prepared) -> list:
     ledger_path = os.path.join(output_dir, "memory.jsonl")
     if rank0 and os.path.exists(ledger_path) and resume_from is None:
         os.remove(ledger_path)  # a fresh run's ledger, not appended to an old one
-    rewards = config.reward
-    from megatron.core import parallel_state as ps
-
     scorer = None  # the rule rewards run on each model-parallel group's first rank (controller._rule_scores)
     if prepared.reward_functions and ps.get_model_parallel_group().rank() == 0:
+        rewards = config.reward
         scorer = RewardPool(prepared.reward_functions, num_workers=rewards.num_workers, timeout_s=rewards.timeout_s,
                             failure_score=rewards.failure_score)
     controller = PPOController(config, prepared.dataset, prepared.tokenizer, scorer,

@@ -80,3 +80,16 @@ def workers(tmp_path):
         return run_workers(tmp_path, nprocs, case, *args, **kwargs)
 
     return run
+
+
+@pytest.fixture
+def launch_environment():
+    """os.environ without the launch variables, restored afterwards whatever the test wrote into it
+    (the launcher and the plan command resolve their environment into os.environ)."""
+    saved = dict(os.environ)
+    for name in ("TP", "PP", "NNODES", "GPUS_PER_NODE", "MASTER_ADDR", "MODEL_SIZE", "POLICY_PRESET", "REWARD_PRESET",
+                 "OUTPUT_DIR", "PROMPT_FILE"):
+        os.environ.pop(name, None)
+    yield os.environ
+    os.environ.clear()
+    os.environ.update(saved)

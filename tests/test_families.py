@@ -244,19 +244,12 @@ NEW_PRESETS = {  # MODEL_SIZE: (parameters of the policy in billions, nodes of 8
 
 
 @pytest.mark.parametrize("size", sorted(NEW_PRESETS))
-def test_each_new_preset_plans_to_fit_8_gpus_of_80_gib_per_node(size, monkeypatch, capsys):
+def test_each_new_preset_plans_to_fit_8_gpus_of_80_gib_per_node(size, monkeypatch, capsys, launch_environment):
     from megatron_rlhf import launch
 
-    saved = dict(os.environ)  # the launcher writes its resolved environment into os.environ
-    try:
-        for name in ("TP", "PP", "NNODES", "GPUS_PER_NODE", "OUTPUT_DIR", "PROMPT_FILE", "MASTER_ADDR"):
-            os.environ.pop(name, None)
-        os.environ.update(DRY_RUN="1", MODEL_SIZE=size)
-        monkeypatch.setattr(os, "execv", None)  # a dry run never launches
-        code = launch.main(["--config", os.path.join("examples", "llama2", "rlhf.yaml")])
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    launch_environment.update(DRY_RUN="1", MODEL_SIZE=size)
+    monkeypatch.setattr(os, "execv", None)  # a dry run never launches
+    code = launch.main(["--config", os.path.join("examples", "llama2", "rlhf.yaml")])
     out = capsys.readouterr().out
     billions, nodes = NEW_PRESETS[size]
     assert code == 0

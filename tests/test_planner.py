@@ -127,18 +127,11 @@ def test_free_memory_auto_chooses_what_the_plan_command_recommends(size, monkeyp
             assert chosen == listed, (size, gib)
 
 
-def test_the_plan_command_takes_the_launchers_model_size(capsys):
+def test_the_plan_command_takes_the_launchers_model_size(capsys, launch_environment):
     from megatron_rlhf import plan as plan_command
 
-    saved = dict(os.environ)  # the command resolves the launch environment into os.environ
-    try:
-        for name in ("TP", "PP", "NNODES", "GPUS_PER_NODE", "MODEL_SIZE", "POLICY_PRESET", "REWARD_PRESET"):
-            os.environ.pop(name, None)
-        assert plan_command.main(["--config", "examples/llama2/rlhf.yaml", "--model-size", "70b"]) == 0
-        out = capsys.readouterr().out
-        assert "TP=8 PP=2 DP=2" in out and "52.13 GiB  <- peak" in out  # Llama-2-70B on 4 x 8 GPUs, as launched
-        assert plan_command.main(["--config", "examples/llama2/rlhf.yaml", "--model-size", "65b"]) == 2
-        assert "MODEL_SIZE=65b: expected one of tiny, 7b" in capsys.readouterr().err
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    assert plan_command.main(["--config", "examples/llama2/rlhf.yaml", "--model-size", "70b"]) == 0
+    out = capsys.readouterr().out
+    assert "TP=8 PP=2 DP=2" in out and "52.13 GiB  <- peak" in out  # Llama-2-70B on 4 x 8 GPUs, as launched
+    assert plan_command.main(["--config", "examples/llama2/rlhf.yaml", "--model-size", "65b"]) == 2
+    assert "MODEL_SIZE=65b: expected one of tiny, 7b" in capsys.readouterr().err

@@ -14,7 +14,7 @@ import shutil
 import time
 import uuid
 import warnings
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 from megatron_rlhf.config import ConfigError
 from megatron_rlhf.config.schema import RLHFConfig
@@ -52,6 +52,8 @@ def release_output_dir(output_dir: str) -> None:
         os.close(fd)
 
 
+# What only changes how the work is cut or kept (never the numbers), or how long the run goes:
+# a resume may change these freely.
 _FREE_ON_RESUME = ("ppo.iterations", "trainer.", "generation.batch_size", ".micro_batch_size", ".free_memory",
                    ".offload_weights", ".free_grad_buffers", ".offload_optimizer_state", ".empty_cache",
                    ".recompute_activations", ".overlap_grad_reduce", ".cuda_graph_impl", ".nccl_ub", "reward.max_abs_score",
@@ -79,10 +81,10 @@ def _flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
 
 
 def check_resume(path: str, config: RLHFConfig, now: Dict[str, Any], output_dir: str,
-                 allow_config_change: bool) -> Dict[str, Any]:
-    """The run a resume continues (its id, with ``now``'s fingerprint: run_identity of this config),
-    after checking that the checkpoint is intact, of this TP/PP and of a run with the same settings
-    (unless allowed)."""
+                 allow_config_change: bool) -> Tuple[Dict[str, Any], int]:
+    """The run a resume continues (its id, with ``now``'s fingerprint: run_identity of this config)
+    and the iteration the checkpoint is at, after checking that the checkpoint is intact, of this
+    TP/PP and of a run with the same settings (unless allowed)."""
     import torch
 
     from megatron_rlhf.checkpoint.model_files import CheckpointError
@@ -102,14 +104,14 @@ def check_resume(path: str, config: RLHFConfig, now: Dict[str, Any], output_dir:
                  config.at("parallel.tensor_model_parallel_size"))
     before = state.get("run")
     if before is None:
-        return now
+        return now, state["iteration"]
     if before["fingerprint"] != now["fingerprint"] and not allow_config_change:
         changed = sorted(k for k in set(before["config"]) | set(now["config"])
                          if before["config"].get(k) != now["config"].get(k))
         shown = "; ".join(f"{k}: {before['config'].get(k)!r} then, {now['config'].get(k)!r} now" for k in changed[:8])
         raise ConfigError(f"{path} belongs to a run with other settings ({shown}); resume with the same settings, "
                           "pass --allow-config-change to continue it with these, or start again with --overwrite")
-    return {**now, "id": before["id"]}
+    return {**now, "id": before["id"]}, state["iteration"]
 
 
 def read_records(path: str) -> list:

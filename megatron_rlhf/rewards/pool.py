@@ -50,16 +50,19 @@ class RewardPool:
                  failure_score: float = 0.0):
         self.specs, self.weights = list(functions), list(functions.values())
         self.timeout_s, self.failure_score = timeout_s, failure_score
-        self.workers = [_Worker(self.specs) for _ in range(num_workers)]
-        self._ready()
+        self.workers = [_Worker(self.specs) for _ in range(num_workers)]  # they load the functions at once
+        try:
+            for worker in self.workers:
+                self._await_ready(worker, ValueError)  # a function that does not load: bad input
+        except BaseException:
+            self.close()
+            raise
 
-    def _ready(self) -> None:
-        """Every worker has loaded the functions (or the first load error is raised)."""
-        for worker in self.workers:
-            kind, message = self._receive(worker, self.timeout_s + 60.0, "loading the reward functions")
-            if kind != "ready":
-                self.close()
-                raise ValueError(message)
+    def _await_ready(self, worker: _Worker, error: type) -> None:
+        """Wait until ``worker`` has loaded the functions; a load failure raises ``error``."""
+        kind, message = self._receive(worker, self.timeout_s + 60.0, "loading the reward functions")
+        if kind != "ready":
+            raise error(message)
 
     def _receive(self, worker: _Worker, timeout: float, doing: str):
         if not worker.conn.poll(timeout):
@@ -75,8 +78,9 @@ class RewardPool:
             worker.kill()
         self.workers = []
 
-    def _name(self, function: int) -> str:
-        return self.specs[function]
+    def _call(self, function: int, row: int, prompts: List[str]) -> Tuple[str, str]:
+        """``reward function SPEC`` ... ``on response ROW (prompt ...)``: how messages name a call."""
+        return f"reward function {self.specs[function]}", f"on response {row} (prompt {prompts[row]!r:.60})"
 
     def score(self, prompts: List[str], responses: List[str], fields: List[Dict[str, Any]]) -> Tuple[torch.Tensor, Dict[str, float]]:
         """[B] float32 scores and their metrics (``reward/failures``, ``reward/timeouts``, and the
@@ -111,31 +115,29 @@ class RewardPool:
                 results[row, f] = FAILED
                 counts["failures"] += 1
                 counts["timeouts"] += kind == "timeout"
-                first_failure = first_failure or (f"reward function {self._name(f)} {value} on response {row} "
-                                                  f"(prompt {prompts[row]!r:.60})")
+                if first_failure is None:
+                    name, where = self._call(f, row, prompts)
+                    first_failure = f"{name} {value} {where}"
         if tasks and counts["failures"] == len(tasks):
             raise RewardFunctionError(f"every reward call of the batch failed; the first: {first_failure}")
         return self._combine(results, len(responses)), self._metrics(results, counts, len(responses))
 
     def _collect(self, worker: _Worker, row: int, f: int, prompts: List[str]):
+        name, where = self._call(f, row, prompts)
         try:
             kind, value = worker.conn.recv()
         except EOFError:
             code = worker.process.wait()
-            raise RewardFunctionError(f"reward function {self._name(f)} ended its worker process (exit code {code}) on "
-                                      f"response {row} (prompt {prompts[row]!r:.60}); a reward must return its scores, "
-                                      "not exit") from None
+            raise RewardFunctionError(f"{name} ended its worker process (exit code {code}) {where}; a reward must return "
+                                      "its scores, not exit") from None
         if kind in ("exit", "contract"):
-            raise RewardFunctionError(f"reward function {self._name(f)} {value} on response {row} "
-                                      f"(prompt {prompts[row]!r:.60})")
+            raise RewardFunctionError(f"{name} {value} {where}")
         return kind, value
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
         fresh = _Worker(self.specs)
-        kind, message = self._receive(fresh, self.timeout_s + 60.0, "loading the reward functions")
-        if kind != "ready":
-            raise RewardFunctionError(message)
+        self._await_ready(fresh, RewardFunctionError)
         worker.__dict__.update(fresh.__dict__)
 
     def _combine(self, results, rows: int) -> torch.Tensor:
