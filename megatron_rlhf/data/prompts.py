@@ -34,7 +34,6 @@ class PromptDataset:
         self.rows, self.tokenizer = rows, tokenizer
         self.max_length, self.seed, self.shuffle = max_length, seed, shuffle
         self.chat, self.system_prompt, self.overlong = chat, system_prompt, overlong
-        self._cache: Dict[int, List[int]] = {}  # ids of the batch being served
         self._lengths: Dict[int, int] = {}  # token count of every prompt seen
         self.consumed = 0  # rows drawn so far, over all ranks (skipped ones included)
         self.filtered = 0  # rows skipped for their length, since the start of this process
@@ -50,38 +49,32 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def token_ids(self, index: int) -> List[int]:
-        """The prompt's ids as the model reads them (before any cut to max_length); only the
-        current batch's are kept."""
-        if index not in self._cache:
-            prompt, _ = self.rows.prompt_and_fields(index)
-            if self.chat and self.system_prompt is not None:
-                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-                if messages[0]["role"] != "system":
-                    prompt = [{"role": "system", "content": self.system_prompt}] + messages
-            try:
-                ids = self.tokenizer.encode_prompt(prompt, self.chat)
-            except ValueError as e:
-                raise ValueError(f"{self.rows.where(index)}: {e}") from None
-            if not ids:
-                raise ValueError(f"{self.rows.where(index)}: the prompt encodes to no tokens")
-            self._cache[index] = ids
-            self._lengths[index] = len(ids)
-        return self._cache[index]
+    def _encode(self, index: int, prompt) -> List[int]:
+        """Row ``index``'s ``prompt`` as ids the model reads (before any cut to max_length); its
+        length is kept."""
+        if self.chat and self.system_prompt is not None:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            if messages[0]["role"] != "system":
+                prompt = [{"role": "system", "content": self.system_prompt}] + messages
+        try:
+            ids = self.tokenizer.encode_prompt(prompt, self.chat)
+        except ValueError as e:
+            raise ValueError(f"{self.rows.where(index)}: {e}") from None
+        if not ids:
+            raise ValueError(f"{self.rows.where(index)}: the prompt encodes to no tokens")
+        self._lengths[index] = len(ids)
+        return ids
 
     def length(self, index: int) -> int:
+        """Row ``index``'s prompt length in tokens."""
         if index not in self._lengths:
-            self.token_ids(index)
+            self._encode(index, self.rows.prompt_and_fields(index)[0])
         return self._lengths[index]
 
     def check_encodes(self) -> int:
         """Tokenize every prompt (errors name file and line; lengths are kept, ids are not); the
         number longer than max_length."""
-        overlong = 0
-        for i in range(len(self)):
-            overlong += self.length(i) > self.max_length
-            self._cache.clear()
-        return overlong
+        return sum(self.length(i) > self.max_length for i in range(len(self)))
 
     def _order(self, epoch: int) -> List[int]:
         if not self.shuffle:
@@ -126,18 +119,17 @@ class PromptDataset:
         """Rows ``indices``: ``tokens`` [b, P] right-padded with the pad id (a longer prompt keeps
         its last max_length tokens), ``lengths`` [b], ``texts`` (the prompts as the reward sees
         them), ``fields`` (each row's other columns) and ``indices``."""
-        self._cache.clear()
-        ids = [self.token_ids(i)[-self.max_length:] for i in indices]
+        ids, texts, fields = [], [], []
+        for i in indices:  # each row read once
+            prompt, row_fields = self.rows.prompt_and_fields(i)
+            ids.append(self._encode(i, prompt)[-self.max_length:])
+            texts.append(prompt_text(prompt))
+            fields.append(row_fields)
         self.truncated += sum(self.length(i) > self.max_length for i in indices)
         lengths = torch.tensor([len(x) for x in ids])
         tokens = torch.full((len(ids), int(lengths.max())), self.tokenizer.pad_id, dtype=torch.long)
         for row, x in enumerate(ids):
             tokens[row, : len(x)] = torch.tensor(x)
-        texts, fields = [], []
-        for i in indices:
-            prompt, row_fields = self.rows.prompt_and_fields(i)
-            texts.append(prompt_text(prompt))
-            fields.append(row_fields)
         return {"tokens": tokens, "lengths": lengths, "texts": texts, "fields": fields, "indices": list(indices)}
 
     def prompt_of(self, index: int) -> str:
