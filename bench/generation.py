@@ -1,15 +1,20 @@
 """Generation benchmark: our engine against Hugging Face transformers' generate(), side by side in
 one run, on the same random Llama weights (written by transformers, converted with the project's
-converter), greedy, prompts of spread lengths, response lengths spread by EOS.
+converter), greedy, on one or more workloads:
 
-    python bench/generation.py                      # 64 prompts of 16-512 tokens, 128 new tokens
-    python bench/generation.py --prompts 16 --max-prompt 96 --new-tokens 48 --json out.json
+    small       16 prompts of 8-96 tokens, 48 new, no EOS, 16 slots
+    no-eos      32 prompts of 8-384 tokens, 64 new, no EOS, 32 slots
+    eos-spread  64 prompts of 16-512 tokens, 128 new, EOS spread by a pilot run, 32 slots
 
-Prints useful tokens/s of each and their ratio, forward passes per useful token, the share of
-decode slot-steps that produced a useful token, and whether the greedy outputs agree row by row;
-then computed / useful tokens of the scoring and training passes over the rollout generated.
-On CUDA also the decode step time against the weight-read limit (weight bytes / memory bandwidth)
-at batch 1 and at the batch used.
+    python bench/generation.py --workload all        # a table of the three
+    python bench/generation.py --prompts 16 --max-prompt 96 --new-tokens 48 --json out.json   # one, by hand
+
+Each side runs ``--repeats`` times, alternating; the median is reported. Prints useful tokens/s of
+each and their ratio beside the ratio of token positions each computed (transformers: its padded
+batch, counted by a hook on its forward; ours: prompts fed once plus one token per decode step),
+forward passes per useful token, decode occupancy, whether the greedy outputs agree row by row,
+and computed / useful tokens of the scoring and training passes over the rollout generated. On
+CUDA also the decode step time against the weight-read limit.
 """
 
 from __future__ import annotations
@@ -36,10 +41,18 @@ from megatron_rlhf.models.decoder import build_model, load_local_state_dict  # n
 from megatron_rlhf.runtime import destroy_distributed, get_platform, init_distributed  # noqa: E402
 
 PAD = 0
+WORKLOADS = {
+    "small": dict(prompts=16, min_prompt=8, max_prompt=96, new_tokens=48, eos=False, slots=16),
+    "no-eos": dict(prompts=32, min_prompt=8, max_prompt=384, new_tokens=64, eos=False, slots=32),
+    "eos-spread": dict(prompts=64, min_prompt=16, max_prompt=512, new_tokens=128, eos=True, slots=32),
+}
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=(*WORKLOADS, "all"), help="a named workload (its sizes replace the flags below)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each side, alternating; the median is reported")
+    p.add_argument("--no-eos", action="store_true", help="rows run to --new-tokens (no end token)")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--min-prompt", type=int, default=16)
     p.add_argument("--max-prompt", type=int, default=512)
@@ -60,13 +73,13 @@ def parse_args():
     return p.parse_args()
 
 
-def random_llama(args, directory: str):
+def random_llama(args, directory: str, positions: int):
     import transformers
 
     config = transformers.LlamaConfig(
         hidden_size=args.hidden, intermediate_size=args.ffn, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads, num_hidden_layers=args.layers, vocab_size=args.vocab,
-        max_position_embeddings=args.max_prompt + args.new_tokens, rms_norm_eps=1e-5,
+        max_position_embeddings=positions, rms_norm_eps=1e-5,
         tie_word_embeddings=False, pad_token_id=PAD, bos_token_id=1, eos_token_id=2,
     )
     torch.manual_seed(args.seed)
@@ -91,10 +104,15 @@ def choose_eos(ours, prompts, lengths, args) -> int:
 
 
 def hf_generate(model, prompts, lengths, eos, args):
-    """transformers' greedy generate over left-padded batches; returns the responses and the
-    number of forward calls."""
-    calls = [0]
-    handle = model.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    """transformers' greedy generate over left-padded batches; returns the responses, the number of
+    forward calls and the token positions they computed."""
+    calls, positions = [0], [0]
+
+    def count(module, args, kwargs):
+        calls[0] += 1
+        positions[0] += kwargs["input_ids"].numel() if kwargs.get("input_ids") is not None else args[0].numel()
+
+    handle = model.register_forward_pre_hook(count, with_kwargs=True)
     batch = args.hf_batch or len(lengths)
     responses = []
     try:
@@ -113,7 +131,7 @@ def hf_generate(model, prompts, lengths, eos, args):
                 responses.append(_until_eos(out[row, width:].tolist(), eos))
     finally:
         handle.remove()
-    return responses, calls[0]
+    return responses, calls[0], positions[0]
 
 
 def pass_padding(gen, args):
@@ -136,7 +154,76 @@ def pass_padding(gen, args):
 
 
 def _until_eos(tokens, eos):
-    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+
+
+def workloads(args):
+    """(name, args of that workload) for each workload asked for."""
+    names = list(WORKLOADS) if args.workload == "all" else [args.workload] if args.workload else []
+    if not names:
+        return [("custom", args)]
+    chosen = []
+    for name in names:
+        w = dict(WORKLOADS[name])
+        eos = w.pop("eos")
+        chosen.append((name, argparse.Namespace(**{**vars(args), **w, "no_eos": not eos})))
+    return chosen
+
+
+def timed(run, repeats):
+    """The result of ``run()`` and the median of ``repeats`` timings of it."""
+    times, result = [], None
+    for _ in range(repeats):
+        get_platform().synchronize()
+        started = time.perf_counter()
+        result = run()
+        get_platform().synchronize()
+        times.append(time.perf_counter() - started)
+    return result, sorted(times)[len(times) // 2]
+
+
+def compare(ours, hf, w, args) -> dict:
+    """Both sides on workload ``w``, alternating run by run."""
+    device = get_platform().device
+    g = torch.Generator().manual_seed(args.seed + 1)
+    lengths = torch.randint(w.min_prompt, w.max_prompt + 1, (w.prompts,), generator=g)
+    prompts = torch.randint(3, args.vocab, (w.prompts, int(lengths.max())), generator=g)
+    eos = None if w.no_eos else choose_eos(ours, prompts, lengths, w)
+    params = SamplingParams(w.new_tokens, greedy=True, eos_ids=(eos,) if eos is not None else (), pad_id=PAD)
+    ours_times, hf_times = [], []
+    for _ in range(args.repeats):
+        gen, seconds = timed(lambda: generate(ours, prompts, lengths, params, args.vocab, batch_size=w.slots), 1)
+        ours_times.append(seconds)
+        with get_platform().plain_tensor_ops():  # a transformers user runs without our device mapping
+            (hf_rows, hf_calls, hf_positions), seconds = timed(lambda: hf_generate(hf, prompts.to(device), lengths, eos, w), 1)
+        hf_times.append(seconds)
+    ours_s, hf_s = sorted(ours_times)[args.repeats // 2], sorted(hf_times)[args.repeats // 2]
+    ours_rows = [gen.tokens[r, int(lengths[r]) : int(gen.total_lengths[r])].tolist() for r in range(w.prompts)]
+    useful = sum(len(r) for r in ours_rows)
+    response_lengths = sorted(len(r) for r in ours_rows)
+    s = gen.stats
+    return {
+        "workload": {"prompts": w.prompts, "prompt_tokens": f"{w.min_prompt}-{w.max_prompt}", "new_tokens": w.new_tokens,
+                     "eos": eos, "response_lengths_min_median_max":
+                     [response_lengths[0], response_lengths[len(response_lengths) // 2], response_lengths[-1]],
+                     "model": f"h{args.hidden}, {args.layers} layers, {args.heads} heads ({args.kv_heads} kv), "
+                              f"ffn {args.ffn}, vocab {args.vocab}, {args.precision}", "device": str(device),
+                     "slots": w.slots, "hf_batch": w.hf_batch or w.prompts, "repeats": args.repeats,
+                     "threads": torch.get_num_threads()},
+        "ours_useful_tokens_per_s": useful / ours_s,
+        "transformers_useful_tokens_per_s": sum(len(r) for r in hf_rows) / hf_s,
+        "ratio": (useful / ours_s) / (sum(len(r) for r in hf_rows) / hf_s),
+        "positions_computed_ratio": hf_positions / s.computed_tokens,
+        "ours_seconds": ours_s, "transformers_seconds": hf_s,
+        "ours_positions_computed": s.computed_tokens, "transformers_positions_computed": hf_positions,
+        "ours_forward_passes_per_useful_token": s.forward_passes / useful,
+        "transformers_forward_passes_per_useful_token": hf_calls / useful,
+        "decode_occupancy_of_rows_computed": s.useful / s.sampled,
+        "decode_occupancy_of_all_slots": s.useful / s.slot_steps,
+        "computed_tokens_per_useful_token": s.computed_tokens / useful,
+        "greedy_rows_identical": f"{sum(a == b for a, b in zip(ours_rows, hf_rows))}/{w.prompts}",
+        **pass_padding(gen, w),
+    }
 
 
 def main():
@@ -147,61 +234,34 @@ def main():
     transformers.logging.set_verbosity_error()
     init_distributed(ParallelConfig(1, 1), seed=args.seed)
     device = get_platform().device
+    chosen = workloads(args)
+    longest = max(w.max_prompt + w.new_tokens for _, w in chosen)
     with tempfile.TemporaryDirectory() as tmp:
-        hf = random_llama(args, os.path.join(tmp, "hf"))
+        hf = random_llama(args, os.path.join(tmp, "hf"), longest)
         hf_to_megatron(os.path.join(tmp, "hf"), os.path.join(tmp, "mg"))
         arch, meta = read_model_meta(os.path.join(tmp, "mg"))
         ours = build_model(arch, ParallelConfig(1, 1), "lm", precision=args.precision)
         load_local_state_dict(ours, load_model_shard(os.path.join(tmp, "mg"), arch, "lm", 1, 0, 1, 0))
     hf = hf.to(device=device, dtype=torch.bfloat16 if args.precision == "bf16" else torch.float32)
+    warm = torch.randint(3, args.vocab, (2, 8))
+    generate(ours, warm, torch.tensor([8, 5]), SamplingParams(4, greedy=True, pad_id=PAD), args.vocab)
+    hf.generate(warm, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
 
-    g = torch.Generator().manual_seed(args.seed + 1)
-    lengths = torch.randint(args.min_prompt, args.max_prompt + 1, (args.prompts,), generator=g)
-    prompts = torch.randint(3, args.vocab, (args.prompts, int(lengths.max())), generator=g)
-    eos = choose_eos(ours, prompts, lengths, args)
-    params = SamplingParams(args.new_tokens, greedy=True, eos_ids=(eos,) if eos is not None else (), pad_id=PAD)
-
-    generate(ours, prompts[:2, :8], torch.tensor([8, 5]), SamplingParams(4, greedy=True, pad_id=PAD), args.vocab)  # warm-up
-    get_platform().synchronize()
-    started = time.perf_counter()
-    gen = generate(ours, prompts, lengths, params, args.vocab, batch_size=args.slots)
-    get_platform().synchronize()
-    ours_s = time.perf_counter() - started
-    ours_rows = [gen.tokens[r, int(lengths[r]) : int(gen.total_lengths[r])].tolist() for r in range(args.prompts)]
-
-    started = time.perf_counter()
-    hf_rows, hf_calls = hf_generate(hf, prompts.to(device), lengths, eos, args)
-    get_platform().synchronize()
-    hf_s = time.perf_counter() - started
-
-    useful = sum(len(r) for r in ours_rows)
-    response_lengths = sorted(len(r) for r in ours_rows)
-    same = sum(a == b for a, b in zip(ours_rows, hf_rows))
-    s = gen.stats
-    figures = {
-        "workload": {"prompts": args.prompts, "prompt_tokens": f"{args.min_prompt}-{args.max_prompt}",
-                     "new_tokens": args.new_tokens, "eos": eos, "response_lengths_min_median_max":
-                     [response_lengths[0], response_lengths[len(response_lengths) // 2], response_lengths[-1]],
-                     "model": f"h{args.hidden}, {args.layers} layers, {args.heads} heads ({args.kv_heads} kv), "
-                              f"ffn {args.ffn}, vocab {args.vocab}, {args.precision}", "device": str(device),
-                     "slots": args.slots, "hf_batch": args.hf_batch or args.prompts},
-        "ours_useful_tokens_per_s": useful / ours_s,
-        "transformers_useful_tokens_per_s": sum(len(r) for r in hf_rows) / hf_s,
-        "ratio": (useful / ours_s) / (sum(len(r) for r in hf_rows) / hf_s),
-        "ours_seconds": ours_s, "transformers_seconds": hf_s,
-        "ours_forward_passes_per_useful_token": s.forward_passes / useful,
-        "transformers_forward_passes_per_useful_token": hf_calls / useful,
-        "decode_occupancy_of_rows_computed": s.useful / s.sampled,
-        "decode_occupancy_of_all_slots": s.useful / s.slot_steps,
-        "computed_tokens_per_useful_token": s.computed_tokens / useful,
-        "greedy_rows_identical": f"{same}/{args.prompts}",
-        **pass_padding(gen, args),
-    }
-    for key, value in figures.items():
-        print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
+    results = {}
+    for name, w in chosen:
+        results[name] = compare(ours, hf, w, args)
+        print(f"== {name}")
+        for key, value in results[name].items():
+            print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
+    if len(results) > 1:
+        print("\n| workload | ours tokens/s | transformers tokens/s | ratio | positions-computed ratio (bound) | greedy rows identical |")
+        print("|---|---|---|---|---|---|")
+        for name, r in results.items():
+            print(f"| {name} | {r['ours_useful_tokens_per_s']:.0f} | {r['transformers_useful_tokens_per_s']:.0f} | "
+                  f"{r['ratio']:.2f}x | {r['positions_computed_ratio']:.2f}x | {r['greedy_rows_identical']} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+            json.dump(results if args.workload else results["custom"], f, indent=1)
     destroy_distributed()
 
 

@@ -1,10 +1,10 @@
 """Generation from a Megatron policy under TP and PP: a continuous-batching engine.
 
-A fixed number of decode slots each hold one row at a time. Every step is one forward of a packed
-sequence: the whole prompt of each row admitted this step (one prefill per prompt, whatever the
-spread of prompt lengths), then the last token of every decoding row (kv_cache.py). When a row
-ends (EOS or max_new_tokens) its slot takes the next waiting prompt, so no slot idles while
-prompts wait and no token is computed for padding.
+A fixed number of decode slots each hold one row at a time (schedule.py). Every step is one forward
+of a packed sequence (packing.py, stage.py): the whole prompt of each row admitted this step, then
+the last token of every decoding row (kv_cache.py). When a row ends (EOS or max_new_tokens) its
+slot takes the next waiting prompt, so no slot idles while prompts wait and no token is computed
+for padding.
 
 The schedule is decided on the host from what every rank knows alike: lengths are counted there,
 and EOS is learnt from the device ``completion_lag`` steps late (a copy started right after each
@@ -16,7 +16,6 @@ stage samples from the TP-gathered logits; the tokens go to every TP rank and ev
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 from typing import Callable, Literal, Optional
@@ -24,8 +23,11 @@ from typing import Callable, Literal, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.generation.kv_cache import SlotKVCache, StepLayout, attend
+from megatron_rlhf.generation.kv_cache import SlotKVCache
+from megatron_rlhf.generation.packing import pack_step
 from megatron_rlhf.generation.sampling import SamplingParams, sample_next
+from megatron_rlhf.generation.schedule import ScheduledStep, SlotSchedule
+from megatron_rlhf.generation.stage import PipelineStage
 from megatron_rlhf.models.batches import action_mask
 from megatron_rlhf.models.decoder import unwrap
 from megatron_rlhf.models.pipeline import broadcast_from_last_stage
@@ -48,6 +50,12 @@ class EngineStats:
     sampled: int = 0
     useful: int = 0
     slot_steps: int = 0
+
+    def count(self, step: ScheduledStep, fed: int, slots: int) -> None:
+        self.forward_passes += 1
+        self.computed_tokens += fed
+        self.sampled += len(step.rows)
+        self.slot_steps += slots
 
 
 @dataclasses.dataclass
@@ -95,49 +103,38 @@ def _decided_once(sampled: torch.Tensor) -> torch.Tensor:
     return sampled
 
 
-class _Stage:
-    """One packed forward through this rank's pipeline stage, with the engine's attention."""
+class _Responses:
+    """The rows being generated, on the device: tokens [B, width + 1] (prompt, then response; the
+    last column takes the tokens not kept), each row's response length so far, and per slot its
+    last token and whether its row is still going (no end token emitted)."""
 
-    def __init__(self, model: torch.nn.Module, cache: SlotKVCache, rope: torch.Tensor):
-        from megatron.core import parallel_state as ps
+    def __init__(self, prompts: torch.Tensor, lengths: list, slots: int, width: int, params: SamplingParams,
+                 device: torch.device):
+        rows = prompts.shape[0]
+        self.width, self.pad_id = width, params.pad_id
+        self.tokens = torch.full((rows, width + 1), params.pad_id, dtype=torch.long, device=device)
+        self.tokens[:, : min(prompts.shape[1], width)] = prompts[:, :width]  # a wider prompt tensor holds padding there
+        self.prompt_lengths = torch.tensor(lengths, device=device)
+        self.response_lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        self.alive = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.last_token = torch.zeros(slots, dtype=torch.long, device=device)
+        self.eos_ids = torch.tensor(params.eos_ids, dtype=torch.long, device=device) if params.eos_ids else None
 
-        self.model, self.inner, self.cache, self.rope = model, unwrap(model), cache, rope
-        self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        self.prev, self.next = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
-        self.layout: Optional[StepLayout] = None
-        self.keep: Optional[torch.Tensor] = None  # positions whose logits are wanted
-        # Under sequence parallel the decoder's output is a sequence shard: select after the head.
-        self.select_early = not self.inner.config.sequence_parallel
+    def record(self, step: ScheduledStep, sampled: torch.Tensor, rows: torch.Tensor, counters: torch.Tensor) -> None:
+        """Each slot's token of ``step``: kept where its row is still going."""
+        slots = torch.tensor(step.slots, device=sampled.device)
+        self.alive[slots[: len(step.admitted)]] = True
+        kept = self.alive[slots]
+        self.tokens[rows, torch.where(kept, self.prompt_lengths[rows] + counters, self.width)] = sampled
+        self.response_lengths.index_add_(0, rows, kept.long())
+        if self.eos_ids is not None:
+            self.alive[slots] = kept & ~torch.isin(sampled, self.eos_ids)
+        self.last_token[slots] = sampled
 
-    def __enter__(self):
-        self._attention = compat.attention_replaced(
-            self.inner, lambda i, attention: (lambda hidden, *a, **k: attend(attention, i, self.cache, self.layout, hidden)))
-        self._attention.__enter__()
-        self._hook = self.inner.decoder.register_forward_hook(self._select) if self.last and self.select_early else None
-        return self
-
-    def __exit__(self, *exc):
-        if self._hook is not None:
-            self._hook.remove()
-        return self._attention.__exit__(*exc)
-
-    def _select(self, module, inputs, hidden):
-        return hidden.index_select(0, self.keep)
-
-    def forward(self, tokens: torch.Tensor, layout: StepLayout, keep: torch.Tensor) -> Optional[torch.Tensor]:
-        """tokens [1, T] -> the full-vocabulary logits [len(keep), V] at ``keep`` on the last stage, else None."""
-        layout.rope = self.rope.index_select(0, layout.positions)
-        self.layout, self.keep = layout, keep
-        if not self.first:
-            hidden = torch.empty(tokens.shape[1], 1, self.inner.config.hidden_size, dtype=self.inner.config.pipeline_dtype,
-                                 device=tokens.device)
-            dist.recv(hidden, src=self.prev)
-            self.inner.set_input_tensor(hidden)
-        output = self.model(tokens, None, None, runtime_gather_output=True)
-        if not self.last:
-            dist.send(output.contiguous(), dst=self.next)
-            return None
-        return output[0] if self.select_early else output[0].index_select(0, keep)
+    def result(self, stats: EngineStats) -> Generated:
+        stats.useful = int(self.response_lengths.sum())
+        used = int((self.prompt_lengths + self.response_lengths).max())
+        return Generated(self.tokens[:, :used], self.prompt_lengths, self.response_lengths, stats)
 
 
 @torch.no_grad()
@@ -185,116 +182,72 @@ def generate(
     platform = get_platform()
     lag = platform.completion_lag if completion_lag is None else completion_lag
     tp = ps.get_tensor_model_parallel_world_size()
-    pad_to = tp if config.sequence_parallel else 1  # the packed sequence is split over TP ranks
-    scratch = slots if pad_to > 1 else None  # a slot no row uses, for padding tokens
-
-    prompts = right_pad(prompts.to(device), prompt_lengths.to(device), params.pad_id, padding_side)
+    packer = _Packer(right_pad(prompts.to(device), prompt_lengths.to(device), params.pad_id, padding_side), lengths, params.pad_id,
+                     compat.rotary_angles(inner, cache_length).to(device), config, pad_to=tp if config.sequence_parallel else 1,
+                     scratch_slot=slots)
     seeds = (torch.arange(rows) if seeds is None else seeds).to(device=device, dtype=torch.int64)
-    tokens = torch.full((rows, width + 1), params.pad_id, dtype=torch.long, device=device)  # last column: discards
-    tokens[:, : min(prompts.shape[1], width)] = prompts[:, :width]  # a wider prompt tensor holds only padding there
-    prompt_len_dev = torch.tensor(lengths, device=device)
-    response_lengths = torch.zeros(rows, dtype=torch.long, device=device)
-    alive = torch.zeros(slots, dtype=torch.bool, device=device)
-    last_token = torch.zeros(slots, dtype=torch.long, device=device)
-    eos_ids = torch.tensor(params.eos_ids, dtype=torch.long, device=device) if params.eos_ids else None
-
-    cache = SlotKVCache(len(compat.attention_layers(inner)), slots + (scratch is not None), cache_length,
+    schedule = SlotSchedule(lengths, slots, params.max_new_tokens, PREFILL_TOKENS)
+    responses = _Responses(packer.prompts, lengths, slots, width, params, device)
+    cache = SlotKVCache(len(compat.attention_layers(inner)), slots + (packer.pad_to > 1), cache_length,
                         config.num_query_groups // tp if config.num_query_groups else config.num_attention_heads // tp,
                         config.kv_channels, config.params_dtype, device)
     stats = EngineStats()
-    waiting = collections.deque(range(rows))
-    row_in = [-1] * slots  # host: the row each slot holds, -1 when free
-    produced = [0] * slots  # tokens sampled for that row so far
-    fed = [0] * slots  # positions of that row in the cache
-    pending = collections.deque()  # (step, rows per slot then, alive flags copied from the device)
     with contextlib.ExitStack() as stack:  # left in reverse: stage, train mode, cache freed, then on_cache
         if on_cache is not None:
             stack.enter_context(on_cache(cache))
         stack.callback(cache.release)
         stack.callback(model.train, model.training)
         model.eval()
-        stage = stack.enter_context(_Stage(model, cache, compat.rotary_angles(inner, cache_length).to(device)))
-        step = 0
-        while True:
-            for s in range(slots):  # ended by length: known here
-                if row_in[s] >= 0 and produced[s] >= params.max_new_tokens:
-                    row_in[s] = -1
-            while pending and (pending[0][0] <= step - lag or not waiting and all(r < 0 for r in row_in)):
-                _, held, flags = pending.popleft()  # ended by EOS: learnt lag steps late
-                for s, flag in enumerate(flags().tolist()):
-                    if not flag and row_in[s] == held[s] >= 0:
-                        row_in[s] = -1
-            admitted, budget = [], PREFILL_TOKENS
-            for s in range(slots):
-                if row_in[s] < 0 and waiting and (not admitted or lengths[waiting[0]] <= budget):
-                    r = waiting.popleft()
-                    row_in[s], produced[s], fed[s] = r, 0, 0
-                    budget -= lengths[r]
-                    admitted.append(s)
-            decoding = [s for s in range(slots) if row_in[s] >= 0 and s not in admitted]
-            if not admitted and not decoding:
-                if pending:
-                    continue
-                break
-            # The packed step: admitted prompts, then one token per decoding row.
-            parts, positions, token_slots, prefill, keep = [], [], [], [], []
-            for s in admitted:
-                n = lengths[row_in[s]]
-                prefill.append((len(positions), n))
-                parts.append(prompts[row_in[s], :n])
-                positions.extend(range(n))
-                token_slots.extend([s] * n)
-                keep.append(len(positions) - 1)
-            padding = -(len(positions) + len(decoding)) % pad_to
-            if padding:  # a segment of its own, in the scratch slot; its logits are not kept
-                prefill.append((len(positions), padding))
-                parts.append(torch.full((padding,), params.pad_id, dtype=torch.long, device=device))
-                positions.extend(range(padding))
-                token_slots.extend([scratch] * padding)
-            decode_start = len(positions)
-            decode_slots = torch.tensor(decoding, device=device) if decoding else None
-            if decoding:
-                parts.append(last_token[decode_slots])
-                positions.extend(fed[s] for s in decoding)
-                token_slots.extend(decoding)
-                keep.extend(range(decode_start, len(positions)))
-            span = (decoding[0], decoding[-1] + 1) if decoding and decoding[-1] - decoding[0] + 1 == len(decoding) else None
-            layout = StepLayout(
-                torch.tensor(positions, device=device), torch.tensor(token_slots, device=device), prefill,
-                decode_start, decode_slots, span, max((fed[s] + 1 for s in decoding), default=0),
-            )
-            logits = stage.forward(torch.cat(parts).unsqueeze(0), layout, torch.tensor(keep, device=device))
-
-            out_slots = admitted + decoding
-            out_rows = torch.tensor([row_in[s] for s in out_slots], device=device)
-            counters = torch.tensor([produced[s] for s in out_slots], device=device)
+        stage = stack.enter_context(PipelineStage(model, cache))
+        stack.enter_context(platform.plain_tensor_ops())
+        stack.enter_context(torch.inference_mode())
+        while (step := schedule.next_step(lag)) is not None:
+            tokens, layout, keep = packer.pack(step, responses.last_token)
+            logits = stage.forward(tokens, layout, keep)
+            step_rows = torch.tensor(step.rows, device=device)
+            counters = torch.tensor(step.counters, device=device)
             sampled = None
             if logits is not None:
-                sampled = _decided_once(sample_next(logits[:, :vocab_size], params, seeds[out_rows], counters))
-            sampled = broadcast_from_last_stage(sampled, (len(out_slots),), torch.long, device)
+                sampled = _decided_once(sample_next(logits[:, :vocab_size], params, seeds[step_rows], counters))
+            responses.record(step, broadcast_from_last_stage(sampled, (len(step.rows),), torch.long, device),
+                             step_rows, counters)
+            if params.eos_ids:
+                schedule.note_alive(lambda copied=platform.copy_to_host_async(responses.alive): copied().tolist())
+            stats.count(step, tokens.shape[1], slots)
+    return responses.result(stats)
 
-            slot_index = torch.tensor(out_slots, device=device)
-            alive[slot_index[: len(admitted)]] = True  # out_slots begin with the admitted
-            write = alive[slot_index]
-            column = torch.where(write, prompt_len_dev[out_rows] + counters, width)
-            tokens[out_rows, column] = sampled
-            response_lengths.index_add_(0, out_rows, write.long())
-            if eos_ids is not None:
-                alive[slot_index] = write & ~torch.isin(sampled, eos_ids)
-            last_token[slot_index] = sampled
-            for s in admitted:
-                fed[s] = lengths[row_in[s]]
-            for s in decoding:
-                fed[s] += 1
-            for s in out_slots:
-                produced[s] += 1
-            if eos_ids is not None:
-                pending.append((step, list(row_in), platform.copy_to_host_async(alive)))
-            stats.forward_passes += 1
-            stats.computed_tokens += len(positions)
-            stats.sampled += len(out_slots)
-            stats.slot_steps += slots
-            step += 1
-    stats.useful = int(response_lengths.sum())
-    used = int((prompt_len_dev + response_lengths).max())
-    return Generated(tokens[:, :used], prompt_len_dev, response_lengths, stats)
+
+class _Packer:
+    """Turns a scheduled step into its packed tokens [1, T], their layout and the positions whose
+    logits are sampled. ``pad_to``: T is made a multiple of it (the sequence-parallel split) by a
+    segment of padding tokens in ``scratch_slot``, a slot no row uses."""
+
+    def __init__(self, prompts: torch.Tensor, lengths: list, pad_id: int, rotary: torch.Tensor, config, pad_to: int,
+                 scratch_slot: int):
+        self.prompts, self.lengths, self.pad_id, self.rotary = prompts, lengths, pad_id, rotary
+        self.pad_to, self.scratch_slot = pad_to, scratch_slot
+        self.window = config.window_size[0] if config.window_size else None
+        self.dtype, self.device = config.params_dtype, prompts.device
+
+    def pack(self, step: ScheduledStep, last_token: torch.Tensor):
+        admitted_rows = step.rows[: len(step.admitted)]
+        prompt_lengths = [self.lengths[r] for r in admitted_rows]
+        parts = [self.prompts[r, :n] for r, n in zip(admitted_rows, prompt_lengths)]
+        prompt_slots = list(step.admitted)
+        keep, end = [], 0
+        for n in prompt_lengths:
+            end += n
+            keep.append(end - 1)
+        padding = -(end + len(step.decoding)) % self.pad_to
+        if padding:  # a prompt of its own; its logits are not kept
+            parts.append(torch.full((padding,), self.pad_id, dtype=torch.long, device=self.device))
+            prompt_lengths.append(padding)
+            prompt_slots.append(self.scratch_slot)
+            end += padding
+        if step.decoding:
+            decode_slots = torch.tensor(step.decoding, device=self.device)
+            parts.append(last_token.index_select(0, decode_slots))
+            keep.extend(range(end, end + len(step.decoding)))
+        layout = pack_step(prompt_lengths, prompt_slots, step.decoding, step.fed, self.rotary, self.window, self.dtype,
+                           self.device)
+        return torch.cat(parts).unsqueeze(0), layout, torch.tensor(keep, device=self.device)

@@ -2,20 +2,19 @@
 
 Every decode slot owns a region of ``length`` positions in each layer of this rank's stage; a row
 admitted to a slot writes its keys and values at its own positions 0, 1, ... of that region, so
-rows of any prompt length share a step. One engine step feeds a packed sequence [1, T]: the whole
-prompt of each newly admitted row (its prefill), then one token per decoding row. The attention
-of each megatron layer is replaced for the step by :func:`attend`: megatron's own QKV projection,
-RoPE at each token's own position, the cache write, causal attention within each prompt, attention
-of each decode token over its slot's positions so far, megatron's own output projection.
+rows of any prompt length share a step. The attention of each megatron layer is replaced for an
+engine step (packing.py) by :func:`attend`: megatron's own QKV projection (and q/k norms), RoPE at
+each token's own position, the cache write, causal attention within each prompt (prompts of one
+length in one call), attention of each decode token over its slot's positions so far (one call over
+a view of the cache), megatron's own output projection.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import List, Optional, Tuple
-
 import torch
 import torch.nn.functional as F
+
+from megatron_rlhf.generation.packing import PrefillGroup, StepLayout
 
 
 class SlotKVCache:
@@ -46,68 +45,61 @@ class SlotKVCache:
         self.storage.untyped_storage().resize_(0)
 
 
-@dataclasses.dataclass
-class StepLayout:
-    """Where each token of one packed step [1, T] belongs.
-
-    positions, slots: [T] (device) each token's position in its row and its slot.
-    prefill: (start, length) of each admitted prompt in the packed sequence (host ints).
-    decode_start: where the decode tokens begin; decode_slots: their slots [D] (device);
-    decode_span: (first, end) when the decode slots are exactly first..end-1 in order (the cache
-    is then read as a view), else None; decode_extent: the longest decode row so far (host).
-    rope: [T, 1, 1, dim] rotary angles at ``positions``.
-    """
-
-    positions: torch.Tensor
-    slots: torch.Tensor
-    prefill: List[Tuple[int, int]]
-    decode_start: int
-    decode_slots: Optional[torch.Tensor]
-    decode_span: Optional[Tuple[int, int]]
-    decode_extent: int
-    rope: Optional[torch.Tensor] = None
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """megatron's (non-interleaved) RoPE: t [T, 1, heads, dim] rotated on its first cos.shape[-1]
+    dimensions by the factors [T, 1, 1, rotary dim]."""
+    rotary = cos.shape[-1]
+    x = t[..., :rotary]
+    x1, x2 = x.chunk(2, dim=-1)
+    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return out if rotary == t.shape[-1] else torch.cat((out, t[..., rotary:]), dim=-1)
 
 
 def attend(attention: torch.nn.Module, layer: int, cache: SlotKVCache, step: StepLayout,
            hidden_states: torch.Tensor, *args, **kwargs):
     """Stands in for megatron's ``SelfAttention.forward`` during an engine step: hidden [T, 1, h]
     -> (output [T, 1, h], bias). The arguments megatron passes for its own caches are ignored."""
-    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-
     query, key, value = attention.get_query_key_value_tensors(hidden_states, None)  # [T, 1, heads, dim]
-    config = attention.config
-    query = apply_rotary_pos_emb(query, step.rope, config=config)
-    key = apply_rotary_pos_emb(key, step.rope, config=config)
+    query, key = rotate(query, step.cos, step.sin), rotate(key, step.cos, step.sin)
     keys, values = cache.keys[layer], cache.values[layer]  # [slots, kv_heads, length, dim]
     keys[step.slots, :, step.positions] = key[:, 0]
     values[step.slots, :, step.positions] = value[:, 0]
     scale = getattr(attention.core_attention, "softmax_scale", None)
-    # A sliding window (megatron's (left, 0)): a token sees itself and the `left` positions before it.
-    left = config.window_size[0] if config.window_size else None
     out = torch.empty_like(query)
-    for start, n in step.prefill:  # a prompt attends to itself only: its row's positions start at 0
-        q, k, v = (t[start : start + n, 0].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-        mask = None if left is None else _visible(torch.arange(n, device=q.device), n, left)
-        out[start : start + n, 0] = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)[0].transpose(0, 1)
-    if step.decode_slots is not None:
-        first = step.decode_start
-        extent = step.decode_extent
-        if step.decode_span is not None:
-            lo, hi = step.decode_span
-            k, v = keys[lo:hi, :, :extent], values[lo:hi, :, :extent]
-        else:
-            k, v = keys[step.decode_slots, :, :extent], values[step.decode_slots, :, :extent]
-        q = query[first:, 0].unsqueeze(2)  # [D, heads, 1, dim]
-        visible = _visible(step.positions[first:], extent, left)
-        out[first:, 0] = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=True).squeeze(2)
+    for group in step.prefill:
+        _prefill(query[:, 0], key[:, 0], value[:, 0], group, scale, out[:, 0])
+    if step.decodes:
+        out[step.decode_start :, 0] = _decode(query[step.decode_start :, 0], keys, values, step, scale)
     return attention.linear_proj(out.view(out.shape[0], 1, -1))
 
 
-def _visible(positions: torch.Tensor, extent: int, left: Optional[int]) -> torch.Tensor:
-    """[len(positions), extent]: which cache positions each query position attends to (causal,
-    within ``left`` positions before it when a sliding window is set)."""
-    keys = torch.arange(extent, device=positions.device)
-    distance = positions.unsqueeze(1) - keys
-    return (distance >= 0) if left is None else (distance >= 0) & (distance <= left)
+def _prefill(query, key, value, group: PrefillGroup, scale, out) -> None:
+    """Causal attention of each prompt of ``group`` to itself: q/k/v/out [T, heads, dim]."""
+    if group.span is not None:
+        start, n = group.span
+        q, k, v = (t[start : start + n].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+    else:
+        q, k, v = (t[group.index].transpose(1, 2) for t in (query, key, value))  # [G, heads, n, dim]
+    attended = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, is_causal=group.mask is None, scale=scale,
+                                              enable_gqa=True).transpose(1, 2)  # [G, n, heads, dim]
+    if group.span is not None:
+        out[start : start + n] = attended[0]
+    else:
+        out[group.index] = attended
+
+
+def _decode(query, keys, values, step: StepLayout, scale) -> torch.Tensor:
+    """Attention of each decode token [D, heads, dim] over its slot's positions so far, over the
+    slots decode_span covers (a view of the cache). Two batched matmuls rather than SDPA: at one
+    query per slot its per-call set-up costs more than the arithmetic."""
+    lo, hi = step.decode_span
+    extent = step.decode_bias.shape[-1]
+    every_slot = query.shape[0] == hi - lo  # then the decode slots are lo..hi-1 in order
+    q = query if every_slot else query.new_zeros(hi - lo, *query.shape[1:]).index_copy_(0, step.decode_rows, query)
+    kv_heads = keys.shape[1]
+    q = q.view(hi - lo, kv_heads, -1, q.shape[-1])  # [span, kv_heads, queries per kv head, dim]
+    scores = torch.matmul(q, keys[lo:hi, :, :extent].transpose(-1, -2))
+    scores = scores.mul_(q.shape[-1] ** -0.5 if scale is None else scale).add_(step.decode_bias)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    attended = torch.matmul(probs, values[lo:hi, :, :extent]).view(hi - lo, -1, q.shape[-1])
+    return attended if every_slot else attended.index_select(0, step.decode_rows)

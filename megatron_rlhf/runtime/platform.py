@@ -75,6 +75,11 @@ class DevicePlatform:
     def join_side_stream(self) -> None:
         """Make the main stream wait for everything queued on the side stream so far."""
 
+    def plain_tensor_ops(self):
+        """A context in which torch ops run without this platform's per-op adaptations (for code
+        known not to need them: the generation engine's steps)."""
+        return contextlib.nullcontext()
+
     def copy_to_host_async(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Start copying ``tensor`` to the host (queued after the work that writes it); returns a
         function that waits for the copy and gives it."""
@@ -222,6 +227,11 @@ class CpuPlatform(DevicePlatform):
         from megatron_rlhf.runtime import megatron_cpu
 
         megatron_cpu.apply()
+
+    def plain_tensor_ops(self):
+        from megatron_rlhf.runtime import megatron_cpu
+
+        return megatron_cpu.device_mapping_paused()
 
     def empty_cache(self) -> None:
         # The CPU counterpart of the CUDA allocator cache: free heap pages glibc still holds.
