@@ -96,23 +96,28 @@ def pack_step(prompt_lengths: Sequence[int], prompt_slots: Sequence[int], decode
     for n in prompt_lengths:
         starts.append(total)
         total += n
-    segment = torch.repeat_interleave(torch.arange(len(prompt_lengths), device=device),
-                                      torch.tensor(prompt_lengths, dtype=torch.long, device=device), output_size=total)
-    first = torch.tensor(starts, device=device, dtype=torch.long)
-    prompt_positions = torch.arange(total, device=device) - first[segment] if total else segment
-    prompt_token_slots = torch.tensor(list(prompt_slots), device=device, dtype=torch.long)[segment]
-    positions = torch.cat([prompt_positions, torch.tensor(list(decode_positions), device=device, dtype=torch.long)])
-    slots = torch.cat([prompt_token_slots, torch.tensor(list(decode_slots), device=device, dtype=torch.long)])
+    # Everything known on the host in one transfer: decode positions, slots, rows in the span read,
+    # and the position of every slot of that span (0 for a slot not decoding: it sees position 0 only).
+    decoded = len(decode_slots)
+    lo, hi = (min(decode_slots), max(decode_slots) + 1) if decoded else (0, 0)
+    span_positions = [0] * (hi - lo)
+    for slot, position in zip(decode_slots, decode_positions):
+        span_positions[slot - lo] = position
+    host = torch.tensor([*decode_positions, *decode_slots, *(s - lo for s in decode_slots), *span_positions],
+                        dtype=torch.long).to(device)
+    positions, slots, rows = host[:decoded], host[decoded : 2 * decoded], host[2 * decoded : 3 * decoded]
+    if prompt_lengths:
+        segment = torch.repeat_interleave(torch.arange(len(prompt_lengths), device=device),
+                                          torch.tensor(prompt_lengths, dtype=torch.long, device=device), output_size=total)
+        first = torch.tensor(starts, device=device, dtype=torch.long)
+        positions = torch.cat([torch.arange(total, device=device) - first[segment], positions])
+        slots = torch.cat([torch.tensor(list(prompt_slots), device=device, dtype=torch.long)[segment], slots])
     angles = rotary.index_select(0, positions)
     layout = StepLayout(positions, slots, torch.cos(angles).to(dtype), torch.sin(angles).to(dtype),
-                        [_group(starts, prompt_lengths[g[0]], g, window, device) for g in prefill_groups(prompt_lengths)], window, total)
-    if decode_slots:
-        lo, hi = min(decode_slots), max(decode_slots) + 1
-        extent = max(decode_positions) + 1
-        rows = torch.tensor([s - lo for s in decode_slots], device=device)
-        # Slots in the span that do not decode see position 0 only (never an empty softmax).
-        span_positions = torch.zeros(hi - lo, dtype=torch.long, device=device).index_copy_(0, rows, positions[total:])
-        allowed = visible(span_positions, extent, window)
+                        [_group(starts, prompt_lengths[g[0]], g, window, device) for g in prefill_groups(prompt_lengths)],
+                        window, total)
+    if decoded:
+        allowed = visible(host[3 * decoded :], max(decode_positions) + 1, window)
         bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
         layout.decode_span, layout.decode_rows, layout.decode_bias = (lo, hi), rows, bias[:, None, None, :]
     return layout
