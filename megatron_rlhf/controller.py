@@ -123,31 +123,13 @@ class PPOController:
             with open(os.path.join(self.progress_dir, f"rank{dist.get_rank()}"), "w", encoding="utf-8") as f:
                 f.write(f"{self.iteration}\t{value}\t{time.time():.0f}")
 
-    def _successions(self) -> Dict[str, str]:
-        """Each role -> the role that always runs right after it within an iteration (none where
-        dynamic sampling may return to the policy)."""
-        dynamic = self.config.algorithm.dynamic_sampling
-        order = {}
-        if self.config.reward.type == "model":
-            order["policy"] = "reward"
-            if not dynamic:
-                order["reward"] = "reference"
-        elif not dynamic:
-            order["policy"] = "reference"
-        order["reference"] = "value" if "value" in self.roles else "ppo_policy"
-        if "value" in self.roles:
-            order["value"] = "ppo_policy"
-        if "ppo_value" in self.roles:
-            order["ppo_policy"] = "ppo_value"
-        return order
-
     def _overlaps(self, budget: int) -> Dict[str, str]:
         """The successions whose onload may overlap (both phases fit in ``budget``), printed on rank 0."""
         from megatron_rlhf.units import human
         from megatron_rlhf.memory.planner import overlap_fits, plan
 
         planned = plan(self.config, dist.get_world_size())
-        pairs = {a: b for a, b in self._successions().items() if overlap_fits(self.config, planned, a, b, budget)}
+        pairs = {a: b for a, b in self.config.successions.items() if overlap_fits(self.config, planned, a, b, budget)}
         if dist.get_rank() == 0:
             print(f"overlap_onload: {human(budget)} free on the device; overlapping "
                   f"{', '.join(f'{a} -> {b}' for a, b in pairs.items()) or 'nothing'}", flush=True)
@@ -421,21 +403,14 @@ class PPOController:
             self.score_moments.update(self._gather_over_dp(scores))
             scores = scores / (self.score_moments.std + 1e-8)
         rewards = ppo.token_rewards(scores, kl, 0.0 if p.kl_in_loss else self.kl_controller.value, mask)
-        estimator = alg.advantage_estimator
+        estimator = ppo.ESTIMATORS[alg.advantage_estimator]
+        advantages, r.returns = estimator.advantages(ppo.EstimatorInputs(
+            rewards, mask, r.old_values, r.group_index, p.gamma, p.lam, alg.norm_adv_by_std_in_grpo))
         out = {}
-        if estimator == "gae":
-            advantages, r.returns = ppo.gae_advantages(rewards, r.old_values, mask, p.gamma, p.lam)
+        if r.returns is not None:
             out = {"returns/mean": ppo.masked_mean(r.returns, mask).item(),
                    "values/mean": ppo.masked_mean(r.old_values, mask).item()}
-        elif estimator == "reinforce_plus_plus":
-            advantages = ppo.discounted_returns(rewards, mask, p.gamma)
-        elif estimator == "rloo":
-            advantages = ppo.rloo_advantages(rewards.sum(dim=1), r.group_index, mask)
-        else:  # grpo; reinforce_plus_plus_baseline is the group-mean baseline, whitened below
-            normalize = estimator == "grpo" and alg.norm_adv_by_std_in_grpo
-            advantages = ppo.grpo_advantages(rewards.sum(dim=1), r.group_index, mask, normalize)
-        whiten = p.whiten_advantages if estimator == "gae" else estimator.startswith("reinforce_plus_plus")
-        if whiten:  # by the statistics of the whole rollout, not this rank's share
+        if estimator.whitened(p.whiten_advantages):  # by the statistics of the whole rollout, not this rank's share
             moments = sum_over(ppo.masked_moments(advantages, mask), self.dp_group)
             advantages = ppo.whiten_with_moments(advantages, mask, moments)
         r.advantages = advantages

@@ -6,6 +6,7 @@ import pytest
 
 from megatron_rlhf.config import ConfigError, load_config, load_tree
 from megatron_rlhf.config.loader import interpolate
+from tests.conftest import REPO
 
 ROLES = ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value")
 
@@ -328,3 +329,19 @@ def test_a_config_file_that_is_not_utf8_names_its_line(tmp_path):
     (tmp_path / "rlhf.yaml").write_bytes(b"seed: 1\n# caf\xae\nppo: {iterations: 2}\n")
     with pytest.raises(ConfigError, match=r"rlhf\.yaml:2: not UTF-8 text; save the file as UTF-8"):
         load_config(str(tmp_path / "rlhf.yaml"))
+
+
+@pytest.mark.parametrize("reward, dynamic, expected", [
+    ("function", False, {"policy": "reference", "reference": "value", "value": "ppo_policy", "ppo_policy": "ppo_value"}),
+    ("model", False, {"policy": "reward", "reward": "reference", "reference": "value", "value": "ppo_policy",
+                      "ppo_policy": "ppo_value"}),
+    ("model", True, {"policy": "reward", "reference": "value", "value": "ppo_policy", "ppo_policy": "ppo_value"}),
+    ("function", True, {"reference": "value", "value": "ppo_policy", "ppo_policy": "ppo_value"}),
+])
+def test_successions_follow_the_phase_order_and_stop_where_sampling_may_go_round_again(reward, dynamic, expected):
+    import dataclasses
+
+    config = load_config(str(REPO / "examples/tiny/rlhf.yaml"), world_size=2)
+    config = dataclasses.replace(config, reward=dataclasses.replace(config.reward, type=reward),
+                                 algorithm=dataclasses.replace(config.algorithm, dynamic_sampling=dynamic))
+    assert config.successions == expected

@@ -352,3 +352,30 @@ def test_length_grouped_micro_batches_are_trimmed_and_come_back_in_row_order():
     kept = torch.arange(9) < (lengths - 1).clamp(min=1)[:, None]  # each row's real action positions survive
     assert torch.equal(back[kept], per_action[kept]) and (back[0, 4:] == 0).all() and (back[5, 1:] == 0).all()
     assert torch.equal(ungrouped([mb["row"] for mb in batches], order, 0), torch.arange(6))
+
+
+def test_the_estimator_registry_is_the_configs_domain_and_dispatches_to_the_formulas():
+    from megatron_rlhf.config.schema import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS
+
+    assert set(ppo.ESTIMATORS) == set(ADVANTAGE_ESTIMATORS)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 2.0], [0.5, 0.0, 0.0], [0.0, -1.0, 0.0]])
+    values = torch.tensor([[0.1, 0.2, 0.0], [0.3, 0.1, 0.2], [0.0, 0.0, 0.0], [0.2, 0.2, 0.0]])
+    group = torch.tensor([0, 0, 1, 1])
+    x = ppo.EstimatorInputs(rewards, mask, values, group, gamma=0.9, lam=0.8, normalize_by_std=True)
+    outcomes = torch.tensor([1.0, 2.0, 0.5, -1.0])
+    expected = {
+        "gae": ppo.gae_advantages(rewards, values, mask, 0.9, 0.8),
+        "grpo": (ppo.grpo_advantages(outcomes, group, mask, True), None),
+        "rloo": (ppo.rloo_advantages(outcomes, group, mask), None),
+        "reinforce_plus_plus": (ppo.discounted_returns(rewards, mask, 0.9), None),
+        "reinforce_plus_plus_baseline": (ppo.grpo_advantages(outcomes, group, mask, False), None),
+    }
+    for name, estimator in ppo.ESTIMATORS.items():
+        advantages, returns = estimator.advantages(x)
+        assert torch.equal(advantages, expected[name][0]), name
+        assert (returns is None) == (name not in CRITIC_ESTIMATORS) and (returns is None or torch.equal(returns, expected[name][1]))
+    # rloo by hand: group 0 (1.0, 2.0) -> -1.0, +1.0 at every response token
+    assert ppo.ESTIMATORS["rloo"].advantages(x)[0][0].tolist() == [-1.0, -1.0, 0.0]
+    assert [ppo.ESTIMATORS[n].whitened(w) for n in ("gae", "grpo", "reinforce_plus_plus") for w in (True, False)] == \
+        [True, False, False, False, True, True]

@@ -69,6 +69,22 @@ def test_the_kv_cache_is_in_the_ledger_for_generation_only_and_as_planned(demo_r
     assert all(r["transient_bytes"] == r["bytes"]["kv_cache"] for r in policy)
 
 
+def test_every_iteration_runs_its_roles_in_the_declared_phase_order(demo_runs):
+    from megatron_rlhf.config.schema import PHASE_ORDER
+
+    base, _, _ = demo_runs
+    records = [json.loads(line) for line in (base / "on" / "memory.jsonl").read_text().splitlines()]
+    by_iteration, ended = {}, set()
+    for r in records:  # up to the iteration's end (a checkpoint save brings trained roles back after it)
+        order = by_iteration.setdefault(r["iteration"], [])
+        if r["event"] == "phase_end" and r["phase"] == "iteration":
+            ended.add(r["iteration"])
+        elif r["iteration"] not in ended and r["active_role"] and (not order or order[-1] != r["active_role"]):
+            order.append(r["active_role"])
+    declared = [role for _, role in PHASE_ORDER if role in ("policy", "reference", "value", "ppo_policy", "ppo_value")]
+    assert len(by_iteration) == len(metrics(base / "on")) and all(o == declared for o in by_iteration.values())
+
+
 def test_overlapped_onloads_change_no_number(demo_runs):
     base, _, _ = demo_runs
     run = train(base / "overlap", env={**{v: "True" for v in FREE_MEMORY_VARS}, "ITERATIONS": "3", "OVERLAP_ONLOAD": "True"})

@@ -37,6 +37,11 @@ def bounded(default, **domain) -> dataclasses.Field:
 
 ROLE_NAMES = ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value")
 TRAINABLE_ROLES = ("ppo_policy", "ppo_value")
+# The phases of one iteration in the order they run, each with its active role (a role the run does
+# not build is skipped): the controller runs them so, the planner plans them so, and overlapped
+# onloads follow from it (RLHFConfig.successions).
+PHASE_ORDER = (("generate", "policy"), ("reward", "reward"), ("reference", "reference"), ("value", "value"),
+               ("train_policy", "ppo_policy"), ("train_value", "ppo_value"))
 # The critic: the roles that only an estimator with a learned value baseline (GAE) builds.
 CRITIC_ROLES = ("value", "ppo_value")
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
@@ -388,6 +393,17 @@ class RLHFConfig:
     def model_roles(self) -> tuple:
         """The roles that are networks (those the algorithm runs, but a function reward)."""
         return tuple(r for r in self.roles if not (r == "reward" and self.reward.type == "function"))
+
+    @property
+    def successions(self) -> Dict[str, str]:
+        """Each role -> the role that always runs right after it within an iteration (PHASE_ORDER
+        over the roles built); under dynamic sampling nothing follows the last sampling phase for
+        sure (sampling may go round again)."""
+        order = [role for _, role in PHASE_ORDER if role in self.model_roles]
+        pairs = dict(zip(order, order[1:]))
+        if self.algorithm.dynamic_sampling:
+            pairs.pop("reward" if "reward" in order else "policy", None)
+        return pairs
 
     @property
     def trainable_roles(self) -> tuple:

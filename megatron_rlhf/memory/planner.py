@@ -19,20 +19,14 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
-from megatron_rlhf.config.schema import EMS_SWITCHES, ROLE_HEADS, TRAINABLE_ROLES, ModelArchConfig, RLHFConfig, RoleConfig
+from megatron_rlhf.config.schema import (EMS_SWITCHES, PHASE_ORDER, ROLE_HEADS, TRAINABLE_ROLES, ModelArchConfig, RLHFConfig,
+                                         RoleConfig)
 from megatron_rlhf.memory.manager import GRADS, LEDGER_KINDS as KINDS, MAIN_PARAMS, OPTIMIZER_STATE, PHASE_NEEDS, WEIGHTS, EMSSwitches
 
 TRANSIENT = ("activations", "kv_cache")
 BYTES = {"fp32": 4, "bf16": 2}
-# (phase, active role, what the active role needs besides its state)
-PHASES = (
-    ("generate", "policy", "kv_cache"),
-    ("reference", "reference", "activations"),
-    ("reward", "reward", "activations"),
-    ("value", "value", "activations"),
-    ("train_policy", "ppo_policy", "activations"),
-    ("train_value", "ppo_value", "activations"),
-)
+# (phase, active role, what the active role needs besides its state), in the order they run
+PHASES = tuple((phase, role, "kv_cache" if phase == "generate" else "activations") for phase, role in PHASE_ORDER)
 
 
 def param_numels(arch: ModelArchConfig, head: str, tp: int, pp: int, pp_rank: int) -> List[int]:

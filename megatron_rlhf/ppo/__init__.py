@@ -1,7 +1,10 @@
 """RL math: pure tensor functions. core.py: masked reductions, KL, rewards, losses;
-advantages.py: the advantage estimators and outcome shaping."""
+advantages.py: the advantage estimators (ESTIMATORS, by name) and outcome shaping."""
 
 from megatron_rlhf.ppo.advantages import (
+    ESTIMATORS,
+    Estimator,
+    EstimatorInputs,
     discounted_returns,
     gae_advantages,
     group_moments,
@@ -35,6 +38,9 @@ from megatron_rlhf.ppo.core import (
 )
 
 __all__ = [
+    "ESTIMATORS",
+    "Estimator",
+    "EstimatorInputs",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "AdaptiveKLController",

@@ -8,7 +8,8 @@ its std 1), so its advantage is its score, as verl and OpenRLHF treat it.
 
 from __future__ import annotations
 
-from typing import Tuple
+import dataclasses
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -99,3 +100,53 @@ def overlong_penalty(response_lengths: torch.Tensor, max_new_tokens: int, buffer
         return torch.zeros_like(lengths)
     excess = (lengths - (max_new_tokens - buffer_length)).clamp(min=0)
     return -factor * excess / buffer_length
+
+
+# -- the estimators by name -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorInputs:
+    """What an estimator may use. rewards, mask [B, T]: per-token rewards (the outcome at the last
+    response token, KL-shaped unless the KL is in the loss) and response positions; values [B, T]:
+    the critic's (GAE only, else None); group_index [B]; gamma, lam: discount and GAE lambda;
+    normalize_by_std: GRPO's std division (False: Dr. GRPO)."""
+
+    rewards: torch.Tensor
+    mask: torch.Tensor
+    values: Optional[torch.Tensor]
+    group_index: torch.Tensor
+    gamma: float
+    lam: float
+    normalize_by_std: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator: ``advantages(inputs)`` -> (advantages [B, T], returns [B, T] or
+    None); ``whitened(whiten_advantages)``: whether its advantages are then whitened over the
+    whole rollout, given the config's ppo.whiten_advantages."""
+
+    advantages: Callable[[EstimatorInputs], Tuple[torch.Tensor, Optional[torch.Tensor]]]
+    whitened: Callable[[bool], bool]
+
+
+def _outcomes(x: EstimatorInputs) -> torch.Tensor:
+    return x.rewards.sum(dim=1)
+
+
+# The one dispatch of algorithm.advantage_estimator (its names and which need a critic or groups
+# are config facts: config/schema.py, which cannot import torch code; a test keeps the two equal).
+ESTIMATORS: Dict[str, Estimator] = {
+    "gae": Estimator(lambda x: gae_advantages(x.rewards, x.values, x.mask, x.gamma, x.lam), lambda whiten: whiten),
+    "grpo": Estimator(lambda x: (grpo_advantages(_outcomes(x), x.group_index, x.mask, x.normalize_by_std), None),
+                      lambda whiten: False),
+    "rloo": Estimator(lambda x: (rloo_advantages(_outcomes(x), x.group_index, x.mask), None), lambda whiten: False),
+    "reinforce_plus_plus": Estimator(lambda x: (discounted_returns(x.rewards, x.mask, x.gamma), None),
+                                     lambda whiten: True),
+    # The group-mean baseline (GRPO without the std), then whitened over the rollout.
+    "reinforce_plus_plus_baseline": Estimator(
+        lambda x: (grpo_advantages(_outcomes(x), x.group_index, x.mask, normalize_by_std=False), None),
+        lambda whiten: True),
+}
+
