@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlhf.generation.kv_cache import SlotKVCache
-from megatron_rlhf.generation.packing import pack_step
+from megatron_rlhf.generation.packing import StepPacker
 from megatron_rlhf.generation.sampling import SamplingParams, sample_next
 from megatron_rlhf.generation.schedule import ScheduledStep, SlotSchedule
 from megatron_rlhf.generation.stage import PipelineStage
@@ -111,7 +111,7 @@ class _Responses:
     def __init__(self, prompts: torch.Tensor, lengths: list, slots: int, width: int, params: SamplingParams,
                  device: torch.device):
         rows = prompts.shape[0]
-        self.width, self.pad_id = width, params.pad_id
+        self.width = width
         self.tokens = torch.full((rows, width + 1), params.pad_id, dtype=torch.long, device=device)
         self.tokens[:, : min(prompts.shape[1], width)] = prompts[:, :width]  # a wider prompt tensor holds padding there
         self.prompt_lengths = torch.tensor(lengths, device=device)
@@ -182,7 +182,7 @@ def generate(
     platform = get_platform()
     lag = platform.completion_lag if completion_lag is None else completion_lag
     tp = ps.get_tensor_model_parallel_world_size()
-    packer = _Packer(right_pad(prompts.to(device), prompt_lengths.to(device), params.pad_id, padding_side), lengths, params.pad_id,
+    packer = StepPacker(right_pad(prompts.to(device), prompt_lengths.to(device), params.pad_id, padding_side), lengths, params.pad_id,
                      compat.rotary_angles(inner, cache_length).to(device), config, pad_to=tp if config.sequence_parallel else 1,
                      scratch_slot=slots)
     seeds = (torch.arange(rows) if seeds is None else seeds).to(device=device, dtype=torch.int64)
@@ -192,7 +192,7 @@ def generate(
                         config.num_query_groups // tp if config.num_query_groups else config.num_attention_heads // tp,
                         config.kv_channels, config.params_dtype, device)
     stats = EngineStats()
-    with contextlib.ExitStack() as stack:  # left in reverse: stage, train mode, cache freed, then on_cache
+    with contextlib.ExitStack() as stack:  # left in reverse: modes, stage, train mode, cache freed, on_cache
         if on_cache is not None:
             stack.enter_context(on_cache(cache))
         stack.callback(cache.release)
@@ -215,39 +215,3 @@ def generate(
                 schedule.note_alive(lambda copied=platform.copy_to_host_async(responses.alive): copied().tolist())
             stats.count(step, tokens.shape[1], slots)
     return responses.result(stats)
-
-
-class _Packer:
-    """Turns a scheduled step into its packed tokens [1, T], their layout and the positions whose
-    logits are sampled. ``pad_to``: T is made a multiple of it (the sequence-parallel split) by a
-    segment of padding tokens in ``scratch_slot``, a slot no row uses."""
-
-    def __init__(self, prompts: torch.Tensor, lengths: list, pad_id: int, rotary: torch.Tensor, config, pad_to: int,
-                 scratch_slot: int):
-        self.prompts, self.lengths, self.pad_id, self.rotary = prompts, lengths, pad_id, rotary
-        self.pad_to, self.scratch_slot = pad_to, scratch_slot
-        self.window = config.window_size[0] if config.window_size else None
-        self.dtype, self.device = config.params_dtype, prompts.device
-
-    def pack(self, step: ScheduledStep, last_token: torch.Tensor):
-        admitted_rows = step.rows[: len(step.admitted)]
-        prompt_lengths = [self.lengths[r] for r in admitted_rows]
-        parts = [self.prompts[r, :n] for r, n in zip(admitted_rows, prompt_lengths)]
-        prompt_slots = list(step.admitted)
-        keep, end = [], 0
-        for n in prompt_lengths:
-            end += n
-            keep.append(end - 1)
-        padding = -(end + len(step.decoding)) % self.pad_to
-        if padding:  # a prompt of its own; its logits are not kept
-            parts.append(torch.full((padding,), self.pad_id, dtype=torch.long, device=self.device))
-            prompt_lengths.append(padding)
-            prompt_slots.append(self.scratch_slot)
-            end += padding
-        if step.decoding:
-            decode_slots = torch.tensor(step.decoding, device=self.device)
-            parts.append(last_token.index_select(0, decode_slots))
-            keep.extend(range(end, end + len(step.decoding)))
-        layout = pack_step(prompt_lengths, prompt_slots, step.decoding, step.fed, self.rotary, self.window, self.dtype,
-                           self.device)
-        return torch.cat(parts).unsqueeze(0), layout, torch.tensor(keep, device=self.device)

@@ -13,6 +13,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_rlhf.generation.schedule import ScheduledStep
+
 @dataclasses.dataclass
 class PrefillGroup:
     """Prompts of one length n attended in one call: ``index`` [G, n] the packed positions of each
@@ -121,3 +123,39 @@ def pack_step(prompt_lengths: Sequence[int], prompt_slots: Sequence[int], decode
         bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
         layout.decode_span, layout.decode_rows, layout.decode_bias = (lo, hi), rows, bias[:, None, None, :]
     return layout
+
+
+class StepPacker:
+    """Turns a scheduled step into its packed tokens [1, T], their layout and the positions whose
+    logits are sampled. ``pad_to``: T is made a multiple of it (the sequence-parallel split) by a
+    segment of padding tokens in ``scratch_slot``, a slot no row uses."""
+
+    def __init__(self, prompts: torch.Tensor, lengths: list, pad_id: int, rotary: torch.Tensor, config, pad_to: int,
+                 scratch_slot: int):
+        self.prompts, self.lengths, self.pad_id, self.rotary = prompts, lengths, pad_id, rotary
+        self.pad_to, self.scratch_slot = pad_to, scratch_slot
+        self.window = config.window_size[0] if config.window_size else None
+        self.dtype, self.device = config.params_dtype, prompts.device
+
+    def pack(self, step: ScheduledStep, last_token: torch.Tensor):
+        admitted_rows = step.rows[: len(step.admitted)]
+        prompt_lengths = [self.lengths[r] for r in admitted_rows]
+        parts = [self.prompts[r, :n] for r, n in zip(admitted_rows, prompt_lengths)]
+        prompt_slots = list(step.admitted)
+        keep, end = [], 0
+        for n in prompt_lengths:
+            end += n
+            keep.append(end - 1)
+        padding = -(end + len(step.decoding)) % self.pad_to
+        if padding:  # a prompt of its own; its logits are not kept
+            parts.append(torch.full((padding,), self.pad_id, dtype=torch.long, device=self.device))
+            prompt_lengths.append(padding)
+            prompt_slots.append(self.scratch_slot)
+            end += padding
+        if step.decoding:
+            decode_slots = torch.tensor(step.decoding, device=self.device)
+            parts.append(last_token.index_select(0, decode_slots))
+            keep.extend(range(end, end + len(step.decoding)))
+        layout = pack_step(prompt_lengths, prompt_slots, step.decoding, step.fed, self.rotary, self.window, self.dtype,
+                           self.device)
+        return torch.cat(parts).unsqueeze(0), layout, torch.tensor(keep, device=self.device)
