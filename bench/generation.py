@@ -170,16 +170,13 @@ def workloads(args):
     return chosen
 
 
-def timed(run, repeats):
-    """The result of ``run()`` and the median of ``repeats`` timings of it."""
-    times, result = [], None
-    for _ in range(repeats):
-        get_platform().synchronize()
-        started = time.perf_counter()
-        result = run()
-        get_platform().synchronize()
-        times.append(time.perf_counter() - started)
-    return result, sorted(times)[len(times) // 2]
+def timed(run):
+    """The result of ``run()`` and its wall time, the device synchronised on both sides."""
+    get_platform().synchronize()
+    started = time.perf_counter()
+    result = run()
+    get_platform().synchronize()
+    return result, time.perf_counter() - started
 
 
 def compare(ours, hf, w, args) -> dict:
@@ -192,10 +189,10 @@ def compare(ours, hf, w, args) -> dict:
     params = SamplingParams(w.new_tokens, greedy=True, eos_ids=(eos,) if eos is not None else (), pad_id=PAD)
     ours_times, hf_times = [], []
     for _ in range(args.repeats):
-        gen, seconds = timed(lambda: generate(ours, prompts, lengths, params, args.vocab, batch_size=w.slots), 1)
+        gen, seconds = timed(lambda: generate(ours, prompts, lengths, params, args.vocab, batch_size=w.slots))
         ours_times.append(seconds)
         with get_platform().plain_tensor_ops():  # a transformers user runs without our device mapping
-            (hf_rows, hf_calls, hf_positions), seconds = timed(lambda: hf_generate(hf, prompts.to(device), lengths, eos, w), 1)
+            (hf_rows, hf_calls, hf_positions), seconds = timed(lambda: hf_generate(hf, prompts.to(device), lengths, eos, w))
         hf_times.append(seconds)
     ours_s, hf_s = sorted(ours_times)[args.repeats // 2], sorted(hf_times)[args.repeats // 2]
     ours_rows = [gen.tokens[r, int(lengths[r]) : int(gen.total_lengths[r])].tolist() for r in range(w.prompts)]

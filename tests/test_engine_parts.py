@@ -63,7 +63,7 @@ def test_an_end_learnt_late_costs_unkept_draws_and_changes_nothing_else():
     assert steps[3] == ([2], [1]) and schedule.drained
 
 
-def test_ends_not_yet_learnt_when_the_rest_is_done_are_learnt_then():
+def test_an_end_learnt_too_late_costs_draws_up_to_max_new_tokens_and_the_run_still_ends():
     schedule = SlotSchedule([2, 2], 2, 3, 100)
     steps, draws = run(schedule, ends_at={1: 0}, lag=5)
     assert draws == {0: [0, 1, 2], 1: [0, 1, 2]} and len(steps) == 3 and schedule.drained

@@ -153,10 +153,9 @@ class StepPacker:
             prompt_lengths.append(padding)
             prompt_slots.append(self.scratch_slot)
             end += padding
-        if step.decoding:
-            decode_slots = torch.tensor(step.decoding, device=self.device)
-            parts.append(last_token.index_select(0, decode_slots))
-            keep.extend(range(end, end + len(step.decoding)))
         layout = pack_step(prompt_lengths, prompt_slots, step.decoding, step.fed, self.rotary, self.window, self.dtype,
                            self.device)
+        if step.decoding:  # each decoding slot's last token, at the slots the layout already holds
+            parts.append(last_token.index_select(0, layout.slots[layout.decode_start :]))
+            keep.extend(range(end, end + len(step.decoding)))
         return torch.cat(parts).unsqueeze(0), layout, torch.tensor(keep, device=self.device)

@@ -64,9 +64,8 @@ class SlotSchedule:
         self._pending.append((self.step - 1, list(self.row_in), flags))
 
     def learn_ended(self, lag: int) -> None:
-        """Free the slots whose rows ended by an end token, as far as flags ``lag`` steps old tell
-        (all of them once nothing else is left to run)."""
-        while self._pending and (self._pending[0][0] <= self.step - lag or self.drained):
+        """Free the slots whose rows ended by an end token, as far as flags ``lag`` steps old tell."""
+        while self._pending and self._pending[0][0] <= self.step - lag:
             _, held, flags = self._pending.popleft()
             for slot, alive in enumerate(flags()):
                 if not alive and self.row_in[slot] == held[slot] != FREE:
