@@ -108,3 +108,18 @@ def test_packed_attention_equals_attention_of_each_prompt_and_slot_alone(window)
         expected = alone(q[start + i][:, None], cache_k[slot, :, : position + 1], cache_v[slot, :, : position + 1],
                          torch.tensor([position]))
         assert torch.allclose(out[start + i], expected[:, 0], atol=1e-6)
+
+
+def test_the_engine_refuses_by_name_the_layer_switches_its_step_does_not_model():
+    from types import SimpleNamespace
+
+    from megatron_rlhf.generation.stage import PipelineStage, unmodelled
+
+    plain = SimpleNamespace(apply_residual_connection_post_layernorm=False, fp32_residual_connection=False,
+                            rotary_interleaved=False, multi_latent_attention=False, mtp_num_layers=None)
+    assert unmodelled(plain) == []
+    post_norm = SimpleNamespace(**{**vars(plain), "apply_residual_connection_post_layernorm": True, "mtp_num_layers": 1})
+    assert unmodelled(post_norm) == ["apply_residual_connection_post_layernorm", "mtp_num_layers"]
+    with pytest.raises(ValueError, match="does not model apply_residual_connection_post_layernorm, mtp_num_layers"):
+        PipelineStage(SimpleNamespace(config=post_norm), cache=None)
+

@@ -38,9 +38,10 @@ class PipelineStage:
 
         self.inner, self.cache = unwrap(model), cache
         config = self.inner.config
-        if unmodelled(config):
-            raise ValueError(f"the generation engine does not model {unmodelled(config)}: set them off "
-                             f"or generate with another engine")
+        refused = unmodelled(config)
+        if refused:
+            raise ValueError(f"the generation engine does not model {', '.join(refused)}: its step runs the pre-norm "
+                             "residual layer (h + attention(norm(h)), h + mlp(norm(h))) with RoPE on halves; set them off")
         self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.prev, self.next = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
         self.hidden_size, self.dtype = config.hidden_size, config.pipeline_dtype or config.params_dtype
