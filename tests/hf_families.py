@@ -18,6 +18,16 @@ FAMILY_MODELS = {
     "qwen3": ("Qwen3Config", "Qwen3", dict(head_dim=24)),
     "mistral": ("MistralConfig", "Mistral", dict(sliding_window=6)),
 }
+# Mixtures of experts: 4 experts, 2 per token (3 of 4 without renormalising); one dense layer of two
+# where the family has them (Qwen3-MoE's mlp_only_layers, decoder_sparse_step).
+MOE_MODELS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3Moe", dict(
+        head_dim=24, num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2, norm_topk_prob=True,
+        mlp_only_layers=[0])),
+    "qwen3_moe-unnormed": ("Qwen3MoeConfig", "Qwen3Moe", dict(
+        num_experts=4, moe_intermediate_size=32, num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2)),
+    "mixtral": ("MixtralConfig", "Mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+}
 SHARED = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
               vocab_size=100, max_position_embeddings=256, rms_norm_eps=1e-5, num_labels=1, pad_token_id=0)
 
@@ -26,9 +36,9 @@ def make_hf_model(name: str, path, head: str = "lm", **overrides):
     """Save a tiny random model of family ``name`` (FAMILY_MODELS) at ``path``; return it (eval)."""
     import transformers
 
-    config_class, prefix, fields = FAMILY_MODELS[name]
-    fields = {"tie_word_embeddings": False, **fields, **overrides}
-    config = getattr(transformers, config_class)(**SHARED, **fields)
+    config_class, prefix, fields = {**FAMILY_MODELS, **MOE_MODELS}[name]
+    fields = {"tie_word_embeddings": False, **SHARED, **fields, **overrides}
+    config = getattr(transformers, config_class)(**fields)
     cls = getattr(transformers, prefix + ("ForCausalLM" if head == "lm" else "ForSequenceClassification"))
     torch.manual_seed(0)
     model = cls(config).eval()
@@ -57,3 +67,23 @@ def all_tensors(directory):
         if name.endswith(".safetensors"):
             out.update(load_file(os.path.join(directory, name)))
     return out
+
+
+def hf_greedy(model, prompts, lengths, eos):
+    """transformers' greedy responses, each cut after its first end token (``eos``: a list or None)."""
+    rows = []
+    for row, n in enumerate(lengths):
+        out = model.generate(prompts[row : row + 1, :n], attention_mask=torch.ones(1, n, dtype=torch.long),
+                             max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)[0, n:].tolist()
+        ends = [i for i, t in enumerate(out) if eos and t in eos]
+        rows.append(out[: ends[0] + 1] if ends else out)
+    return rows
+
+
+def spread_eos(rows):
+    """Two end tokens whose first appearances end the free-running rows at the most distinct
+    lengths (two: Llama 3 and Qwen stop on more than one)."""
+    def ends(token):
+        return len({row.index(token) for row in rows if token in row})
+
+    return sorted(sorted({t for row in rows for t in row}), key=ends, reverse=True)[:2]

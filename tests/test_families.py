@@ -14,30 +14,10 @@ transformers = pytest.importorskip("transformers")
 
 from megatron_rlhf.checkpoint.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
 from megatron_rlhf.checkpoint.model_files import CheckpointError  # noqa: E402
-from tests.hf_families import FAMILY_MODELS, all_tensors, hf_outputs, make_hf_model  # noqa: E402
+from tests.hf_families import FAMILY_MODELS, all_tensors, hf_greedy, hf_outputs, make_hf_model, spread_eos  # noqa: E402
 
 # The families (and heads) the equivalence worker runs: each family's LM and score head.
 CASES = [(name, "lm") for name in FAMILY_MODELS] + [(name, "scalar") for name in ("llama3.1", "qwen2.5", "qwen3", "mistral")]
-
-
-def hf_greedy(model, prompts, lengths, eos):
-    """transformers' greedy responses, each cut after its first end token (``eos``: a list or None)."""
-    rows = []
-    for row, n in enumerate(lengths):
-        out = model.generate(prompts[row : row + 1, :n], attention_mask=torch.ones(1, n, dtype=torch.long),
-                             max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)[0, n:].tolist()
-        ends = [i for i, t in enumerate(out) if eos and t in eos]
-        rows.append(out[: ends[0] + 1] if ends else out)
-    return rows
-
-
-def spread_eos(rows):
-    """Two end tokens whose first appearances end the free-running rows at the most distinct
-    lengths (two: Llama 3 and Qwen stop on more than one)."""
-    def ends(token):
-        return len({row.index(token) for row in rows if token in row})
-
-    return sorted(sorted({t for row in rows for t in row}), key=ends, reverse=True)[:2]
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,15 @@ Names (layer i):
   model.layers.i.post_attention_layernorm.weight decoder.layers.i.pre_mlp_layernorm.weight
   model.layers.i.mlp.{gate,up}_proj.weight       decoder.layers.i.mlp.linear_fc1.weight  ([gate; up])
   model.layers.i.mlp.down_proj.weight            decoder.layers.i.mlp.linear_fc2.weight
+  model.layers.i.{B}.{R}.weight                  decoder.layers.i.mlp.router.weight            (a layer with experts)
+  model.layers.i.{B}.experts.e.{gate,up}.weight  decoder.layers.i.mlp.experts.local_experts.e.linear_fc1.weight
+  model.layers.i.{B}.experts.e.{down}.weight     decoder.layers.i.mlp.experts.local_experts.e.linear_fc2.weight
   model.norm.weight                              decoder.final_layernorm.weight
   lm_head.weight (LM) | score.weight (reward)    output_layer.weight (none for a tied LM: the embedding)
+
+B, R and the expert projections' names are the family's (families.ExpertNames: Qwen3-MoE's
+mlp.gate and {gate,up,down}_proj, Mixtral's block_sparse_moe.gate and w1, w3, w2); e counts every
+expert of the layer (the full dict holds them all; models/sharding.py cuts them per EP rank).
 
 Megatron's fused QKV orders rows (and bias entries) by query group: the group's query heads, its
 key head, its value head. Both use the same (non-interleaved, rotate-half) rotary layout, so no
@@ -27,6 +34,7 @@ from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 
+from megatron_rlhf.config.families import ExpertNames, family_of
 from megatron_rlhf.config.schema import ModelArchConfig
 
 GetTensor = Callable[[str], torch.Tensor]
@@ -41,6 +49,8 @@ _LAYER_SIMPLE = {
 }
 _QKV = {"self_attention.linear_qkv.weight": "weight", "self_attention.linear_qkv.bias": "bias"}
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_KEY = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_ROUTER = "mlp.router.weight"
 # Tensors older checkpoints carry that are derived, not learnt (RoPE frequencies).
 DERIVED_HF_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
@@ -49,21 +59,24 @@ def head_key(head: str) -> str:
     return "lm_head.weight" if head == "lm" else "score.weight"
 
 
-def layer_keys(arch: ModelArchConfig) -> List[str]:
+def layer_keys(arch: ModelArchConfig, has_experts: bool = False) -> List[str]:
     """The Megatron keys of one transformer layer (after ``decoder.layers.i.``), in module order."""
     keys = ["input_layernorm.weight", "self_attention.linear_proj.weight", "self_attention.linear_qkv.weight"]
     if arch.qkv_bias:
         keys.append("self_attention.linear_qkv.bias")
     if arch.qk_norm:
         keys += ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"]
-    return keys + ["pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    if not has_experts:
+        return keys + ["pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    experts = [f"mlp.experts.local_experts.{e}.{fc}.weight" for e in range(arch.num_experts) for fc in ("linear_fc1", "linear_fc2")]
+    return keys + ["pre_mlp_layernorm.weight", _ROUTER] + experts
 
 
 def megatron_keys(arch: ModelArchConfig, head: str) -> List[str]:
     """Every key of the full Megatron state dict, in order."""
     keys = ["embedding.word_embeddings.weight"]
-    for i in range(arch.num_layers):
-        keys += [f"decoder.layers.{i}.{k}" for k in layer_keys(arch)]
+    for i, has_experts in enumerate(arch.moe_layers()):
+        keys += [f"decoder.layers.{i}.{k}" for k in layer_keys(arch, has_experts)]
     return keys + ["decoder.final_layernorm.weight"] + ([] if arch.tied_output(head) else ["output_layer.weight"])
 
 
@@ -74,7 +87,7 @@ def expected_hf_shapes(arch: ModelArchConfig, head: str) -> Dict[str, Tuple[int,
     shapes = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,)}
     if not arch.tied_output(head):
         shapes[head_key(head)] = (arch.vocab_size, h) if head == "lm" else (1, h)
-    for i in range(arch.num_layers):
+    for i, has_experts in enumerate(arch.moe_layers()):
         p = f"model.layers.{i}."
         shapes.update({
             p + "input_layernorm.weight": (h,),
@@ -83,16 +96,30 @@ def expected_hf_shapes(arch: ModelArchConfig, head: str) -> Dict[str, Tuple[int,
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (ffn, h),
-            p + "mlp.up_proj.weight": (ffn, h),
-            p + "mlp.down_proj.weight": (h, ffn),
         })
+        if has_experts:
+            names, width = _expert_names(arch), arch.moe_ffn_hidden_size
+            shapes[p + f"{names.block}.{names.router}.weight"] = (arch.num_experts, h)
+            for e in range(arch.num_experts):
+                x = p + f"{names.block}.experts.{e}."
+                shapes.update({x + f"{names.gate}.weight": (width, h), x + f"{names.up}.weight": (width, h),
+                               x + f"{names.down}.weight": (h, width)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+                           p + "mlp.down_proj.weight": (h, ffn)})
         if arch.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
         if arch.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
     return shapes
+
+
+def _expert_names(arch: ModelArchConfig) -> ExpertNames:
+    names = family_of(arch.family).experts
+    if names is None:
+        raise ValueError(f"family {arch.family!r} has no experts, but the model has num_experts={arch.num_experts}")
+    return names
 
 
 def _qkv_from_hf(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ModelArchConfig) -> torch.Tensor:
@@ -130,6 +157,16 @@ def megatron_tensor(key: str, get: GetTensor, arch: ModelArchConfig, head: str) 
         return _qkv_from_hf(*(get(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"), arch)
     if rest == "mlp.linear_fc1.weight":
         return torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+    if rest == _ROUTER:
+        names = _expert_names(arch)
+        return get(p + f"{names.block}.{names.router}.weight")
+    expert = _EXPERT_KEY.match(rest)
+    if expert:
+        names, (e, fc) = _expert_names(arch), expert.groups()
+        x = p + f"{names.block}.experts.{e}."
+        if fc == "linear_fc2":
+            return get(x + f"{names.down}.weight")
+        return torch.cat([get(x + f"{names.gate}.weight"), get(x + f"{names.up}.weight")])
     raise KeyError(key)
 
 
@@ -153,5 +190,17 @@ def hf_tensors(key: str, tensor: torch.Tensor, arch: ModelArchConfig, head: str)
             gate, up = tensor.chunk(2)
             yield p + "mlp.gate_proj.weight", gate.contiguous()
             yield p + "mlp.up_proj.weight", up.contiguous()
+        elif rest == _ROUTER:
+            names = _expert_names(arch)
+            yield p + f"{names.block}.{names.router}.weight", tensor
+        elif _EXPERT_KEY.match(rest):
+            names, (e, fc) = _expert_names(arch), _EXPERT_KEY.match(rest).groups()
+            x = p + f"{names.block}.experts.{e}."
+            if fc == "linear_fc2":
+                yield x + f"{names.down}.weight", tensor
+            else:
+                gate, up = tensor.chunk(2)
+                yield x + f"{names.gate}.weight", gate.contiguous()
+                yield x + f"{names.up}.weight", up.contiguous()
         else:
             raise KeyError(key)

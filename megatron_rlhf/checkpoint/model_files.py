@@ -19,7 +19,7 @@ from typing import Callable, Dict, Iterator, List, Tuple
 import torch
 
 from megatron_rlhf.config.schema import ModelArchConfig
-from megatron_rlhf.models.sharding import StateDict, merge_tensor, shard_state_dict
+from megatron_rlhf.models.sharding import StateDict, experts_of_rank, merge_tensor, shard_state_dict
 
 META_FILE = "megatron_rlhf_model.json"
 
@@ -138,8 +138,15 @@ def full_tensors(root: str) -> Iterator[Tuple[str, torch.Tensor]]:
         del shards
 
 
-def load_model_shard(root: str, arch: ModelArchConfig, head: str, tp: int, tp_rank: int, pp: int, pp_rank: int) -> StateDict:
-    """This rank's state dict for layout (tp, pp) from a checkpoint written at any layout."""
+def load_model_shard(root: str, arch: ModelArchConfig, head: str, tp: int, tp_rank: int, pp: int, pp_rank: int,
+                     ep: int = 1, ep_rank: int = 0) -> StateDict:
+    """This rank's state dict for layout (tp, pp, ep) from a checkpoint written at any layout (a
+    checkpoint's shards hold every expert of their stage: the EP cut is made here)."""
+    state = _tp_pp_shard(root, arch, head, tp, tp_rank, pp, pp_rank)
+    return experts_of_rank(state, arch.num_experts, ep, ep_rank) if arch.num_experts else state
+
+
+def _tp_pp_shard(root: str, arch: ModelArchConfig, head: str, tp: int, tp_rank: int, pp: int, pp_rank: int) -> StateDict:
     saved_arch, meta = read_model_meta(root)
     differs = [f"{f}: checkpoint {saved} vs config {mine}" for f, saved, mine in _computation_fields(saved_arch, arch)
                if saved != mine]
@@ -161,7 +168,7 @@ def load_model_shard(root: str, arch: ModelArchConfig, head: str, tp: int, tp_ra
 
 # The fields that change what a model computes (not its initialisation, padding, preset or the
 # longest sequence it was told of), compared between a checkpoint and the config that loads it.
-_NOT_COMPUTATION = ("preset", "family", "num_query_groups", "head_dim", "init_method_std",
+_NOT_COMPUTATION = ("preset", "family", "num_query_groups", "head_dim", "init_method_std", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                     "make_vocab_size_divisible_by", "max_position_embeddings")
 
 

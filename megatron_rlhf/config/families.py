@@ -4,9 +4,10 @@ features the family always has. Pure data and pure functions: the converters rea
 through :func:`arch_from_hf_config` and write one back with :func:`hf_config_from_arch`; the loader
 applies a family's fixed features to a role's model (loader._apply_family).
 
-Tensor names are the same in every family here (``model.layers.i.self_attn.q_proj.weight``, ...);
-the features decide which tensors exist (checkpoint/hf_decoder.py). Adding a family is one entry
-in FAMILIES plus its test. A field that no rule names is refused by name: a field we do not read
+Tensor names are the same in every family here (``model.layers.i.self_attn.q_proj.weight``, ...)
+except where a mixture-of-experts family keeps its experts (``ExpertNames``); the features decide
+which tensors exist (checkpoint/hf_decoder.py). Adding a family is one entry in FAMILIES plus its
+test. A field that no rule names is refused by name: a field we do not read
 would otherwise change the computation without a word.
 """
 
@@ -108,22 +109,40 @@ _ROPE_NOT_MODELLED = {
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertNames:
+    """Where a mixture-of-experts family's checkpoint keeps a layer's experts, after
+    ``model.layers.i.``: ``{block}.{router}.weight`` [experts, hidden] and
+    ``{block}.experts.e.{gate|up|down}.weight`` for expert e."""
+
+    block: str
+    gate: str
+    up: str
+    down: str
+    router: str = "gate"
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """One Hugging Face model family: its ``model_type`` (our name for it too), the class names
     written into ``architectures``, the fields of its config.json beyond COMMON and the rope
-    fields, and the features every model of it has."""
+    fields, the features every model of it has, and for a mixture of experts where its experts are
+    kept and the fields it must state (``a|b``: either; transformers' defaults for an absent one
+    differ between versions)."""
 
     name: str
     prefix: str  # LlamaForCausalLM / LlamaForSequenceClassification
     fields: Dict[str, Rule]
     fixed: Dict[str, Any]
+    experts: Optional[ExpertNames] = None
+    required: Tuple[str, ...] = ()
 
     def architecture(self, head: str) -> str:
         return self.prefix + ("ForCausalLM" if head == "lm" else "ForSequenceClassification")
 
     @property
     def features(self) -> str:
-        shown = [k for k, v in self.fixed.items() if v not in (False, None)]
+        defaults = {f.name: f.default for f in dataclasses.fields(ModelArchConfig)}
+        shown = [k for k, v in self.fixed.items() if v not in (False, None, [], defaults.get(k))]
         return ", ".join(shown) or "none beyond Llama's"
 
 
@@ -135,6 +154,9 @@ _QWEN_WINDOW = {
     "max_window_layers": ignored(),
     "layer_types": FULL_ATTENTION_ONLY,
 }
+# Read only when output_router_logits is true, i.e. by transformers' own training: our coefficient
+# is the role's moe_aux_loss_coeff (0 unless set), so a converted model trains as its role says.
+_ROUTER_TRAINING = {"output_router_logits": ignored(False), "router_aux_loss_coef": ignored()}
 FAMILIES: Dict[str, Family] = {
     "llama": Family(
         "llama", "Llama",
@@ -158,6 +180,35 @@ FAMILIES: Dict[str, Family] = {
         "mistral", "Mistral",
         {"head_dim": HEAD_DIM, "sliding_window": to("sliding_window")},
         {"qkv_bias": False, "qk_norm": False},
+    ),
+    "qwen3_moe": Family(
+        "qwen3_moe", "Qwen3Moe",
+        {"attention_bias": only(False, why=": Qwen3's attention_bias also biases o_proj"), "head_dim": HEAD_DIM,
+         **_QWEN_WINDOW, **_ROUTER_TRAINING,
+         "num_experts": to("num_experts"),
+         "num_local_experts": Rule(lambda v: ({"num_experts": v}, None), lambda arch: _SKIP),  # transformers 5's name
+         "moe_intermediate_size": to("moe_ffn_hidden_size"),
+         "num_experts_per_tok": to("moe_router_topk"),
+         "norm_topk_prob": to("moe_norm_topk_prob"),
+         "decoder_sparse_step": to("moe_layer_step", 1),
+         "mlp_only_layers": to("moe_dense_layers", [])},
+        {"qkv_bias": False, "qk_norm": True, **_NO_WINDOW},
+        experts=ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+        required=("num_experts|num_local_experts", "moe_intermediate_size", "num_experts_per_tok", "norm_topk_prob"),
+    ),
+    "mixtral": Family(
+        "mixtral", "Mixtral",
+        {"head_dim": HEAD_DIM, "sliding_window": to("sliding_window"), **_ROUTER_TRAINING,
+         # Every layer has experts; intermediate_size is their width.
+         "intermediate_size": Rule(lambda v: ({"ffn_hidden_size": v, "moe_ffn_hidden_size": v}, None),
+                                   lambda arch: arch.moe_ffn_hidden_size),
+         "num_local_experts": to("num_experts"),
+         "num_experts_per_tok": to("moe_router_topk"),
+         "router_jitter_noise": only(0.0, 0, why=": noise on the router would route the rollout and training "
+                                     "differently")},
+        {"qkv_bias": False, "qk_norm": False, "moe_norm_topk_prob": True, "moe_layer_step": 1, "moe_dense_layers": []},
+        experts=ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
+        required=("num_local_experts", "num_experts_per_tok"),
     ),
 }
 REQUIRED_HF_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
@@ -215,7 +266,7 @@ def arch_from_hf_config(cfg: dict, source: str) -> ModelArchConfig:
     if model_type not in FAMILIES:
         raise ValueError(f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
     family = FAMILIES[model_type]
-    missing = [k for k in REQUIRED_HF_FIELDS if k not in cfg]
+    missing = [k for k in REQUIRED_HF_FIELDS + family.required if not any(a in cfg for a in k.split("|"))]
     if missing:
         raise ValueError(f"{source}: missing {', '.join(missing)}; is this a {family.prefix} config.json?")
     rules = {**COMMON, **family.fields}

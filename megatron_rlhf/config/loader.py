@@ -221,6 +221,8 @@ def _type_name(tp: Any) -> str:
     if origin is dict:
         key, value = typing.get_args(tp)
         return f"a mapping of {_type_name(key)} to {_type_name(value)}"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -245,6 +247,11 @@ def _check_type(value: Any, tp: Any) -> Tuple[bool, Any]:
         checked = {k: _check_type(v, value_type) for k, v in value.items()}
         ok = all(_check_type(k, key_type)[0] and good for k, (good, _) in checked.items())
         return ok, {k: v for k, (_, v) in checked.items()}
+    if origin is list:
+        if not isinstance(value, list):
+            return False, value
+        checked = [_check_type(v, typing.get_args(tp)[0]) for v in value]
+        return all(good for good, _ in checked), [v for _, v in checked]
     if tp is bool:
         return isinstance(value, bool), value
     if tp is int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import os
-from typing import Dict, Literal, Optional, Union
+from typing import Dict, List, Literal, Optional, Union
 
 from megatron_rlhf.config.errors import located
 
@@ -71,9 +71,9 @@ REQUIRED_ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn
 class ModelArchConfig:
     """A decoder of the Llama line: RMSNorm, SwiGLU, RoPE, grouped-query attention, and the
     features that tell its families apart (config/families.py: Llama 2/3, Qwen2/2.5, Qwen3,
-    Mistral). ``preset`` fills every field not given explicitly; ``family`` fixes the features the
-    family always has (Qwen2's QKV bias, Qwen3's q/k norm) and names the Hugging Face config it
-    converts to and from."""
+    Mistral, and the mixtures of experts Qwen3-MoE and Mixtral). ``preset`` fills every field not
+    given explicitly; ``family`` fixes the features the family always has (Qwen2's QKV bias, Qwen3's
+    q/k norm) and names the Hugging Face config it converts to and from."""
 
     preset: Optional[str] = None
     family: str = "llama"
@@ -99,6 +99,19 @@ class ModelArchConfig:
     rope_high_freq_factor: float = bounded(4.0, gt=0)
     rope_original_max_position_embeddings: Optional[int] = bounded(None, ge=1)
     norm_epsilon: float = bounded(1e-5, gt=0)
+    # Mixture of experts: num_experts SwiGLU experts of width moe_ffn_hidden_size, each token sent
+    # to moe_router_topk of them by a softmax router (None: the dense MLP in every layer). Layer i
+    # has experts when (i + 1) % moe_layer_step == 0 and i is not in moe_dense_layers (Qwen3-MoE's
+    # decoder_sparse_step and mlp_only_layers); the others keep the dense MLP of ffn_hidden_size.
+    num_experts: Optional[int] = bounded(None, ge=1)
+    moe_ffn_hidden_size: Optional[int] = bounded(None, ge=1)
+    moe_router_topk: int = bounded(2, ge=1)
+    moe_norm_topk_prob: bool = True  # the chosen experts' probabilities rescaled to sum to 1
+    moe_layer_step: int = bounded(1, ge=1)
+    moe_dense_layers: List[int] = dataclasses.field(default_factory=list)
+    # Training only (the forward is the same): megatron's load-balancing and router z-losses.
+    moe_aux_loss_coeff: float = bounded(0.0, ge=0)
+    moe_z_loss_coeff: float = bounded(0.0, ge=0)
     init_method_std: float = bounded(0.02, gt=0)
     make_vocab_size_divisible_by: int = bounded(128, ge=1)
 
@@ -110,6 +123,12 @@ class ModelArchConfig:
     def kv_channels(self) -> int:
         """Width of one attention head."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def moe_layers(self) -> List[int]:
+        """1 for each layer with experts, 0 for a dense one (megatron's ``moe_layer_freq`` list)."""
+        if not self.num_experts:
+            return [0] * self.num_layers
+        return [int((i + 1) % self.moe_layer_step == 0 and i not in self.moe_dense_layers) for i in range(self.num_layers)]
 
     def tied_output(self, head: str) -> bool:
         """Whether the output layer is the input embedding (an LM head of a tied model; a score
@@ -127,6 +146,9 @@ class ParallelConfig:
     tensor_model_parallel_size: int = bounded(1, ge=1)
     pipeline_model_parallel_size: int = bounded(1, ge=1)
     sequence_parallel: bool = False
+    # Experts split over EP ranks taken from the data-parallel ranks (megatron's rule: EP divides
+    # DP); each expert is split over the TP ranks as a dense MLP is.
+    expert_model_parallel_size: int = bounded(1, ge=1)
 
 
 # The per-kind EMS switches of a role (RoleConfig fields; EMSSwitches carries the same names).

@@ -8,6 +8,7 @@ import os
 from typing import List, Optional
 
 from megatron_rlhf.config.errors import ConfigError
+from megatron_rlhf.config.families import FAMILIES
 from megatron_rlhf.config.schema import CRITIC_ROLES, EMS_SWITCHES, GROUP_ESTIMATORS, REQUIRED_ARCH_FIELDS, TRAINABLE_ROLES, RLHFConfig
 
 
@@ -51,6 +52,29 @@ def _feature_problems(m) -> List[str]:
         if m.rope_low_freq_factor >= m.rope_high_freq_factor:
             problems.append(f"rope_low_freq_factor, rope_high_freq_factor: need low < high, got "
                             f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}")
+    return problems + _expert_problems(m)
+
+
+def _expert_problems(m) -> List[str]:
+    family = FAMILIES.get(m.family)
+    moe_families = ", ".join(f.name for f in FAMILIES.values() if f.experts)
+    if family is None:
+        return []
+    if m.num_experts is None:
+        return [f"num_experts: family {m.family!r} is a mixture of experts; set num_experts, "
+                "moe_ffn_hidden_size and moe_router_topk"] if family.experts else []
+    if not family.experts:
+        return [f"num_experts: family {m.family!r} has no experts (mixtures of experts: {moe_families}); "
+                "remove num_experts or set the family"]
+    problems = []
+    if m.moe_ffn_hidden_size is None:
+        problems.append("moe_ffn_hidden_size: a model with experts needs each expert's width")
+    if m.moe_router_topk > m.num_experts:
+        problems.append(f"moe_router_topk: {m.moe_router_topk} is more than num_experts={m.num_experts}")
+    outside = [i for i in m.moe_dense_layers if not 0 <= i < m.num_layers]
+    if outside:
+        problems.append(f"moe_dense_layers: {outside} are not layers of a {m.num_layers}-layer model "
+                        f"(valid: 0..{m.num_layers - 1})")
     return problems
 
 
@@ -61,8 +85,10 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
     problems = domain_problems(config)
     par = config.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    ep = par.expert_model_parallel_size
     tp_key, pp_key = "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size"
-    if tp < 1 or pp < 1:  # nothing below divides by a size that is not one
+    ep_key = "parallel.expert_model_parallel_size"
+    if tp < 1 or pp < 1 or ep < 1:  # nothing below divides by a size that is not one
         return problems
     if par.sequence_parallel:
         problems.append(
@@ -79,6 +105,11 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
             )
         else:
             dp = world_size // (tp * pp)
+            if dp % ep != 0:
+                problems.append(
+                    f"{config.at(ep_key)}: {ep} does not divide the data-parallel size {dp} (world size "
+                    f"{world_size} / TP*PP {tp * pp}): megatron takes the expert-parallel ranks from the "
+                    f"data-parallel ones; valid EP: {_divisors(dp)}")
 
     problems.extend(_reward_problems(config))
     problems.extend(_algorithm_problems(config))
@@ -113,7 +144,8 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
                 f"{file}: {at}.hidden_size: {m.hidden_size} is not divisible by "
                 f"num_attention_heads={heads}; set head_dim for heads of another width"
             )
-        problems.extend(f"{file}: {at}.{p}" for p in _feature_problems(m))
+        # Each problem starts with its key: named in the file that set it.
+        problems.extend(f"{config.source_of(at + '.' + p.split(',')[0].split(':')[0])}: {at}.{p}" for p in _feature_problems(m))
         if heads % tp != 0:
             problems.append(
                 f"{config.at(tp_key)}: {tp} does not divide {role}'s "
@@ -135,6 +167,21 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
                 f"{config.at(pp_key)}: {pp} does not divide {role}'s "
                 f"num_layers={m.num_layers} ({file}); valid PP: {_divisors(m.num_layers)}"
             )
+        if m.num_experts and m.moe_ffn_hidden_size:
+            if m.num_experts % ep != 0:
+                problems.append(f"{config.at(ep_key)}: {ep} does not divide {role}'s num_experts={m.num_experts} "
+                                f"({file}); valid EP: {_divisors(m.num_experts)}")
+            if m.moe_ffn_hidden_size % tp != 0:
+                problems.append(f"{config.at(tp_key)}: {tp} does not divide {role}'s "
+                                f"moe_ffn_hidden_size={m.moe_ffn_hidden_size} ({file}); each expert is split over TP")
+            trained = [r for r in users if r in TRAINABLE_ROLES]
+            if trained and tp > 1:
+                problems.append(f"{config.at(tp_key)}: {tp}, but {', '.join(trained)} trains a model with experts "
+                                f"({file}): megatron-core trains MoE layers at TP > 1 only with sequence parallelism, "
+                                "which these runs do not use; split the model with expert_model_parallel_size and "
+                                "pipeline_model_parallel_size at tensor_model_parallel_size: 1")
+    if ep > 1 and not any(n[0].num_experts for n in networks):
+        problems.append(f"{config.at(ep_key)}: {ep}, but no role's model has experts; set it to 1")
     for role in config.model_roles:
         rc = config.role(role)
         if role in TRAINABLE_ROLES and rc.global_batch_size is not None and dp is not None \

@@ -103,6 +103,26 @@ def _decided_once(sampled: torch.Tensor) -> torch.Tensor:
     return sampled
 
 
+def _expert_parallel_peers(config):
+    """The expert-parallel group when this model's experts are split over replicas (each replica
+    generates its own rows, but every forward's experts exchange tokens with the same peers), else None."""
+    from megatron.core import parallel_state as ps
+
+    if not getattr(config, "num_moe_experts", None) or ps.get_expert_model_parallel_world_size() == 1:
+        return None
+    return ps.get_expert_model_parallel_group()
+
+
+def _peers_running(peers, device: torch.device, running: bool = False) -> bool:
+    """Whether any expert-parallel peer still has a step to run (``running``: this rank has). One
+    small all-reduce per step, taken only with expert parallelism, so all peers run as many forwards."""
+    if peers is None:
+        return False
+    flag = torch.tensor([int(running)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=peers)
+    return bool(flag.item())
+
+
 class _Responses:
     """The rows being generated, on the device: tokens [B, width + 1] (prompt, then response; the
     last column takes the tokens not kept), each row's response length so far, and per slot its
@@ -188,7 +208,8 @@ def generate(
     seeds = (torch.arange(rows) if seeds is None else seeds).to(device=device, dtype=torch.int64)
     schedule = SlotSchedule(lengths, slots, params.max_new_tokens, PREFILL_TOKENS)
     responses = _Responses(packer.prompts, lengths, slots, width, params, device)
-    cache = SlotKVCache(len(compat.attention_layers(inner)), slots + (packer.pad_to > 1), cache_length,
+    peers = _expert_parallel_peers(config)
+    cache = SlotKVCache(len(compat.attention_layers(inner)), slots + (packer.pad_to > 1 or peers is not None), cache_length,
                         config.num_query_groups // tp if config.num_query_groups else config.num_attention_heads // tp,
                         config.kv_channels, config.params_dtype, device)
     stats = EngineStats()
@@ -201,7 +222,12 @@ def generate(
         stage = stack.enter_context(PipelineStage(model, cache))
         stack.enter_context(platform.plain_tensor_ops())
         stack.enter_context(torch.inference_mode())
-        while (step := schedule.next_step(lag)) is not None:
+        while (step := schedule.next_step(lag)) is not None or _peers_running(peers, device):
+            if step is None:  # drained: take part in the peers' expert all-to-alls until they are too
+                stage.forward(*packer.idle())
+                continue
+            if peers is not None:
+                _peers_running(peers, device, running=True)
             tokens, layout, keep = packer.pack(step, responses.last_token)
             logits = stage.forward(tokens, layout, keep)
             step_rows = torch.tensor(step.rows, device=device)

@@ -138,6 +138,13 @@ class StepPacker:
         self.window = config.window_size[0] if config.window_size else None
         self.dtype, self.device = config.params_dtype, prompts.device
 
+    def idle(self):
+        """A step of padding into ``scratch_slot`` whose logits nobody reads: what a drained
+        replica runs while its expert-parallel peers still generate (their all-to-alls need it)."""
+        layout = pack_step([self.pad_to], [self.scratch_slot], [], [], self.rotary, self.window, self.dtype, self.device)
+        tokens = torch.full((1, self.pad_to), self.pad_id, dtype=torch.long, device=self.device)
+        return tokens, layout, torch.zeros(1, dtype=torch.long, device=self.device)
+
     def pack(self, step: ScheduledStep, last_token: torch.Tensor):
         admitted_rows = step.rows[: len(step.admitted)]
         prompt_lengths = [self.lengths[r] for r in admitted_rows]

@@ -32,7 +32,7 @@ def make_transformer_config(
     and training). The RoPE frequencies are set on the built model (:func:`rope_inv_freq`)."""
     from megatron.core.transformer import TransformerConfig
 
-    extra = {}
+    extra = experts_config(arch, parallel)
     if recompute_activations:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(
@@ -69,9 +69,36 @@ def make_transformer_config(
         # Micro-batches are trimmed to their own longest row (models/batches.py): under PP the
         # stages exchange each activation's shape before it.
         variable_seq_lengths=parallel.pipeline_model_parallel_size > 1,
-        moe_token_dispatcher_type="alltoall",  # no experts; megatron refuses its default with the above
         cuda_graph_impl=cuda_graph_impl,
         **extra,
+    )
+
+
+def experts_config(arch: ModelArchConfig, parallel: ParallelConfig) -> dict:
+    """megatron's MoE settings for ``arch``: its softmax router (top-k then softmax over the chosen
+    logits is the renormalised top-k of the full softmax; without renormalisation the softmax comes
+    first), in fp32 whatever the weights (as transformers routes), no token dropped (capacity
+    unbounded, as transformers), and each expert split over the TP ranks. The all-to-all
+    dispatcher: the all-gather one needs equal token counts on every EP rank, which micro-batches
+    trimmed to their own longest row do not have."""
+    settings = {"moe_token_dispatcher_type": "alltoall"}  # megatron's default refuses variable_seq_lengths
+    if not arch.num_experts:
+        return settings
+    balancing = arch.moe_aux_loss_coeff > 0
+    return dict(
+        settings,
+        num_moe_experts=arch.num_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_topk=arch.moe_router_topk,
+        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+        moe_layer_freq=arch.moe_layers(),
+        moe_router_dtype="fp32",
+        moe_grouped_gemm=False,
+        moe_router_load_balancing_type="aux_loss" if balancing else "none",
+        moe_aux_loss_coeff=arch.moe_aux_loss_coeff,
+        moe_z_loss_coeff=arch.moe_z_loss_coeff or None,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.tensor_model_parallel_size,
     )
 
 
@@ -112,8 +139,14 @@ class ScalarHead(torch.nn.Module):
         return values, None
 
 
-def layer_spec(arch: ModelArchConfig):
-    """transformer-engine layers on GPU when installed, megatron-core's local layers otherwise."""
+def layer_spec(arch: ModelArchConfig, config):
+    """transformer-engine layers on GPU when installed, megatron-core's local layers otherwise;
+    with experts, megatron's block spec (this stage's layers, each with experts or dense as
+    ``config.moe_layer_freq`` says)."""
+    if arch.num_experts:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=get_platform().has_transformer_engine)
     if get_platform().has_transformer_engine:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
@@ -176,7 +209,7 @@ def build_model(
         post_process = parallel_state.is_pipeline_last_stage()
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch),
+        transformer_layer_spec=layer_spec(arch, config),
         vocab_size=arch.padded_vocab_size(parallel.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -217,9 +250,9 @@ def load_local_state_dict(model: torch.nn.Module, state_dict: dict) -> None:
     from megatron_rlhf.models.sharding import to_te_layer_names
 
     inner = unwrap(model)
-    if get_platform().has_transformer_engine:
-        state_dict = to_te_layer_names(state_dict)
     expected = {k for k in inner.state_dict() if not k.endswith("._extra_state")}
+    if get_platform().has_transformer_engine:
+        state_dict = to_te_layer_names(state_dict, expected)
     missing, unexpected = expected - set(state_dict), set(state_dict) - expected
     if missing or unexpected:
         raise ValueError(

@@ -11,7 +11,13 @@ How each weight is split across TP ranks:
   are whole groups), word embeddings and output_layer (vocabulary rows);
 - linear_fc1 holds [gate; up] stacked: each rank holds [gate_r; up_r];
 - row-parallel (input columns split): linear_proj, linear_fc2;
-- replicated: norms (q/k norms included: they act on one head) and the scalar head.
+- replicated: norms (q/k norms included: they act on one head), a MoE layer's router and the
+  scalar head.
+
+Experts (``decoder.layers.i.mlp.experts.local_experts.e.*``) are split over TP as the dense MLP
+is; full dicts and the (TP, PP) shards of a checkpoint hold every expert under its global number e,
+and :func:`experts_of_rank` / :func:`experts_renumbered` cut and renumber them for an EP rank,
+which holds experts [ep_rank * E / EP, (ep_rank + 1) * E / EP) as 0, 1, ... (megatron's order).
 
 A tied model (``tied=True``: the LM head is the input embedding) has no output_layer in the full
 dict; under PP the last stage holds its own copy of the embedding as output_layer (megatron keeps
@@ -21,7 +27,7 @@ the two equal by all-reducing their gradients), cut from the embedding here and 
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Tuple
+from typing import Dict, List, Set, Tuple
 
 import torch
 
@@ -30,8 +36,10 @@ StateDict = Dict[str, torch.Tensor]
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 _COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
-_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
-_GATED = ("mlp.linear_fc1.weight",)
+# The dense MLP's and each expert's (mlp.experts.local_experts.e.linear_fc1.weight) alike.
+_ROW = ("self_attention.linear_proj.weight", "linear_fc2.weight")
+_GATED = ("linear_fc1.weight",)
+_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 # transformer-engine fuses each norm into the following linear layer.
 _TE_NORM_NAMES = {
@@ -53,13 +61,15 @@ def to_local_layer_names(state_dict: StateDict) -> StateDict:
     return out
 
 
-def to_te_layer_names(state_dict: StateDict) -> StateDict:
-    """The inverse of :func:`to_local_layer_names`."""
+def to_te_layer_names(state_dict: StateDict, te_keys: Set[str]) -> StateDict:
+    """The inverse of :func:`to_local_layer_names` for a model whose keys are ``te_keys`` (a layer
+    with experts keeps its own pre-MLP norm: there is no single linear_fc1 to fuse it into)."""
     out = {}
     for key, value in state_dict.items():
         for te_name, local_name in _TE_NORM_NAMES.items():
-            if key.endswith(local_name) and key.startswith("decoder.layers."):
-                key = key[: -len(local_name)] + te_name
+            fused = key[: -len(local_name)] + te_name
+            if key.endswith(local_name) and key.startswith("decoder.layers.") and fused in te_keys:
+                key = fused
         out[key] = value
     return out
 
@@ -187,6 +197,31 @@ def stages_of(key: str, num_layers: int, pp_size: int, tied: bool = False) -> Tu
     if key.startswith("embedding."):
         return (0, pp_size - 1) if tied and key == _VOCAB[0] and pp_size > 1 else (0,)
     return (pp_size - 1,)
+
+
+def experts_of_rank(state: StateDict, num_experts: int, ep_size: int, ep_rank: int) -> StateDict:
+    """An EP rank's part of ``state``: its experts, renumbered from 0, and every other tensor."""
+    per_rank = num_experts // ep_size
+    out: StateDict = {}
+    for key, tensor in state.items():
+        match = _EXPERT.match(key)
+        if match is None:
+            out[key] = tensor
+            continue
+        local = int(match.group(2)) - ep_rank * per_rank
+        if 0 <= local < per_rank:
+            out[f"{match.group(1)}{local}{match.group(3)}"] = tensor
+    return out
+
+
+def experts_renumbered(state: StateDict, num_experts: int, ep_size: int, ep_rank: int) -> StateDict:
+    """The inverse of :func:`experts_of_rank` for the experts: local numbers back to global ones."""
+    offset = ep_rank * (num_experts // ep_size)
+    out: StateDict = {}
+    for key, tensor in state.items():
+        match = _EXPERT.match(key)
+        out[f"{match.group(1)}{int(match.group(2)) + offset}{match.group(3)}" if match else key] = tensor
+    return out
 
 
 def merge_tensor(key: str, tp_pieces: List[torch.Tensor], vocab_size: int, head: str = "lm") -> torch.Tensor:

@@ -76,6 +76,7 @@ def _load_weights(model: torch.nn.Module, name: str, config: RLHFConfig) -> None
         config.path_of(name + ".load"), config.role(name).model, ROLE_HEADS[name],
         par.tensor_model_parallel_size, ps.get_tensor_model_parallel_rank(),
         par.pipeline_model_parallel_size, ps.get_pipeline_model_parallel_rank(),
+        par.expert_model_parallel_size, ps.get_expert_model_parallel_rank(),
     )
     load_local_state_dict(model, shard)
 

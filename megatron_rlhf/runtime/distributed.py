@@ -42,7 +42,13 @@ def init_distributed(layout: ParallelConfig, seed: int = 1234, timeout_s: float 
     if layout.sequence_parallel and layout.tensor_model_parallel_size == 1:
         raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
 
+    ep = layout.expert_model_parallel_size
+    if (world_size // model_parallel) % ep != 0:
+        raise ValueError(f"expert_model_parallel_size {ep} does not divide the data-parallel size "
+                         f"{world_size // model_parallel}")
+
     megatron_compat.check()
+    megatron_compat.bind_router_gemm()
     platform = get_platform()
     platform.setup(local_rank)
     if not dist.is_initialized():
@@ -58,6 +64,7 @@ def init_distributed(layout: ParallelConfig, seed: int = 1234, timeout_s: float 
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tensor_model_parallel_size,
             pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+            expert_model_parallel_size=layout.expert_model_parallel_size,
             distributed_timeout_minutes=timeout_s / 60,  # typed int, used as timedelta(minutes=...)
         )
     set_seed(seed)

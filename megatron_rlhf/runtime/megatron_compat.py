@@ -87,6 +87,10 @@ ANCHORS: Dict[str, Tuple[Site, ...]] = {
         Site("models/common/embeddings/rotary_pos_embedding.py", "freqs = torch.outer(seq, self.inv_freq)"),
         Site("models/common/embeddings/rotary_pos_embedding.py", "@lru_cache(maxsize=32)"),
     ),
+    "router_without_te": (
+        Site("transformer/moe/moe_utils.py", "if te_general_gemm is not None and router_dtype != torch.float64:"),
+        Site("transformer/moe/moe_utils.py", "if te_general_gemm is not None and ctx.router_dtype != torch.float64:"),
+    ),
     "grad_sync_hooks": (
         Site("model_parallel_config.py", "finalize_model_grads_func"),
         Site("model_parallel_config.py", "no_sync_func"),
@@ -138,6 +142,15 @@ def check() -> None:
     """Refuse a megatron-core whose internals used here have moved."""
     raise_if_changed(site_problems(ANCHORS.items()), "megatron_rlhf's uses of its internals",
                      "megatron_rlhf/runtime/megatron_compat.py")
+
+
+def bind_router_gemm() -> None:
+    """megatron's MoE router reads ``te_general_gemm``, which is bound only when transformer-engine
+    imports (a NameError at the first routed token otherwise); None sends it to its torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -205,6 +205,18 @@ def _recompute_keeps_no_cuda_rng_state() -> None:
     mrandom.CheckpointFunction.backward = staticmethod(backward_with_cpu_devices)
 
 
+def _moe_split_sizes_on_host() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    to_host = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_host_as_numpy(tensor, as_numpy: bool = False, record_stream: bool = False):
+        tensor = to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host_as_numpy
+
+
 ADAPTATIONS: List[Adaptation] = [
     Adaptation(
         name="cuda_is_hidden",
@@ -277,6 +289,18 @@ ADAPTATIONS: List[Adaptation] = [
             Site("tensor_parallel/random.py", lines=(530, 560), anchor="outputs = ctx.run_function(*detached_inputs)"),
         ),
         apply=_recompute_keeps_no_cuda_rng_state,
+    ),
+    Adaptation(
+        name="moe_split_sizes_on_host",
+        why="the all-to-all token dispatcher turns its split sizes into host numpy arrays only when they "
+        "sit on a GPU; on the CPU they stay tensors, which gloo's all_to_all_single refuses",
+        sites=(
+            Site("transformer/moe/token_dispatcher.py", lines=(28, 36), anchor="maybe_move_tensor_to_cpu,"),
+            Site("transformer/moe/token_dispatcher.py", lines=(876, 890),
+                 anchor="self.input_splits = maybe_move_tensor_to_cpu("),
+            Site("transformer/moe/moe_utils.py", lines=(1093, 1096), anchor="if torch.is_tensor(tensor) and tensor.is_cuda:"),
+        ),
+        apply=_moe_split_sizes_on_host,
     ),
 ]
 

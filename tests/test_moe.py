@@ -1,0 +1,152 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral) on megatron-core's MoE layers: converted from tiny
+random transformers models, they give transformers' logits and greedy generate() at TP=2, PP=2
+and EP=2, convert back to the same tensors, and every field or layout we do not model is refused by
+name."""
+
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from megatron_rlhf.checkpoint.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
+from megatron_rlhf.config.families import arch_from_hf_config  # noqa: E402
+from tests.hf_families import all_tensors, hf_greedy, hf_outputs, make_hf_model, spread_eos  # noqa: E402
+
+# Qwen3-MoE with renormalised top-2 and a dense first layer; Mixtral (every layer experts); Qwen3-MoE
+# without renormalisation (softmax before the top-3) and experts every second layer, as a reward model.
+CASES = [("qwen3_moe", "lm"), ("mixtral", "lm"), ("qwen3_moe-unnormed", "scalar")]
+LAYOUTS = {"tp2_pp1": "2.1.1", "tp1_pp2": "1.2.1", "tp1_pp1_ep2": "1.1.2"}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from tests.conftest import run_workers
+
+    root = tmp_path_factory.mktemp("moe")
+    transformers.logging.set_verbosity_error()
+    models, args = {}, []
+    prompts = torch.randint(3, 100, (8, 30), generator=torch.Generator().manual_seed(0))
+    lengths = [3, 17, 9, 1, 30, 12, 5, 24]
+    for name, head in CASES:
+        model = make_hf_model(name, root / name / "hf", head)
+        hf_to_megatron(str(root / name / "hf"), str(root / name / "mg"))
+        eos = []
+        if head == "lm":
+            with torch.no_grad():
+                eos = spread_eos(hf_greedy(model, prompts, lengths, None))
+        models[name] = (model, head, eos)
+        args.append(f"{name}={root / name / 'mg'}:{','.join(map(str, eos))}")
+    ranks = run_workers(root, 2, "family_equivalence", "--layouts=" + ",".join(LAYOUTS.values()), *args)
+    return root, models, ranks
+
+
+def test_the_converted_models_have_the_families_routing(converted):
+    root, _, _ = converted
+    meta = {name: json.loads((root / name / "mg" / "megatron_rlhf_model.json").read_text())["arch"] for name, _ in CASES}
+    assert [meta["qwen3_moe"][k] for k in ("num_experts", "moe_router_topk", "moe_norm_topk_prob", "moe_dense_layers")] \
+        == [4, 2, True, [0]]
+    assert [meta["qwen3_moe-unnormed"][k] for k in ("moe_router_topk", "moe_norm_topk_prob", "moe_layer_step")] == [3, False, 2]
+    assert [meta["mixtral"][k] for k in ("num_experts", "moe_ffn_hidden_size", "moe_norm_topk_prob")] == [4, 48, True]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_logits_equal_transformers_at_tp2_pp2_and_ep2(converted, layout):
+    _, models, ranks = converted
+    for name, (model, head, _) in models.items():
+        expected = hf_outputs(model, ranks[0]["tokens"], head)
+        got = [r[f"{name}/{layout}"] for r in ranks if f"{name}/{layout}" in r]
+        assert len(got) == (1 if layout == "tp1_pp2" else 2), name  # the last stage's ranks
+        for g in got:
+            assert (g - expected).abs().max().item() <= 1e-4, name
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_greedy_generation_equals_transformers_row_by_row(converted, layout):
+    _, models, ranks = converted
+    prompts, lengths = ranks[0]["prompts"], ranks[0]["lengths"]
+    for name, (model, head, eos) in models.items():
+        if head != "lm":
+            continue
+        with torch.no_grad():
+            expected = hf_greedy(model, prompts, lengths, eos)
+        assert len({len(r) for r in expected}) > 2, name  # EOS ends rows at spread lengths
+        for r in ranks:
+            assert r[f"{name}/{layout}/generated"] == expected, name
+        if layout == "tp1_pp1_ep2":  # rank 1 had 2 rows, rank 0 all 8: each still got transformers' rows
+            assert [len(r[f"{name}/{layout}/generated_unequal"]) for r in ranks] == [8, 2]
+            for r in ranks:
+                assert r[f"{name}/{layout}/generated_unequal"] == expected[: len(r[f"{name}/{layout}/generated_unequal"])]
+
+
+def test_each_moe_family_converts_back_to_the_same_tensors_and_model(converted):
+    root, models, ranks = converted
+    for name, (model, head, _) in models.items():
+        back = root / name / "back"
+        megatron_to_hf(str(root / name / "mg"), str(back))
+        original, written = all_tensors(root / name / "hf"), all_tensors(back)
+        assert sorted(written) == sorted(original), name
+        assert all(torch.equal(written[k], original[k]) for k in original), name
+        reloaded = type(model).from_pretrained(back).eval()
+        tokens = ranks[0]["tokens"]
+        assert torch.equal(hf_outputs(reloaded, tokens, head), hf_outputs(model, tokens, head)), name
+
+
+QWEN3_MOE = dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,
+                 vocab_size=100, num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2, norm_topk_prob=True)
+MIXTRAL = dict(model_type="mixtral", hidden_size=64, intermediate_size=48, num_attention_heads=4, num_hidden_layers=2,
+               vocab_size=100, num_local_experts=4, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("config,message", [
+    ({**MIXTRAL, "router_jitter_noise": 0.1}, r"router_jitter_noise: 0.1 is not supported \(supported: 0.0, 0\): noise"),
+    ({k: v for k, v in QWEN3_MOE.items() if k != "num_experts_per_tok"}, r"missing num_experts_per_tok"),
+    ({k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}, r"missing num_experts\|num_local_experts"),
+    ({**QWEN3_MOE, "model_type": "qwen3"}, r"num_experts: not a field of the qwen3 family"),
+    ({**QWEN3_MOE, "shared_expert_intermediate_size": 64}, r"shared_expert_intermediate_size: not a field of the qwen3_moe"),
+], ids=["jitter", "no-topk", "no-experts", "dense-family", "shared-expert"])
+def test_moe_fields_we_do_not_model_are_refused_by_name(config, message):
+    with pytest.raises(ValueError, match=message):
+        arch_from_hf_config(config, "config.json")
+
+
+def test_qwen3_moe_sparse_step_and_dense_layers_give_the_layer_pattern():
+    arch = arch_from_hf_config({**QWEN3_MOE, "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]}, "c")
+    assert arch.moe_layers() == [0, 1, 0, 0, 0, 1]  # (i + 1) % 2 == 0, layer 3 dense
+    transformers5 = {k: v for k, v in QWEN3_MOE.items() if k != "num_experts"} | {"num_local_experts": 4}
+    assert arch_from_hf_config(transformers5, "c").num_experts == 4  # the name transformers 5 writes
+
+
+def _load(tmp_path, model_yaml, parallel="", world_size=2):
+    from megatron_rlhf.config import load_config
+
+    base = os.path.join(os.path.dirname(__file__), "..", "examples", "tiny", "grpo.yaml")
+    (tmp_path / "moe.yaml").write_text(f"includes: {os.path.abspath(base)}\n{parallel}\n"
+                                       + "".join(f"{r}:\n  model: {model_yaml}\n" for r in ("policy", "reference", "ppo_policy")))
+    return load_config(str(tmp_path / "moe.yaml"), world_size=world_size, check_inputs=False)
+
+
+MOE_YAML = "{preset: tiny, family: qwen3_moe, num_experts: 4, moe_ffn_hidden_size: 32}"
+
+
+@pytest.mark.parametrize("model,parallel,world,message", [
+    (MOE_YAML, "parallel: {tensor_model_parallel_size: 1, expert_model_parallel_size: 3}", 6,
+     r"expert_model_parallel_size: 3 does not divide policy, reference, ppo_policy's num_experts=4"),
+    (MOE_YAML, "parallel: {tensor_model_parallel_size: 1, expert_model_parallel_size: 4}", 2,
+     r"expert_model_parallel_size: 4 does not divide the data-parallel size 2 .*valid EP: 1, 2"),
+    (MOE_YAML, "parallel: {tensor_model_parallel_size: 2}", 2,
+     r"tensor_model_parallel_size: 2, but ppo_policy trains a model with experts"),
+    ("{preset: tiny}", "parallel: {expert_model_parallel_size: 2}", 2,
+     r"expert_model_parallel_size: 2, but no role's model has experts"),
+    ("{preset: tiny, family: qwen3_moe}", "parallel: {tensor_model_parallel_size: 1}", 2, r"num_experts: family 'qwen3_moe' is a mixture of experts"),
+    ("{preset: tiny, num_experts: 4}", "", 2, r"num_experts: family 'llama' has no experts"),
+    ("{preset: tiny, family: qwen3_moe, num_experts: 4, moe_ffn_hidden_size: 32, moe_router_topk: 5, moe_dense_layers: [7]}",
+     "parallel: {tensor_model_parallel_size: 1}", 2, r"(?s)moe\.yaml: policy\.model\.moe_router_topk: 5 is more than num_experts=4.*moe_dense_layers: \[7\] are not layers"),
+])
+def test_moe_layouts_and_features_that_cannot_run_are_refused_by_name(tmp_path, model, parallel, world, message):
+    from megatron_rlhf.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        _load(tmp_path, model, parallel, world)
