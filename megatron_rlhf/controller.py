@@ -449,7 +449,7 @@ class PPOController:
         rows = columns["tokens"].shape[0]
         step_rows = cfg.samples_per_step(name) // self.dp_size
         steps: List[List[Dict[str, torch.Tensor]]] = []  # per optimizer step, its micro-batches' metric sums
-        grad_norms, skipped = [], 0
+        grad_norms, skipped, router_losses = [], 0, []
         with self._resident(name, "training"):
             for epoch in range(cfg.ppo.ppo_epochs):
                 # The same order on every rank of this replica (its TP and PP ranks must agree).
@@ -470,9 +470,13 @@ class PPOController:
                         continue
                     steps.append(result["metrics"])
                     grad_norms.append(float(result["grad_norm"]))
+                    router_losses.append(result["moe"])
         metrics = reported_metrics(steps, prefix, stats, self.device, self.dp_group) if steps else {f"loss/{prefix}": float("nan")}
         grad_norm = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
-        return {**metrics, f"{prefix}/grad_norm": grad_norm, f"{prefix}/skipped_steps": float(skipped)}
+        # Each step's router losses are already the same on every rank: the mean over the steps.
+        router = {f"{prefix}/{k}": sum(r[k] for r in router_losses) / len(router_losses) for k in router_losses[0]} \
+            if router_losses else {}
+        return {**metrics, **router, f"{prefix}/grad_norm": grad_norm, f"{prefix}/skipped_steps": float(skipped)}
 
     def _gather_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's [n] share of a DP-split tensor -> the whole [n * DP], in DP-rank order."""

@@ -150,3 +150,42 @@ def test_moe_layouts_and_features_that_cannot_run_are_refused_by_name(tmp_path, 
 
     with pytest.raises(ConfigError, match=message):
         _load(tmp_path, model, parallel, world)
+
+
+@pytest.fixture(scope="module")
+def moe_updates(tmp_path_factory):
+    from tests.conftest import run_workers
+
+    tmp = tmp_path_factory.mktemp("moe_invariance")
+    return run_workers(tmp, 1, "moe_invariance", "single")[0], run_workers(tmp, 2, "moe_invariance", "layouts")
+
+
+def relative_difference(got, expected):
+    assert sorted(got) == sorted(expected)  # every expert's gradient, gathered from the EP rank holding it
+    return max(((got[k] - expected[k]).abs().max() / expected[k].abs().max().clamp(min=1e-30)).item() for k in expected)
+
+
+def test_without_the_load_balancing_loss_the_update_does_not_depend_on_the_cut(moe_updates):
+    single, layouts = moe_updates
+    uncut = single[(0.0, "mb8")]
+    assert uncut["moe"] == {}  # nothing switched on, nothing reported
+    cuts = [single[(0.0, "mb1")], single[(0.0, "mb4")]] + [r[(0.0, name)] for r in layouts for name in ("dp2", "ep2", "pp2")]
+    for cut in cuts:
+        assert relative_difference(cut["grads"], uncut["grads"]) <= 1e-5
+        assert cut["loss"] == pytest.approx(uncut["loss"], rel=1e-5)
+
+
+def test_the_load_balancing_loss_depends_on_the_micro_batches_but_not_on_where_experts_live(moe_updates):
+    """megatron's "aux_loss" is computed per micro-batch from the routing of all of its tokens: what
+    it adds to the gradient changes with the micro-batches (measured, documented in the README), never
+    with the expert layout: DP=2 and DP=2 x EP=2 cut the same micro-batches and agree."""
+    single, layouts = moe_updates
+    uncut = single[(0.1, "mb8")]
+    assert set(uncut["moe"]) == {"moe/load_balancing_loss", "moe/z_loss"}
+    assert all(v > 0 for v in uncut["moe"].values())
+    for r in layouts:
+        assert relative_difference(r[(0.1, "ep2")]["grads"], r[(0.1, "dp2")]["grads"]) <= 1e-5
+        assert r[(0.1, "ep2")]["moe"] == pytest.approx(r[(0.1, "dp2")]["moe"], rel=1e-5)
+    for cut in (single[(0.1, "mb1")], single[(0.1, "mb4")], layouts[0][(0.1, "pp2")]):
+        assert relative_difference(cut["grads"], uncut["grads"]) > 1e-3  # the dependence, as documented
+        assert cut["loss"] == pytest.approx(uncut["loss"], rel=1e-5)  # the policy loss itself is not affected

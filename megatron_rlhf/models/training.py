@@ -67,7 +67,30 @@ def train_step(
     update_successful, grad_norm, _ = optimizer.step()
     if grad_norm is None:  # megatron measures the norm only when it clips (clip_grad > 0)
         grad_norm = compat.unclipped_grad_norm(optimizer)
-    return {"metrics": metrics, "grad_norm": grad_norm, "update_successful": update_successful, "non_finite": None}
+    return {"metrics": metrics, "grad_norm": grad_norm, "update_successful": update_successful, "non_finite": None,
+            "moe": moe_losses(unwrap(ddp_model).config, len(micro_batches))}
+
+
+def moe_losses(config, micro_batches: int) -> Dict[str, float]:
+    """megatron's router losses of the last backward, without their coefficients
+    (``moe/load_balancing_loss``, ``moe/z_loss``, those switched on): the mean over the layers with
+    experts, the micro-batches and the DP ranks, the same on every rank. Empty for a dense model.
+    Clears megatron's tracker, which every routed training forward adds to."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    if not config.num_moe_experts:
+        return {}
+    out = {}
+    layers = sum(config.moe_layer_freq)
+    for name, entry in sorted(get_moe_layer_wise_logging_tracker().items()):
+        total = entry["values"].sum().reshape(1)  # this stage's layers, summed over micro-batches
+        dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+        out[f"moe/{name}"] = total.item() / (layers * micro_batches * ps.get_data_parallel_world_size())
+    clear_aux_losses_tracker()
+    return out
 
 
 def _non_finite(ddp_model: torch.nn.Module, metrics: List[Dict[str, Any]]) -> Optional[str]:
