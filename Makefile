@@ -1,5 +1,5 @@
 # Set-up from nothing: a virtualenv in .venv with torch (CPU build unless TORCH_SPEC says otherwise),
-# megatron-core and this package. `make demo` runs the CPU demo (PPO; `make demo-grpo`: GRPO); `make test` runs the test suite.
+# megatron-core and this package. `make demo` runs the CPU demo (PPO; `make demo-grpo`: GRPO; `make demo-moe`: GRPO on a mixture of experts); `make test` runs the test suite.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -7,7 +7,7 @@ NPROC ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-grpo demo-math test clean
+.PHONY: install demo demo-grpo demo-moe demo-math test clean
 
 install: $(STAMP)
 
@@ -31,6 +31,11 @@ demo: $(STAMP) examples/tiny/prompts.jsonl
 demo-grpo: $(STAMP) examples/tiny/prompts.jsonl
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.train \
 		--config examples/tiny/grpo.yaml --overwrite
+
+# GRPO on a mixture of experts, the experts split over the processes (examples/tiny/moe.yaml).
+demo-moe: $(STAMP) examples/tiny/prompts.jsonl
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.train \
+		--config examples/tiny/moe.yaml --overwrite
 
 # GRPO with verifiable rewards: a Hugging Face tokenizer with a chat template, chat rows with ground
 # truth, the built-in verifier, validation (examples/tiny_math/grpo.yaml). Its inputs are committed;

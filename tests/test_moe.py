@@ -189,3 +189,44 @@ def test_the_load_balancing_loss_depends_on_the_micro_batches_but_not_on_where_e
     for cut in (single[(0.1, "mb1")], single[(0.1, "mb4")], layouts[0][(0.1, "pp2")]):
         assert relative_difference(cut["grads"], uncut["grads"]) > 1e-3  # the dependence, as documented
         assert cut["loss"] == pytest.approx(uncut["loss"], rel=1e-5)  # the policy loss itself is not affected
+
+
+@pytest.fixture(scope="module")
+def moe_demo(tmp_path_factory):
+    """`make demo-moe` (EP=2) with every role's memory freed between phases and with none."""
+    from tests.test_train import FREE_MEMORY_VARS, train
+
+    base = tmp_path_factory.mktemp("moe_demo")
+    for ems in ("True", "False"):
+        train(base / ems, config="examples/tiny/moe.yaml", env={v: ems for v in FREE_MEMORY_VARS})
+    return base
+
+
+def test_the_moe_demo_learns_with_experts_split_and_reports_its_router_losses(moe_demo):
+    from tests.test_train import metrics
+
+    rows = metrics(moe_demo / "True")
+    first, last = (sum(r["reward/mean"] for r in part) / 5 for part in (rows[:5], rows[-5:]))
+    assert len(rows) == 40 and last > first + 0.2, (first, last)
+    assert all(r["policy/moe/load_balancing_loss"] > 0 and r["policy/moe/z_loss"] > 0 for r in rows)
+    shard = torch.load(next((moe_demo / "True" / "checkpoints").glob("iter_*/ppo_policy/release/mp_rank_00/*.pt")),
+                       weights_only=True)["model"]
+    assert sum(".local_experts." in k and k.endswith("linear_fc1.weight") for k in shard) == 4  # both EP ranks' experts
+
+
+def test_freeing_the_moe_demos_memory_changes_no_number(moe_demo):
+    from tests.test_train import metrics, without_times
+
+    assert without_times(metrics(moe_demo / "True")) == without_times(metrics(moe_demo / "False"))
+
+
+def test_a_resumed_moe_run_continues_exactly_as_an_uninterrupted_one(tmp_path):
+    from tests.test_train import metrics, train, without_times
+
+    moe = {"config": "examples/tiny/moe.yaml"}
+    train(tmp_path / "whole", "--iterations", "4", **moe)
+    train(tmp_path / "split", "--iterations", "2", **moe)
+    train(tmp_path / "split", "--iterations", "4", "--resume", **moe)
+    assert without_times(metrics(tmp_path / "split")) == without_times(metrics(tmp_path / "whole"))
+    refused = train(tmp_path / "split", "--iterations", "5", "--resume", env={"EP": "1"}, check=False, **moe)
+    assert refused.returncode != 0 and "written at TP=1 PP=1 EP=2; resume with the same TP, PP and EP" in refused.stdout + refused.stderr

@@ -18,7 +18,7 @@ from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 
-from megatron_rlhf.config.schema import ModelArchConfig
+from megatron_rlhf.config.schema import TRAINING_ONLY_ARCH_FIELDS, ModelArchConfig
 from megatron_rlhf.models.sharding import StateDict, experts_of_rank, merge_tensor, shard_state_dict
 
 META_FILE = "megatron_rlhf_model.json"
@@ -168,8 +168,8 @@ def _tp_pp_shard(root: str, arch: ModelArchConfig, head: str, tp: int, tp_rank: 
 
 # The fields that change what a model computes (not its initialisation, padding, preset or the
 # longest sequence it was told of), compared between a checkpoint and the config that loads it.
-_NOT_COMPUTATION = ("preset", "family", "num_query_groups", "head_dim", "init_method_std", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-                    "make_vocab_size_divisible_by", "max_position_embeddings")
+_NOT_COMPUTATION = ("preset", "family", "num_query_groups", "head_dim", "init_method_std",
+                    "make_vocab_size_divisible_by", "max_position_embeddings") + TRAINING_ONLY_ARCH_FIELDS
 
 
 def _computation_fields(saved: ModelArchConfig, configured: ModelArchConfig) -> List[Tuple[str, object, object]]:

@@ -38,6 +38,7 @@ from megatron_rlhf.checkpoint.model_files import (
 from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES
 from megatron_rlhf.errors import NonFiniteError, RunError
 from megatron_rlhf.models.decoder import load_local_state_dict, local_state_dict, unwrap
+from megatron_rlhf.models.sharding import experts_renumbered
 from megatron_rlhf.runtime import megatron_compat as compat
 
 LATEST = "latest"
@@ -68,12 +69,39 @@ def _layout():
         "tp": ps.get_tensor_model_parallel_world_size(), "tp_rank": ps.get_tensor_model_parallel_rank(),
         "pp": ps.get_pipeline_model_parallel_world_size(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
         "dp": ps.get_data_parallel_world_size(), "dp_rank": ps.get_data_parallel_rank(),
+        "ep": ps.get_expert_model_parallel_world_size(), "ep_rank": ps.get_expert_model_parallel_rank(),
+        "edp_rank": ps.get_expert_data_parallel_rank(),
     }
 
 
-def _optim_files(role_dir: str, tp_rank: int, pp_rank: int):
-    base = os.path.join(role_dir, "optim", f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
+def _optim_files(role_dir: str, layout: dict):
+    """A rank's optimizer files: per (TP, PP) rank, and per EP rank when experts are split (each EP
+    rank's expert optimizer holds other parameters)."""
+    name = f"mp_rank_{layout['tp_rank']:02d}_{layout['pp_rank']:03d}" + (f"_{layout['ep_rank']:03d}" if layout["ep"] > 1 else "")
+    base = os.path.join(role_dir, "optim", name)
     return base + ".pt", base + "_param_state.pt"
+
+
+def _writes_optimizer(layout: dict) -> bool:
+    """DP rank 0 writes a replica's optimizer state; with experts split, each EP rank's first
+    expert-data-parallel rank writes its own."""
+    return layout["edp_rank"] == 0 if layout["ep"] > 1 else layout["dp_rank"] == 0
+
+
+def _full_weights(model, layout: dict, num_experts) -> Optional[dict]:
+    """This (TP, PP) rank's weights with every expert of its stage under its global number, on DP
+    rank 0 (None elsewhere); collective over the expert-parallel group when experts are split."""
+    from megatron.core import parallel_state as ps
+
+    weights = {k: v.detach().cpu().clone() for k, v in local_state_dict(model).items()}
+    if num_experts and layout["ep"] > 1:
+        weights = experts_renumbered(weights, num_experts, layout["ep"], layout["ep_rank"])
+        everyone = [None] * layout["ep"]
+        dist.all_gather_object(everyone, {k: v for k, v in weights.items() if ".local_experts." in k},
+                               group=ps.get_expert_model_parallel_group())
+        for experts in everyone:
+            weights.update(experts)
+    return weights if layout["dp_rank"] == 0 else None
 
 
 def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any], output_dir: str) -> str:
@@ -109,12 +137,13 @@ def _write_checkpoint(roles, trainer_state, root: str, name: str, tmp: str, fina
     for role_name in [r for r in TRAINABLE_ROLES if r in roles]:
         role = roles[role_name]
         role_dir = os.path.join(tmp, role_name)
-        common_file, param_file = _optim_files(role_dir, layout["tp_rank"], layout["pp_rank"])
+        common_file, param_file = _optim_files(role_dir, layout)
         with role.resident("training"):
             _refuse_non_finite(role_name, role.model, trainer_state["iteration"])
-            if layout["dp_rank"] == 0:
-                weights = {k: v.detach().cpu().clone() for k, v in local_state_dict(role.model).items()}
+            weights = _full_weights(role.model, layout, role.config.model.num_experts)
+            if weights is not None:
                 save_shard(role_dir, layout["tp_rank"], layout["pp_rank"], layout["pp"], weights)
+            if _writes_optimizer(layout):
                 os.makedirs(os.path.dirname(common_file), exist_ok=True)
                 torch.save(role.optimizer.state_dict(), common_file)
             if role.config.use_distributed_optimizer:
@@ -124,7 +153,7 @@ def _write_checkpoint(roles, trainer_state, root: str, name: str, tmp: str, fina
             write_model_meta(role_dir, role.config.model, ROLE_HEADS[role_name], param.dtype, layout["tp"], layout["pp"])
     dist.barrier()
     if rank0:
-        torch.save({**trainer_state, "layout": {k: layout[k] for k in ("tp", "pp", "dp")}},
+        torch.save({**trainer_state, "layout": {k: layout[k] for k in ("tp", "pp", "dp", "ep")}},
                    os.path.join(tmp, "trainer_state.pt"))
     _write_manifest(tmp, rank0)
     if rank0:
@@ -208,13 +237,15 @@ def _refuse_non_finite(role_name: str, model, iteration: int) -> None:
                              "written (the latest checkpoint is still the last finite state)", collective=True)
 
 
-def check_layout(path: str, trainer_state: Dict[str, Any], tp: int, pp: int, where: str = "") -> None:
-    """Refuse to resume checkpoint ``path`` (its ``trainer_state``) at another TP or PP: the
-    optimizer state is per model-parallel rank. ``where`` names the setting, for the message."""
+def check_layout(path: str, trainer_state: Dict[str, Any], tp: int, pp: int, ep: int = 1, where: str = "") -> None:
+    """Refuse to resume checkpoint ``path`` (its ``trainer_state``) at another TP, PP or EP: the
+    optimizer state is per model-parallel (and expert-parallel) rank. ``where`` names the setting,
+    for the message."""
     saved = trainer_state["layout"]
-    if (saved["tp"], saved["pp"]) != (tp, pp):
-        raise CheckpointError(f"{path}: written at TP={saved['tp']} PP={saved['pp']}; resume with the same TP and PP "
-                              f"(now TP={tp} PP={pp}{', ' + where if where else ''}); DP may differ")
+    saved_ep = saved.get("ep", 1)
+    if (saved["tp"], saved["pp"], saved_ep) != (tp, pp, ep):
+        raise CheckpointError(f"{path}: written at TP={saved['tp']} PP={saved['pp']} EP={saved_ep}; resume with the same "
+                              f"TP, PP and EP (now TP={tp} PP={pp} EP={ep}{', ' + where if where else ''}); DP may differ")
 
 
 def _load_parameter_state(optimizer, path: str) -> None:
@@ -240,15 +271,15 @@ def load_ppo_checkpoint(roles: Mapping[str, Any], path: str) -> Dict[str, Any]:
     CPU first, whatever device wrote it."""
     layout = _layout()
     state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
-    check_layout(path, state, layout["tp"], layout["pp"])
+    check_layout(path, state, layout["tp"], layout["pp"], layout["ep"])
     for role_name in [r for r in TRAINABLE_ROLES if r in roles]:
         role = roles[role_name]
         role_dir = os.path.join(path, role_name)
-        common_file, param_file = _optim_files(role_dir, layout["tp_rank"], layout["pp_rank"])
+        common_file, param_file = _optim_files(role_dir, layout)
         # no_grad: fp32 main params can be views of the (grad-requiring) parameters.
         with role.resident("training"), torch.no_grad():
             shard = load_model_shard(role_dir, role.config.model, ROLE_HEADS[role_name], layout["tp"],
-                                     layout["tp_rank"], layout["pp"], layout["pp_rank"])
+                                     layout["tp_rank"], layout["pp"], layout["pp_rank"], layout["ep"], layout["ep_rank"])
             load_local_state_dict(role.model, shard)
             compat.reload_main_params(role.optimizer)
             role.optimizer.load_state_dict(torch.load(common_file, map_location="cpu", weights_only=False))

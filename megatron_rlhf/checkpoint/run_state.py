@@ -101,7 +101,7 @@ def check_resume(path: str, config: RLHFConfig, now: Dict[str, Any], output_dir:
         raise CheckpointError(f"cannot resume from {path}: {e}; {advice}") from None
     par = config.parallel
     check_layout(path, state, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                 config.at("parallel.tensor_model_parallel_size"))
+                 par.expert_model_parallel_size, config.at("parallel.tensor_model_parallel_size"))
     before = state.get("run")
     if before is None:
         return now, state["iteration"]

@@ -67,6 +67,10 @@ REQUIRED_ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn
                         "max_position_embeddings")
 
 
+# Keys of an architecture that only training reads (the forward is the same whatever they are).
+TRAINING_ONLY_ARCH_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff")
+
+
 @dataclasses.dataclass
 class ModelArchConfig:
     """A decoder of the Llama line: RMSNorm, SwiGLU, RoPE, grouped-query attention, and the
@@ -123,6 +127,11 @@ class ModelArchConfig:
     def kv_channels(self) -> int:
         """Width of one attention head."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def network(self) -> "ModelArchConfig":
+        """This architecture without its training-only keys: roles with equal networks compute alike
+        and can share weights."""
+        return dataclasses.replace(self, **{k: 0.0 for k in TRAINING_ONLY_ARCH_FIELDS})
 
     def moe_layers(self) -> List[int]:
         """1 for each layer with experts, 0 for a dense one (megatron's ``moe_layer_freq`` list)."""

@@ -122,7 +122,7 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
     # Architecture checks once per distinct network, naming every role that uses it.
     networks: List[tuple] = []
     for role in config.model_roles:
-        same = next((n for n in networks if n[0] == config.role(role).model), None)
+        same = next((n for n in networks if n[0].network() == config.role(role).model.network()), None)
         if same is None:
             networks.append((config.role(role).model, [role]))
         else:
@@ -198,7 +198,7 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
     problems.extend(_fixed_address_problems(config))
     # Weight sync copies or shares trained weights into the serving role: same network.
     for serving, trained in config.served_weights.items():
-        if config.role(trained).model != config.role(serving).model:
+        if config.role(trained).model.network() != config.role(serving).model.network():
             problems.append(
                 f"{config.source_of(trained + '.model')}: {trained}.model: differs from "
                 f"{serving}.model ({config.source_of(serving + '.model')}); weight sync needs the "
