@@ -87,3 +87,31 @@ def spread_eos(rows):
         return len({row.index(token) for row in rows if token in row})
 
     return sorted(sorted({t for row in rows for t in row}), key=ends, reverse=True)[:2]
+
+
+def converted_for_equivalence(root, cases, *worker_args):
+    """Each (name, head) case's tiny transformers model saved under root/CASE/hf and converted to
+    root/CASE/mg (CASE: ``name``, or ``name-head`` where a name comes with both heads), the end
+    tokens that spread its greedy rows (LM heads), and the family_equivalence worker's results (2
+    processes; ``worker_args`` first). Returns (models: CASE -> (model, head, eos), ranks)."""
+    import transformers
+
+    from megatron_rlhf.checkpoint.convert import hf_to_megatron
+    from tests.conftest import run_workers
+
+    transformers.logging.set_verbosity_error()
+    models, args = {}, []
+    prompts = torch.randint(3, 100, (8, 30), generator=torch.Generator().manual_seed(0))
+    lengths = [3, 17, 9, 1, 30, 12, 5, 24]  # the worker's
+    both_heads = {name for name, _ in cases if sum(n == name for n, _ in cases) > 1}
+    for name, head in cases:
+        case = f"{name}-{head}" if name in both_heads else name
+        model = make_hf_model(name, root / case / "hf", head)
+        hf_to_megatron(str(root / case / "hf"), str(root / case / "mg"))
+        eos = []
+        if head == "lm":
+            with torch.no_grad():
+                eos = spread_eos(hf_greedy(model, prompts, lengths, None))
+        models[case] = (model, head, eos)
+        args.append(f"{case}={root / case / 'mg'}:{','.join(map(str, eos))}")
+    return models, run_workers(root, 2, "family_equivalence", *worker_args, *args)

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from megatron_rlhf.checkpoint.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
 from megatron_rlhf.checkpoint.model_files import CheckpointError  # noqa: E402
-from tests.hf_families import FAMILY_MODELS, all_tensors, hf_greedy, hf_outputs, make_hf_model, spread_eos  # noqa: E402
+from tests.hf_families import FAMILY_MODELS, all_tensors, converted_for_equivalence, hf_greedy, hf_outputs, make_hf_model  # noqa: E402
 
 # The families (and heads) the equivalence worker runs: each family's LM and score head.
 CASES = [(name, "lm") for name in FAMILY_MODELS] + [(name, "scalar") for name in ("llama3.1", "qwen2.5", "qwen3", "mistral")]
@@ -23,24 +23,8 @@ CASES = [(name, "lm") for name in FAMILY_MODELS] + [(name, "scalar") for name in
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """Each case's transformers model, converted at TP=1 PP=1, and the worker's results."""
-    from tests.conftest import run_workers
-
     root = tmp_path_factory.mktemp("families")
-    transformers.logging.set_verbosity_error()
-    models, args = {}, []
-    prompts = torch.randint(3, 100, (8, 30), generator=torch.Generator().manual_seed(0))
-    lengths = [3, 17, 9, 1, 30, 12, 5, 24]
-    for name, head in CASES:
-        case = f"{name}-{head}"
-        model = make_hf_model(name, root / case / "hf", head)
-        hf_to_megatron(str(root / case / "hf"), str(root / case / "mg"))
-        eos = []
-        if head == "lm":
-            with torch.no_grad():
-                eos = spread_eos(hf_greedy(model, prompts, lengths, None))
-        models[case] = (model, head, eos)
-        args.append(f"{case}={root / case / 'mg'}:{','.join(map(str, eos))}")
-    ranks = run_workers(root, 2, "family_equivalence", *args)
+    models, ranks = converted_for_equivalence(root, CASES)
     return root, models, ranks
 
 

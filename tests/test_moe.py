@@ -11,9 +11,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megatron_rlhf.checkpoint.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
+from megatron_rlhf.checkpoint.convert import megatron_to_hf  # noqa: E402
 from megatron_rlhf.config.families import arch_from_hf_config  # noqa: E402
-from tests.hf_families import all_tensors, hf_greedy, hf_outputs, make_hf_model, spread_eos  # noqa: E402
+from tests.hf_families import all_tensors, converted_for_equivalence, hf_greedy, hf_outputs  # noqa: E402
 
 # Qwen3-MoE with renormalised top-2 and a dense first layer; Mixtral (every layer experts); Qwen3-MoE
 # without renormalisation (softmax before the top-3) and experts every second layer, as a reward model.
@@ -23,23 +23,8 @@ LAYOUTS = {"tp2_pp1": "2.1.1", "tp1_pp2": "1.2.1", "tp1_pp1_ep2": "1.1.2"}
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    from tests.conftest import run_workers
-
     root = tmp_path_factory.mktemp("moe")
-    transformers.logging.set_verbosity_error()
-    models, args = {}, []
-    prompts = torch.randint(3, 100, (8, 30), generator=torch.Generator().manual_seed(0))
-    lengths = [3, 17, 9, 1, 30, 12, 5, 24]
-    for name, head in CASES:
-        model = make_hf_model(name, root / name / "hf", head)
-        hf_to_megatron(str(root / name / "hf"), str(root / name / "mg"))
-        eos = []
-        if head == "lm":
-            with torch.no_grad():
-                eos = spread_eos(hf_greedy(model, prompts, lengths, None))
-        models[name] = (model, head, eos)
-        args.append(f"{name}={root / name / 'mg'}:{','.join(map(str, eos))}")
-    ranks = run_workers(root, 2, "family_equivalence", "--layouts=" + ",".join(LAYOUTS.values()), *args)
+    models, ranks = converted_for_equivalence(root, CASES, "--layouts=" + ",".join(LAYOUTS.values()))
     return root, models, ranks
 
 
