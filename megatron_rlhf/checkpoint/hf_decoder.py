@@ -30,7 +30,7 @@ permutation is needed.
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -98,12 +98,10 @@ def expected_hf_shapes(arch: ModelArchConfig, head: str) -> Dict[str, Tuple[int,
             p + "self_attn.o_proj.weight": (h, q),
         })
         if has_experts:
-            names, width = _expert_names(arch), arch.moe_ffn_hidden_size
-            shapes[p + f"{names.block}.{names.router}.weight"] = (arch.num_experts, h)
-            for e in range(arch.num_experts):
-                x = p + f"{names.block}.experts.{e}."
-                shapes.update({x + f"{names.gate}.weight": (width, h), x + f"{names.up}.weight": (width, h),
-                               x + f"{names.down}.weight": (h, width)})
+            width = arch.moe_ffn_hidden_size
+            for key in layer_keys(arch, has_experts=True):
+                shape = (arch.num_experts, h) if key == _ROUTER else (h, width) if key.endswith("fc2.weight") else (width, h)
+                shapes.update((name, shape) for name in _moe_hf_names(arch, p, key) or ())
         else:
             shapes.update({p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
                            p + "mlp.down_proj.weight": (h, ffn)})
@@ -115,11 +113,20 @@ def expected_hf_shapes(arch: ModelArchConfig, head: str) -> Dict[str, Tuple[int,
     return shapes
 
 
-def _expert_names(arch: ModelArchConfig) -> ExpertNames:
-    names = family_of(arch.family).experts
+def _moe_hf_names(arch: ModelArchConfig, p: str, rest: str) -> Optional[List[str]]:
+    """The HF tensors behind a MoE layer's Megatron key ``rest`` (layer prefix ``p``): the router,
+    an expert's [gate; up] pair or its down projection; None for any other key."""
+    expert = _EXPERT_KEY.match(rest)
+    if rest != _ROUTER and expert is None:
+        return None
+    names: Optional[ExpertNames] = family_of(arch.family).experts
     if names is None:
         raise ValueError(f"family {arch.family!r} has no experts, but the model has num_experts={arch.num_experts}")
-    return names
+    if expert is None:
+        return [p + f"{names.block}.{names.router}.weight"]
+    e, fc = expert.groups()
+    x = p + f"{names.block}.experts.{e}."
+    return [x + f"{names.down}.weight"] if fc == "linear_fc2" else [x + f"{names.gate}.weight", x + f"{names.up}.weight"]
 
 
 def _qkv_from_hf(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ModelArchConfig) -> torch.Tensor:
@@ -157,16 +164,9 @@ def megatron_tensor(key: str, get: GetTensor, arch: ModelArchConfig, head: str) 
         return _qkv_from_hf(*(get(p + f"self_attn.{n}_proj.{kind}") for n in "qkv"), arch)
     if rest == "mlp.linear_fc1.weight":
         return torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-    if rest == _ROUTER:
-        names = _expert_names(arch)
-        return get(p + f"{names.block}.{names.router}.weight")
-    expert = _EXPERT_KEY.match(rest)
-    if expert:
-        names, (e, fc) = _expert_names(arch), expert.groups()
-        x = p + f"{names.block}.experts.{e}."
-        if fc == "linear_fc2":
-            return get(x + f"{names.down}.weight")
-        return torch.cat([get(x + f"{names.gate}.weight"), get(x + f"{names.up}.weight")])
+    moe = _moe_hf_names(arch, p, rest)
+    if moe is not None:
+        return get(moe[0]) if len(moe) == 1 else torch.cat([get(name) for name in moe])
     raise KeyError(key)
 
 
@@ -190,17 +190,8 @@ def hf_tensors(key: str, tensor: torch.Tensor, arch: ModelArchConfig, head: str)
             gate, up = tensor.chunk(2)
             yield p + "mlp.gate_proj.weight", gate.contiguous()
             yield p + "mlp.up_proj.weight", up.contiguous()
-        elif rest == _ROUTER:
-            names = _expert_names(arch)
-            yield p + f"{names.block}.{names.router}.weight", tensor
-        elif _EXPERT_KEY.match(rest):
-            names, (e, fc) = _expert_names(arch), _EXPERT_KEY.match(rest).groups()
-            x = p + f"{names.block}.experts.{e}."
-            if fc == "linear_fc2":
-                yield x + f"{names.down}.weight", tensor
-            else:
-                gate, up = tensor.chunk(2)
-                yield x + f"{names.gate}.weight", gate.contiguous()
-                yield x + f"{names.up}.weight", up.contiguous()
+        elif (names := _moe_hf_names(arch, p, rest)) is not None:
+            for name, part in zip(names, tensor.chunk(len(names))):  # [gate; up] for an expert's fc1
+                yield name, part.contiguous()
         else:
             raise KeyError(key)

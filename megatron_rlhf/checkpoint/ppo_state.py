@@ -93,8 +93,11 @@ def _full_weights(model, layout: dict, num_experts) -> Optional[dict]:
     rank 0 (None elsewhere); collective over the expert-parallel group when experts are split."""
     from megatron.core import parallel_state as ps
 
+    split = bool(num_experts) and layout["ep"] > 1
+    if layout["dp_rank"] != 0 and not split:
+        return None
     weights = {k: v.detach().cpu().clone() for k, v in local_state_dict(model).items()}
-    if num_experts and layout["ep"] > 1:
+    if split:
         weights = experts_renumbered(weights, num_experts, layout["ep"], layout["ep_rank"])
         everyone = [None] * layout["ep"]
         dist.all_gather_object(everyone, {k: v for k, v in weights.items() if ".local_experts." in k},
@@ -241,11 +244,13 @@ def check_layout(path: str, trainer_state: Dict[str, Any], tp: int, pp: int, ep:
     """Refuse to resume checkpoint ``path`` (its ``trainer_state``) at another TP, PP or EP: the
     optimizer state is per model-parallel (and expert-parallel) rank. ``where`` names the setting,
     for the message."""
-    saved = trainer_state["layout"]
-    saved_ep = saved.get("ep", 1)
-    if (saved["tp"], saved["pp"], saved_ep) != (tp, pp, ep):
-        raise CheckpointError(f"{path}: written at TP={saved['tp']} PP={saved['pp']} EP={saved_ep}; resume with the same "
-                              f"TP, PP and EP (now TP={tp} PP={pp} EP={ep}{', ' + where if where else ''}); DP may differ")
+    then = {"TP": trainer_state["layout"]["tp"], "PP": trainer_state["layout"]["pp"], "EP": trainer_state["layout"].get("ep", 1)}
+    now = {"TP": tp, "PP": pp, "EP": ep}
+    if then != now:
+        names = ["TP", "PP"] + (["EP"] if then["EP"] > 1 or ep > 1 else [])  # EP named where experts are split
+        sizes = {n: " ".join(f"{k}={v[k]}" for k in names) for n, v in (("then", then), ("now", now))}
+        raise CheckpointError(f"{path}: written at {sizes['then']}; resume with the same {', '.join(names[:-1])} and "
+                              f"{names[-1]} (now {sizes['now']}{', ' + where if where else ''}); DP may differ")
 
 
 def _load_parameter_state(optimizer, path: str) -> None:

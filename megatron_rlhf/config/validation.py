@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
@@ -41,40 +41,43 @@ def _in_domain(obj, *names: str) -> bool:
                    and f.metadata["domain"].problem(getattr(obj, f.name)) for f in dataclasses.fields(obj))
 
 
-def _feature_problems(m) -> List[str]:
+Problem = Tuple[Tuple[str, ...], str]  # (the keys at fault, what is wrong)
+
+
+def _feature_problems(m) -> List[Problem]:
     """Combinations of the architecture's features that no model can take."""
-    problems = []
+    problems: List[Problem] = []
     if m.head_dim is not None and m.head_dim % 2:
-        problems.append(f"head_dim: RoPE rotates pairs of channels; {m.head_dim} is odd")
+        problems.append((("head_dim",), f"RoPE rotates pairs of channels; {m.head_dim} is odd"))
     if m.rope_scaling == "llama3":
         if m.rope_original_max_position_embeddings is None:
-            problems.append("rope_original_max_position_embeddings: rope_scaling 'llama3' needs it")
+            problems.append((("rope_original_max_position_embeddings",), "rope_scaling 'llama3' needs it"))
         if m.rope_low_freq_factor >= m.rope_high_freq_factor:
-            problems.append(f"rope_low_freq_factor, rope_high_freq_factor: need low < high, got "
-                            f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}")
+            problems.append((("rope_low_freq_factor", "rope_high_freq_factor"), f"need low < high, got "
+                             f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}"))
     return problems + _expert_problems(m)
 
 
-def _expert_problems(m) -> List[str]:
+def _expert_problems(m) -> List[Problem]:
     family = FAMILIES.get(m.family)
-    moe_families = ", ".join(f.name for f in FAMILIES.values() if f.experts)
     if family is None:
         return []
     if m.num_experts is None:
-        return [f"num_experts: family {m.family!r} is a mixture of experts; set num_experts, "
-                "moe_ffn_hidden_size and moe_router_topk"] if family.experts else []
+        return [(("num_experts",), f"family {m.family!r} is a mixture of experts; set num_experts, "
+                 "moe_ffn_hidden_size and moe_router_topk")] if family.experts else []
     if not family.experts:
-        return [f"num_experts: family {m.family!r} has no experts (mixtures of experts: {moe_families}); "
-                "remove num_experts or set the family"]
-    problems = []
+        moe_families = ", ".join(f.name for f in FAMILIES.values() if f.experts)
+        return [(("num_experts",), f"family {m.family!r} has no experts (mixtures of experts: {moe_families}); "
+                 "remove num_experts or set the family")]
+    problems: List[Problem] = []
     if m.moe_ffn_hidden_size is None:
-        problems.append("moe_ffn_hidden_size: a model with experts needs each expert's width")
+        problems.append((("moe_ffn_hidden_size",), "a model with experts needs each expert's width"))
     if m.moe_router_topk > m.num_experts:
-        problems.append(f"moe_router_topk: {m.moe_router_topk} is more than num_experts={m.num_experts}")
+        problems.append((("moe_router_topk",), f"{m.moe_router_topk} is more than num_experts={m.num_experts}"))
     outside = [i for i in m.moe_dense_layers if not 0 <= i < m.num_layers]
     if outside:
-        problems.append(f"moe_dense_layers: {outside} are not layers of a {m.num_layers}-layer model "
-                        f"(valid: 0..{m.num_layers - 1})")
+        problems.append((("moe_dense_layers",), f"{outside} are not layers of a {m.num_layers}-layer model "
+                         f"(valid: 0..{m.num_layers - 1})"))
     return problems
 
 
@@ -144,8 +147,8 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
                 f"{file}: {at}.hidden_size: {m.hidden_size} is not divisible by "
                 f"num_attention_heads={heads}; set head_dim for heads of another width"
             )
-        # Each problem starts with its key: named in the file that set it.
-        problems.extend(f"{config.source_of(at + '.' + p.split(',')[0].split(':')[0])}: {at}.{p}" for p in _feature_problems(m))
+        problems.extend(f"{config.source_of(f'{at}.{keys[0]}')}: {at}.{', '.join(keys)}: {text}"
+                        for keys, text in _feature_problems(m))
         if heads % tp != 0:
             problems.append(
                 f"{config.at(tp_key)}: {tp} does not divide {role}'s "

@@ -113,11 +113,9 @@ def _expert_parallel_peers(config):
     return ps.get_expert_model_parallel_group()
 
 
-def _peers_running(peers, device: torch.device, running: bool = False) -> bool:
-    """Whether any expert-parallel peer still has a step to run (``running``: this rank has). One
-    small all-reduce per step, taken only with expert parallelism, so all peers run as many forwards."""
-    if peers is None:
-        return False
+def _any_peer_running(peers, running: bool, device: torch.device) -> bool:
+    """Whether this rank (``running``) or any expert-parallel peer still has a step to run: one small
+    all-reduce per step, taken only with expert parallelism, so all peers run as many forwards."""
     flag = torch.tensor([int(running)], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=peers)
     return bool(flag.item())
@@ -222,12 +220,12 @@ def generate(
         stage = stack.enter_context(PipelineStage(model, cache))
         stack.enter_context(platform.plain_tensor_ops())
         stack.enter_context(torch.inference_mode())
-        while (step := schedule.next_step(lag)) is not None or _peers_running(peers, device):
+        while (step := schedule.next_step(lag)) is not None or peers is not None:
+            if peers is not None and not _any_peer_running(peers, step is not None, device):
+                break
             if step is None:  # drained: take part in the peers' expert all-to-alls until they are too
                 stage.forward(*packer.idle())
                 continue
-            if peers is not None:
-                _peers_running(peers, device, running=True)
             tokens, layout, keep = packer.pack(step, responses.last_token)
             logits = stage.forward(tokens, layout, keep)
             step_rows = torch.tensor(step.rows, device=device)
