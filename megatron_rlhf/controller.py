@@ -34,6 +34,7 @@ from megatron_rlhf.generation import SamplingParams, generate, stream_seeds
 from megatron_rlhf.memory import KV_CACHE, MemoryLedger
 from megatron_rlhf.models.batches import action_mask, length_grouped
 from megatron_rlhf.models.pipeline import sum_over
+from megatron_rlhf.models.routing import ROUTES
 from megatron_rlhf.roles import Role, build_role
 from megatron_rlhf.roles import inference
 from megatron_rlhf.roles.losses import policy_loss_fn, policy_stats, reported_metrics, value_loss_fn
@@ -42,7 +43,7 @@ from megatron_rlhf.roles.weight_sync import WeightSync
 from megatron_rlhf.runtime.platform import get_platform
 
 # The columns of a sample as generation and scoring leave it: [B, S] tokens, [B] lengths, indices
-# and scores, [B, S-1] per-action log-probs.
+# and scores, [B, S-1] per-action log-probs, and with routing replay [B, S, L, K] routes.
 SampleRows = Dict[str, torch.Tensor]
 
 
@@ -63,6 +64,7 @@ class Rollout:
     old_values: Optional[torch.Tensor] = None  # GAE only
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None  # GAE only
+    routes: Optional[torch.Tensor] = None  # [B, S, L, K], routing replay's record (models/routing.py)
 
 
 class PPOController:
@@ -245,6 +247,7 @@ class PPOController:
             action_mask(tokens.shape[1], rows["prompt_lengths"], rows["response_lengths"]),
             rows["old_log_probs"], ref_log_probs, rows["scores"],
             group_index=torch.arange(len(tokens), device=tokens.device) // n, old_values=old_values,
+            routes=rows.get(ROUTES),
         )
         texts = list(zip([self.dataset.prompt_of(i) for i in rows["prompt_index"].tolist()], self._decode(rows)))
         return rollout, texts, sampling
@@ -259,24 +262,31 @@ class PPOController:
         # prompt, sample): the rollout does not depend on the DP layout or the decode batch.
         indices = torch.tensor(batch["indices"]).repeat_interleave(n)
         seeds = stream_seeds(cfg.seed, self.iteration, round_, indices, torch.arange(n).repeat(len(batch["indices"])))
-        policy, temperature = self.roles["policy"], cfg.generation.temperature
+        policy, temperature, replay = self.roles["policy"], cfg.generation.temperature, cfg.moe.routing_replay
         with self._resident("policy", "inference"):
             started = time.perf_counter()
             gen = self._generate(batch["tokens"].repeat_interleave(n, 0), batch["lengths"].repeat_interleave(n), seeds,
-                                 self.sampling)
+                                 self.sampling, record_routes=replay == "rollout")
             seconds = time.perf_counter() - started
-            old_log_probs = inference.log_probs(policy, gen.tokens, gen.total_lengths, self.vocab_size, temperature)
+            # Routing replay: the record is generation's, or taken by this pass (models/routing.py).
+            recorded = [] if replay == "old_logprob" else None
+            old_log_probs = inference.log_probs(policy, gen.tokens, gen.total_lengths, self.vocab_size, temperature,
+                                                routes=gen.routes, routes_out=recorded)
         rows = {
             "tokens": gen.tokens, "prompt_lengths": gen.prompt_lengths, "response_lengths": gen.response_lengths,
             "old_log_probs": old_log_probs,
             "prompt_index": torch.tensor(batch["indices"], device=self.device).repeat_interleave(n),
         }
+        routes = recorded[0] if recorded else gen.routes
+        if routes is not None:
+            rows[ROUTES] = routes
         prompts = [text for text in batch["texts"] for _ in range(n)]
         fields = [row for row in batch["fields"] for _ in range(n)]
         rows["scores"] = self._score(prompts, self._decode(rows), fields, gen)
         return rows, seconds
 
-    def _generate(self, tokens: torch.Tensor, lengths: torch.Tensor, seeds: torch.Tensor, sampling: SamplingParams):
+    def _generate(self, tokens: torch.Tensor, lengths: torch.Tensor, seeds: torch.Tensor, sampling: SamplingParams,
+                  record_routes: bool = False):
         """Responses of the (resident) policy to prompts [B, P], its KV cache in the ledger."""
         policy = self.roles["policy"]
         return generate(
@@ -284,6 +294,7 @@ class PPOController:
             batch_size=self.config.generation.batch_size,
             cache_length=self.config.data.max_prompt_length + self.config.generation.max_new_tokens,
             on_cache=lambda cache: policy.memory.holding(KV_CACHE, [cache.storage], "generate"),
+            record_routes=record_routes,
         )
 
     # -- validation ---------------------------------------------------------------------------
@@ -379,7 +390,8 @@ class PPOController:
         share = need // self.dp_size
         mine = {k: v[self.dp_rank * share : (self.dp_rank + 1) * share] for k, v in rows.items()}
         width = int((mine["prompt_lengths"] + mine["response_lengths"]).max())  # trim to its own longest row
-        mine["tokens"], mine["old_log_probs"] = mine["tokens"][:, :width], mine["old_log_probs"][:, : width - 1]
+        mine = {k: v[:, : width - 1] if k == "old_log_probs" else v[:, :width] if k in FULL_WIDTH else v
+                for k, v in mine.items()}
         return mine, short // self.config.generation.samples_per_prompt
 
     def _gather_rows_over_dp(self, rows: SampleRows) -> SampleRows:
@@ -427,6 +439,8 @@ class PPOController:
         policy_columns = dict(tokens=r.tokens, action_mask=r.action_mask, old_log_probs=r.old_log_probs, advantages=r.advantages)
         if cfg.ppo.kl_in_loss:
             policy_columns["ref_log_probs"] = r.ref_log_probs
+        if r.routes is not None:
+            policy_columns[ROUTES] = r.routes
         policy_loss = policy_loss_fn(self.vocab_size, cfg.generation.temperature, cfg.ppo, self.kl_controller.value)
         lengths = r.prompt_lengths + r.response_lengths
         out = {}
@@ -528,15 +542,20 @@ def merged_reward_metrics(parts: List[Dict[str, float]]) -> Dict[str, float]:
     return merged
 
 
+# The sample columns over every position [B, S, ...]; the others with a width are per action [B, S-1].
+FULL_WIDTH = ("tokens", ROUTES)
+
+
 def _cat_rows(parts: List[SampleRows], pad_id: int, width: Optional[int] = None) -> SampleRows:
     """Sample rows of several parts, one after another, padded to a common width (``width`` or
-    the widest part's): tokens with the pad id, per-action columns with 0."""
+    the widest part's): tokens with the pad id, routes with -1 (none recorded), per-action columns with 0."""
     width = width or max(p["tokens"].shape[1] for p in parts)
+    fills = {"tokens": pad_id, ROUTES: -1}
 
     def pad(key, tensor):
         if tensor.dim() < 2:
             return tensor
-        missing = width - (1 if key != "tokens" else 0) - tensor.shape[1]
-        return torch.nn.functional.pad(tensor, (0, missing), value=pad_id if key == "tokens" else 0.0)
+        missing = width - (0 if key in FULL_WIDTH else 1) - tensor.shape[1]
+        return torch.nn.functional.pad(tensor, (0, 0) * (tensor.dim() - 2) + (0, missing), value=fills.get(key, 0))
 
     return {k: torch.cat([pad(k, p[k]) for p in parts]) for k in parts[0]}

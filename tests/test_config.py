@@ -121,6 +121,17 @@ def test_wrong_type_names_file_and_expected_type(tmp_path):
         load_config(str(top))
 
 
+def test_only_true_and_false_are_booleans_so_off_reads_as_written(tmp_path):
+    """YAML 1.1 reads on/off/yes/no as booleans; here they stay words, as from the environment."""
+    top = tiny_setup(tmp_path, model_extra="free_memory: yes\n")
+    with pytest.raises(ConfigError, match=r"policy\.free_memory: expected .*got str 'yes'"):
+        load_config(str(top))
+    top = tiny_setup(tmp_path, model_extra="free_memory: True\n")
+    assert load_config(str(top)).policy.free_memory is True
+    (tmp_path / "off.yaml").write_text(f"includes: {top}\nmoe: {{routing_replay: off}}\n")
+    assert load_config(str(tmp_path / "off.yaml")).moe.routing_replay == "off"
+
+
 def test_unknown_preset_lists_valid_ones(tmp_path):
     top = tiny_setup(tmp_path)
     (tmp_path / "models" / "tiny.yaml").write_text("model:\n  preset: llama9\n")

@@ -104,12 +104,13 @@ def test_qwen3_moe_sparse_step_and_dense_layers_give_the_layer_pattern():
     assert arch_from_hf_config(transformers5, "c").num_experts == 4  # the name transformers 5 writes
 
 
-def _load(tmp_path, model_yaml, parallel="", world_size=2):
+def _load(tmp_path, model_yaml, parallel="", world_size=2, ppo_policy=""):
     from megatron_rlhf.config import load_config
 
     base = os.path.join(os.path.dirname(__file__), "..", "examples", "tiny", "grpo.yaml")
     (tmp_path / "moe.yaml").write_text(f"includes: {os.path.abspath(base)}\n{parallel}\n"
-                                       + "".join(f"{r}:\n  model: {model_yaml}\n" for r in ("policy", "reference", "ppo_policy")))
+                                       + "".join(f"{r}:\n  model: {model_yaml}\n" for r in ("policy", "reference", "ppo_policy"))
+                                       + ppo_policy)
     return load_config(str(tmp_path / "moe.yaml"), world_size=world_size, check_inputs=False)
 
 
@@ -176,14 +177,70 @@ def test_the_load_balancing_loss_depends_on_the_micro_batches_but_not_on_where_e
         assert cut["loss"] == pytest.approx(uncut["loss"], rel=1e-5)  # the policy loss itself is not affected
 
 
+@pytest.mark.parametrize("model,setting,message", [
+    ("{preset: tiny}", "moe: {routing_replay: rollout}", r"moe\.routing_replay: rollout, but the policy has no experts"),
+    (MOE_YAML, "moe: {routing_replay: old_logprob}",
+     r"ppo_policy\.recompute_activations: true cannot be used with moe\.routing_replay: old_logprob"),
+    (MOE_YAML, "moe: {routing_replay: always}", r"moe\.routing_replay: expected one of 'off', 'rollout', 'old_logprob', got str 'always'"),
+])
+def test_routing_replay_settings_that_cannot_run_are_refused_by_name(tmp_path, model, setting, message):
+    from megatron_rlhf.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        _load(tmp_path, model, "parallel: {tensor_model_parallel_size: 1}\n" + setting,
+              ppo_policy="  recompute_activations: true\n" if "old_logprob" in setting else "")
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory):
+    from tests.conftest import run_workers
+
+    return run_workers(tmp_path_factory.mktemp("routing_replay"), 2, "routing_replay")
+
+
+def _experts(routes, experts):
+    """[..., K] expert indices (-1: none) -> [..., E] 0/1."""
+    hot = torch.zeros(*routes.shape[:-1], experts + 1, dtype=torch.uint8)
+    hot.scatter_(-1, routes.long() % (experts + 1), 1)  # -1 lands in the spare last column
+    return hot[..., :experts]
+
+
+def test_generation_records_the_experts_the_old_log_prob_pass_routes_to(replayed):
+    """The engine's record (rollout) equals the routing of the full-sequence pass over the same rows
+    (fp32, same weights), and holds every fed token: all but each row's last."""
+    for r in replayed:
+        engine, record, lengths = r["engine"], r["record"], r["lengths"]
+        fed = torch.arange(engine.shape[1])[None, :] < (lengths - 1)[:, None]
+        assert ((engine[..., 0, 0] >= 0) == fed).all()
+        assert (engine[fed] == record[fed]).all()
+        known = record[..., 0, 0] >= 0
+        assert (r["recorded/inference"][known] == _experts(record, r["experts"])[known]).all()  # what the hooks saw
+
+
+def test_replayed_forwards_route_every_token_to_the_recorded_experts_after_the_router_moved(replayed):
+    """After optimizer steps, every later forward (inference and training) with the record replayed
+    routes each recorded token to exactly its recorded experts, as the routers' own outputs show;
+    without replay the same forwards send many of them elsewhere."""
+    for r in replayed:
+        record = r["record"]
+        known = record[..., 0, 0] >= 0
+        expected = _experts(record, r["experts"])[known]
+        for kind in ("inference", "training"):
+            assert (r[f"replayed/{kind}"][known] == expected).all(), kind
+            moved = (r[f"free/{kind}"][known] != expected).any(-1).float().mean().item()
+            assert moved > 0.1, (kind, moved)
+
+
 @pytest.fixture(scope="module")
 def moe_demo(tmp_path_factory):
-    """`make demo-moe` (EP=2) with every role's memory freed between phases and with none."""
+    """`make demo-moe` (EP=2) with every role's memory freed between phases and with none, the
+    routing recorded by the old-log-prob pass and DAPO's dynamic sampling (rows regathered over DP)."""
     from tests.test_train import FREE_MEMORY_VARS, train
 
     base = tmp_path_factory.mktemp("moe_demo")
     for ems in ("True", "False"):
-        train(base / ems, config="examples/tiny/moe.yaml", env={v: ems for v in FREE_MEMORY_VARS})
+        train(base / ems, config="examples/tiny/moe.yaml",
+              env={"ROUTING_REPLAY": "old_logprob", "DYNAMIC_SAMPLING": "True", **{v: ems for v in FREE_MEMORY_VARS}})
     return base
 
 
@@ -194,6 +251,8 @@ def test_the_moe_demo_learns_with_experts_split_and_reports_its_router_losses(mo
     first, last = (sum(r["reward/mean"] for r in part) / 5 for part in (rows[:5], rows[-5:]))
     assert len(rows) == 40 and last > first + 0.2, (first, last)
     assert all(r["policy/moe/load_balancing_loss"] > 0 and r["policy/moe/z_loss"] > 0 for r in rows)
+    # The first step of each iteration replays the routing the same weights chose: nothing moves yet.
+    assert all(0 <= r["policy/moe/replay_moved"] < 1 for r in rows) and any(r["policy/moe/replay_moved"] > 0 for r in rows)
     shard = torch.load(next((moe_demo / "True" / "checkpoints").glob("iter_*/ppo_policy/release/mp_rank_00/*.pt")),
                        weights_only=True)["model"]
     assert sum(".local_experts." in k and k.endswith("linear_fc1.weight") for k in shard) == 4  # both EP ranks' experts
@@ -208,8 +267,9 @@ def test_freeing_the_moe_demos_memory_changes_no_number(moe_demo):
 def test_a_resumed_moe_run_continues_exactly_as_an_uninterrupted_one(tmp_path):
     from tests.test_train import metrics, train, without_times
 
-    moe = {"config": "examples/tiny/moe.yaml"}
+    moe = {"config": "examples/tiny/moe.yaml"}  # routing replayed from the rollout
     train(tmp_path / "whole", "--iterations", "4", **moe)
+    assert all("policy/moe/replay_moved" in r for r in metrics(tmp_path / "whole"))
     train(tmp_path / "split", "--iterations", "2", **moe)
     train(tmp_path / "split", "--iterations", "4", "--resume", **moe)
     assert without_times(metrics(tmp_path / "split")) == without_times(metrics(tmp_path / "whole"))

@@ -116,10 +116,23 @@ def _interpolate_tree(node: Any, file: str, path: KeyPath, sources: Sources) -> 
 # Files and includes
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """YAML whose booleans are true and false only (YAML 1.2's, and parse_scalar's): YAML 1.1 also
+    reads on/off/yes/no as booleans, so a key whose values include "off" would get False."""
+
+
+_BOOL = "tag:yaml.org,2002:bool"
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YamlLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
 def _read_yaml(file: str, named_by: Optional[str]) -> Dict[str, Any]:
     try:
         with open(file, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_YamlLoader)
     except FileNotFoundError:
         where = f" (named by {named_by})" if named_by else ""
         raise ConfigError(f"{file}: no such config file{where}") from None

@@ -337,6 +337,16 @@ class AlgorithmConfig:
 
 
 @dataclasses.dataclass
+class MoEConfig:
+    """Mixtures of experts. ``routing_replay``: route each token, in every later forward of its
+    sample (the old log-probs, every training step), to the experts it was sent to when the record
+    was taken: ``rollout`` (by generation: the ratio compares the experts that sampled the token) or
+    ``old_logprob`` (by the old-log-prob pass); ``off``: every forward routes afresh (models/routing.py)."""
+
+    routing_replay: Literal["off", "rollout", "old_logprob"] = "off"
+
+
+@dataclasses.dataclass
 class TrainerConfig:
     output_dir: str = "outputs/ppo"  # --output-dir wins; relative to the working directory
     tensorboard: bool = True  # events in <output_dir>/tensorboard
@@ -380,6 +390,7 @@ class RLHFConfig:
     generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
     ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     policy: RoleConfig = dataclasses.field(default_factory=RoleConfig)
     reference: RoleConfig = dataclasses.field(default_factory=RoleConfig)

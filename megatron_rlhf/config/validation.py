@@ -198,6 +198,7 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
                 )
 
     problems.extend(_run_problems(config, dp))
+    problems.extend(_routing_replay_problems(config))
     problems.extend(_fixed_address_problems(config))
     # Weight sync copies or shares trained weights into the serving role: same network.
     for serving, trained in config.served_weights.items():
@@ -229,6 +230,21 @@ def weight_sharing_notes(config: RLHFConfig) -> List[str]:
                 f"({config.at(who + '.free_memory')})"
             )
     return notes
+
+
+def _routing_replay_problems(config: RLHFConfig) -> List[str]:
+    """Routing replay needs a policy with experts, and a training forward that runs once (a
+    recomputed forward would ask the router again, out of the record's order)."""
+    mode = config.moe.routing_replay
+    if mode == "off":
+        return []
+    if not config.policy.model.num_experts:
+        return [f"{config.at('moe.routing_replay')}: {mode}, but the policy has no experts "
+                f"({config.source_of('policy.model')}); set it to off"]
+    if config.ppo_policy.recompute_activations:
+        return [f"{config.at('ppo_policy.recompute_activations')}: true cannot be used with moe.routing_replay: {mode} "
+                "(the recomputed forward would route again); set it to false, or moe.routing_replay: off"]
+    return []
 
 
 def _fixed_address_problems(config: RLHFConfig) -> List[str]:

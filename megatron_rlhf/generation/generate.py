@@ -28,6 +28,7 @@ from megatron_rlhf.generation.packing import StepPacker
 from megatron_rlhf.generation.sampling import SamplingParams, sample_next
 from megatron_rlhf.generation.schedule import ScheduledStep, SlotSchedule
 from megatron_rlhf.generation.stage import PipelineStage
+from megatron_rlhf.models import routing
 from megatron_rlhf.models.batches import action_mask
 from megatron_rlhf.models.decoder import unwrap
 from megatron_rlhf.models.pipeline import broadcast_from_last_stage
@@ -70,6 +71,7 @@ class Generated:
     prompt_lengths: torch.Tensor
     response_lengths: torch.Tensor
     stats: EngineStats = dataclasses.field(default_factory=EngineStats)
+    routes: Optional[torch.Tensor] = None  # [B, S, L, K] when recorded (models/routing.py)
 
     @property
     def total_lengths(self) -> torch.Tensor:
@@ -149,10 +151,36 @@ class _Responses:
             self.alive[slots] = kept & ~torch.isin(sampled, self.eos_ids)
         self.last_token[slots] = sampled
 
-    def result(self, stats: EngineStats) -> Generated:
+    def result(self, stats: EngineStats, routes: Optional["_Routes"]) -> Generated:
         stats.useful = int(self.response_lengths.sum())
-        used = int((self.prompt_lengths + self.response_lengths).max())
-        return Generated(self.tokens[:, :used], self.prompt_lengths, self.response_lengths, stats)
+        total = self.prompt_lengths + self.response_lengths
+        used = int(total.max())
+        return Generated(self.tokens[:, :used], self.prompt_lengths, self.response_lengths, stats,
+                         None if routes is None else routes.result(total, used))
+
+
+class _Routes:
+    """Routing replay's record of generation (models/routing.py): the experts of every token fed,
+    by row and position, [B, width, L, K] (-1 where none). Written on the device without a host
+    sync: tokens of no row (padding, the scratch slot) go to a spare last row."""
+
+    def __init__(self, model: torch.nn.Module, rows: int, width: int, slots: int, device: torch.device):
+        config = unwrap(model).config
+        self.model = model
+        self.table = torch.full((rows + 1, width, len(routing.routers(model)), config.moe_router_topk), -1,
+                                dtype=routing.routes_dtype(config.num_moe_experts), device=device)
+        self.slot_rows = torch.full((slots + 1,), rows, dtype=torch.long, device=device)  # the scratch slot: the spare row
+
+    def write(self, step: ScheduledStep, layout) -> None:
+        """The routing of the step just run."""
+        self.slot_rows[torch.tensor(step.slots, device=self.table.device)] = torch.tensor(step.rows, device=self.table.device)
+        self.table[self.slot_rows[layout.slots], layout.positions] = routing.recorded(self.model).to(self.table.dtype)
+
+    def result(self, total_lengths: torch.Tensor, used: int) -> torch.Tensor:
+        """[B, used, L, K]; -1 past each row's end (tokens fed after an end the host learnt late)."""
+        table = self.table[:-1, :used]
+        beyond = torch.arange(used, device=table.device)[None, :] >= total_lengths[:, None]
+        return table.masked_fill(beyond[:, :, None, None], -1)
 
 
 @torch.no_grad()
@@ -168,6 +196,7 @@ def generate(
     cache_length: Optional[int] = None,
     completion_lag: Optional[int] = None,
     on_cache: Optional[Callable[[SlotKVCache], object]] = None,
+    record_routes: bool = False,
 ) -> Generated:
     """Responses to a batch of prompts [B, P] (``prompt_lengths`` [B] real tokens each).
 
@@ -179,7 +208,8 @@ def generate(
     prompt plus max_new_tokens). ``completion_lag``: steps between a row's EOS and the host
     learning of it (default 0 on CPU, 2 on CUDA; the result does not depend on it).
     ``on_cache(cache)``: a context manager entered once the KV cache is allocated and left once
-    it is released (the EMS ledger's record of it).
+    it is released (the EMS ledger's record of it). ``record_routes``: the result carries the
+    experts each fed token was routed to (routing replay's ``rollout`` record; a model with experts).
     """
     from megatron.core import parallel_state as ps
 
@@ -211,6 +241,7 @@ def generate(
                         config.num_query_groups // tp if config.num_query_groups else config.num_attention_heads // tp,
                         config.kv_channels, config.params_dtype, device)
     stats = EngineStats()
+    routes = _Routes(model, rows, width, slots, device) if record_routes else None
     with contextlib.ExitStack() as stack:  # left in reverse: modes, stage, train mode, cache freed, on_cache
         if on_cache is not None:
             stack.enter_context(on_cache(cache))
@@ -220,6 +251,8 @@ def generate(
         stage = stack.enter_context(PipelineStage(model, cache))
         stack.enter_context(platform.plain_tensor_ops())
         stack.enter_context(torch.inference_mode())
+        if routes is not None:
+            stack.enter_context(routing.recording(model))
         while (step := schedule.next_step(lag)) is not None or peers is not None:
             if peers is not None and not _any_peer_running(peers, step is not None, device):
                 break
@@ -228,6 +261,8 @@ def generate(
                 continue
             tokens, layout, keep = packer.pack(step, responses.last_token)
             logits = stage.forward(tokens, layout, keep)
+            if routes is not None:
+                routes.write(step, layout)
             step_rows = torch.tensor(step.rows, device=device)
             counters = torch.tensor(step.counters, device=device)
             sampled = None
@@ -238,4 +273,4 @@ def generate(
             if params.eos_ids:
                 schedule.note_alive(lambda copied=platform.copy_to_host_async(responses.alive): copied().tolist())
             stats.count(step, tokens.shape[1], slots)
-    return responses.result(stats)
+    return responses.result(stats, routes)

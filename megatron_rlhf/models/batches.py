@@ -74,11 +74,11 @@ def length_grouped(size: int, lengths: torch.Tensor, **columns: torch.Tensor) ->
     return batches, order
 
 
-def ungrouped(parts: List[torch.Tensor], order: torch.Tensor, width: int) -> torch.Tensor:
+def ungrouped(parts: List[torch.Tensor], order: torch.Tensor, width: int, fill: float = 0) -> torch.Tensor:
     """Per-micro-batch results [b, w_i, ...] of :func:`length_grouped` micro-batches back in the
-    original row order, zero-padded to ``width``: [B, width, ...] (per-row results [b] likewise)."""
+    original row order, padded with ``fill`` to ``width``: [B, width, ...] (per-row results [b] likewise)."""
     if parts[0].dim() > 1:
-        parts = [torch.nn.functional.pad(p, (0, 0) * (p.dim() - 2) + (0, width - p.shape[1])) for p in parts]
+        parts = [torch.nn.functional.pad(p, (0, 0) * (p.dim() - 2) + (0, width - p.shape[1]), value=fill) for p in parts]
     grouped = torch.cat(parts)
     out = torch.empty_like(grouped)
     out[order.to(grouped.device)] = grouped

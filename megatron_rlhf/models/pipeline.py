@@ -9,12 +9,15 @@ one to the next (under PP the stages exchange each activation's shape first: meg
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_rlhf.models import routing
 from megatron_rlhf.models.batches import MicroBatch
+from megatron_rlhf.models.decoder import unwrap
 # loss_fn(output, micro_batch) -> (loss sum, count, metrics dict); output: [b, s, vocab/TP] or [b, s, 1].
 # Megatron's per-token loss path (calculate_per_token_loss, set on every model): the gradient is that
 # of sum(loss sums) / sum(counts) over every micro-batch of the step on every DP rank (the count is
@@ -38,6 +41,7 @@ def forward_backward(
     loss_fn: Optional[LossFn] = None,
     forward_only: bool = True,
     reduce: Optional[Reduce] = None,
+    routes_out: Optional[List[torch.Tensor]] = None,
 ) -> List[Dict[str, Any]]:
     """Run every micro-batch through the model (forward, and backward unless ``forward_only``).
 
@@ -46,6 +50,9 @@ def forward_backward(
     in its place when given (so full logits need not be kept). Other stages return ``[]``.
     Training gradients are those of (sum of the loss sums) / (sum of the counts) over every
     micro-batch on every DP rank (see LossFn), however the step is cut.
+
+    A micro-batch with ``routes`` (models/routing.py) replays that routing in its forward; with
+    ``routes_out`` (a list), each micro-batch's routing on this stage is appended to it, [b, s, L, K].
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -58,6 +65,8 @@ def forward_backward(
         raise ValueError(f"all micro-batches of one call need the same number of rows: "
                          f"{[mb['tokens'].shape[0] for mb in micro_batches]}")
     seq = max(mb["tokens"].shape[1] for mb in micro_batches)
+    recording = routing.recording(model) if routes_out is not None else contextlib.nullcontext()
+    routes_dtype = routing.routes_dtype(unwrap(model).config.num_moe_experts or 0)
 
     def collect_output(output: torch.Tensor, mb: MicroBatch):  # a loss's shape; nothing is trained
         kept = output.detach() if reduce is None else reduce(output, mb)
@@ -72,18 +81,22 @@ def forward_backward(
 
     def forward_step_func(data_iterator, model_chunk):
         mb = next(data_iterator)
-        output = model_forward(model_chunk, mb)
+        with routing.replaying(model_chunk, mb.get(routing.ROUTES)):
+            output = model_forward(model_chunk, mb)
+        if routes_out is not None:
+            routes_out.append(routing.as_rows(routing.recorded(model_chunk), batch, routes_dtype))
         return output, partial(call_loss, loss_fn or collect_output, mb)
 
-    return get_forward_backward_func()(
-        forward_step_func=forward_step_func,
-        data_iterator=iter(micro_batches),
-        model=model,
-        num_microbatches=len(micro_batches),
-        seq_length=seq,
-        micro_batch_size=batch,
-        forward_only=forward_only,
-    )
+    with recording:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step_func,
+            data_iterator=iter(micro_batches),
+            model=model,
+            num_microbatches=len(micro_batches),
+            seq_length=seq,
+            micro_batch_size=batch,
+            forward_only=forward_only,
+        )
 
 
 def gather_vocab_parallel(logits: torch.Tensor) -> torch.Tensor:

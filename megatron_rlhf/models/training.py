@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron_rlhf.config.schema import RoleConfig
+from megatron_rlhf.models import routing
 from megatron_rlhf.models.batches import at_actions, next_tokens
 from megatron_rlhf.models.decoder import unwrap
 from megatron_rlhf.runtime import megatron_compat as compat
@@ -68,7 +69,18 @@ def train_step(
     if grad_norm is None:  # megatron measures the norm only when it clips (clip_grad > 0)
         grad_norm = compat.unclipped_grad_norm(optimizer)
     return {"metrics": metrics, "grad_norm": grad_norm, "update_successful": update_successful, "non_finite": None,
-            "moe": moe_losses(unwrap(ddp_model).config, len(micro_batches))}
+            "moe": {**moe_losses(unwrap(ddp_model).config, len(micro_batches)), **_replay_stats(ddp_model)}}
+
+
+def _replay_stats(model: torch.nn.Module) -> Dict[str, float]:
+    """With routing replay: ``moe/replay_moved``, the share of the step's replayed token routings
+    that the router, left alone, would have sent to other experts (the same on every rank)."""
+    from megatron.core import parallel_state as ps
+
+    if not routing.enabled(model):
+        return {}
+    share = routing.moved_share(model, (ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group()))
+    return {} if share is None else {"moe/replay_moved": share}
 
 
 def moe_losses(config, micro_batches: int) -> Dict[str, float]:

@@ -221,13 +221,14 @@ def policy_loss_terms(
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Per-token clipped surrogate (a loss to minimise) with the ratio clipped to
     [1 - clip_low, 1 + clip_high]: inputs [B, T] -> ([B, T], per-token stats: ``clipped`` (1.0 where
-    the clipped branch was taken) and ``approx_kl`` (0.5 * log-ratio^2), detached)."""
+    the clipped branch was taken), ``approx_kl`` (0.5 * log-ratio^2) and ``ratio_dev`` (|ratio - 1|), detached)."""
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     with torch.no_grad():
-        stats = {"clipped": (clipped > unclipped).to(logprobs.dtype), "approx_kl": 0.5 * log_ratio.detach() ** 2}
+        stats = {"clipped": (clipped > unclipped).to(logprobs.dtype), "approx_kl": 0.5 * log_ratio.detach() ** 2,
+                 "ratio_dev": (ratio.detach() - 1.0).abs()}
     return torch.maximum(unclipped, clipped), stats
 
 

@@ -11,10 +11,15 @@ import torch
 
 from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES, RLHFConfig, RoleConfig
 from megatron_rlhf.memory.manager import WEIGHTS, EMSSwitches, RoleMemory
+from megatron_rlhf.models import routing
 from megatron_rlhf.models.decoder import build_model, load_local_state_dict
 from megatron_rlhf.models.pipeline import LossFn, MicroBatch, Reduce, forward_backward
 from megatron_rlhf.models.training import train_step, wrap_for_training
 from megatron_rlhf.runtime.distributed import set_seed
+
+
+# The roles that run the policy network: they record (policy) and replay (both) its routing.
+REPLAYING_ROLES = ("policy", "ppo_policy")
 
 
 @dataclasses.dataclass
@@ -38,15 +43,16 @@ class Role:
     def head(self) -> str:
         return ROLE_HEADS[self.name]
 
-    def forward(self, micro_batches: List[MicroBatch], reduce: Optional[Reduce] = None) -> List[torch.Tensor]:
+    def forward(self, micro_batches: List[MicroBatch], reduce: Optional[Reduce] = None,
+                routes_out: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
         """Per micro-batch on the last pipeline stage: the output ([b, s, vocab/TP] or [b, s, 1]),
         or ``reduce(output, micro_batch)`` when given (so full logits need not be kept); [] on
-        other stages."""
+        other stages. ``routes_out``: see forward_backward."""
         self._require_weights()
         self.model.eval()
 
         with torch.no_grad():
-            out = forward_backward(self.model, micro_batches, reduce=reduce)
+            out = forward_backward(self.model, micro_batches, reduce=reduce, routes_out=routes_out)
         return [o["output"] for o in out]
 
     def train_step(self, micro_batches: List[MicroBatch], loss_fn: LossFn) -> Dict[str, Any]:
@@ -100,6 +106,8 @@ def build_role(name: str, config: RLHFConfig) -> Role:
     )
     if role_config.load is not None:
         _load_weights(model, name, config)
+    if config.moe.routing_replay != "off" and name in REPLAYING_ROLES:
+        routing.enable(model)
     optimizer = None
     if name in TRAINABLE_ROLES:
         model, optimizer = wrap_for_training(model, role_config)

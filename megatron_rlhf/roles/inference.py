@@ -8,31 +8,42 @@ over action positions (models/batches.py).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megatron_rlhf.models.batches import length_grouped, state_values, ungrouped
 from megatron_rlhf.models.pipeline import Reduce, broadcast_from_last_stage
+from megatron_rlhf.models.routing import ROUTES
 from megatron_rlhf.models.vocab_parallel import next_token_log_probs
 from megatron_rlhf.roles.base import Role
 
 
-def _rows(role: Role, tokens: torch.Tensor, lengths: torch.Tensor, reduce: Reduce, tail: tuple, **columns) -> torch.Tensor:
+def _rows(role: Role, tokens: torch.Tensor, lengths: torch.Tensor, reduce: Reduce, tail: tuple,
+          routes_out: Optional[list] = None, **columns) -> torch.Tensor:
     """``reduce`` over micro-batches grouped by length, each trimmed to its longest row; the
-    results back in row order, zero at the trimmed positions."""
+    results back in row order, zero at the trimmed positions. With ``routes_out`` (a list), the
+    routing of every row on this stage is appended to it: [B, S, L, K], -1 at the trimmed positions."""
     micro_batches, order = length_grouped(role.config.micro_batch_size, lengths, tokens=tokens, **columns)
-    outputs = role.forward(micro_batches, reduce)
+    recorded = [] if routes_out is not None else None
+    outputs = role.forward(micro_batches, reduce, routes_out=recorded)
+    if recorded is not None:
+        routes_out.append(ungrouped(recorded, order, tokens.shape[1], fill=-1))
     local = ungrouped([o.float() for o in outputs], order, tail[0] if tail else 0) if outputs else None
     return broadcast_from_last_stage(local, (tokens.shape[0], *tail), torch.float32, tokens.device)
 
 
-def log_probs(role: Role, tokens: torch.Tensor, lengths: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+def log_probs(role: Role, tokens: torch.Tensor, lengths: torch.Tensor, vocab_size: int, temperature: float = 1.0,
+              routes: Optional[torch.Tensor] = None, routes_out: Optional[list] = None) -> torch.Tensor:
     """log p(token t+1 | tokens <= t) for an LM-head role: [B, S] -> [B, S-1] (``lengths`` [B]:
-    real tokens per row; 0 beyond)."""
+    real tokens per row; 0 beyond). Routing replay (models/routing.py): ``routes`` [B, S, L, K]
+    is replayed; with ``routes_out`` (a list) this pass's routing is appended to it."""
 
     def reduce(output, mb):
         return next_token_log_probs(output, mb["tokens"], vocab_size, temperature)
 
-    return _rows(role, tokens, lengths, reduce, (tokens.shape[1] - 1,))
+    columns = {} if routes is None else {ROUTES: routes}
+    return _rows(role, tokens, lengths, reduce, (tokens.shape[1] - 1,), routes_out, **columns)
 
 
 def values(role: Role, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

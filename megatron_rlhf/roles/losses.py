@@ -33,7 +33,7 @@ def clip_range(ppo_config: PPOConfig) -> Tuple[float, float]:
 
 def policy_stats(ppo_config: PPOConfig) -> Tuple[str, ...]:
     """The per-token statistics the policy loss reports (see reported_metrics)."""
-    return ("clipfrac", "approx_kl", "entropy") + (("kl",) if ppo_config.kl_in_loss else ())
+    return ("clipfrac", "approx_kl", "ratio_dev", "entropy") + (("kl",) if ppo_config.kl_in_loss else ())
 
 
 def policy_loss_fn(vocab_size: int, temperature: float, ppo_config: PPOConfig, kl_coef: float = 0.0) -> LossFn:
@@ -47,7 +47,7 @@ def policy_loss_fn(vocab_size: int, temperature: float, ppo_config: PPOConfig, k
         logp = next_token_log_probs(output, mb["tokens"], vocab_size, temperature)
         mask = mb["action_mask"]
         per_token, terms = ppo.policy_loss_terms(logp, mb["old_log_probs"], mb["advantages"], low, high)
-        stats = {"clipfrac": terms["clipped"], "approx_kl": terms["approx_kl"],
+        stats = {"clipfrac": terms["clipped"], "approx_kl": terms["approx_kl"], "ratio_dev": terms["ratio_dev"],
                  "entropy": at_actions(token_entropy(output.detach(), vocab_size, temperature))}
         if kl_in_loss:
             kl = ppo.kl_penalty(logp, mb["ref_log_probs"], estimator)
