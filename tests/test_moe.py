@@ -198,6 +198,22 @@ def replayed(tmp_path_factory):
     return run_workers(tmp_path_factory.mktemp("routing_replay"), 2, "routing_replay")
 
 
+EXPERTS = 4
+
+
+def _with_experts(ranks):
+    """Each rank's result at EP=2 and at PP=2 where its stage has experts (PP=2: the last only),
+    after checking that a stage without them records and replays nothing."""
+    for rank in ranks:
+        assert rank["experts"] == EXPERTS
+        for layout in ("ep2", "pp2"):
+            r = rank[layout]
+            if r["layers"] == 0:
+                assert r["record"].shape[2] == r["engine"].shape[2] == 0
+                continue
+            yield r
+
+
 def _experts(routes, experts):
     """[..., K] expert indices (-1: none) -> [..., E] 0/1."""
     hot = torch.zeros(*routes.shape[:-1], experts + 1, dtype=torch.uint8)
@@ -208,23 +224,23 @@ def _experts(routes, experts):
 def test_generation_records_the_experts_the_old_log_prob_pass_routes_to(replayed):
     """The engine's record (rollout) equals the routing of the full-sequence pass over the same rows
     (fp32, same weights), and holds every fed token: all but each row's last."""
-    for r in replayed:
+    for r in _with_experts(replayed):
         engine, record, lengths = r["engine"], r["record"], r["lengths"]
         fed = torch.arange(engine.shape[1])[None, :] < (lengths - 1)[:, None]
         assert ((engine[..., 0, 0] >= 0) == fed).all()
         assert (engine[fed] == record[fed]).all()
         known = record[..., 0, 0] >= 0
-        assert (r["recorded/inference"][known] == _experts(record, r["experts"])[known]).all()  # what the hooks saw
+        assert (r["recorded/inference"][known] == _experts(record, EXPERTS)[known]).all()  # what the hooks saw
 
 
 def test_replayed_forwards_route_every_token_to_the_recorded_experts_after_the_router_moved(replayed):
     """After optimizer steps, every later forward (inference and training) with the record replayed
     routes each recorded token to exactly its recorded experts, as the routers' own outputs show;
     without replay the same forwards send many of them elsewhere."""
-    for r in replayed:
+    for r in _with_experts(replayed):
         record = r["record"]
         known = record[..., 0, 0] >= 0
-        expected = _experts(record, r["experts"])[known]
+        expected = _experts(record, EXPERTS)[known]
         for kind in ("inference", "training"):
             assert (r[f"replayed/{kind}"][known] == expected).all(), kind
             moved = (r[f"free/{kind}"][known] != expected).any(-1).float().mean().item()
@@ -238,10 +254,13 @@ def moe_demo(tmp_path_factory):
     from tests.test_train import FREE_MEMORY_VARS, train
 
     base = tmp_path_factory.mktemp("moe_demo")
-    for ems in ("True", "False"):
-        train(base / ems, config="examples/tiny/moe.yaml",
-              env={"ROUTING_REPLAY": "old_logprob", "DYNAMIC_SAMPLING": "True", **{v: ems for v in FREE_MEMORY_VARS}})
+    for ems, iterations in (("True", 40), ("False", 10)):  # the first 10 iterations compared
+        train(base / ems, "--iterations", str(iterations), config="examples/tiny/moe.yaml",
+              env={**MOE_DEMO_ENV, **{v: ems for v in FREE_MEMORY_VARS}})
     return base
+
+
+MOE_DEMO_ENV = {"ROUTING_REPLAY": "old_logprob", "DYNAMIC_SAMPLING": "True"}
 
 
 def test_the_moe_demo_learns_with_experts_split_and_reports_its_router_losses(moe_demo):
@@ -261,17 +280,28 @@ def test_the_moe_demo_learns_with_experts_split_and_reports_its_router_losses(mo
 def test_freeing_the_moe_demos_memory_changes_no_number(moe_demo):
     from tests.test_train import metrics, without_times
 
-    assert without_times(metrics(moe_demo / "True")) == without_times(metrics(moe_demo / "False"))
+    assert without_times(metrics(moe_demo / "True")[:10]) == without_times(metrics(moe_demo / "False"))
 
 
-def test_a_resumed_moe_run_continues_exactly_as_an_uninterrupted_one(tmp_path):
+def test_the_moe_demo_runs_with_a_pipeline_stage_that_has_no_experts(tmp_path):
+    """PP=2: the first stage holds only the dense first layer, yet takes part in every reduction of
+    the router losses and of routing replay (a stage that skipped them would hang its peer)."""
+    from tests.test_train import metrics, train
+
+    train(tmp_path, "--iterations", "2", config="examples/tiny/moe.yaml", env={"PP": "2", "EP": "1"},
+          timeout=180)  # the demo's routing replay: recorded by generation
+    for r in metrics(tmp_path):
+        assert r["policy/moe/load_balancing_loss"] > 0 and r["policy/moe/z_loss"] > 0
+        assert 0 <= r["policy/moe/replay_moved"] < 1
+
+
+def test_a_resumed_moe_run_continues_exactly_as_an_uninterrupted_one(tmp_path, moe_demo):
     from tests.test_train import metrics, train, without_times
 
-    moe = {"config": "examples/tiny/moe.yaml"}  # routing replayed from the rollout
-    train(tmp_path / "whole", "--iterations", "4", **moe)
-    assert all("policy/moe/replay_moved" in r for r in metrics(tmp_path / "whole"))
+    moe = {"config": "examples/tiny/moe.yaml", "env": MOE_DEMO_ENV}
     train(tmp_path / "split", "--iterations", "2", **moe)
     train(tmp_path / "split", "--iterations", "4", "--resume", **moe)
-    assert without_times(metrics(tmp_path / "split")) == without_times(metrics(tmp_path / "whole"))
-    refused = train(tmp_path / "split", "--iterations", "5", "--resume", env={"EP": "1"}, check=False, **moe)
+    assert without_times(metrics(tmp_path / "split")) == without_times(metrics(moe_demo / "True")[:4])
+    refused = train(tmp_path / "split", "--iterations", "5", "--resume", config=moe["config"],
+                    env={**MOE_DEMO_ENV, "EP": "1"}, check=False)
     assert refused.returncode != 0 and "written at TP=1 PP=1 EP=2; resume with the same TP, PP and EP" in refused.stdout + refused.stderr

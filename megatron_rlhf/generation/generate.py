@@ -174,7 +174,8 @@ class _Routes:
     def write(self, step: ScheduledStep, layout) -> None:
         """The routing of the step just run."""
         self.slot_rows[torch.tensor(step.slots, device=self.table.device)] = torch.tensor(step.rows, device=self.table.device)
-        self.table[self.slot_rows[layout.slots], layout.positions] = routing.recorded(self.model).to(self.table.dtype)
+        routes = routing.recorded(self.model, len(layout.positions))
+        self.table[self.slot_rows[layout.slots], layout.positions] = routes.to(self.table.dtype)
 
     def result(self, total_lengths: torch.Tensor, used: int) -> torch.Tensor:
         """[B, used, L, K]; -1 past each row's end (tokens fed after an end the host learnt late)."""

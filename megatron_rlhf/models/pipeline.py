@@ -84,7 +84,8 @@ def forward_backward(
         with routing.replaying(model_chunk, mb.get(routing.ROUTES)):
             output = model_forward(model_chunk, mb)
         if routes_out is not None:
-            routes_out.append(routing.as_rows(routing.recorded(model_chunk), batch, routes_dtype))
+            flat = routing.recorded(model_chunk, mb["tokens"].numel())
+            routes_out.append(routing.as_rows(flat, *mb["tokens"].shape, routes_dtype))
         return output, partial(call_loss, loss_fn or collect_output, mb)
 
     with recording:

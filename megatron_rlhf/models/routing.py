@@ -56,7 +56,7 @@ def _layer_replay_class():
             known = target[:, 0] >= 0
             # How many recorded tokens the router, left alone, would send elsewhere now.
             moved = (computed.sort(dim=1).values != target.sort(dim=1).values).any(dim=1) & known
-            self.counts = self.counts.to(scores.device) + torch.stack([known.sum(), moved.sum()])
+            self.counts += torch.stack([known.sum(), moved.sum()])
             indices = torch.where(known[:, None], target, computed)
             return scores.gather(1, indices), indices
 
@@ -71,24 +71,27 @@ def routers(model: torch.nn.Module) -> List[torch.nn.Module]:
 
 
 def enable(model: torch.nn.Module) -> None:
-    """Give every router of ``model`` a replay hook (idle until ``recording`` or ``replaying``)."""
+    """Give every router of ``model`` a replay hook (idle until ``recording`` or ``replaying``).
+    The model is marked whether or not this stage has layers with experts, so that every stage
+    takes part in the collectives alike."""
     LayerReplay, _ = _layer_replay_class()
+    device = next(unwrap(model).parameters()).device
     for router in routers(model):
         if not isinstance(router.router_replay, LayerReplay):
             router.router_replay = LayerReplay()
+            router.router_replay.counts = router.router_replay.counts.to(device)
+    unwrap(model).routing_replay_counts = torch.zeros(2, dtype=torch.long, device=device)
 
 
 def enabled(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s routers have replay hooks (``enable``)."""
-    found = routers(model)
-    return bool(found) and all(r.router_replay is not None for r in found)
+    """Whether ``enable`` was called on ``model``."""
+    return hasattr(unwrap(model), "routing_replay_counts")
 
 
 def _hooks(model: torch.nn.Module) -> list:
-    hooks = [r.router_replay for r in routers(model)]
-    if not hooks or any(h is None for h in hooks):
-        raise RuntimeError("routing replay: this model's routers have no replay hook (routing.enable was not called)")
-    return hooks
+    if not enabled(model):
+        raise RuntimeError("routing replay: this model has no replay hooks (routing.enable was not called)")
+    return [r.router_replay for r in routers(model)]
 
 
 @contextlib.contextmanager
@@ -106,15 +109,20 @@ def recording(model: torch.nn.Module):
             hook.clear_indices()
 
 
-def recorded(model: torch.nn.Module) -> torch.Tensor:
-    """The last forward's routing: [T, L, K] over its T tokens (megatron's token order: for a
-    [b, s] batch, position-major, as the layers see hidden states [s, b, h])."""
-    return torch.stack([hook.get_recorded_indices() for hook in _hooks(model)], dim=1)
+def recorded(model: torch.nn.Module, tokens: int) -> torch.Tensor:
+    """The routing of the last forward, of ``tokens`` tokens: [T, L, K] (megatron's token order: for
+    a [b, s] batch, position-major, as the layers see hidden states [s, b, h]; L = 0 on a stage
+    without experts)."""
+    hooks = _hooks(model)
+    if not hooks:
+        return torch.empty(tokens, 0, unwrap(model).config.moe_router_topk, dtype=torch.long,
+                           device=unwrap(model).routing_replay_counts.device)
+    return torch.stack([hook.get_recorded_indices() for hook in hooks], dim=1)
 
 
-def as_rows(flat: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
+def as_rows(flat: torch.Tensor, batch: int, seq: int, dtype: torch.dtype) -> torch.Tensor:
     """A [b, s] batch's routing as ``recorded`` gives it, [s * b, L, K] -> [b, s, L, K]."""
-    return flat.reshape(-1, batch, *flat.shape[1:]).transpose(0, 1).to(dtype)
+    return flat.reshape(seq, batch, *flat.shape[1:]).transpose(0, 1).to(dtype)
 
 
 def moved_share(model: torch.nn.Module, groups) -> Optional[float]:
@@ -124,7 +132,7 @@ def moved_share(model: torch.nn.Module, groups) -> Optional[float]:
     import torch.distributed as dist
 
     hooks = _hooks(model)
-    counts = sum(hook.counts for hook in hooks)
+    counts = sum((hook.counts for hook in hooks), torch.zeros_like(unwrap(model).routing_replay_counts))
     for hook in hooks:
         hook.counts = torch.zeros_like(hook.counts)
     for group in groups:
@@ -144,7 +152,7 @@ def replaying(model: torch.nn.Module, routes: Optional[torch.Tensor]):
     hooks = _hooks(model)
     if routes.shape[2] != len(hooks):
         raise ValueError(f"routing replay: a record of {routes.shape[2]} layers with experts for a stage with {len(hooks)}")
-    flat = routes.transpose(0, 1).reshape(-1, *routes.shape[2:])  # megatron's token order
+    flat = routes.transpose(0, 1).flatten(0, 1)  # megatron's token order
     for layer, hook in enumerate(hooks):
         hook.set_target_indices(flat[:, layer])
         hook.set_router_replay_action(Action.REPLAY_FORWARD)

@@ -12,6 +12,7 @@ from megatron_rlhf.models import routing
 from megatron_rlhf.models.batches import at_actions, next_tokens
 from megatron_rlhf.models.decoder import unwrap
 from megatron_rlhf.runtime import megatron_compat as compat
+from megatron_rlhf.runtime.platform import get_platform
 from megatron_rlhf.models.pipeline import LossFn, MicroBatch, forward_backward
 
 
@@ -96,8 +97,15 @@ def moe_losses(config, micro_batches: int) -> Dict[str, float]:
         return {}
     out = {}
     layers = sum(config.moe_layer_freq)
-    for name, entry in sorted(get_moe_layer_wise_logging_tracker().items()):
-        total = entry["values"].sum().reshape(1)  # this stage's layers, summed over micro-batches
+    tracker = get_moe_layer_wise_logging_tracker()
+    # The names from the config, not the tracker: a stage without experts tracks nothing but must
+    # take part in the same reductions.
+    names = [name for name, coeff in (("load_balancing_loss", config.moe_aux_loss_coeff),
+                                      ("z_loss", config.moe_z_loss_coeff)) if coeff]
+    for name in names:
+        entry = tracker.get(name)
+        # this stage's layers, summed over micro-batches
+        total = entry["values"].sum().reshape(1) if entry else torch.zeros(1, device=get_platform().device)
         dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
         dist.all_reduce(total, group=ps.get_data_parallel_group())
         out[f"moe/{name}"] = total.item() / (layers * micro_batches * ps.get_data_parallel_world_size())

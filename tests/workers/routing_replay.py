@@ -1,5 +1,5 @@
 """Routing replay on a tiny Qwen3-MoE (4 experts, top-2, a dense first layer), at EP = the world
-size. The policy generates (recording its routing), the old-log-prob pass records its own, then
+size and at PP = the world size (the first stage has no experts). The policy generates (recording its routing), the old-log-prob pass records its own, then
 optimizer steps at a high learning rate move the router; later forwards (inference and training)
 run with the record replayed and without. What each forward actually routed is read from the
 routers' outputs by a forward hook, independently of the replay machinery."""
@@ -32,52 +32,57 @@ class RoutedExperts:
         for router in routing.routers(model):
             router.register_forward_hook(lambda module, args, output: self.maps.append(output[1].detach().clone()))
 
-    def as_rows(self, batch: int, layers: int) -> torch.Tensor:
+    def as_rows(self, batch: int, seq: int, layers: int) -> torch.Tensor:
         """The calls of one forward of a [b, s] batch -> [b, s, L, E] (bool)."""
-        maps, self.maps = self.maps[-layers:], []
+        maps, self.maps = self.maps[len(self.maps) - layers:], []
+        if not maps:
+            return torch.zeros(batch, seq, 0, ARCH.num_experts, dtype=torch.bool)
         return torch.stack([m.reshape(-1, batch, m.shape[-1]).transpose(0, 1) for m in maps], dim=2)
 
 
-def routed(run_micro_batch, routes):
-    """What every position of every row was routed to, [B, S, L, E] (uint8; 0 at trimmed positions),
-    one micro-batch of 2 rows at a time through ``run_micro_batch`` (replaying ``routes`` when given)."""
-    columns = {"tokens": tokens} if routes is None else {"tokens": tokens, routing.ROUTES: routes}
-    grouped, order = length_grouped(2, lengths, **columns)
-    parts = []
-    for mb in grouped:
-        seen.maps.clear()
-        run_micro_batch(mb)
-        parts.append(seen.as_rows(mb["tokens"].shape[0], layers).to(torch.uint8))
-    return ungrouped(parts, order, tokens.shape[1])
+def case(pp: int, ep: int) -> dict:
+    parallel = setup(1, pp, seed=3, ep=ep)
+    model = build_model(ARCH, parallel, "lm")
+    routing.enable(model)
+    ddp, optimizer = wrap_for_training(model, RoleConfig(precision="fp32", lr=0.05, use_distributed_optimizer=False))
+    role = assemble_role("ppo_policy", RoleConfig(precision="fp32", micro_batch_size=2), ddp, optimizer)
+    seen = RoutedExperts(ddp)
+    layers = len(routing.routers(ddp))  # 0 on a stage without experts
+
+    rng = torch.Generator().manual_seed(7 + ps.get_data_parallel_rank())
+    prompt_lengths = torch.randint(3, 8, (ROWS,), generator=rng)
+    prompts = torch.randint(3, ARCH.vocab_size, (ROWS, 8), generator=rng)
+    params = SamplingParams(max_new_tokens=12, eos_ids=(1,), pad_id=0)
+    out = generate(ddp, prompts, prompt_lengths, params, ARCH.vocab_size, batch_size=4, record_routes=True,
+                   seeds=torch.arange(ROWS) + 100 * ps.get_data_parallel_rank())
+    tokens, lengths = out.tokens, out.total_lengths
+
+    def routed(run_micro_batch, routes):
+        """What every position of every row was routed to, [B, S, L, E] (uint8; 0 at trimmed
+        positions), a micro-batch of 2 rows at a time through ``run_micro_batch`` (replaying ``routes``)."""
+        columns = {"tokens": tokens} if routes is None else {"tokens": tokens, routing.ROUTES: routes}
+        grouped, order = length_grouped(2, lengths, **columns)
+        parts = []
+        for mb in grouped:
+            seen.maps.clear()
+            run_micro_batch(mb)
+            parts.append(seen.as_rows(*mb["tokens"].shape, layers).to(torch.uint8))
+        return ungrouped(parts, order, tokens.shape[1])
+
+    recorded = []
+    inference.log_probs(role, tokens, lengths, ARCH.vocab_size, routes_out=recorded)
+    result = {"engine": out.routes, "record": recorded[0], "lengths": lengths, "layers": layers}
+    # The experts the old-log-prob pass used, seen by the hooks: the record is what was routed.
+    result["recorded/inference"] = routed(lambda mb: role.forward([mb]), None)
+    # Optimizer steps on the generated rows move the router.
+    for _ in range(3):
+        train_step(ddp, optimizer, length_grouped(2, lengths, tokens=tokens)[0], next_token_loss)
+    for name, routes in (("replayed", recorded[0]), ("free", None)):
+        result[f"{name}/inference"] = routed(lambda mb: role.forward([mb]), routes)
+        # Each training micro-batch is an optimizer step of its own: the router keeps moving.
+        result[f"{name}/training"] = routed(lambda mb: train_step(ddp, optimizer, [mb], next_token_loss), routes)
+    return result
 
 
-ep = int(os.environ["WORLD_SIZE"])
-parallel = setup(1, 1, seed=3, ep=ep)
-model = build_model(ARCH, parallel, "lm")
-routing.enable(model)
-ddp, optimizer = wrap_for_training(model, RoleConfig(precision="fp32", lr=0.05, use_distributed_optimizer=False))
-role = assemble_role("ppo_policy", RoleConfig(precision="fp32", micro_batch_size=2), ddp, optimizer)
-seen = RoutedExperts(ddp)
-layers = len(routing.routers(ddp))
-
-rng = torch.Generator().manual_seed(7 + ps.get_data_parallel_rank())
-prompt_lengths = torch.randint(3, 8, (ROWS,), generator=rng)
-prompts = torch.randint(3, ARCH.vocab_size, (ROWS, 8), generator=rng)
-params = SamplingParams(max_new_tokens=12, eos_ids=(1,), pad_id=0)
-out = generate(ddp, prompts, prompt_lengths, params, ARCH.vocab_size, batch_size=4, record_routes=True,
-               seeds=torch.arange(ROWS) + 100 * ps.get_data_parallel_rank())
-tokens, lengths = out.tokens, out.total_lengths
-recorded = []
-inference.log_probs(role, tokens, lengths, ARCH.vocab_size, routes_out=recorded)
-result = {"engine": out.routes, "record": recorded[0], "lengths": lengths, "layers": layers, "experts": ARCH.num_experts}
-# The experts the old-log-prob pass used, seen by the hooks: the record is what was routed.
-result["recorded/inference"] = routed(lambda mb: role.forward([mb]), None)
-
-# Optimizer steps on the generated rows move the router.
-for _ in range(3):
-    train_step(ddp, optimizer, length_grouped(2, lengths, tokens=tokens)[0], next_token_loss)
-for name, routes in (("replayed", recorded[0]), ("free", None)):
-    result[f"{name}/inference"] = routed(lambda mb: role.forward([mb]), routes)
-    # Each training micro-batch is an optimizer step of its own: the router keeps moving.
-    result[f"{name}/training"] = routed(lambda mb: train_step(ddp, optimizer, [mb], next_token_loss), routes)
-save(result)
+world = int(os.environ["WORLD_SIZE"])
+save({"experts": ARCH.num_experts, "ep2": case(1, world), "pp2": case(world, 1)})
