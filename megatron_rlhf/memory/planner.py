@@ -29,29 +29,46 @@ BYTES = {"fp32": 4, "bf16": 2}
 PHASES = tuple((phase, role, "kv_cache" if phase == "generate" else "activations") for phase, role in PHASE_ORDER)
 
 
+def _stage_layers(arch: ModelArchConfig, pp: int, pp_rank: int) -> List[int]:
+    """Per layer of the stage: 1 where it has experts, 0 where its MLP is dense."""
+    per_stage = arch.num_layers // pp
+    pattern = arch.moe_layers() if arch.num_experts else [0] * arch.num_layers
+    return pattern[pp_rank * per_stage : (pp_rank + 1) * per_stage]
+
+
 def param_numels(arch: ModelArchConfig, head: str, tp: int, pp: int, pp_rank: int) -> List[int]:
-    """Element counts of this rank's parameters, in module order (megatron local layers). A tied
-    LM head has no weight of its own, except the last stage's copy under PP."""
+    """Element counts of this rank's parameters outside the experts (those megatron DDP reduces
+    over DP), in module order (megatron local layers). A tied LM head has no weight of its own,
+    except the last stage's copy under PP. A layer with experts has its router here instead of the
+    dense MLP (its experts: ``expert_numels``)."""
     h, hd = arch.hidden_size, arch.kv_channels
     vocab = arch.padded_vocab_size(tp) // tp
     qkv = (arch.num_attention_heads + 2 * arch.kv_groups) * hd // tp
     out: List[int] = []
     if pp_rank == 0:
         out.append(vocab * h)
-    per_layer = [h, h * arch.num_attention_heads * hd // tp, qkv * h]  # input norm, attention output, fused QKV
-    per_layer += [qkv] if arch.qkv_bias else []
-    per_layer += [hd, hd] if arch.qk_norm else []
-    per_layer += [
-        h,  # pre-MLP norm
-        2 * arch.ffn_hidden_size // tp * h,  # [gate; up]
-        h * arch.ffn_hidden_size // tp,  # down
-    ]
-    out += per_layer * (arch.num_layers // pp)
+    attention = [h, h * arch.num_attention_heads * hd // tp, qkv * h]  # input norm, attention output, fused QKV
+    attention += [qkv] if arch.qkv_bias else []
+    attention += [hd, hd] if arch.qk_norm else []
+    dense_mlp = [2 * arch.ffn_hidden_size // tp * h, h * arch.ffn_hidden_size // tp]  # [gate; up], down
+    for experts in _stage_layers(arch, pp, pp_rank):
+        out += attention + [h] + ([arch.num_experts * h] if experts else dense_mlp)  # pre-MLP norm, router or MLP
     if pp_rank == pp - 1:
         out.append(h)  # final norm
         if not (arch.tied_output(head) and pp == 1):
             out.append((vocab if head == "lm" else 1) * h)  # output layer or scalar head
     return out
+
+
+def expert_numels(arch: ModelArchConfig, tp: int, pp: int, pp_rank: int, ep: int) -> List[int]:
+    """Element counts of this rank's experts (num_experts / EP per layer with experts, each split
+    over TP like a dense MLP), in module order: megatron DDP keeps them in a buffer of their own,
+    reduced over the expert-data-parallel group (DP / EP ranks)."""
+    if not arch.num_experts:
+        return []
+    h, width = arch.hidden_size, arch.moe_ffn_hidden_size // tp
+    local = [2 * width * h, h * width] * (arch.num_experts // ep)  # each expert's [gate; up], down
+    return local * sum(_stage_layers(arch, pp, pp_rank))
 
 
 def _buffer_ranges(numels: List[int]) -> List[Tuple[int, int]]:
@@ -75,28 +92,34 @@ def _ddp_buffer_numel(numels: List[int], dp: int, distributed_optimizer: bool) -
 
 
 def state_bytes(rc: RoleConfig, head: str, trainable: bool, tp: int, pp: int, dp: int, pp_rank: int,
-                dp_rank: int = 0) -> Dict[str, int]:
-    """Device bytes of each kind of one role's state on the rank (pp_rank, dp_rank)."""
+                dp_rank: int = 0, ep: int = 1, edp_rank: int = 0) -> Dict[str, int]:
+    """Device bytes of each kind of one role's state on the rank (pp_rank, dp_rank; with experts
+    split over ``ep`` ranks, its expert-data-parallel rank ``edp_rank``)."""
     arch = rc.model
-    numels = param_numels(arch, head, tp, pp, pp_rank)
+    # Each group of parameters megatron DDP buffers apart, with the data-parallel group that
+    # reduces (and with the distributed optimizer shards) it: dense over DP, experts over DP / EP.
+    groups = [(param_numels(arch, head, tp, pp, pp_rank), dp, dp_rank)]
+    experts = expert_numels(arch, tp, pp, pp_rank, ep)
+    if experts:
+        groups.append((experts, dp // ep, edp_rank))
     width = BYTES[rc.precision]
     out = dict.fromkeys(KINDS, 0)
     # OTHER (module buffers) stays 0: the model registers none; megatron keeps the rotary
     # frequencies (head_dim / 2 floats) as a plain attribute.
     if not trainable:
-        out[WEIGHTS] = sum(numels) * width
+        out[WEIGHTS] = sum(sum(numels) for numels, _, _ in groups) * width
         return out
     dist_opt = rc.use_distributed_optimizer
-    buffer = _ddp_buffer_numel(numels, dp, dist_opt)
-    out[WEIGHTS] = (buffer if dist_opt else sum(numels)) * width
-    out[GRADS] = buffer * 4  # grads reduced in fp32
-    # What this DP rank's optimizer owns: its 1/DP slice of the buffer (parameters only).
-    owned = _owned_elements(numels, buffer, dp, dp_rank) if dist_opt else numels
-    owned_total = sum(owned)
-    if rc.precision == "bf16":
-        out[MAIN_PARAMS] = owned_total * 4
-    # Adam: exp_avg and exp_avg_sq in fp32, and torch's per-parameter step (a 4-byte tensor).
-    out[OPTIMIZER_STATE] = owned_total * 8 + 4 * sum(1 for n in owned if n)
+    for numels, group, rank in groups:
+        buffer = _ddp_buffer_numel(numels, group, dist_opt)
+        out[WEIGHTS] += (buffer if dist_opt else sum(numels)) * width
+        out[GRADS] += buffer * 4  # grads reduced in fp32
+        # What this rank's optimizer owns: its 1/group slice of the buffer (parameters only).
+        owned = _owned_elements(numels, buffer, group, rank) if dist_opt else numels
+        if rc.precision == "bf16":
+            out[MAIN_PARAMS] += sum(owned) * 4
+        # Adam: exp_avg and exp_avg_sq in fp32, and torch's per-parameter step (a 4-byte tensor).
+        out[OPTIMIZER_STATE] += sum(owned) * 8 + 4 * sum(1 for n in owned if n)
     return out
 
 
@@ -118,11 +141,25 @@ def activation_bytes(arch: ModelArchConfig, head: str, micro_batch: int, seq: in
     s, b, h, a = seq, micro_batch, arch.hidden_size, arch.num_attention_heads
     per_layer = s * b * h * (10 + 24 / tp) * width / 2 + 5 * a * s * s * b / tp * width / 2
     layers = arch.num_layers // pp
+    if arch.num_experts:  # the most loaded stage: its layers with experts
+        moe_layers = max(sum(_stage_layers(arch, pp, r)) for r in range(pp))
+        per_layer += moe_layers / layers * _expert_activations_extra(arch, s * b, tp, width)
     logits = s * b * (arch.padded_vocab_size(tp) // tp if head == "lm" else 1) * 4
     if not training:
         return int(per_layer + logits)
     kept = s * b * h * width * layers if recompute else per_layer * layers
     return int(kept + 2 * logits)  # logits and their fp32 softmax for the loss
+
+
+def _expert_activations_extra(arch: ModelArchConfig, tokens: int, tp: int, width: int) -> float:
+    """What a layer with experts keeps beyond the dense estimate's MLP part (16 sbh/TP for an MLP of
+    4h): each token's top-k copies dispatched to experts of moe_ffn_hidden_size, in and out of them,
+    with the same per-width cost; assuming balanced routing (an estimate, as the rest)."""
+    h, k = arch.hidden_size, arch.moe_router_topk
+    dense_mlp = tokens * h * 16 / tp * width / 2
+    experts = tokens * h * 16 / tp * (k * arch.moe_ffn_hidden_size / (4 * h)) * width / 2
+    dispatched = 2 * k * tokens * h * width  # the permuted tokens and the experts' outputs
+    return experts + dispatched - dense_mlp
 
 
 def kv_cache_bytes(arch: ModelArchConfig, batch: int, seq: int, tp: int, pp: int, precision: str) -> int:
@@ -160,7 +197,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
          seq_length: Optional[int] = None) -> Plan:
     """The memory of one PPO iteration on the most loaded rank (the stage with most state)."""
     par = config.parallel
-    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
+    tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
     dp = world_size // (tp * pp)
     seq = seq_length or (config.data.max_prompt_length + config.generation.max_new_tokens)
     rollout_per_rank = config.rollout_samples // dp
@@ -172,7 +209,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
     for name in config.model_roles:
         rc = config.role(name)
         trainable = name in TRAINABLE_ROLES
-        stages = [state_bytes(rc, ROLE_HEADS[name], trainable, tp, pp, dp, r) for r in range(pp)]
+        stages = [state_bytes(rc, ROLE_HEADS[name], trainable, tp, pp, dp, r, ep=ep) for r in range(pp)]
         roles[name] = max(stages, key=lambda s: sum(s.values()))
         # 1F1B: the first stage holds up to PP micro-batches' activations before its first backward.
         in_flight = min(pp, micro_batches_per_step(config, name, dp)) if trainable else 1
@@ -208,7 +245,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
         resident[phase] = table
         phases[phase] = sum(sum(t.values()) for t in table.values())
     peak = max(phases, key=phases.get)
-    return Plan(roles, transient, phases, resident, peak, {"tp": tp, "pp": pp, "dp": dp, "seq": seq}, host)
+    return Plan(roles, transient, phases, resident, peak, {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "seq": seq}, host)
 
 
 PHASE_OF = {active: phase for phase, active, _ in PHASES}

@@ -1,5 +1,5 @@
 """Measured resident bytes by kind (the ledger's counting) of a trainable and an inference role
-under several layouts, next to the planner's figures. Run with 4 processes."""
+under several layouts, dense and with experts, next to the planner's figures. Run with 4 processes."""
 
 import os
 
@@ -25,14 +25,27 @@ LAYOUTS = [  # tp, pp, distributed optimizer, precision, architecture features
     (2, 1, True, "fp32", FEATURES),
     (1, 2, True, "bf16", FEATURES),
 ]
+# Mixtures of experts (the tiny MoE demo's model): experts in DDP's buffers of their own, sharded over
+# the expert-data-parallel group: EP=2 of DP=4 (expert DP 2), EP=2 at PP=2 (expert DP 1), EP=4.
+MOE_LAYOUTS = [  # tp, pp, ep, distributed optimizer, precision
+    (1, 1, 2, True, "bf16"),
+    (1, 2, 2, True, "fp32"),
+    (1, 1, 4, True, "fp32"),
+    (1, 1, 2, False, "bf16"),
+]
 tokens = torch.randint(3, 30, (4, 16), generator=torch.Generator().manual_seed(0))
 result = []
-for tp, pp, dist_opt, precision, features in LAYOUTS:
-    os.environ.update(TP=str(tp), PP=str(pp))
-    config = load_config("examples/tiny/rlhf.yaml", world_size=int(os.environ["WORLD_SIZE"]))
-    setup(tp, pp)
+cases = [("examples/tiny/rlhf.yaml", tp, pp, 1, dist_opt, precision, features, ("ppo_policy", "value"))
+         for tp, pp, dist_opt, precision, features in LAYOUTS]
+cases += [("examples/tiny/moe.yaml", tp, pp, ep, dist_opt, precision, {}, ("ppo_policy", "reference"))
+          for tp, pp, ep, dist_opt, precision in MOE_LAYOUTS]
+for config_file, tp, pp, ep, dist_opt, precision, features, roles in cases:
+    os.environ.update(TP=str(tp), PP=str(pp), EP=str(ep))
+    config = load_config(config_file, world_size=int(os.environ["WORLD_SIZE"]))
+    setup(tp, pp, ep=ep)
     dp, dp_rank, pp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    for name in ("ppo_policy", "value"):
+    edp_rank = ps.get_expert_data_parallel_rank()
+    for name in roles:
         rc = config.role(name)
         rc.precision, rc.use_distributed_optimizer, rc.free_memory = precision, dist_opt, True
         for key, value in features.items():
@@ -45,7 +58,8 @@ for tp, pp, dist_opt, precision, features in LAYOUTS:
         else:
             with role.resident("inference"):
                 measured = {k: v for k, v in role.memory.resident_bytes().items() if k in LEDGER_KINDS}
-        planned = state_bytes(rc, role.head, role.trainable, tp, pp, dp, pp_rank, dp_rank)
-        result.append({"layout": (tp, pp, dist_opt, precision, sorted(features)), "role": name, "measured": measured, "planned": planned})
+        planned = state_bytes(rc, role.head, role.trainable, tp, pp, dp, pp_rank, dp_rank, ep, edp_rank)
+        result.append({"layout": (tp, pp, ep, dist_opt, precision, sorted(features)), "role": name, "measured": measured,
+                       "planned": planned})
         del role
 save({"result": result})
