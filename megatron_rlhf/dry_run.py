@@ -15,7 +15,8 @@ from megatron_rlhf.config import input_problems, load_config, validate
 from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, TRAINABLE_ROLES, RLHFConfig
 from megatron_rlhf.config.validation import weight_sharing_notes
 from megatron_rlhf.memory.manager import EMSSwitches
-from megatron_rlhf.memory.planner import KINDS, TRANSIENT, Plan, micro_batches_per_step, param_numels, plan, recommend
+from megatron_rlhf.memory.planner import (KINDS, TRANSIENT, Plan, expert_numels, micro_batches_per_step, param_numels, plan,
+                                          recommend)
 from megatron_rlhf.units import human
 
 def host_text(p: Plan, nproc_per_node: int) -> str:
@@ -26,7 +27,8 @@ def host_text(p: Plan, nproc_per_node: int) -> str:
 
 def format_plan(p: Plan) -> str:
     cols = KINDS[:-1] + TRANSIENT
-    lines = [f"layout: TP={p.layout['tp']} PP={p.layout['pp']} DP={p.layout['dp']}, sequence {p.layout['seq']} tokens; "
+    experts = f" EP={p.layout['ep']}" if p.layout["ep"] > 1 else ""
+    lines = [f"layout: TP={p.layout['tp']} PP={p.layout['pp']} DP={p.layout['dp']}{experts}, sequence {p.layout['seq']} tokens; "
              "per GPU, most loaded pipeline stage"]
     lines.append(f"{'role':<11}" + "".join(f"{c:>17}" for c in cols))
     for role, kinds in p.roles.items():
@@ -73,17 +75,19 @@ def memory_report(config, world_size: int, gpu_memory: Optional[int] = None,
     return "\n".join(lines), True
 
 
-def rank_groups(tp: int, pp: int, dp: int) -> Dict[str, List[List[int]]]:
-    """Global ranks of each TP, DP and PP group in megatron's default order (tp-cp-ep-dp-pp):
-    rank = tp_rank + TP * (dp_rank + DP * pp_rank)."""
-    def rank(t: int, d: int, p: int) -> int:
-        return t + tp * (d + dp * p)
+def rank_groups(tp: int, pp: int, dp: int, ep: int = 1) -> Dict[str, List[List[int]]]:
+    """Global ranks of each TP, DP and PP group and, with experts split (``ep`` > 1), each expert-
+    parallel ("ep") and expert-data-parallel ("edp") group, as megatron-core numbers them (its
+    RankGenerator, orders tp-cp-ep-dp-pp and, for experts with ETP = TP, tp-ep-dp-pp): rank = tp_rank
+    + TP * (dp_rank + DP * pp_rank), and dp_rank = ep_rank + EP * edp_rank."""
+    from megatron.core.parallel_state import RankGenerator
 
-    return {
-        "tp": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "dp": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
-    }
+    dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    groups = {kind: dense.get_ranks(kind) for kind in ("tp", "dp", "pp")}
+    if ep > 1:
+        experts = RankGenerator(tp=tp, ep=ep, dp=dp // ep, pp=pp, cp=1, order="tp-ep-dp-pp")
+        groups.update(ep=experts.get_ranks("ep"), edp=experts.get_ranks("dp"))
+    return groups
 
 
 def resolved_config_text(config: RLHFConfig) -> str:
@@ -112,11 +116,13 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     dp = world_size // (tp * pp)
     nodes = -(-world_size // nproc_per_node)
-    groups = rank_groups(tp, pp, dp)
+    ep = par.expert_model_parallel_size
+    groups = rank_groups(tp, pp, dp, ep)
     # torchrun numbers ranks node by node.
     tp_in_node = all(len({r // nproc_per_node for r in g}) == 1 for g in groups["tp"])
     lines = [
-        f"{world_size} processes = {nodes} node(s) x {nproc_per_node}; TP={tp} PP={pp} DP={dp} for every role "
+        f"{world_size} processes = {nodes} node(s) x {nproc_per_node}; TP={tp} PP={pp} DP={dp}"
+        f"{f' EP={ep}' if ep > 1 else ''} for every role "
         f"(sequence parallel {'on' if par.sequence_parallel else 'off'})",
         f"algorithm: {config.algorithm.advantage_estimator}, roles: {', '.join(config.roles)}"
         + ("" if config.roles == ROLE_NAMES else " (no critic)")
@@ -124,6 +130,9 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
         f"  tensor-parallel groups: {len(groups['tp'])} of {tp} ranks ({'each within one node' if tp_in_node else 'SPANNING NODES: TP all-reduces cross the network; keep TP <= GPUs per node'}), "
         f"first {_span(groups['tp'][0])}",
         f"  data-parallel groups: {len(groups['dp'])} of {dp} ranks, first {_span(groups['dp'][0])}",
+        *([f"  expert-parallel groups: {len(groups['ep'])} of {ep} ranks (each layer's experts split over them), "
+           f"first {_span(groups['ep'][0])}; expert-data-parallel groups (the experts' gradients and distributed "
+           f"optimizer): {len(groups['edp'])} of {dp // ep} ranks, first {_span(groups['edp'][0])}"] if ep > 1 else []),
         "  pipeline stages: " + "; ".join(
             f"{s}: ranks {_span(sorted(g[s] for g in groups['pp']))}" for s in range(pp)),
         "",
@@ -133,7 +142,7 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
     for role in config.model_roles:
         rc = config.role(role)
         arch = rc.model
-        params = sum(param_numels(arch, ROLE_HEADS[role], 1, 1, 0))
+        params = sum(param_numels(arch, ROLE_HEADS[role], 1, 1, 0)) + sum(expert_numels(arch, 1, 1, 0, 1))
         network = arch.preset or f"h{arch.hidden_size}x{arch.num_layers}"
         if role in TRAINABLE_ROLES:
             global_batch, accum = str(config.samples_per_step(role)), str(micro_batches_per_step(config, role, dp))
@@ -151,6 +160,12 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
             f"{arch.num_layers // pp:>13}{rc.micro_batch_size:>7}{global_batch:>8}{accum:>7}  {optimizer:<11}"
             f"{', '.join(kinds) or 'nothing'}"
         )
+        if arch.num_experts:
+            experts = sum(expert_numels(arch, 1, 1, 0, 1))
+            active = params - experts + experts * arch.moe_router_topk // arch.num_experts
+            lines.append(f"{'':<11}experts: {arch.num_experts} in each of {sum(arch.moe_layers())} layers, top-"
+                         f"{arch.moe_router_topk} per token ({_count(active)} parameters active), {arch.num_experts // ep} "
+                         f"per EP rank")
         if rc.load:
             lines.append(f"{'':<11}load: {config.path_of(role + '.load')}")
     if config.reward.type == "function":

@@ -9,7 +9,8 @@ what only a launch knows (nodes, the rendezvous, that a real model needs checkpo
 here. All problems are listed at once, before anything starts.
 
     MODEL_SIZE         tiny, 7b, 13b, 70b (Llama-2), llama3.1-8b, llama3.1-70b, qwen2.5-7b, qwen2.5-32b,
-                       qwen2.5-72b, qwen3-8b, qwen3-32b [7b];  REWARD_MODEL_SIZE [MODEL_SIZE]
+                       qwen2.5-72b, qwen3-8b, qwen3-32b, and the mixtures of experts qwen3-30b-a3b,
+                       mixtral-8x7b, qwen3-235b-a22b [7b];  REWARD_MODEL_SIZE [MODEL_SIZE]
     NNODES, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT [29500], RDZV_ID
     GPU_MEMORY         the device memory the dry run checks the plan against [80GiB]
     DRY_RUN=1          print the plan (missing files are warnings) and exit
@@ -49,6 +50,11 @@ LAUNCH_PRESETS: Dict[str, Tuple[str, Dict[str, object]]] = {
     "qwen2.5-72b": ("qwen2.5-72b", dict(_QWEN, TP=8, PP=2, NNODES=4)),
     "qwen3-8b": ("qwen3-8b", dict(_QWEN, TP=2, PP=1)),
     "qwen3-32b": ("qwen3-32b", dict(_QWEN, TP=8, PP=1, NNODES=2)),
+    # Mixtures of experts: trained at TP=1 (megatron-core trains MoE layers at TP > 1 only with
+    # sequence parallelism), the experts split over EP ranks of the data-parallel ones.
+    "qwen3-30b-a3b": ("qwen3-30b-a3b", dict(_QWEN, TP=1, PP=1, EP=8)),
+    "mixtral-8x7b": ("mixtral-8x7b", dict(_LLAMA2, TP=1, PP=2, EP=8, NNODES=2)),
+    "qwen3-235b-a22b": ("qwen3-235b-a22b", dict(_QWEN, TP=1, PP=2, EP=32, NNODES=16)),  # planned, never run
 }
 PATH_VARIABLES = ("POLICY_LOAD", "REWARD_LOAD", "VALUE_LOAD", "TOKENIZER", "PROMPT_FILE", "OUTPUT_DIR")
 
@@ -89,7 +95,7 @@ def resolve_environment(env: Dict[str, str], config_dir: str, cwd: str, algorith
     return problems
 
 
-Layout = Tuple[int, int, int, int, int]  # world size, GPUs per node, TP, PP, DP
+Layout = Tuple[int, int, int, int, int, int]  # world size, GPUs per node, TP, PP, DP, EP
 
 
 def check(env: Dict[str, str], config_file: str) -> Tuple[List[str], List[str], Optional[Layout]]:
@@ -124,8 +130,9 @@ def check(env: Dict[str, str], config_file: str) -> Tuple[List[str], List[str], 
                        "a rule reward (reward.type: function) needs none")
     if errors:
         return errors, missing, None
-    tp, pp = config.parallel.tensor_model_parallel_size, config.parallel.pipeline_model_parallel_size
-    return errors, missing, (world, per_node, tp, pp, world // (tp * pp))
+    par = config.parallel
+    tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
+    return errors, missing, (world, per_node, tp, pp, world // (tp * pp), ep)
 
 
 def torchrun_command(env: Dict[str, str], config_file: str, train_args: List[str]) -> List[str]:
@@ -165,7 +172,7 @@ def main(argv=None) -> int:
             print(f"error: {p}", file=sys.stderr)
         print(f"{args.name}: nothing was launched", file=sys.stderr)
         return 2
-    world, per_node, tp, pp, dp = layout
+    world, per_node, tp, pp, dp, ep = layout
     if tp > per_node:
         print(f"warning: TP={tp} > GPUS_PER_NODE={per_node}: tensor-parallel traffic crosses nodes", file=sys.stderr)
     # EMS frees large storages and grows them back at every phase: expandable segments let the CUDA
@@ -177,7 +184,7 @@ def main(argv=None) -> int:
         from megatron_rlhf.units import parse_bytes
 
         return dry_run(config_file, world, per_node, parse_bytes(env.get("GPU_MEMORY", "80GiB")))
-    what = (f"{env['MODEL_SIZE']}, {world} GPUs (TP={tp} PP={pp} DP={dp}), output {env['OUTPUT_DIR']}, "
+    what = (f"{env['MODEL_SIZE']}, {world} GPUs (TP={tp} PP={pp} DP={dp}{f' EP={ep}' if ep > 1 else ''}), output {env['OUTPUT_DIR']}, "
             f"PYTORCH_CUDA_ALLOC_CONF={env['PYTORCH_CUDA_ALLOC_CONF']}")
     if env.get("CHECK_ONLY") == "1":
         print(f"{args.name}: inputs checked: {what}")

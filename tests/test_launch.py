@@ -205,16 +205,17 @@ def test_train_dry_run_resolves_the_environment_and_checks_the_layout(tmp_path):
     assert misuse.returncode == 2 and "go with --dry-run" in misuse.stderr
 
 
-@pytest.mark.parametrize("tp, pp, dp", [(2, 2, 2), (8, 2, 2), (1, 4, 3)])
-def test_rank_groups_follow_megatron(tp, pp, dp):
-    from megatron.core.parallel_state import RankGenerator
-
+def test_rank_groups_are_megatrons_numbering():
+    """rank = tp_rank + TP * (dp_rank + DP * pp_rank), and within a DP group the EP ranks are
+    consecutive (dp_rank = ep_rank + EP * edp_rank): worked out by hand for two layouts."""
     from megatron_rlhf.dry_run import rank_groups
 
-    megatron = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
-    ours = rank_groups(tp, pp, dp)
-    for kind in ("tp", "dp", "pp"):
-        assert sorted(ours[kind]) == sorted(megatron.get_ranks(kind)), kind
+    groups = rank_groups(2, 2, 2)
+    assert groups == {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                      "pp": [[0, 4], [1, 5], [2, 6], [3, 7]]}
+    groups = rank_groups(1, 2, 4, ep=2)
+    assert groups["dp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and groups["edp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ name."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -128,6 +129,7 @@ MOE_YAML = "{preset: tiny, family: qwen3_moe, num_experts: 4, moe_ffn_hidden_siz
      r"expert_model_parallel_size: 2, but no role's model has experts"),
     ("{preset: tiny, family: qwen3_moe}", "parallel: {tensor_model_parallel_size: 1}", 2, r"num_experts: family 'qwen3_moe' is a mixture of experts"),
     ("{preset: tiny, num_experts: 4}", "", 2, r"num_experts: family 'llama' has no experts"),
+    ("{preset: tiny, moe_z_loss_coeff: 0.001}", "", 2, r"moe_z_loss_coeff: router losses of a model without experts"),
     ("{preset: tiny, family: qwen3_moe, num_experts: 4, moe_ffn_hidden_size: 32, moe_router_topk: 5, moe_dense_layers: [7]}",
      "parallel: {tensor_model_parallel_size: 1}", 2, r"(?s)moe\.yaml: policy\.model\.moe_router_topk: 5 is more than num_experts=4.*moe_dense_layers: \[7\] are not layers"),
 ])
@@ -305,3 +307,35 @@ def test_a_resumed_moe_run_continues_exactly_as_an_uninterrupted_one(tmp_path, m
     refused = train(tmp_path / "split", "--iterations", "5", "--resume", config=moe["config"],
                     env={**MOE_DEMO_ENV, "EP": "1"}, check=False)
     assert refused.returncode != 0 and "written at TP=1 PP=1 EP=2; resume with the same TP, PP and EP" in refused.stdout + refused.stderr
+
+
+# MODEL_SIZE: (nodes of 8 GPUs, EP) by default; billions of parameters in all and active per token
+# (the published 30.5B / 3.3B, 46.7B / 12.9B, 235B / 22B).
+MOE_PRESETS = {"qwen3-30b-a3b": (1, 8, 30.53, 3.35), "mixtral-8x7b": (2, 8, 46.70, 12.88),
+               "qwen3-235b-a22b": (16, 32, 235.09, 22.19)}
+
+
+@pytest.mark.parametrize("size", sorted(MOE_PRESETS))
+def test_each_moe_preset_is_transformers_model_and_plans_to_fit_its_launch_default(size, tmp_path, monkeypatch, capsys,
+                                                                                     launch_environment):
+    """The preset's config.json, built by transformers on the meta device, has the parameters the dry
+    run counts; the launcher's default layout for it fits 80 GiB GPUs."""
+    from megatron_rlhf import launch
+    from megatron_rlhf.config.families import hf_config_from_arch
+
+    nodes, ep, billions, active = MOE_PRESETS[size]
+    arch = _load(tmp_path, f"{{preset: {size}}}", "parallel: {tensor_model_parallel_size: 1}", 1).policy.model
+    config = transformers.AutoConfig.for_model(**hf_config_from_arch(arch, "lm", "bfloat16"))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == billions
+
+    launch_environment.update(DRY_RUN="1", MODEL_SIZE=size)
+    monkeypatch.setattr(os, "execv", None)  # a dry run never launches
+    assert launch.main(["--config", os.path.join("examples", "llama2", "grpo.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert f"{nodes * 8} processes = {nodes} node(s) x 8; TP=1" in out and f" EP={ep} for every role" in out
+    assert re.search(rf"ppo_policy +{re.escape(size)} +{billions:.2f}B +lm", out), out
+    assert f"({active:.2f}B parameters active)" in out
+    assert "expert-parallel groups:" in out
+    assert re.search(r"^fits in 80\.00 GiB", out, re.M), out

@@ -16,8 +16,9 @@
 #
 # Variables (default in brackets; MODEL_SIZE sets the ones marked *):
 #   MODEL_SIZE               policy preset: 7b, 13b, 70b (Llama-2), llama3.1-8b, llama3.1-70b, qwen2.5-7b,
-#                            qwen2.5-32b, qwen2.5-72b, qwen3-8b, qwen3-32b, or tiny (a random tiny model, to
-#                            check a cluster's set-up end to end; needs no checkpoint or tokenizer) [7b]
+#                            qwen2.5-32b, qwen2.5-72b, qwen3-8b, qwen3-32b, the mixtures of experts
+#                            qwen3-30b-a3b, mixtral-8x7b, qwen3-235b-a22b (planned only), or tiny (a random
+#                            tiny model, to check a cluster's set-up end to end; needs no checkpoint or tokenizer) [7b]
 #   REWARD_MODEL_SIZE        reward/value size [MODEL_SIZE]
 #   POLICY_LOAD              converted SFT checkpoint (tools/convert_hf_to_megatron.py): reference, ppo_policy
 #   REWARD_LOAD              converted reward model (score head): reward
@@ -30,7 +31,7 @@
 #   PROMPT_FILE              JSONL ({"prompt": "..."} or {"messages": [...]} per line) or Parquet
 #   OUTPUT_DIR               metrics, memory ledger, TensorBoard, checkpoints [outputs/PRESET-ppo]
 #   NNODES, GPUS_PER_NODE    * nodes, and GPUs (processes) per node
-#   TP, PP                   * tensor and pipeline parallel sizes (every role: one layout)
+#   TP, PP, EP               * tensor, pipeline and expert parallel sizes (every role: one layout)
 #   free_memory_policy, free_memory_reference, free_memory_reward, free_memory_value,
 #   free_memory_ppo_policy, free_memory_ppo_value
 #                            EMS: True frees the role's device memory while it is idle [True]
@@ -45,6 +46,8 @@
 #   PYTHON                   the interpreter with megatron-rlhf installed [the repository's .venv, else python3]
 #   CONFIG                   the top config [examples/llama2/rlhf.yaml: PPO; grpo.yaml: GRPO, no critic]
 #   DRY_RUN=1                print the plan and exit;  CHECK_ONLY=1  check the inputs and exit
+#   MOE_AUX_LOSS_COEFF, MOE_Z_LOSS_COEFF  router losses of a mixture of experts in training [0: off]
+#   ROUTING_REPLAY           off, rollout or old_logprob (README, "Mixtures of experts") [off]
 # Anything else rlhf.yaml reads (KL_COEF, POLICY_LR, VALUE_LR, SAVE_INTERVAL, ...) passes through.
 set -euo pipefail
 

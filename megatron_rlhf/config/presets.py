@@ -1,5 +1,6 @@
-"""Architecture presets: the Llama-2, Llama-3.1, Qwen2.5 and Qwen3 models users align, and a tiny
-model for CPU tests and the demo.
+"""Architecture presets: the Llama-2, Llama-3.1, Qwen2.5 and Qwen3 models users align, the
+mixtures of experts Qwen3-30B-A3B, Qwen3-235B-A22B and Mixtral-8x7B, and a tiny model for CPU tests
+and the demo.
 
 Pure data: a role's ``model: {preset: NAME}`` takes these values for every key it does not set;
 the family (config/families.py) then fixes the features its models always have.
@@ -73,5 +74,22 @@ PRESETS = {
     "qwen3-32b": dict(
         family="qwen3", num_layers=64, hidden_size=5120, num_attention_heads=64, num_query_groups=8, head_dim=128,
         ffn_hidden_size=25600, vocab_size=151936, max_position_embeddings=40960, **_QWEN,
+    ),
+    # Mixtures of experts: every layer has experts (ffn_hidden_size is the unused dense width the
+    # checkpoints state).
+    "qwen3-30b-a3b": dict(
+        family="qwen3_moe", num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4, head_dim=128,
+        ffn_hidden_size=6144, vocab_size=151936, max_position_embeddings=40960, num_experts=128,
+        moe_ffn_hidden_size=768, moe_router_topk=8, moe_norm_topk_prob=True, **_QWEN,
+    ),
+    "qwen3-235b-a22b": dict(
+        family="qwen3_moe", num_layers=94, hidden_size=4096, num_attention_heads=64, num_query_groups=4, head_dim=128,
+        ffn_hidden_size=12288, vocab_size=151936, max_position_embeddings=40960, num_experts=128,
+        moe_ffn_hidden_size=1536, moe_router_topk=8, moe_norm_topk_prob=True, **_QWEN,
+    ),
+    "mixtral-8x7b": dict(
+        family="mixtral", num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
+        ffn_hidden_size=14336, vocab_size=32000, max_position_embeddings=32768, num_experts=8,
+        moe_ffn_hidden_size=14336, moe_router_topk=2, rotary_base=1000000.0, norm_epsilon=1e-5,
     ),
 }

@@ -63,8 +63,11 @@ def _expert_problems(m) -> List[Problem]:
     if family is None:
         return []
     if m.num_experts is None:
-        return [(("num_experts",), f"family {m.family!r} is a mixture of experts; set num_experts, "
-                 "moe_ffn_hidden_size and moe_router_topk")] if family.experts else []
+        if family.experts:
+            return [(("num_experts",), f"family {m.family!r} is a mixture of experts; set num_experts, "
+                     "moe_ffn_hidden_size and moe_router_topk")]
+        losses = tuple(k for k in ("moe_aux_loss_coeff", "moe_z_loss_coeff") if getattr(m, k))
+        return [(losses, "router losses of a model without experts; set them to 0")] if losses else []
     if not family.experts:
         moe_families = ", ".join(f.name for f in FAMILIES.values() if f.experts)
         return [(("num_experts",), f"family {m.family!r} has no experts (mixtures of experts: {moe_families}); "
