@@ -11,6 +11,7 @@ def test_planned_state_bytes_equal_the_ledger_under_several_layouts(workers):
     checked = experts_checked = 0
     for rank_result in workers(4, "planner_state"):
         for row in rank_result["result"]:
+            assert row["idle"] == {}, (row["layout"], row["role"])  # EMS left nothing on the device
             for kind, measured in row["measured"].items():
                 planned = row["planned"][kind]
                 assert abs(planned - measured) <= 0.01 * max(measured, 1), (row["layout"], row["role"], kind, planned, measured)

@@ -59,7 +59,10 @@ for config_file, tp, pp, ep, dist_opt, precision, features, roles in cases:
             with role.resident("inference"):
                 measured = {k: v for k, v in role.memory.resident_bytes().items() if k in LEDGER_KINDS}
         planned = state_bytes(rc, role.head, role.trainable, tp, pp, dp, pp_rank, dp_rank, ep, edp_rank)
+        # Idle with every switch on: nothing of any kind left on the device, counted from every
+        # parameter, main_grad and optimizer tensor (the leak guard's count; experts included).
+        idle = {k: v for k, v in role.memory.resident_bytes().items() if k in LEDGER_KINDS and v}
         result.append({"layout": (tp, pp, ep, dist_opt, precision, sorted(features)), "role": name, "measured": measured,
-                       "planned": planned})
+                       "planned": planned, "idle": {**idle, **role.memory.leftovers()}})
         del role
 save({"result": result})
