@@ -27,6 +27,9 @@ MOE_MODELS = {
     "qwen3_moe-unnormed": ("Qwen3MoeConfig", "Qwen3Moe", dict(
         num_experts=4, moe_intermediate_size=32, num_experts_per_tok=3, norm_topk_prob=False, decoder_sparse_step=2)),
     "mixtral": ("MixtralConfig", "Mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2Moe", dict(
+        num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts_per_tok=2,
+        norm_topk_prob=False, mlp_only_layers=[1])),
 }
 SHARED = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
               vocab_size=100, max_position_embeddings=256, rms_norm_eps=1e-5, num_labels=1, pad_token_id=0)

@@ -17,8 +17,9 @@ from megatron_rlhf.config.families import arch_from_hf_config  # noqa: E402
 from tests.hf_families import all_tensors, converted_for_equivalence, hf_greedy, hf_outputs  # noqa: E402
 
 # Qwen3-MoE with renormalised top-2 and a dense first layer; Mixtral (every layer experts); Qwen3-MoE
-# without renormalisation (softmax before the top-3) and experts every second layer, as a reward model.
-CASES = [("qwen3_moe", "lm"), ("mixtral", "lm"), ("qwen3_moe-unnormed", "scalar")]
+# without renormalisation (softmax before the top-3) and experts every second layer, as a reward model;
+# Qwen2-MoE (q/k/v biases, a gated shared expert beside the routed ones, a dense last layer).
+CASES = [("qwen3_moe", "lm"), ("mixtral", "lm"), ("qwen3_moe-unnormed", "scalar"), ("qwen2_moe", "lm")]
 LAYOUTS = {"tp2_pp1": "2.1.1", "tp1_pp2": "1.2.1", "tp1_pp1_ep2": "1.1.2"}
 
 
@@ -36,6 +37,8 @@ def test_the_converted_models_have_the_families_routing(converted):
         == [4, 2, True, [0]]
     assert [meta["qwen3_moe-unnormed"][k] for k in ("moe_router_topk", "moe_norm_topk_prob", "moe_layer_step")] == [3, False, 2]
     assert [meta["mixtral"][k] for k in ("num_experts", "moe_ffn_hidden_size", "moe_norm_topk_prob")] == [4, 48, True]
+    assert [meta["qwen2_moe"][k] for k in ("qkv_bias", "moe_shared_expert_ffn_hidden_size", "moe_norm_topk_prob",
+                                           "moe_dense_layers")] == [True, 48, False, [1]]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -129,7 +132,12 @@ MOE_YAML = "{preset: tiny, family: qwen3_moe, num_experts: 4, moe_ffn_hidden_siz
      r"expert_model_parallel_size: 2, but no role's model has experts"),
     ("{preset: tiny, family: qwen3_moe}", "parallel: {tensor_model_parallel_size: 1}", 2, r"num_experts: family 'qwen3_moe' is a mixture of experts"),
     ("{preset: tiny, num_experts: 4}", "", 2, r"num_experts: family 'llama' has no experts"),
-    ("{preset: tiny, moe_z_loss_coeff: 0.001}", "", 2, r"moe_z_loss_coeff: router losses of a model without experts"),
+    ("{preset: tiny, moe_z_loss_coeff: 0.001, moe_shared_expert_ffn_hidden_size: 32}", "", 2,
+     r"moe_z_loss_coeff, moe_shared_expert_ffn_hidden_size: set for a model without experts"),
+    ("{preset: tiny, family: qwen2_moe, num_experts: 4, moe_ffn_hidden_size: 32}", "parallel: {tensor_model_parallel_size: 1}", 2,
+     r"moe_shared_expert_ffn_hidden_size: family 'qwen2_moe' has a shared expert"),
+    ("{preset: tiny, family: qwen3_moe, num_experts: 4, moe_ffn_hidden_size: 32, moe_shared_expert_ffn_hidden_size: 32}",
+     "parallel: {tensor_model_parallel_size: 1}", 2, r"moe_shared_expert_ffn_hidden_size"),
     ("{preset: tiny, family: qwen3_moe, num_experts: 4, moe_ffn_hidden_size: 32, moe_router_topk: 5, moe_dense_layers: [7]}",
      "parallel: {tensor_model_parallel_size: 1}", 2, r"(?s)moe\.yaml: policy\.model\.moe_router_topk: 5 is more than num_experts=4.*moe_dense_layers: \[7\] are not layers"),
 ])

@@ -19,7 +19,7 @@ def test_planned_state_bytes_equal_the_ledger_under_several_layouts(workers):
                 if row["layout"][2] > 1:  # experts over EP ranks, their optimizer over expert DP: to the byte
                     assert planned == measured, (row["layout"], row["role"], kind, planned, measured)
                     experts_checked += measured > 0
-    assert checked > 50 and experts_checked >= 4 * 4 * 2
+    assert checked > 50 and experts_checked >= 5 * 4 * 2
 
 
 def test_peak_phase_and_recommendation_for_a_budget(monkeypatch):

@@ -15,11 +15,15 @@ Names (layer i):
   model.layers.i.{B}.{R}.weight                  decoder.layers.i.mlp.router.weight            (a layer with experts)
   model.layers.i.{B}.experts.e.{gate,up}.weight  decoder.layers.i.mlp.experts.local_experts.e.linear_fc1.weight
   model.layers.i.{B}.experts.e.{down}.weight     decoder.layers.i.mlp.experts.local_experts.e.linear_fc2.weight
+  model.layers.i.{B}.{S}.{gate,up}.weight        decoder.layers.i.mlp.shared_experts.linear_fc1.weight (a shared expert)
+  model.layers.i.{B}.{S}.{down}.weight           decoder.layers.i.mlp.shared_experts.linear_fc2.weight
+  model.layers.i.{B}.{S}_gate.weight             decoder.layers.i.mlp.shared_experts.gate_weight
   model.norm.weight                              decoder.final_layernorm.weight
   lm_head.weight (LM) | score.weight (reward)    output_layer.weight (none for a tied LM: the embedding)
 
-B, R and the expert projections' names are the family's (families.ExpertNames: Qwen3-MoE's
-mlp.gate and {gate,up,down}_proj, Mixtral's block_sparse_moe.gate and w1, w3, w2); e counts every
+B, R, S and the expert projections' names are the family's (families.ExpertNames: Qwen3-MoE's
+mlp.gate and {gate,up,down}_proj, Mixtral's block_sparse_moe.gate and w1, w3, w2, Qwen2-MoE's shared
+expert mlp.shared_expert); e counts every
 expert of the layer (the full dict holds them all; models/sharding.py cuts them per EP rank).
 
 Megatron's fused QKV orders rows (and bias entries) by query group: the group's query heads, its
@@ -51,6 +55,7 @@ _QKV = {"self_attention.linear_qkv.weight": "weight", "self_attention.linear_qkv
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_KEY = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 _ROUTER = "mlp.router.weight"
+_SHARED = ("mlp.shared_experts.gate_weight", "mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc2.weight")
 # Tensors older checkpoints carry that are derived, not learnt (RoPE frequencies).
 DERIVED_HF_TENSORS = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
@@ -69,7 +74,8 @@ def layer_keys(arch: ModelArchConfig, has_experts: bool = False) -> List[str]:
     if not has_experts:
         return keys + ["pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
     experts = [f"mlp.experts.local_experts.{e}.{fc}.weight" for e in range(arch.num_experts) for fc in ("linear_fc1", "linear_fc2")]
-    return keys + ["pre_mlp_layernorm.weight", _ROUTER] + experts
+    shared = list(_SHARED) if arch.moe_shared_expert_ffn_hidden_size else []
+    return keys + ["pre_mlp_layernorm.weight", _ROUTER] + experts + shared
 
 
 def megatron_keys(arch: ModelArchConfig, head: str) -> List[str]:
@@ -98,9 +104,10 @@ def expected_hf_shapes(arch: ModelArchConfig, head: str) -> Dict[str, Tuple[int,
             p + "self_attn.o_proj.weight": (h, q),
         })
         if has_experts:
-            width = arch.moe_ffn_hidden_size
             for key in layer_keys(arch, has_experts=True):
-                shape = (arch.num_experts, h) if key == _ROUTER else (h, width) if key.endswith("fc2.weight") else (width, h)
+                width = arch.moe_shared_expert_ffn_hidden_size if key in _SHARED else arch.moe_ffn_hidden_size
+                shape = ((arch.num_experts, h) if key == _ROUTER else (1, h) if key == _SHARED[0]
+                         else (h, width) if key.endswith("fc2.weight") else (width, h))
                 shapes.update((name, shape) for name in _moe_hf_names(arch, p, key) or ())
         else:
             shapes.update({p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
@@ -115,17 +122,21 @@ def expected_hf_shapes(arch: ModelArchConfig, head: str) -> Dict[str, Tuple[int,
 
 def _moe_hf_names(arch: ModelArchConfig, p: str, rest: str) -> Optional[List[str]]:
     """The HF tensors behind a MoE layer's Megatron key ``rest`` (layer prefix ``p``): the router,
-    an expert's [gate; up] pair or its down projection; None for any other key."""
+    an expert's (or the shared expert's) [gate; up] pair or its down projection, the shared expert's
+    gate; None for any other key."""
     expert = _EXPERT_KEY.match(rest)
-    if rest != _ROUTER and expert is None:
+    if rest != _ROUTER and expert is None and rest not in _SHARED:
         return None
     names: Optional[ExpertNames] = family_of(arch.family).experts
-    if names is None:
-        raise ValueError(f"family {arch.family!r} has no experts, but the model has num_experts={arch.num_experts}")
-    if expert is None:
+    if names is None or (rest in _SHARED and names.shared is None):
+        raise ValueError(f"family {arch.family!r} has no {'shared expert' if rest in _SHARED else 'experts'}, "
+                         f"but the model has {rest}")
+    if rest == _ROUTER:
         return [p + f"{names.block}.{names.router}.weight"]
-    e, fc = expert.groups()
-    x = p + f"{names.block}.experts.{e}."
+    if rest == _SHARED[0]:
+        return [p + f"{names.block}.{names.shared}_gate.weight"]
+    fc = "linear_fc1" if rest.endswith("linear_fc1.weight") else "linear_fc2"
+    x = p + (f"{names.block}.{names.shared}." if rest in _SHARED else f"{names.block}.experts.{expert.group(1)}.")
     return [x + f"{names.down}.weight"] if fc == "linear_fc2" else [x + f"{names.gate}.weight", x + f"{names.up}.weight"]
 
 

@@ -119,6 +119,9 @@ class ExpertNames:
     up: str
     down: str
     router: str = "gate"
+    # A shared expert (Qwen2-MoE): ``{block}.{shared}.{gate|up|down}.weight`` and its sigmoid gate
+    # ``{block}.{shared}_gate.weight`` [1, hidden].
+    shared: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,9 +195,25 @@ FAMILIES: Dict[str, Family] = {
          "norm_topk_prob": to("moe_norm_topk_prob"),
          "decoder_sparse_step": to("moe_layer_step", 1),
          "mlp_only_layers": to("moe_dense_layers", [])},
-        {"qkv_bias": False, "qk_norm": True, **_NO_WINDOW},
+        {"qkv_bias": False, "qk_norm": True, "moe_shared_expert_ffn_hidden_size": None, **_NO_WINDOW},
         experts=ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
         required=("num_experts|num_local_experts", "moe_intermediate_size", "num_experts_per_tok", "norm_topk_prob"),
+    ),
+    "qwen2_moe": Family(
+        "qwen2_moe", "Qwen2Moe",
+        {**_QWEN_WINDOW, **_ROUTER_TRAINING,
+         "qkv_bias": only(True, why=": Qwen2-MoE's attention has q/k/v biases"),  # transformers 5 writes it
+         "num_experts": to("num_experts"),
+         "moe_intermediate_size": to("moe_ffn_hidden_size"),
+         "shared_expert_intermediate_size": to("moe_shared_expert_ffn_hidden_size"),
+         "num_experts_per_tok": to("moe_router_topk"),
+         "norm_topk_prob": to("moe_norm_topk_prob"),
+         "decoder_sparse_step": to("moe_layer_step", 1),
+         "mlp_only_layers": to("moe_dense_layers", [])},
+        {"qkv_bias": True, "qk_norm": False, **_NO_WINDOW},
+        experts=ExpertNames("mlp", "gate_proj", "up_proj", "down_proj", shared="shared_expert"),
+        required=("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts_per_tok",
+                  "norm_topk_prob"),
     ),
     "mixtral": Family(
         "mixtral", "Mixtral",
@@ -206,7 +225,8 @@ FAMILIES: Dict[str, Family] = {
          "num_experts_per_tok": to("moe_router_topk"),
          "router_jitter_noise": only(0.0, 0, why=": noise on the router would route the rollout and training "
                                      "differently")},
-        {"qkv_bias": False, "qk_norm": False, "moe_norm_topk_prob": True, "moe_layer_step": 1, "moe_dense_layers": []},
+        {"qkv_bias": False, "qk_norm": False, "moe_norm_topk_prob": True, "moe_layer_step": 1, "moe_dense_layers": [],
+         "moe_shared_expert_ffn_hidden_size": None},
         experts=ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
         required=("num_local_experts", "num_experts_per_tok"),
     ),

@@ -113,6 +113,9 @@ class ModelArchConfig:
     moe_norm_topk_prob: bool = True  # the chosen experts' probabilities rescaled to sum to 1
     moe_layer_step: int = bounded(1, ge=1)
     moe_dense_layers: List[int] = dataclasses.field(default_factory=list)
+    # A shared expert beside the routed ones in every layer with experts (Qwen2-MoE): an MLP of this
+    # width that sees every token, its output scaled by a sigmoid gate; None: none.
+    moe_shared_expert_ffn_hidden_size: Optional[int] = bounded(None, ge=1)
     # Training only (the forward is the same): megatron's load-balancing and router z-losses.
     moe_aux_loss_coeff: float = bounded(0.0, ge=0)
     moe_z_loss_coeff: float = bounded(0.0, ge=0)

@@ -66,8 +66,9 @@ def _expert_problems(m) -> List[Problem]:
         if family.experts:
             return [(("num_experts",), f"family {m.family!r} is a mixture of experts; set num_experts, "
                      "moe_ffn_hidden_size and moe_router_topk")]
-        losses = tuple(k for k in ("moe_aux_loss_coeff", "moe_z_loss_coeff") if getattr(m, k))
-        return [(losses, "router losses of a model without experts; set them to 0")] if losses else []
+        unused = tuple(k for k in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_shared_expert_ffn_hidden_size")
+                       if getattr(m, k))
+        return [(unused, "set for a model without experts; remove them")] if unused else []
     if not family.experts:
         moe_families = ", ".join(f.name for f in FAMILIES.values() if f.experts)
         return [(("num_experts",), f"family {m.family!r} has no experts (mixtures of experts: {moe_families}); "
@@ -75,6 +76,9 @@ def _expert_problems(m) -> List[Problem]:
     problems: List[Problem] = []
     if m.moe_ffn_hidden_size is None:
         problems.append((("moe_ffn_hidden_size",), "a model with experts needs each expert's width"))
+    if family.experts.shared and m.moe_shared_expert_ffn_hidden_size is None:
+        problems.append((("moe_shared_expert_ffn_hidden_size",), f"family {m.family!r} has a shared expert in every "
+                         "layer with experts; set its width"))
     if m.moe_router_topk > m.num_experts:
         problems.append((("moe_router_topk",), f"{m.moe_router_topk} is more than num_experts={m.num_experts}"))
     outside = [i for i in m.moe_dense_layers if not 0 <= i < m.num_layers]
@@ -177,9 +181,10 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
             if m.num_experts % ep != 0:
                 problems.append(f"{config.at(ep_key)}: {ep} does not divide {role}'s num_experts={m.num_experts} "
                                 f"({file}); valid EP: {_divisors(m.num_experts)}")
-            if m.moe_ffn_hidden_size % tp != 0:
-                problems.append(f"{config.at(tp_key)}: {tp} does not divide {role}'s "
-                                f"moe_ffn_hidden_size={m.moe_ffn_hidden_size} ({file}); each expert is split over TP")
+            for width in ("moe_ffn_hidden_size", "moe_shared_expert_ffn_hidden_size"):
+                if (getattr(m, width) or 0) % tp != 0:
+                    problems.append(f"{config.at(tp_key)}: {tp} does not divide {role}'s {width}={getattr(m, width)} "
+                                    f"({file}); each expert is split over TP")
             trained = [r for r in users if r in TRAINABLE_ROLES]
             if trained and tp > 1:
                 problems.append(f"{config.at(tp_key)}: {tp}, but {', '.join(trained)} trains a model with experts "

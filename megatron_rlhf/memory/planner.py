@@ -40,7 +40,7 @@ def param_numels(arch: ModelArchConfig, head: str, tp: int, pp: int, pp_rank: in
     """Element counts of this rank's parameters outside the experts (those megatron DDP reduces
     over DP), in module order (megatron local layers). A tied LM head has no weight of its own,
     except the last stage's copy under PP. A layer with experts has its router here instead of the
-    dense MLP (its experts: ``expert_numels``)."""
+    dense MLP, and its shared expert (its routed experts: ``expert_numels``)."""
     h, hd = arch.hidden_size, arch.kv_channels
     vocab = arch.padded_vocab_size(tp) // tp
     qkv = (arch.num_attention_heads + 2 * arch.kv_groups) * hd // tp
@@ -51,8 +51,12 @@ def param_numels(arch: ModelArchConfig, head: str, tp: int, pp: int, pp_rank: in
     attention += [qkv] if arch.qkv_bias else []
     attention += [hd, hd] if arch.qk_norm else []
     dense_mlp = [2 * arch.ffn_hidden_size // tp * h, h * arch.ffn_hidden_size // tp]  # [gate; up], down
+    moe = [arch.num_experts * h] if arch.num_experts else []  # the router
+    shared = arch.moe_shared_expert_ffn_hidden_size
+    if shared:  # its sigmoid gate, [gate; up], down
+        moe += [h, 2 * shared // tp * h, h * shared // tp]
     for experts in _stage_layers(arch, pp, pp_rank):
-        out += attention + [h] + ([arch.num_experts * h] if experts else dense_mlp)  # pre-MLP norm, router or MLP
+        out += attention + [h] + (moe if experts else dense_mlp)  # pre-MLP norm, then experts' or MLP
     if pp_rank == pp - 1:
         out.append(h)  # final norm
         if not (arch.tied_output(head) and pp == 1):

@@ -97,6 +97,8 @@ def experts_config(arch: ModelArchConfig, parallel: ParallelConfig) -> dict:
         moe_router_load_balancing_type="aux_loss" if balancing else "none",
         moe_aux_loss_coeff=arch.moe_aux_loss_coeff,
         moe_z_loss_coeff=arch.moe_z_loss_coeff or None,
+        moe_shared_expert_intermediate_size=arch.moe_shared_expert_ffn_hidden_size,
+        moe_shared_expert_gate=arch.moe_shared_expert_ffn_hidden_size is not None,  # Qwen2-MoE's sigmoid gate
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.tensor_model_parallel_size,
     )

@@ -27,18 +27,21 @@ LAYOUTS = [  # tp, pp, distributed optimizer, precision, architecture features
 ]
 # Mixtures of experts (the tiny MoE demo's model): experts in DDP's buffers of their own, sharded over
 # the expert-data-parallel group: EP=2 of DP=4 (expert DP 2), EP=2 at PP=2 (expert DP 1), EP=4.
-MOE_LAYOUTS = [  # tp, pp, ep, distributed optimizer, precision
-    (1, 1, 2, True, "bf16"),
-    (1, 2, 2, True, "fp32"),
-    (1, 1, 4, True, "fp32"),
-    (1, 1, 2, False, "bf16"),
+# The last: a Qwen2-MoE's shared expert (with its gate) in the dense buffer beside the attention.
+QWEN2_MOE = dict(family="qwen2_moe", qkv_bias=True, qk_norm=False, moe_shared_expert_ffn_hidden_size=48)
+MOE_LAYOUTS = [  # tp, pp, ep, distributed optimizer, precision, architecture features
+    (1, 1, 2, True, "bf16", {}),
+    (1, 2, 2, True, "fp32", {}),
+    (1, 1, 4, True, "fp32", {}),
+    (1, 1, 2, False, "bf16", {}),
+    (1, 1, 2, True, "bf16", QWEN2_MOE),
 ]
 tokens = torch.randint(3, 30, (4, 16), generator=torch.Generator().manual_seed(0))
 result = []
 cases = [("examples/tiny/rlhf.yaml", tp, pp, 1, dist_opt, precision, features, ("ppo_policy", "value"))
          for tp, pp, dist_opt, precision, features in LAYOUTS]
-cases += [("examples/tiny/moe.yaml", tp, pp, ep, dist_opt, precision, {}, ("ppo_policy", "reference"))
-          for tp, pp, ep, dist_opt, precision in MOE_LAYOUTS]
+cases += [("examples/tiny/moe.yaml", tp, pp, ep, dist_opt, precision, features, ("ppo_policy", "reference"))
+          for tp, pp, ep, dist_opt, precision, features in MOE_LAYOUTS]
 for config_file, tp, pp, ep, dist_opt, precision, features, roles in cases:
     os.environ.update(TP=str(tp), PP=str(pp), EP=str(ep))
     config = load_config(config_file, world_size=int(os.environ["WORLD_SIZE"]))
