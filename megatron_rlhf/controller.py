@@ -390,8 +390,7 @@ class PPOController:
         share = need // self.dp_size
         mine = {k: v[self.dp_rank * share : (self.dp_rank + 1) * share] for k, v in rows.items()}
         width = int((mine["prompt_lengths"] + mine["response_lengths"]).max())  # trim to its own longest row
-        mine = {k: v[:, : width - 1] if k == "old_log_probs" else v[:, :width] if k in FULL_WIDTH else v
-                for k, v in mine.items()}
+        mine = {k: v[:, : width - (k not in FULL_WIDTH)] if v.dim() > 1 else v for k, v in mine.items()}
         return mine, short // self.config.generation.samples_per_prompt
 
     def _gather_rows_over_dp(self, rows: SampleRows) -> SampleRows:

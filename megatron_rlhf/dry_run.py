@@ -142,7 +142,8 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
     for role in config.model_roles:
         rc = config.role(role)
         arch = rc.model
-        params = sum(param_numels(arch, ROLE_HEADS[role], 1, 1, 0)) + sum(expert_numels(arch, 1, 1, 0, 1))
+        experts = sum(expert_numels(arch, 1, 1, 0, 1))
+        params = sum(param_numels(arch, ROLE_HEADS[role], 1, 1, 0)) + experts
         network = arch.preset or f"h{arch.hidden_size}x{arch.num_layers}"
         if role in TRAINABLE_ROLES:
             global_batch, accum = str(config.samples_per_step(role)), str(micro_batches_per_step(config, role, dp))
@@ -161,7 +162,6 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
             f"{', '.join(kinds) or 'nothing'}"
         )
         if arch.num_experts:
-            experts = sum(expert_numels(arch, 1, 1, 0, 1))
             active = params - experts + experts * arch.moe_router_topk // arch.num_experts
             lines.append(f"{'':<11}experts: {arch.num_experts} in each of {sum(arch.moe_layers())} layers, top-"
                          f"{arch.moe_router_topk} per token ({_count(active)} parameters active), {arch.num_experts // ep} "

@@ -25,7 +25,6 @@ import torch
 from megatron_rlhf.models.decoder import unwrap
 
 ROUTES = "routes"  # the micro-batch / rollout column
-MODES = ("off", "rollout", "old_logprob")  # moe.routing_replay: where the record is taken
 
 
 def routes_dtype(num_experts: int) -> torch.dtype:
@@ -40,11 +39,11 @@ def _layer_replay_class():
         """megatron's per-layer replay hook, replaying only the tokens with a record (``target``
         [T, K], -1 rows route as computed); not registered in megatron's process-wide list."""
 
-        def __init__(self):  # RouterReplay.__init__ would append self to the process-wide list
+        def __init__(self, device: torch.device):  # RouterReplay.__init__ would append self to the process-wide list
             self.target_topk_idx = self.recorded_topk_idx = None
             self.router_replay_action = None
             self.replay_backward_list = []
-            self.counts = torch.zeros(2, dtype=torch.long)  # tokens replayed, of which the router would move
+            self.counts = torch.zeros(2, dtype=torch.long, device=device)  # tokens replayed, of which the router would move
 
         def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
             if self.router_replay_action is not RouterReplayAction.REPLAY_FORWARD:
@@ -78,14 +77,14 @@ def enable(model: torch.nn.Module) -> None:
     device = next(unwrap(model).parameters()).device
     for router in routers(model):
         if not isinstance(router.router_replay, LayerReplay):
-            router.router_replay = LayerReplay()
-            router.router_replay.counts = router.router_replay.counts.to(device)
-    unwrap(model).routing_replay_counts = torch.zeros(2, dtype=torch.long, device=device)
+            router.router_replay = LayerReplay(device)
+    # The mark, and zero counts on the device for a stage without routers.
+    unwrap(model).routing_replay_no_counts = torch.zeros(2, dtype=torch.long, device=device)
 
 
 def enabled(model: torch.nn.Module) -> bool:
     """Whether ``enable`` was called on ``model``."""
-    return hasattr(unwrap(model), "routing_replay_counts")
+    return hasattr(unwrap(model), "routing_replay_no_counts")
 
 
 def _hooks(model: torch.nn.Module) -> list:
@@ -95,18 +94,24 @@ def _hooks(model: torch.nn.Module) -> list:
 
 
 @contextlib.contextmanager
-def recording(model: torch.nn.Module):
-    """Within: every forward of ``model`` records its routing (read it with ``recorded``)."""
-    _, Action = _layer_replay_class()
-    hooks = _hooks(model)
+def _acting(hooks: list, action):
+    """``hooks`` take ``action`` within; afterwards they are idle and hold no indices."""
     for hook in hooks:
-        hook.set_router_replay_action(Action.RECORD)
+        hook.set_router_replay_action(action)
     try:
         yield
     finally:
         for hook in hooks:
             hook.clear_router_replay_action()
             hook.clear_indices()
+
+
+@contextlib.contextmanager
+def recording(model: torch.nn.Module):
+    """Within: every forward of ``model`` records its routing (read it with ``recorded``)."""
+    _, Action = _layer_replay_class()
+    with _acting(_hooks(model), Action.RECORD):
+        yield
 
 
 def recorded(model: torch.nn.Module, tokens: int) -> torch.Tensor:
@@ -116,7 +121,7 @@ def recorded(model: torch.nn.Module, tokens: int) -> torch.Tensor:
     hooks = _hooks(model)
     if not hooks:
         return torch.empty(tokens, 0, unwrap(model).config.moe_router_topk, dtype=torch.long,
-                           device=unwrap(model).routing_replay_counts.device)
+                           device=unwrap(model).routing_replay_no_counts.device)
     return torch.stack([hook.get_recorded_indices() for hook in hooks], dim=1)
 
 
@@ -132,7 +137,7 @@ def moved_share(model: torch.nn.Module, groups) -> Optional[float]:
     import torch.distributed as dist
 
     hooks = _hooks(model)
-    counts = sum((hook.counts for hook in hooks), torch.zeros_like(unwrap(model).routing_replay_counts))
+    counts = sum((hook.counts for hook in hooks), unwrap(model).routing_replay_no_counts.clone())
     for hook in hooks:
         hook.counts = torch.zeros_like(hook.counts)
     for group in groups:
@@ -155,10 +160,5 @@ def replaying(model: torch.nn.Module, routes: Optional[torch.Tensor]):
     flat = routes.transpose(0, 1).flatten(0, 1)  # megatron's token order
     for layer, hook in enumerate(hooks):
         hook.set_target_indices(flat[:, layer])
-        hook.set_router_replay_action(Action.REPLAY_FORWARD)
-    try:
+    with _acting(hooks, Action.REPLAY_FORWARD):
         yield
-    finally:
-        for hook in hooks:
-            hook.clear_router_replay_action()
-            hook.clear_indices()
