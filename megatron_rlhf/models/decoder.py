@@ -191,8 +191,13 @@ def build_model(
     cuda_graph_impl: str = "none",
     pre_process: Optional[bool] = None,
     post_process: Optional[bool] = None,
+    pg_collection=None,
+    padded_vocab: Optional[int] = None,
 ) -> torch.nn.Module:
-    """This rank's piece of the model (its pipeline stage, its TP shard), on the platform device."""
+    """This rank's piece of the model (its pipeline stage, its TP shard), on the platform device.
+    ``pg_collection``: the process groups of ``parallel`` when it is not the run's layout
+    (runtime/layouts.py); ``padded_vocab``: the vocabulary rows (default: padded for ``parallel``'s TP;
+    models that exchange weights across layouts need one size)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
@@ -205,14 +210,16 @@ def build_model(
             "torch norm layers do not support it); set sequence_parallel: false"
         )
     config = make_transformer_config(arch, parallel, precision, recompute_activations, cuda_graph_impl)
+    stage, stages = ((pg_collection.pp.rank(), pg_collection.pp.size()) if pg_collection is not None else
+                     (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size()))
     if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage()
+        pre_process = stage == 0
     if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage()
+        post_process = stage == stages - 1
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(arch, config),
-        vocab_size=arch.padded_vocab_size(parallel.tensor_model_parallel_size),
+        vocab_size=padded_vocab or arch.padded_vocab_size(parallel.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
@@ -220,6 +227,7 @@ def build_model(
         share_embeddings_and_output_weights=arch.tied_output(head),
         position_embedding_type="rope",
         rotary_base=int(arch.rotary_base),
+        pg_collection=pg_collection,
     )
     if arch.rope_scaling != "none":
         compat.set_rope_inv_freq(model, rope_inv_freq(arch))

@@ -1,10 +1,12 @@
 """Weight sync: after training, the inference role (policy, value) serves the trained weights
 (ppo_policy, ppo_value).
 
-All roles share one parallel layout, so the two networks' shards match name by name. Where the
-dtypes match too, the inference role's parameters become views of the trained role's storage once,
-at start-up: no copy ever, and one copy of the weights in memory. Otherwise (e.g. fp32 training
-serving a bf16 policy) the weights are copied at start-up and after every training phase.
+Where the two networks share a parallel layout their shards match name by name. Where the dtypes
+match too, the inference role's parameters become views of the trained role's storage once, at
+start-up: no copy ever, and one copy of the weights in memory. Otherwise (e.g. fp32 training
+serving a bf16 policy) the weights are copied at start-up and after every training phase. A model
+of another layout (its own TP/PP, runtime/layouts.py) gets them through megatron-core's resharding
+(``reshard_weights``): each rank sends the slices of its shards that the other layout's ranks hold.
 """
 
 from __future__ import annotations
@@ -16,6 +18,19 @@ import torch
 from megatron_rlhf.memory.manager import WEIGHTS
 from megatron_rlhf.models.decoder import unwrap
 from megatron_rlhf.roles.base import Role
+
+
+def reshard_weights(trained: torch.nn.Module, serving: torch.nn.Module) -> None:
+    """Copy ``trained``'s weights into ``serving``, a model of the same network at another TP/PP
+    (built on its own process groups, with the same padded vocabulary), by megatron-core's
+    resharding over the platform's collective backend (gloo on CPU, NCCL on CUDA). Collective over
+    the world; the plan is made on the first call and reused."""
+    from megatron.core.resharding.refit import swap_model_weights
+
+    from megatron_rlhf.runtime.platform import get_platform
+
+    with torch.no_grad():
+        swap_model_weights(unwrap(trained), unwrap(serving), get_platform().dist_backend)
 
 
 class WeightSync:

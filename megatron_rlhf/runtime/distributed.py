@@ -85,7 +85,10 @@ def set_seed(seed: int) -> None:
 def destroy_distributed() -> None:
     from megatron.core import parallel_state
 
+    from megatron_rlhf.runtime.layouts import forget_layouts
+
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    forget_layouts()
     if dist.is_initialized():
         dist.destroy_process_group()

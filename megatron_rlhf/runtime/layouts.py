@@ -1,0 +1,54 @@
+"""Process groups of a parallel layout other than the run's. megatron's global parallel_state holds
+one layout; a model of another (a serving role at its own TP/PP) is built on a ProcessGroupCollection
+of its own, which megatron-core's models and its resharding take in place of the global groups.
+
+The groups of a layout are made once, on every rank in the same order (``new_group`` is collective
+over the world), numbered as megatron numbers ranks (its RankGenerator, order tp-cp-ep-dp-pp).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+_BUILT: Dict[Tuple[int, int], object] = {}
+
+
+def layout_groups(tp: int, pp: int):
+    """This rank's ProcessGroupCollection for the dense layout TP x PP x DP (DP = world / (TP x PP))."""
+    import torch.distributed as dist
+    from megatron.core.parallel_state import RankGenerator
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    key = (tp, pp)
+    if key in _BUILT:
+        return _BUILT[key]
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"a layout of TP={tp} x PP={pp} does not divide the world of {world} ranks")
+    ranks = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    me = dist.get_rank()
+
+    def group(enumeration: List[List[int]]):
+        found = None
+        for members in enumeration:
+            made = dist.new_group(sorted(set(members)))
+            if me in members:
+                found = made
+        return found
+
+    pipelines = ranks.get_ranks("pp")
+    groups = {kind.replace("-", "_"): group(ranks.get_ranks(kind))
+              for kind in ("tp", "cp", "dp", "pp", "tp-pp", "tp-cp", "dp-cp", "tp-dp-cp", "ep")}
+    groups["mp"] = groups.pop("tp_pp")
+    # The tied embedding's group (first and last stage) and the position embedding's (first stage).
+    groups["embd"] = group([[p[0], p[-1]] for p in pipelines])
+    groups["pos_embd"] = group([[p[0]] for p in pipelines])
+    # Without experts split: each expert spans TP like a dense MLP and is reduced over DP.
+    groups["expt_tp"], groups["expt_dp"] = groups["tp"], groups["dp"]
+    _BUILT[key] = ProcessGroupCollection(**groups)
+    return _BUILT[key]
+
+
+def forget_layouts() -> None:
+    """Drop the groups made (the world they belong to is being torn down)."""
+    _BUILT.clear()
