@@ -1,6 +1,7 @@
 """Tiny random Hugging Face models of each supported family, their distinctive features on, every
 norm and bias moved away from its initial value (so a dropped or misplaced one shows)."""
 
+import json
 import os
 
 import torch
@@ -59,6 +60,50 @@ def hf_outputs(model, tokens, head):
             return model(tokens).logits
         hidden = model.model(tokens).last_hidden_state
         return model.score(hidden)  # per-token scores, as our scalar head gives them
+
+
+def assert_outputs_match(models, ranks, layout, last_stage_ranks):
+    """Each converted model's outputs at ``layout`` (on the ``last_stage_ranks`` ranks that hold the
+    last pipeline stage) within 1e-4 of its transformers model's."""
+    for case, (model, head, _) in models.items():
+        expected = hf_outputs(model, ranks[0]["tokens"], head)
+        got = [r[f"{case}/{layout}"] for r in ranks if f"{case}/{layout}" in r]
+        assert len(got) == last_stage_ranks, case
+        for g in got:
+            assert (g - expected).abs().max().item() <= 1e-4, case
+
+
+def greedy_cases(models, ranks):
+    """(case, its transformers model, its end tokens, transformers' greedy rows for the workers'
+    prompts) for each LM case, the rows checked to end at spread lengths."""
+    prompts, lengths = ranks[0]["prompts"], ranks[0]["lengths"]
+    for case, (model, head, eos) in models.items():
+        if head != "lm":
+            continue
+        with torch.no_grad():
+            expected = hf_greedy(model, prompts, lengths, eos)
+        assert len({len(r) for r in expected}) > 2, case  # EOS ends rows at spread lengths
+        yield case, model, eos, expected
+
+
+def assert_round_trip(root, models, ranks):
+    """Each converted model written back by megatron_to_hf holds the same tensors as the original,
+    names its family, and loads in transformers to the same outputs."""
+    from megatron_rlhf.checkpoint.convert import megatron_to_hf
+
+    for case, (model, head, _) in models.items():
+        back = root / case / "back"
+        megatron_to_hf(str(root / case / "mg"), str(back))
+        original, written = all_tensors(root / case / "hf"), all_tensors(back)
+        assert sorted(written) == sorted(original), case
+        assert all(torch.equal(written[k], original[k]) for k in original), case
+        config = json.loads((back / "config.json").read_text())
+        assert config["model_type"] == model.config.model_type
+        assert config["architectures"] == [type(model).__name__]
+        reloaded = type(model).from_pretrained(back).eval()
+        assert reloaded.config.tie_word_embeddings == model.config.tie_word_embeddings
+        tokens = ranks[0]["tokens"]
+        assert torch.equal(hf_outputs(reloaded, tokens, head), hf_outputs(model, tokens, head)), case
 
 
 def all_tensors(directory):

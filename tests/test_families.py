@@ -12,9 +12,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megatron_rlhf.checkpoint.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
+from megatron_rlhf.checkpoint.convert import hf_to_megatron  # noqa: E402
 from megatron_rlhf.checkpoint.model_files import CheckpointError  # noqa: E402
-from tests.hf_families import FAMILY_MODELS, all_tensors, converted_for_equivalence, hf_greedy, hf_outputs, make_hf_model  # noqa: E402
+from tests.hf_families import (FAMILY_MODELS, assert_outputs_match, assert_round_trip, converted_for_equivalence,  # noqa: E402
+                                greedy_cases, make_hf_model)
 
 # The families (and heads) the equivalence worker runs: each family's LM and score head.
 CASES = [(name, "lm") for name in FAMILY_MODELS] + [(name, "scalar") for name in ("llama3.1", "qwen2.5", "qwen3", "mistral")]
@@ -31,24 +32,14 @@ def converted(tmp_path_factory):
 @pytest.mark.parametrize("layout", ["tp2_pp1", "tp1_pp2"])
 def test_each_family_gives_transformers_outputs_at_tp2_and_pp2(converted, layout):
     _, models, ranks = converted
-    for case, (model, head, _) in models.items():
-        expected = hf_outputs(model, ranks[0]["tokens"], head)
-        got = [r[f"{case}/{layout}"] for r in ranks if f"{case}/{layout}" in r]
-        assert len(got) == (2 if layout == "tp2_pp1" else 1), case  # the last stage's ranks
-        for g in got:
-            assert (g - expected).abs().max().item() <= 1e-4, case
+    assert_outputs_match(models, ranks, layout, 2 if layout == "tp2_pp1" else 1)
 
 
 @pytest.mark.parametrize("layout", ["tp2_pp1", "tp1_pp2"])
 def test_greedy_generation_equals_transformers_row_by_row(converted, layout):
     _, models, ranks = converted
-    prompts, lengths = ranks[0]["prompts"], ranks[0]["lengths"]
-    for case, (model, head, eos) in models.items():
-        if head != "lm":
-            continue
-        with torch.no_grad():
-            expected = hf_greedy(model, prompts, lengths, eos)
-        assert len({len(r) for r in expected}) > 2, case  # EOS ends rows at spread lengths
+    lengths = ranks[0]["lengths"]
+    for case, model, eos, expected in greedy_cases(models, ranks):
         assert {r[-1] for r in expected if len(r) < 10} == set(eos), case  # each end token ends some row
         if case.startswith("mistral"):
             assert max(lengths) + 10 > 2 * model.config.sliding_window  # the window is crossed
@@ -57,20 +48,7 @@ def test_greedy_generation_equals_transformers_row_by_row(converted, layout):
 
 
 def test_each_family_converts_back_to_the_same_tensors_and_model(converted):
-    root, models, ranks = converted
-    for case, (model, head, _) in models.items():
-        back = root / case / "back"
-        megatron_to_hf(str(root / case / "mg"), str(back))
-        original, written = all_tensors(root / case / "hf"), all_tensors(back)
-        assert sorted(written) == sorted(original), case
-        assert all(torch.equal(written[k], original[k]) for k in original), case
-        config = json.loads((back / "config.json").read_text())
-        assert config["model_type"] == model.config.model_type
-        assert config["architectures"] == [type(model).__name__]
-        reloaded = type(model).from_pretrained(back).eval()
-        assert reloaded.config.tie_word_embeddings == model.config.tie_word_embeddings
-        tokens = ranks[0]["tokens"]
-        assert torch.equal(hf_outputs(reloaded, tokens, head), hf_outputs(model, tokens, head)), case
+    assert_round_trip(*converted)
 
 
 @pytest.fixture(scope="module")

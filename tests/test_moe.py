@@ -12,9 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megatron_rlhf.checkpoint.convert import megatron_to_hf  # noqa: E402
 from megatron_rlhf.config.families import arch_from_hf_config  # noqa: E402
-from tests.hf_families import all_tensors, converted_for_equivalence, hf_greedy, hf_outputs  # noqa: E402
+from tests.hf_families import assert_outputs_match, assert_round_trip, converted_for_equivalence, greedy_cases  # noqa: E402
 
 # Qwen3-MoE with renormalised top-2 and a dense first layer; Mixtral (every layer experts); Qwen3-MoE
 # without renormalisation (softmax before the top-3) and experts every second layer, as a reward model;
@@ -44,24 +43,13 @@ def test_the_converted_models_have_the_families_routing(converted):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_logits_equal_transformers_at_tp2_pp2_and_ep2(converted, layout):
     _, models, ranks = converted
-    for name, (model, head, _) in models.items():
-        expected = hf_outputs(model, ranks[0]["tokens"], head)
-        got = [r[f"{name}/{layout}"] for r in ranks if f"{name}/{layout}" in r]
-        assert len(got) == (1 if layout == "tp1_pp2" else 2), name  # the last stage's ranks
-        for g in got:
-            assert (g - expected).abs().max().item() <= 1e-4, name
+    assert_outputs_match(models, ranks, layout, 1 if layout == "tp1_pp2" else 2)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_greedy_generation_equals_transformers_row_by_row(converted, layout):
     _, models, ranks = converted
-    prompts, lengths = ranks[0]["prompts"], ranks[0]["lengths"]
-    for name, (model, head, eos) in models.items():
-        if head != "lm":
-            continue
-        with torch.no_grad():
-            expected = hf_greedy(model, prompts, lengths, eos)
-        assert len({len(r) for r in expected}) > 2, name  # EOS ends rows at spread lengths
+    for name, _, _, expected in greedy_cases(models, ranks):
         for r in ranks:
             assert r[f"{name}/{layout}/generated"] == expected, name
         if layout == "tp1_pp1_ep2":  # rank 1 had 2 rows, rank 0 all 8: each still got transformers' rows
@@ -71,16 +59,7 @@ def test_greedy_generation_equals_transformers_row_by_row(converted, layout):
 
 
 def test_each_moe_family_converts_back_to_the_same_tensors_and_model(converted):
-    root, models, ranks = converted
-    for name, (model, head, _) in models.items():
-        back = root / name / "back"
-        megatron_to_hf(str(root / name / "mg"), str(back))
-        original, written = all_tensors(root / name / "hf"), all_tensors(back)
-        assert sorted(written) == sorted(original), name
-        assert all(torch.equal(written[k], original[k]) for k in original), name
-        reloaded = type(model).from_pretrained(back).eval()
-        tokens = ranks[0]["tokens"]
-        assert torch.equal(hf_outputs(reloaded, tokens, head), hf_outputs(model, tokens, head)), name
+    assert_round_trip(*converted)
 
 
 QWEN3_MOE = dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,

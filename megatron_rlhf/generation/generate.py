@@ -171,9 +171,9 @@ class _Routes:
                                 dtype=routing.routes_dtype(config.num_moe_experts), device=device)
         self.slot_rows = torch.full((slots + 1,), rows, dtype=torch.long, device=device)  # the scratch slot: the spare row
 
-    def write(self, step: ScheduledStep, layout) -> None:
-        """The routing of the step just run."""
-        self.slot_rows[torch.tensor(step.slots, device=self.table.device)] = torch.tensor(step.rows, device=self.table.device)
+    def write(self, step: ScheduledStep, step_rows: torch.Tensor, layout) -> None:
+        """The routing of the step just run (``step_rows`` [len(step.slots)]: each slot's row)."""
+        self.slot_rows[torch.tensor(step.slots, device=self.table.device)] = step_rows
         routes = routing.recorded(self.model, len(layout.positions))
         self.table[self.slot_rows[layout.slots], layout.positions] = routes.to(self.table.dtype)
 
@@ -262,9 +262,9 @@ def generate(
                 continue
             tokens, layout, keep = packer.pack(step, responses.last_token)
             logits = stage.forward(tokens, layout, keep)
-            if routes is not None:
-                routes.write(step, layout)
             step_rows = torch.tensor(step.rows, device=device)
+            if routes is not None:
+                routes.write(step, step_rows, layout)
             counters = torch.tensor(step.counters, device=device)
             sampled = None
             if logits is not None:

@@ -66,7 +66,6 @@ def forward_backward(
                          f"{[mb['tokens'].shape[0] for mb in micro_batches]}")
     seq = max(mb["tokens"].shape[1] for mb in micro_batches)
     recording = routing.recording(model) if routes_out is not None else contextlib.nullcontext()
-    routes_dtype = routing.routes_dtype(unwrap(model).config.num_moe_experts or 0)
 
     def collect_output(output: torch.Tensor, mb: MicroBatch):  # a loss's shape; nothing is trained
         kept = output.detach() if reduce is None else reduce(output, mb)
@@ -85,7 +84,8 @@ def forward_backward(
             output = model_forward(model_chunk, mb)
         if routes_out is not None:
             flat = routing.recorded(model_chunk, mb["tokens"].numel())
-            routes_out.append(routing.as_rows(flat, *mb["tokens"].shape, routes_dtype))
+            dtype = routing.routes_dtype(unwrap(model_chunk).config.num_moe_experts)
+            routes_out.append(routing.as_rows(flat, *mb["tokens"].shape, dtype))
         return output, partial(call_loss, loss_fn or collect_output, mb)
 
     with recording:

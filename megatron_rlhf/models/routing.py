@@ -74,23 +74,24 @@ def enable(model: torch.nn.Module) -> None:
     The model is marked whether or not this stage has layers with experts, so that every stage
     takes part in the collectives alike."""
     LayerReplay, _ = _layer_replay_class()
-    device = next(unwrap(model).parameters()).device
+    inner = unwrap(model)
+    inner.routing_replay_device = next(inner.parameters()).device
     for router in routers(model):
         if not isinstance(router.router_replay, LayerReplay):
-            router.router_replay = LayerReplay(device)
-    # The mark, and zero counts on the device for a stage without routers.
-    unwrap(model).routing_replay_no_counts = torch.zeros(2, dtype=torch.long, device=device)
+            router.router_replay = LayerReplay(inner.routing_replay_device)
+    # Found once: every micro-batch and every engine step reads them.
+    inner.routing_replay_hooks = [router.router_replay for router in routers(model)]
 
 
 def enabled(model: torch.nn.Module) -> bool:
     """Whether ``enable`` was called on ``model``."""
-    return hasattr(unwrap(model), "routing_replay_no_counts")
+    return hasattr(unwrap(model), "routing_replay_hooks")
 
 
 def _hooks(model: torch.nn.Module) -> list:
     if not enabled(model):
         raise RuntimeError("routing replay: this model has no replay hooks (routing.enable was not called)")
-    return [r.router_replay for r in routers(model)]
+    return unwrap(model).routing_replay_hooks
 
 
 @contextlib.contextmanager
@@ -121,7 +122,7 @@ def recorded(model: torch.nn.Module, tokens: int) -> torch.Tensor:
     hooks = _hooks(model)
     if not hooks:
         return torch.empty(tokens, 0, unwrap(model).config.moe_router_topk, dtype=torch.long,
-                           device=unwrap(model).routing_replay_no_counts.device)
+                           device=unwrap(model).routing_replay_device)
     return torch.stack([hook.get_recorded_indices() for hook in hooks], dim=1)
 
 
@@ -137,7 +138,7 @@ def moved_share(model: torch.nn.Module, groups) -> Optional[float]:
     import torch.distributed as dist
 
     hooks = _hooks(model)
-    counts = sum((hook.counts for hook in hooks), unwrap(model).routing_replay_no_counts.clone())
+    counts = sum((hook.counts for hook in hooks), torch.zeros(2, dtype=torch.long, device=unwrap(model).routing_replay_device))
     for hook in hooks:
         hook.counts = torch.zeros_like(hook.counts)
     for group in groups:
