@@ -33,6 +33,7 @@ from megatron_rlhf.errors import NonFiniteError, RewardFunctionError
 from megatron_rlhf.generation import SamplingParams, generate, stream_seeds
 from megatron_rlhf.memory import KV_CACHE, MemoryLedger
 from megatron_rlhf.models.batches import action_mask, length_grouped
+from megatron_rlhf.models.decoder import groups_of
 from megatron_rlhf.models.pipeline import sum_over
 from megatron_rlhf.models.routing import ROUTES
 from megatron_rlhf.roles import Role, build_role
@@ -40,11 +41,9 @@ from megatron_rlhf.roles import inference
 from megatron_rlhf.roles.losses import policy_loss_fn, policy_stats, reported_metrics, value_loss_fn
 from megatron_rlhf.rewards.pool import RewardPool, check_scores
 from megatron_rlhf.roles.weight_sync import WeightSync
+from megatron_rlhf.rollout_rows import RowCut, SampleRows, cat_rows, recut, trimmed
 from megatron_rlhf.runtime.platform import get_platform
 
-# The columns of a sample as generation and scoring leave it: [B, S] tokens, [B] lengths, indices
-# and scores, [B, S-1] per-action log-probs, and with routing replay [B, S, L, K] routes.
-SampleRows = Dict[str, torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -89,17 +88,22 @@ class PPOController:
         self.reward_scorer = reward_scorer
         self.ledger = ledger
         self.device = get_platform().device
-        self.dp_group = ps.get_data_parallel_group()
-        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        # The rollout's rows are held in the run's cut (its DP ranks); a role of its own layout
+        # gets them in its own cut for its phase (rollout_rows.recut).
+        self.cut = RowCut.of(ps.get_data_parallel_group())
+        self.dp_group, self.dp_rank, self.dp_size = self.cut.group, self.cut.rank, self.cut.size
         self.vocab_size = tokenizer.vocab_size
         self.sampling = SamplingParams.from_config(config.generation, tokenizer.eos_ids, tokenizer.pad_id)
         self.roles: Dict[str, Role] = {}
         for name in config.model_roles:
             self.roles[name] = build_role(name, config)
             ledger.track(self.roles[name].memory)
+        self.cuts = {name: RowCut.of(groups_of(role.model).dp) if config.has_own_layout(name) else self.cut
+                     for name, role in self.roles.items()}
         self.overlaps = self._overlaps(overlap_budget) if overlap_budget is not None else {}
         self.syncs = [
-            WeightSync(self.roles[trained], self.roles[serving], share=config.weight_owner(serving) is not None)
+            WeightSync(self.roles[trained], self.roles[serving], share=config.weight_owner(serving) is not None,
+                       reshard=config.has_own_layout(serving))
             for serving, trained in config.served_weights.items()
         ]
         p = config.ppo
@@ -220,7 +224,7 @@ class PPOController:
                 break
             # Decided on the rows of every DP rank, so that every rank keeps the same groups and
             # each gets an equal share of them.
-            rows = self._gather_rows_over_dp(rows)
+            rows = self.cut.gather(rows, self.sampling.pad_id)
             signal = ppo.informative_groups(rows["scores"], cfg.generation.samples_per_prompt)
             kept.append(self._select_groups(rows, signal))
             dropped.append(self._select_groups(rows, ~signal))
@@ -235,12 +239,8 @@ class PPOController:
                 "sampling/short_groups": float(short),
             })
         tokens, lengths = rows["tokens"], rows["prompt_lengths"] + rows["response_lengths"]
-        with self._resident("reference", "inference"):
-            ref_log_probs = inference.log_probs(self.roles["reference"], tokens, lengths, self.vocab_size, cfg.generation.temperature)
-        old_values = None
-        if "value" in self.roles:
-            with self._resident("value", "inference"):
-                old_values = inference.values(self.roles["value"], tokens, lengths)
+        ref_log_probs = self._per_token("reference", tokens, lengths)
+        old_values = self._per_token("value", tokens, lengths) if "value" in self.roles else None
         n = cfg.generation.samples_per_prompt
         rollout = Rollout(
             tokens, rows["prompt_lengths"], rows["response_lengths"],
@@ -262,40 +262,72 @@ class PPOController:
         # prompt, sample): the rollout does not depend on the DP layout or the decode batch.
         indices = torch.tensor(batch["indices"]).repeat_interleave(n)
         seeds = stream_seeds(cfg.seed, self.iteration, round_, indices, torch.arange(n).repeat(len(batch["indices"])))
-        policy, temperature, replay = self.roles["policy"], cfg.generation.temperature, cfg.moe.routing_replay
+        prompts = {"tokens": batch["tokens"].repeat_interleave(n, 0).to(self.device),
+                   "prompt_lengths": batch["lengths"].repeat_interleave(n).to(self.device), "seeds": seeds.to(self.device)}
+        timed = []
+        rows = self._at_layout("policy", lambda mine: self._rollout_rows(mine, timed), prompts)
+        rows["prompt_index"] = torch.tensor(batch["indices"], device=self.device).repeat_interleave(n)
+        texts = [text for text in batch["texts"] for _ in range(n)]
+        fields = [row for row in batch["fields"] for _ in range(n)]
+        rows["scores"] = self._score(texts, self._decode(rows), fields, rows)
+        return rows, timed[0]
+
+    def _rollout_rows(self, prompts: SampleRows, timed: List[float]) -> SampleRows:
+        """The policy's responses to ``prompts`` (its share of them) and their log-probs under it
+        ("old"), with routing replay the record; the generation's seconds appended to ``timed``."""
+        cfg, replay = self.config, self.config.moe.routing_replay
         with self._resident("policy", "inference"):
             started = time.perf_counter()
-            gen = self._generate(batch["tokens"].repeat_interleave(n, 0), batch["lengths"].repeat_interleave(n), seeds,
-                                 self.sampling, record_routes=replay == "rollout")
-            seconds = time.perf_counter() - started
+            gen = self._generate(prompts, self.sampling, record_routes=replay == "rollout")
+            timed.append(time.perf_counter() - started)
             # Routing replay: the record is generation's, or taken by this pass (models/routing.py).
             recorded = [] if replay == "old_logprob" else None
-            old_log_probs = inference.log_probs(policy, gen.tokens, gen.total_lengths, self.vocab_size, temperature,
-                                                routes=gen.routes, routes_out=recorded)
-        rows = {
-            "tokens": gen.tokens, "prompt_lengths": gen.prompt_lengths, "response_lengths": gen.response_lengths,
-            "old_log_probs": old_log_probs,
-            "prompt_index": torch.tensor(batch["indices"], device=self.device).repeat_interleave(n),
-        }
+            old_log_probs = inference.log_probs(self.roles["policy"], gen.tokens, gen.total_lengths, self.vocab_size,
+                                                cfg.generation.temperature, routes=gen.routes, routes_out=recorded)
+        rows = {"tokens": gen.tokens, "prompt_lengths": gen.prompt_lengths, "response_lengths": gen.response_lengths,
+                "old_log_probs": old_log_probs}
         routes = recorded[0] if recorded else gen.routes
         if routes is not None:
             rows[ROUTES] = routes
-        prompts = [text for text in batch["texts"] for _ in range(n)]
-        fields = [row for row in batch["fields"] for _ in range(n)]
-        rows["scores"] = self._score(prompts, self._decode(rows), fields, gen)
-        return rows, seconds
+        return rows
 
-    def _generate(self, tokens: torch.Tensor, lengths: torch.Tensor, seeds: torch.Tensor, sampling: SamplingParams,
-                  record_routes: bool = False):
-        """Responses of the (resident) policy to prompts [B, P], its KV cache in the ledger."""
+    def _generate(self, prompts: SampleRows, sampling: SamplingParams, record_routes: bool = False):
+        """Responses of the (resident) policy to ``prompts`` (tokens [B, P], prompt_lengths [B],
+        seeds [B]), its KV cache in the ledger."""
         policy = self.roles["policy"]
         return generate(
-            policy.model, tokens.to(self.device), lengths, sampling, self.vocab_size, seeds,
+            policy.model, prompts["tokens"], prompts["prompt_lengths"], sampling, self.vocab_size, prompts["seeds"],
             batch_size=self.config.generation.batch_size,
             cache_length=self.config.data.max_prompt_length + self.config.generation.max_new_tokens,
             on_cache=lambda cache: policy.memory.holding(KV_CACHE, [cache.storage], "generate"),
             record_routes=record_routes,
         )
+
+    def _per_token(self, name: str, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """[B, S-1] per action of role ``name`` (reference: log-probs, value: values) over this rank's rows."""
+        role, temperature = self.roles[name], self.config.generation.temperature
+
+        def run(mine: SampleRows) -> SampleRows:
+            with self._resident(name, "inference"):
+                if role.head == "lm":
+                    out = inference.log_probs(role, mine["tokens"], mine["lengths"], self.vocab_size, temperature)
+                else:
+                    out = inference.values(role, mine["tokens"], mine["lengths"])
+            return {"per_action": out}
+
+        return self._at_layout(name, run, {"tokens": tokens, "lengths": lengths}, tokens.shape[1])["per_action"]
+
+    def _at_layout(self, name: str, run, rows: SampleRows, width: Optional[int] = None) -> SampleRows:
+        """``run(rows)`` on role ``name``'s share of ``rows`` (this rank's share in the run's cut):
+        the same rows when the role runs at the run's layout; otherwise its own DP share, and the
+        result's columns come back in the run's cut, ``width`` positions wide (default: the longest
+        row's). Collective over both DP groups."""
+        cut = self.cuts[name]
+        if cut == self.cut:
+            return run(rows)
+        pad = self.sampling.pad_id
+        out = recut(run(recut(rows, self.cut, cut, pad)), cut, self.cut, pad)
+        return trimmed(out, width)
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -307,8 +339,9 @@ class PPOController:
         cfg, data = self.config, self.val_dataset
         k = cfg.trainer.val_samples_per_prompt
         sampling = dataclasses.replace(self.sampling, greedy=cfg.trainer.val_greedy)
-        mine = data.usable_indices()[self.dp_rank :: self.dp_size]
-        chunk = max(1, cfg.ppo.rollout_batch_size // self.dp_size)
+        cut = self.cuts["policy"]  # generated in the policy's cut, scored in the run's
+        mine = data.usable_indices()[cut.rank :: cut.size]
+        chunk = max(1, cfg.ppo.rollout_batch_size // cut.size)
         generated = []
         with self._resident("policy", "inference"):
             for start in range(0, len(mine), chunk):
@@ -316,38 +349,60 @@ class PPOController:
                 batch = data.batch_of(indices)
                 seeds = stream_seeds(cfg.seed, VALIDATION_STREAM, 0, torch.tensor(indices).repeat_interleave(k),
                                      torch.arange(k).repeat(len(indices)))
-                gen = self._generate(batch["tokens"].repeat_interleave(k, 0), batch["lengths"].repeat_interleave(k),
-                                     seeds, sampling)
-                generated.append((batch, gen))
+                prompts = {"tokens": batch["tokens"].repeat_interleave(k, 0).to(self.device),
+                           "prompt_lengths": batch["lengths"].repeat_interleave(k), "seeds": seeds}
+                gen = self._generate(prompts, sampling)
+                generated.append((batch, {"tokens": gen.tokens, "prompt_lengths": gen.prompt_lengths,
+                                          "response_lengths": gen.response_lengths}))
+        if cut != self.cut:
+            generated = self._chunks_in_run_cut(generated, cut)
         results = []  # (data source, scores of the prompt's k responses)
         self.reward_metrics = []
-        for batch, gen in generated:  # scored once the policy has left (a reward model may need the room)
-            rows = {"tokens": gen.tokens, "prompt_lengths": gen.prompt_lengths, "response_lengths": gen.response_lengths}
+        for batch, rows in generated:  # scored once the policy has left (a reward model may need the room)
             prompts = [t for t in batch["texts"] for _ in range(k)]
             fields = [f for f in batch["fields"] for _ in range(k)]
-            scores = self._score(prompts, self._decode(rows), fields, gen).view(len(batch["texts"]), k).cpu()
+            scores = self._score(prompts, self._decode(rows), fields, rows).view(len(batch["texts"]), k).cpu()
             results += [(str(f.get("data_source") or ""), s.tolist()) for f, s in zip(batch["fields"], scores)]
         gathered = [None] * self.dp_size
         dist.all_gather_object(gathered, results, group=self.dp_group)
         return validation_metrics([r for part in gathered for r in part], k)
 
-    def _score(self, prompts: List[str], responses: List[str], fields: List[Dict], gen) -> torch.Tensor:
-        """[B] scores of the reward (rule functions or model), plus the overlong penalty when set.
-        The rule functions' metrics (failures, sub-scores) add up in ``reward_metrics``."""
+    def _chunks_in_run_cut(self, generated: List, cut: RowCut) -> List:
+        """Validation's (batch, rows) chunks generated in ``cut`` -> this rank's chunks in the run's
+        cut (every chunk of every rank of ``cut`` gathered, every run DP rank taking its turn)."""
+        local = [(batch, {k: v.cpu() for k, v in rows.items()}) for batch, rows in generated]
+        gathered = [None] * cut.size
+        dist.all_gather_object(gathered, local, group=cut.group)
+        chunks = [c for part in gathered for c in part][self.dp_rank :: self.dp_size]
+        return [(batch, {k: v.to(self.device) for k, v in rows.items()}) for batch, rows in chunks]
+
+    def _score(self, prompts: List[str], responses: List[str], fields: List[Dict], rows: SampleRows) -> torch.Tensor:
+        """[B] scores of the reward (rule functions or model) of the sample ``rows``, plus the
+        overlong penalty when set. The rule functions' metrics (failures, sub-scores) add up in
+        ``reward_metrics``."""
         if self.config.reward.type == "function":
             scores, metrics = self._rule_scores(prompts, responses, fields)
             scores = scores.to(self.device)
             self.reward_metrics.append(metrics)
         else:
-            last = (gen.total_lengths - 1).clamp(min=0)
-            with self._resident("reward", "inference"):
-                scores = inference.scores(self.roles["reward"], gen.tokens, last)
+            scores = self._reward_model_scores(rows)
         check_scores(scores, self.config.reward.max_abs_score, self.iteration, prompts)
         alg = self.config.algorithm
         if alg.overlong_buffer_length:
-            scores = scores + ppo.overlong_penalty(gen.response_lengths, self.config.generation.max_new_tokens,
+            scores = scores + ppo.overlong_penalty(rows["response_lengths"], self.config.generation.max_new_tokens,
                                                    alg.overlong_buffer_length, alg.overlong_penalty_factor).to(scores.device)
         return scores
+
+    def _reward_model_scores(self, rows: SampleRows) -> torch.Tensor:
+        """[B] the reward model's score at each row's last response token."""
+
+        def run(mine: SampleRows) -> SampleRows:
+            last = (mine["prompt_lengths"] + mine["response_lengths"] - 1).clamp(min=0)
+            with self._resident("reward", "inference"):
+                return {"scores": inference.scores(self.roles["reward"], mine["tokens"], last)}
+
+        columns = {k: rows[k] for k in ("tokens", "prompt_lengths", "response_lengths")}
+        return self._at_layout("reward", run, columns, rows["tokens"].shape[1])["scores"]
 
     def _rule_scores(self, prompts: List[str], responses: List[str], fields: List[Dict]):
         """The rule reward's (scores, metrics), computed on the first rank of the model-parallel
@@ -386,21 +441,9 @@ class PPOController:
         rows and how many groups filled it that way."""
         need = self.config.rollout_samples
         short = max(0, need - sum(len(k["scores"]) for k in kept))
-        rows = _cat_rows(kept + dropped, self.sampling.pad_id)  # kept groups first
-        share = need // self.dp_size
-        mine = {k: v[self.dp_rank * share : (self.dp_rank + 1) * share] for k, v in rows.items()}
-        width = int((mine["prompt_lengths"] + mine["response_lengths"]).max())  # trim to its own longest row
-        mine = {k: v[:, : width - (k not in FULL_WIDTH)] if v.dim() > 1 else v for k, v in mine.items()}
+        rows = cat_rows(kept + dropped, self.sampling.pad_id)  # kept groups first
+        mine = trimmed(self.cut.share({k: v[:need] for k, v in rows.items()}))  # to its own longest row
         return mine, short // self.config.generation.samples_per_prompt
-
-    def _gather_rows_over_dp(self, rows: SampleRows) -> SampleRows:
-        """Every DP rank's rows (equal counts), in DP-rank order, padded to the widest."""
-        if self.dp_size == 1:
-            return rows
-        width = torch.tensor([rows["tokens"].shape[1]], device=self.device)
-        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=self.dp_group)
-        padded = _cat_rows([rows], self.sampling.pad_id, int(width))
-        return {k: self._gather_over_dp(v) for k, v in padded.items()}
 
     def _advantages(self, r: Rollout) -> Dict[str, float]:
         """Fill r.advantages (and, for GAE, r.returns) by the configured estimator; returns the KL
@@ -411,7 +454,7 @@ class PPOController:
         scores = ppo.clip_rewards(r.scores, p.reward_clip)
         if p.normalize_reward:
             # Every score of the rollout, in DP-rank order: the moments are the same on every rank.
-            self.score_moments.update(self._gather_over_dp(scores))
+            self.score_moments.update(self.cut.gather_tensor(scores))
             scores = scores / (self.score_moments.std + 1e-8)
         rewards = ppo.token_rewards(scores, kl, 0.0 if p.kl_in_loss else self.kl_controller.value, mask)
         estimator = ppo.ESTIMATORS[alg.advantage_estimator]
@@ -491,14 +534,6 @@ class PPOController:
             if router_losses else {}
         return {**metrics, **router, f"{prefix}/grad_norm": grad_norm, f"{prefix}/skipped_steps": float(skipped)}
 
-    def _gather_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's [n] share of a DP-split tensor -> the whole [n * DP], in DP-rank order."""
-        if self.dp_size == 1:
-            return tensor
-        parts = [torch.empty_like(tensor) for _ in range(self.dp_size)]
-        dist.all_gather(parts, tensor.contiguous(), group=self.dp_group)
-        return torch.cat(parts)
-
     def _dp_mean(self, metrics: Dict[str, float]) -> Dict[str, float]:
         """The mean over DP ranks (equal shares of the rollout), the sum for counts. A metric only
         some ranks have (a reward's sub-score where every call of it failed) is the mean of those."""
@@ -539,22 +574,3 @@ def merged_reward_metrics(parts: List[Dict[str, float]]) -> Dict[str, float]:
         values = [part[key] for part in parts if key in part]
         merged[key] = sum(values) if key in COUNTED_METRICS else sum(values) / len(values)
     return merged
-
-
-# The sample columns over every position [B, S, ...]; the others with a width are per action [B, S-1].
-FULL_WIDTH = ("tokens", ROUTES)
-
-
-def _cat_rows(parts: List[SampleRows], pad_id: int, width: Optional[int] = None) -> SampleRows:
-    """Sample rows of several parts, one after another, padded to a common width (``width`` or
-    the widest part's): tokens with the pad id, routes with -1 (none recorded), per-action columns with 0."""
-    width = width or max(p["tokens"].shape[1] for p in parts)
-    fills = {"tokens": pad_id, ROUTES: -1}
-
-    def pad(key, tensor):
-        if tensor.dim() < 2:
-            return tensor
-        missing = width - (0 if key in FULL_WIDTH else 1) - tensor.shape[1]
-        return torch.nn.functional.pad(tensor, (0, 0) * (tensor.dim() - 2) + (0, missing), value=fills.get(key, 0))
-
-    return {k: torch.cat([pad(k, p[k]) for p in parts]) for k in parts[0]}

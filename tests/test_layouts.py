@@ -27,3 +27,32 @@ def test_a_serving_model_of_another_layout_gets_the_trained_weights_by_reshardin
                            ranks[0]["changed/full"]["decoder.layers.0.mlp.linear_fc2.weight"])
     for r in ranks:  # the TP=1 model computes what the TP=2 one does
         assert (r["logits/tp1"][..., :128] - r["logits/trained"][..., :128]).abs().max().item() <= 1e-5
+
+
+def test_serving_roles_at_their_own_layouts_give_the_same_iteration(workers):
+    """The must-show of per-role layouts: policy and value at TP=1 (DP=2) served by resharding from
+    TP=2 trained roles, the reference at PP=2 loaded from a TP=2 checkpoint, against every role at
+    TP=2: the greedy rollout token for token, per-token columns within 1e-5 where they count, one
+    iteration's metrics within 1e-5 (greedy and sampled, same streams); EMS on == off bit-exact."""
+    for r in workers(2, "role_layouts", timeout=240):
+        assert r["mixed/greedy"]["layouts"] == {"policy": (1, 1), "value": (1, 1), "reference": (1, 2),
+                                                "ppo_policy": (2, 1), "ppo_value": (2, 1)}
+        assert set(r["same/greedy"]["layouts"].values()) == {(2, 1)}
+        for mode in ("greedy", "sampled"):
+            same, mixed = r[f"same/{mode}"], r[f"mixed/{mode}"]
+            assert torch.equal(same["columns"]["tokens"], mixed["columns"]["tokens"]), mode
+            mask = same["columns"]["action_mask"].bool()
+            assert torch.equal(mask, mixed["columns"]["action_mask"].bool())
+            for key in ("old_log_probs", "ref_log_probs", "old_values"):
+                gap = (same["columns"][key] - mixed["columns"][key])[mask].abs().max().item()
+                assert gap <= 1e-5, (mode, key, gap)
+            assert torch.equal(same["columns"]["scores"], mixed["columns"]["scores"])
+            assert set(same["metrics"]) == set(mixed["metrics"])
+            for key, value in same["metrics"].items():
+                if not key.startswith("time/"):
+                    assert abs(value - mixed["metrics"][key]) <= 1e-5, (mode, key, value, mixed["metrics"][key])
+        ems_off, ems_on = r["mixed/sampled/ems_off"], r["mixed/sampled"]
+        for key, column in ems_on["columns"].items():
+            assert torch.equal(column, ems_off["columns"][key]), key
+        assert {k: v for k, v in ems_on["metrics"].items() if not k.startswith("time/")} == \
+               {k: v for k, v in ems_off["metrics"].items() if not k.startswith("time/")}

@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import struct
-from typing import Callable, Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -139,14 +139,16 @@ def full_tensors(root: str) -> Iterator[Tuple[str, torch.Tensor]]:
 
 
 def load_model_shard(root: str, arch: ModelArchConfig, head: str, tp: int, tp_rank: int, pp: int, pp_rank: int,
-                     ep: int = 1, ep_rank: int = 0) -> StateDict:
+                     ep: int = 1, ep_rank: int = 0, padded_vocab: Optional[int] = None) -> StateDict:
     """This rank's state dict for layout (tp, pp, ep) from a checkpoint written at any layout (a
-    checkpoint's shards hold every expert of their stage: the EP cut is made here)."""
-    state = _tp_pp_shard(root, arch, head, tp, tp_rank, pp, pp_rank)
+    checkpoint's shards hold every expert of their stage: the EP cut is made here). ``padded_vocab``:
+    the model's output rows (default: padded for ``tp``)."""
+    state = _tp_pp_shard(root, arch, head, tp, tp_rank, pp, pp_rank, padded_vocab or arch.padded_vocab_size(tp))
     return experts_of_rank(state, arch.num_experts, ep, ep_rank) if arch.num_experts else state
 
 
-def _tp_pp_shard(root: str, arch: ModelArchConfig, head: str, tp: int, tp_rank: int, pp: int, pp_rank: int) -> StateDict:
+def _tp_pp_shard(root: str, arch: ModelArchConfig, head: str, tp: int, tp_rank: int, pp: int, pp_rank: int,
+                 padded: int) -> StateDict:
     saved_arch, meta = read_model_meta(root)
     differs = [f"{f}: checkpoint {saved} vs config {mine}" for f, saved, mine in _computation_fields(saved_arch, arch)
                if saved != mine]
@@ -155,7 +157,6 @@ def _tp_pp_shard(root: str, arch: ModelArchConfig, head: str, tp: int, tp_rank: 
             f"{root}: does not fit the configured model: "
             + "; ".join(differs + ([f"head: checkpoint {meta['head']} vs role {head}"] if meta["head"] != head else []))
         )
-    padded = arch.padded_vocab_size(tp)
     if (meta["tp"], meta["pp"]) == (tp, pp) and saved_arch.padded_vocab_size(tp) == padded:
         return dict(load_shard(root, tp_rank, pp_rank, pp))
     # Another layout: rebuild the full tensors and cut this rank's piece (reads every shard).

@@ -51,6 +51,8 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 # Weight sync: each serving role runs the weights its trained role learns (same network). Where both
 # have the same precision the serving role's parameters are views of the trained role's storage.
 SERVED_WEIGHTS = {"policy": "ppo_policy", "value": "ppo_value"}
+# The roles that only run forwards: each may have a layout of its own (RoleConfig.parallel).
+SERVING_ROLES = ("policy", "reference", "reward", "value")
 # Which head each role's network ends in: vocabulary logits or one scalar per token.
 ROLE_HEADS = {
     "policy": "lm",
@@ -163,6 +165,15 @@ class ParallelConfig:
     expert_model_parallel_size: int = bounded(1, ge=1)
 
 
+@dataclasses.dataclass
+class RoleLayoutConfig:
+    """A serving role's own layout (policy, reference, reward, value); DP follows from the world
+    size. None: the run's (``parallel.*``). Trained roles always run at the run's layout."""
+
+    tensor_model_parallel_size: Optional[int] = bounded(None, ge=1)
+    pipeline_model_parallel_size: Optional[int] = bounded(None, ge=1)
+
+
 # The per-kind EMS switches of a role (RoleConfig fields; EMSSwitches carries the same names).
 EMS_SWITCHES = ("offload_weights", "free_grad_buffers", "offload_optimizer_state")
 
@@ -176,6 +187,7 @@ class RoleConfig:
     model: ModelArchConfig = dataclasses.field(default_factory=ModelArchConfig)
     precision: Literal["fp32", "bf16"] = "bf16"
     load: Optional[str] = None  # checkpoint directory to load weights from
+    parallel: RoleLayoutConfig = dataclasses.field(default_factory=RoleLayoutConfig)
     # EMS: ``free_memory`` turns on every switch that applies to the role; each switch can also be
     # set on its own (None: follow free_memory). ``auto``: at start-up, the fewest switches that make
     # the planner's peak fit the device's free memory (memory/auto.py).
@@ -465,10 +477,30 @@ class RLHFConfig:
         return self.ppo.rollout_batch_size * self.generation.samples_per_prompt
 
     def weight_owner(self, role: str) -> Optional[str]:
-        """The trained role whose weight storage ``role`` shares (same precision), or None: then
-        the role has weights of its own (a trained role, a frozen role, or a copy of another dtype)."""
+        """The trained role whose weight storage ``role`` shares (same precision and layout), or
+        None: then the role has weights of its own (a trained role, a frozen role, or a copy of
+        another dtype or layout)."""
         owner = SERVED_WEIGHTS.get(role)
-        return owner if owner and self.role(role).precision == self.role(owner).precision else None
+        same = owner and self.role(role).precision == self.role(owner).precision and self.layout_of(role) == self.layout_of(owner)
+        return owner if same else None
+
+    def layout_of(self, role: str) -> ParallelConfig:
+        """The parallel layout ``role`` runs at: its own ``parallel`` sizes where set, else the run's."""
+        own = self.role(role).parallel
+        return dataclasses.replace(
+            self.parallel,
+            tensor_model_parallel_size=own.tensor_model_parallel_size or self.parallel.tensor_model_parallel_size,
+            pipeline_model_parallel_size=own.pipeline_model_parallel_size or self.parallel.pipeline_model_parallel_size,
+        )
+
+    def has_own_layout(self, role: str) -> bool:
+        """Whether ``role`` runs at a layout other than the run's (its own process groups)."""
+        return self.layout_of(role) != self.parallel
+
+    def padded_vocab(self, arch: "ModelArchConfig") -> int:
+        """Output rows of every model of the run: padded for the run's TP, so that models of other
+        layouts exchange weights with the trained roles (megatron's resharding needs one size)."""
+        return arch.padded_vocab_size(self.parallel.tensor_model_parallel_size)
 
     def samples_per_step(self, role: str) -> int:
         """Samples per optimizer step of a trainable role, over all DP ranks (default: the rollout)."""

@@ -9,7 +9,8 @@ from typing import List, Optional, Tuple
 
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
-from megatron_rlhf.config.schema import CRITIC_ROLES, EMS_SWITCHES, GROUP_ESTIMATORS, REQUIRED_ARCH_FIELDS, TRAINABLE_ROLES, RLHFConfig
+from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, GROUP_ESTIMATORS, REQUIRED_ARCH_FIELDS, SERVED_WEIGHTS,
+                                         SERVING_ROLES, TRAINABLE_ROLES, RLHFConfig)
 
 
 def _divisors(n: int) -> str:
@@ -129,20 +130,26 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
                   "preset (model: {preset: ...})" for r, m in incomplete if m]
     if incomplete:  # nothing below can be checked without the networks
         return problems + incomplete
-    # Architecture checks once per distinct network, naming every role that uses it.
+    problems.extend(_role_layout_problems(config, world_size))
+    # Architecture checks once per distinct network and layout, naming every role that uses it.
     networks: List[tuple] = []
     for role in config.model_roles:
-        same = next((n for n in networks if n[0].network() == config.role(role).model.network()), None)
+        key = (config.role(role).model.network(), config.layout_of(role))
+        same = next((n for n in networks if n[0] == key), None)
         if same is None:
-            networks.append((config.role(role).model, [role]))
+            networks.append((key, config.role(role).model, [role]))
         else:
-            same[1].append(role)
-    for m, users in networks:
+            same[2].append(role)
+    for (_, layout), m, users in networks:
         if not _in_domain(m):
             continue
         role = ", ".join(users)
         at = f"{users[0]}.model"
         file = config.source_of(at)
+        tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+        own = [r for r in users if config.has_own_layout(r)]
+        tp_key, pp_key = ((f"{own[0]}.parallel.tensor_model_parallel_size", f"{own[0]}.parallel.pipeline_model_parallel_size")
+                          if own else ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size"))
         heads, groups = m.num_attention_heads, m.kv_groups
         if heads % groups != 0:
             problems.append(
@@ -191,7 +198,7 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
                                 f"({file}): megatron-core trains MoE layers at TP > 1 only with sequence parallelism, "
                                 "which these runs do not use; split the model with expert_model_parallel_size and "
                                 "pipeline_model_parallel_size at tensor_model_parallel_size: 1")
-    if ep > 1 and not any(n[0].num_experts for n in networks):
+    if ep > 1 and not any(n[1].num_experts for n in networks):
         problems.append(f"{config.at(ep_key)}: {ep}, but no role's model has experts; set it to 1")
     for role in config.model_roles:
         rc = config.role(role)
@@ -216,6 +223,45 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
                 f"{serving}.model ({config.source_of(serving + '.model')}); weight sync needs the "
                 "same architecture"
             )
+    return list(dict.fromkeys(problems))  # a network at two layouts reports its own faults once
+
+
+def _role_layout_problems(config: RLHFConfig, world_size: Optional[int]) -> List[str]:
+    """The serving roles' own layouts (``<role>.parallel``): who may have one, and what it must divide."""
+    problems = []
+    for role in config.roles:
+        own = config.role(role).parallel
+        if own.tensor_model_parallel_size is None and own.pipeline_model_parallel_size is None:
+            continue
+        at = config.at(f"{role}.parallel")
+        if role in TRAINABLE_ROLES:
+            problems.append(f"{at}: {role} is trained, and trained roles run at the run's layout (parallel.*); "
+                            f"serving roles may have their own: {', '.join(SERVING_ROLES)}")
+            continue
+        if role not in config.model_roles:
+            problems.append(f"{at}: the reward is a function here (reward.type: function): no model to lay out")
+            continue
+        layout = config.layout_of(role)
+        tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+        arch = config.role(role).model
+        if arch.num_experts:
+            problems.append(f"{at}: {role}'s model has experts; a role's own layout takes dense models only "
+                            "(mixtures of experts run at the run's layout: remove it)")
+        if world_size is not None and world_size % (tp * pp):
+            problems.append(f"{at}: TP*PP = {tp}*{pp} does not divide the world size {world_size}; valid TP*PP: "
+                            f"{_divisors(world_size)}")
+        elif world_size is not None and config.rollout_samples % (world_size // (tp * pp)):
+            problems.append(f"{at}: {role}'s data-parallel size {world_size // (tp * pp)} does not divide the rollout's "
+                            f"{config.rollout_samples} responses (ppo.rollout_batch_size x samples_per_prompt)")
+        if arch.vocab_size and config.padded_vocab(arch) % tp:
+            problems.append(f"{at}: TP {tp} does not divide the padded vocabulary {config.padded_vocab(arch)} (padded "
+                            "for the run's TP, so that every layout exchanges weights with the trained roles)")
+        if role not in SERVED_WEIGHTS and config.role(role).load is None:
+            problems.append(f"{at}: {role} at its own layout needs {role}.load: seeded weights are drawn per shard, so "
+                            "they would not equal the trained roles' at the run's layout")
+        if role == "reward" and config.trainer.val_interval:
+            problems.append(f"{at}: with validation (trainer.val_interval) the reward model runs at the run's "
+                            "layout: validation's chunks differ from rank to rank; remove reward.parallel or validation")
     return problems
 
 

@@ -30,7 +30,7 @@ from megatron_rlhf.generation.schedule import ScheduledStep, SlotSchedule
 from megatron_rlhf.generation.stage import PipelineStage
 from megatron_rlhf.models import routing
 from megatron_rlhf.models.batches import action_mask
-from megatron_rlhf.models.decoder import unwrap
+from megatron_rlhf.models.decoder import global_rank, groups_of, unwrap
 from megatron_rlhf.models.pipeline import broadcast_from_last_stage
 from megatron_rlhf.runtime import megatron_compat as compat
 from megatron_rlhf.runtime.platform import get_platform
@@ -95,24 +95,21 @@ def right_pad(prompts: torch.Tensor, lengths: torch.Tensor, pad_id: int, side: L
     return out
 
 
-def _decided_once(sampled: torch.Tensor) -> torch.Tensor:
+def _decided_once(sampled: torch.Tensor, tp_group) -> torch.Tensor:
     """The TP group's first rank's samples on every TP rank: the ranks can never disagree on a
     token (and so on when a row is done), whatever their kernels do."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        dist.broadcast(sampled, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group())
+    if tp_group.size() > 1:
+        dist.broadcast(sampled, src=global_rank(tp_group, 0), group=tp_group)
     return sampled
 
 
-def _expert_parallel_peers(config):
+def _expert_parallel_peers(model):
     """The expert-parallel group when this model's experts are split over replicas (each replica
     generates its own rows, but every forward's experts exchange tokens with the same peers), else None."""
-    from megatron.core import parallel_state as ps
-
-    if not getattr(config, "num_moe_experts", None) or ps.get_expert_model_parallel_world_size() == 1:
+    ep = groups_of(model).ep
+    if not getattr(unwrap(model).config, "num_moe_experts", None) or ep is None or ep.size() == 1:
         return None
-    return ps.get_expert_model_parallel_group()
+    return ep
 
 
 def _any_peer_running(peers, running: bool, device: torch.device) -> bool:
@@ -212,8 +209,6 @@ def generate(
     it is released (the EMS ledger's record of it). ``record_routes``: the result carries the
     experts each fed token was routed to (routing replay's ``rollout`` record; a model with experts).
     """
-    from megatron.core import parallel_state as ps
-
     if prompts.dim() != 2 or prompt_lengths.shape != prompts.shape[:1]:
         raise ValueError(f"prompts must be [B, P] with prompt_lengths [B], got {tuple(prompts.shape)} and {tuple(prompt_lengths.shape)}")
     rows = prompts.shape[0]
@@ -230,14 +225,15 @@ def generate(
         raise ValueError(f"cache_length {cache_length} < longest prompt {max(lengths)} + max_new_tokens {params.max_new_tokens}")
     platform = get_platform()
     lag = platform.completion_lag if completion_lag is None else completion_lag
-    tp = ps.get_tensor_model_parallel_world_size()
+    groups = groups_of(model)
+    tp = groups.tp.size()
     packer = StepPacker(right_pad(prompts.to(device), prompt_lengths.to(device), params.pad_id, padding_side), lengths, params.pad_id,
                      compat.rotary_angles(inner, cache_length).to(device), config, pad_to=tp if config.sequence_parallel else 1,
                      scratch_slot=slots)
     seeds = (torch.arange(rows) if seeds is None else seeds).to(device=device, dtype=torch.int64)
     schedule = SlotSchedule(lengths, slots, params.max_new_tokens, PREFILL_TOKENS)
     responses = _Responses(packer.prompts, lengths, slots, width, params, device)
-    peers = _expert_parallel_peers(config)
+    peers = _expert_parallel_peers(model)
     cache = SlotKVCache(len(compat.attention_layers(inner)), slots + (packer.pad_to > 1 or peers is not None), cache_length,
                         config.num_query_groups // tp if config.num_query_groups else config.num_attention_heads // tp,
                         config.kv_channels, config.params_dtype, device)
@@ -268,8 +264,8 @@ def generate(
             counters = torch.tensor(step.counters, device=device)
             sampled = None
             if logits is not None:
-                sampled = _decided_once(sample_next(logits[:, :vocab_size], params, seeds[step_rows], counters))
-            responses.record(step, broadcast_from_last_stage(sampled, (len(step.rows),), torch.long, device),
+                sampled = _decided_once(sample_next(logits[:, :vocab_size], params, seeds[step_rows], counters), groups.tp)
+            responses.record(step, broadcast_from_last_stage(sampled, (len(step.rows),), torch.long, device, groups.pp),
                              step_rows, counters)
             if params.eos_ids:
                 schedule.note_alive(lambda copied=platform.copy_to_host_async(responses.alive): copied().tolist())

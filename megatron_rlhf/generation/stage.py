@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.generation.kv_cache import SlotKVCache, attend
 from megatron_rlhf.generation.packing import StepLayout
-from megatron_rlhf.models.decoder import unwrap
+from megatron_rlhf.models.decoder import global_rank, groups_of, unwrap
 from megatron_rlhf.runtime import megatron_compat as compat
 
 # TransformerConfig switches whose layer differs from `h + attn(norm(h))`, `h + mlp(norm(h))`.
@@ -34,16 +34,15 @@ class PipelineStage:
     (the attention is megatron's again once left)."""
 
     def __init__(self, model: torch.nn.Module, cache: SlotKVCache):
-        from megatron.core import parallel_state as ps
-
         self.inner, self.cache = unwrap(model), cache
         config = self.inner.config
         refused = unmodelled(config)
         if refused:
             raise ValueError(f"the generation engine does not model {', '.join(refused)}: its step runs the pre-norm "
                              "residual layer (h + attention(norm(h)), h + mlp(norm(h))) with RoPE on halves; set them off")
-        self.first, self.last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        self.prev, self.next = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
+        pp = groups_of(model).pp
+        self.first, self.last = pp.rank() == 0, pp.rank() == pp.size() - 1
+        self.prev, self.next = global_rank(pp, pp.rank() - 1), global_rank(pp, pp.rank() + 1)
         self.hidden_size, self.dtype = config.hidden_size, config.pipeline_dtype or config.params_dtype
         # Under sequence parallel the decoder's output is a sequence shard: select after the head.
         self.select_early = not config.sequence_parallel

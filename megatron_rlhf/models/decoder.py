@@ -248,6 +248,20 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def groups_of(model: torch.nn.Module):
+    """The process groups ``model`` was built on (megatron's ProcessGroupCollection: the run's
+    parallel_state groups, or a layout of its own, runtime/layouts.py). Code that runs a model
+    reads its TP/PP/DP groups here, never from the global parallel_state."""
+    return unwrap(model).pg_collection
+
+
+def global_rank(group, rank: int) -> int:
+    """The world rank of ``group``'s member ``rank`` (negative counts from the end)."""
+    import torch.distributed as dist
+
+    return dist.get_global_rank(group, rank % group.size())
+
+
 def local_state_dict(model: torch.nn.Module) -> dict:
     """This rank's weights under the local-layer names of sharding.py (whatever the layer spec)."""
     from megatron_rlhf.models.sharding import to_local_layer_names

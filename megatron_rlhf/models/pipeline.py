@@ -17,7 +17,7 @@ import torch
 
 from megatron_rlhf.models import routing
 from megatron_rlhf.models.batches import MicroBatch
-from megatron_rlhf.models.decoder import unwrap
+from megatron_rlhf.models.decoder import global_rank, groups_of, unwrap
 # loss_fn(output, micro_batch) -> (loss sum, count, metrics dict); output: [b, s, vocab/TP] or [b, s, 1].
 # Megatron's per-token loss path (calculate_per_token_loss, set on every model): the gradient is that
 # of sum(loss sums) / sum(counts) over every micro-batch of the step on every DP rank (the count is
@@ -88,8 +88,9 @@ def forward_backward(
             routes_out.append(routing.as_rows(flat, *mb["tokens"].shape, dtype))
         return output, partial(call_loss, loss_fn or collect_output, mb)
 
+    groups = groups_of(model)
     with recording:
-        return get_forward_backward_func()(
+        return get_forward_backward_func(pp_size=groups.pp.size())(
             forward_step_func=forward_step_func,
             data_iterator=iter(micro_batches),
             model=model,
@@ -97,17 +98,30 @@ def forward_backward(
             seq_length=seq,
             micro_batch_size=batch,
             forward_only=forward_only,
+            **_communicators(model, groups),
         )
 
 
-def gather_vocab_parallel(logits: torch.Tensor) -> torch.Tensor:
-    """[..., vocab/TP] per rank -> [..., vocab] on every TP rank (for tests and tools, not training)."""
+def _communicators(model: torch.nn.Module, groups) -> Dict[str, Any]:
+    """The schedule's process groups: the model's own (megatron's schedules read the global
+    parallel_state unless given them; the pipelined one takes both or neither)."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    if groups.pp.size() == 1:
+        return {"pg_collection": groups}
+    return {"pg_collection": groups, "p2p_communicator": P2PCommunicator(pp_group=groups.pp, config=unwrap(model).config)}
+
+
+def gather_vocab_parallel(logits: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """[..., vocab/TP] per rank -> [..., vocab] on every rank of ``tp_group`` (default: the run's
+    TP group; for tests and tools, not training)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+    tp_group = tp_group or parallel_state.get_tensor_model_parallel_group()
+    if tp_group.size() == 1:
         return logits
-    return gather_from_tensor_model_parallel_region(logits)
+    return gather_from_tensor_model_parallel_region(logits, group=tp_group)
 
 
 def sum_over(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -121,17 +135,12 @@ def sum_over(tensor: torch.Tensor, group) -> torch.Tensor:
     return total
 
 
-def broadcast_from_last_stage(tensor, shape, dtype, device) -> torch.Tensor:
-    """A tensor computed on the last pipeline stage (``tensor``; None elsewhere), on every stage."""
+def broadcast_from_last_stage(tensor, shape, dtype, device, pp_group) -> torch.Tensor:
+    """A tensor computed on the last stage of ``pp_group`` (``tensor``; None elsewhere), on every stage."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+    if pp_group.size() == 1:
         return tensor
     tensor = torch.empty(shape, dtype=dtype, device=device) if tensor is None else tensor.contiguous()
-    dist.broadcast(
-        tensor,
-        src=parallel_state.get_pipeline_model_parallel_last_rank(),
-        group=parallel_state.get_pipeline_model_parallel_group(),
-    )
+    dist.broadcast(tensor, src=global_rank(pp_group, -1), group=pp_group)
     return tensor

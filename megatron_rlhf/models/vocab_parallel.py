@@ -2,7 +2,8 @@
 
 The output layer is padded beyond the tokenizer's vocabulary (for TP divisibility); those rows are
 never sampled, so they are excluded here too, and the log-probs PPO uses are those of the
-distribution generation samples from.
+distribution generation samples from. ``tp_group``: the model's TP group (models/decoder.groups_of;
+default: the run's).
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ import torch
 from megatron_rlhf.models.batches import at_actions, next_tokens
 
 
-def _real_vocab_logits(logits: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
+def _tp(tp_group):
     from megatron.core import parallel_state as ps
 
+    return tp_group or ps.get_tensor_model_parallel_group()
+
+
+def _real_vocab_logits(logits: torch.Tensor, vocab_size: int, temperature: float, tp_group) -> torch.Tensor:
     logits = logits.float() / temperature
     per_rank = logits.shape[-1]
-    first = ps.get_tensor_model_parallel_rank() * per_rank
+    first = tp_group.rank() * per_rank
     if first + per_rank <= vocab_size:
         return logits
     padded = torch.arange(first, first + per_rank, device=logits.device) >= vocab_size
@@ -25,26 +30,28 @@ def _real_vocab_logits(logits: torch.Tensor, vocab_size: int, temperature: float
     return logits.masked_fill(padded, -1e30)
 
 
-def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, temperature: float = 1.0,
+                    tp_group=None) -> torch.Tensor:
     """log p(labels) under softmax(logits / temperature) over the real vocabulary: [b, s]."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from megatron_rlhf.runtime.megatron_compat import vocab_parallel_cross_entropy
 
-    return -vocab_parallel_cross_entropy(_real_vocab_logits(logits, vocab_size, temperature), labels)
+    tp_group = _tp(tp_group)
+    return -vocab_parallel_cross_entropy(_real_vocab_logits(logits, vocab_size, temperature, tp_group), labels, tp_group)
 
 
-def next_token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+def next_token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float = 1.0,
+                         tp_group=None) -> torch.Tensor:
     """log p(token t+1 | tokens <= t): logits [b, s, V/TP], tokens [b, s] -> [b, s-1]."""
-    return at_actions(token_log_probs(logits, next_tokens(tokens), vocab_size, temperature))
+    return at_actions(token_log_probs(logits, next_tokens(tokens), vocab_size, temperature, tp_group))
 
 
 @torch.no_grad()
-def token_entropy(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0) -> torch.Tensor:
+def token_entropy(logits: torch.Tensor, vocab_size: int, temperature: float = 1.0, tp_group=None) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) over the real vocabulary at each position: [b, s]."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    logits = _real_vocab_logits(logits, vocab_size, temperature)
-    group = ps.get_tensor_model_parallel_group()
+    group = _tp(tp_group)
+    logits = _real_vocab_logits(logits, vocab_size, temperature, group)
     top = logits.max(dim=-1, keepdim=True).values
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     shifted = logits - top

@@ -12,10 +12,11 @@ import torch
 from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES, RLHFConfig, RoleConfig
 from megatron_rlhf.memory.manager import WEIGHTS, EMSSwitches, RoleMemory
 from megatron_rlhf.models import routing
-from megatron_rlhf.models.decoder import build_model, load_local_state_dict
+from megatron_rlhf.models.decoder import build_model, groups_of, load_local_state_dict
 from megatron_rlhf.models.pipeline import LossFn, MicroBatch, Reduce, forward_backward
 from megatron_rlhf.models.training import train_step, wrap_for_training
 from megatron_rlhf.runtime.distributed import set_seed
+from megatron_rlhf.runtime.layouts import layout_groups
 
 
 # The roles that run the policy network: they record (policy) and replay (both) its routing.
@@ -73,16 +74,13 @@ class Role:
 
 
 def _load_weights(model: torch.nn.Module, name: str, config: RLHFConfig) -> None:
-    from megatron.core import parallel_state as ps
-
+    """This rank's shard of the role's ``load`` checkpoint, cut for the role's own layout."""
     from megatron_rlhf.checkpoint import load_model_shard
 
-    par = config.parallel
+    groups, arch = groups_of(model), config.role(name).model
     shard = load_model_shard(
-        config.path_of(name + ".load"), config.role(name).model, ROLE_HEADS[name],
-        par.tensor_model_parallel_size, ps.get_tensor_model_parallel_rank(),
-        par.pipeline_model_parallel_size, ps.get_pipeline_model_parallel_rank(),
-        par.expert_model_parallel_size, ps.get_expert_model_parallel_rank(),
+        config.path_of(name + ".load"), arch, ROLE_HEADS[name], groups.tp.size(), groups.tp.rank(),
+        groups.pp.size(), groups.pp.rank(), groups.ep.size(), groups.ep.rank(), padded_vocab=config.padded_vocab(arch),
     )
     load_local_state_dict(model, shard)
 
@@ -95,14 +93,18 @@ def build_role(name: str, config: RLHFConfig) -> Role:
     loaded from one checkpoint: reference equals the initial policy.
     """
     role_config = config.role(name)
+    layout = config.layout_of(name)
     set_seed(config.seed)
     model = build_model(
         role_config.model,
-        config.parallel,
+        layout,
         ROLE_HEADS[name],
         precision=role_config.precision,
         recompute_activations=role_config.recompute_activations,
         cuda_graph_impl=role_config.cuda_graph_impl,
+        pg_collection=(layout_groups(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size)
+                       if config.has_own_layout(name) else None),
+        padded_vocab=config.padded_vocab(role_config.model),
     )
     if role_config.load is not None:
         _load_weights(model, name, config)

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from megatron_rlhf.models.batches import length_grouped, state_values, ungrouped
+from megatron_rlhf.models.decoder import groups_of
 from megatron_rlhf.models.pipeline import Reduce, broadcast_from_last_stage
 from megatron_rlhf.models.routing import ROUTES
 from megatron_rlhf.models.vocab_parallel import next_token_log_probs
@@ -30,7 +31,7 @@ def _rows(role: Role, tokens: torch.Tensor, lengths: torch.Tensor, reduce: Reduc
     if recorded is not None:
         routes_out.append(ungrouped(recorded, order, tokens.shape[1], fill=-1))
     local = ungrouped([o.float() for o in outputs], order, tail[0] if tail else 0) if outputs else None
-    return broadcast_from_last_stage(local, (tokens.shape[0], *tail), torch.float32, tokens.device)
+    return broadcast_from_last_stage(local, (tokens.shape[0], *tail), torch.float32, tokens.device, groups_of(role.model).pp)
 
 
 def log_probs(role: Role, tokens: torch.Tensor, lengths: torch.Tensor, vocab_size: int, temperature: float = 1.0,
@@ -39,8 +40,10 @@ def log_probs(role: Role, tokens: torch.Tensor, lengths: torch.Tensor, vocab_siz
     real tokens per row; 0 beyond). Routing replay (models/routing.py): ``routes`` [B, S, L, K]
     is replayed; with ``routes_out`` (a list) this pass's routing is appended to it."""
 
+    tp_group = groups_of(role.model).tp
+
     def reduce(output, mb):
-        return next_token_log_probs(output, mb["tokens"], vocab_size, temperature)
+        return next_token_log_probs(output, mb["tokens"], vocab_size, temperature, tp_group)
 
     columns = {} if routes is None else {ROUTES: routes}
     return _rows(role, tokens, lengths, reduce, (tokens.shape[1] - 1,), routes_out, **columns)

@@ -74,18 +74,22 @@ def value_loss_fn(clip_range: Optional[float], loss_agg_mode: str = "token-mean"
 
 
 def reported_metrics(steps: List[List[Dict[str, torch.Tensor]]], prefix: str, stats: Sequence[str], device,
-                     dp_group=None) -> Dict[str, float]:
+                     dp_group=None, pp_group=None) -> Dict[str, float]:
     """The losses' metric sums (per optimizer step, per micro-batch; last pipeline stage only)
     over every micro-batch and DP rank, aggregated as the gradient was: each step's loss is its
     loss sum / its count, averaged over the steps; the other statistics (``stats``, named the same
     on every pipeline stage) are token means over all steps. So the reported figures do not depend
-    on how the work was cut either. Collective over the pipeline and DP groups; the same on every rank."""
+    on how the work was cut either. Collective over the pipeline and DP groups (default: the run's);
+    the same on every rank."""
+    from megatron.core import parallel_state as ps
+
     keys = ("loss", "loss_count", "tokens") + tuple(stats)
     local = None
     if steps[0]:
         local = torch.tensor([[sum(float(m[k]) for m in step) for k in keys] for step in steps], dtype=torch.float64)
         local = local.to(device)
-    sums = sum_over(broadcast_from_last_stage(local, (len(steps), len(keys)), torch.float64, device), dp_group)
+    pp_group = pp_group or ps.get_pipeline_model_parallel_group()
+    sums = sum_over(broadcast_from_last_stage(local, (len(steps), len(keys)), torch.float64, device, pp_group), dp_group)
     per_step = dict(zip(keys, sums.t()))
     out = {f"loss/{prefix}": (per_step["loss"] / per_step["loss_count"].clamp(min=1)).mean().item()}
     tokens = per_step["tokens"].sum().clamp(min=1)

@@ -35,10 +35,18 @@ def reshard_weights(trained: torch.nn.Module, serving: torch.nn.Module) -> None:
 
 class WeightSync:
     """``share``: the serving role's parameters become views of the trained role's storage (the
-    config's rule, RLHFConfig.weight_owner: same precision); otherwise weights are copied."""
+    config's rule, RLHFConfig.weight_owner: same precision and layout); ``reshard``: the serving
+    role runs at a layout of its own and gets the weights by megatron's resharding; otherwise
+    weights are copied name by name."""
 
-    def __init__(self, trained: Role, serving: Role, share: bool):
+    def __init__(self, trained: Role, serving: Role, share: bool, reshard: bool = False):
         self.trained, self.serving = trained, serving
+        self.shared, self.resharded = share, reshard
+        if reshard:
+            if share:
+                raise ValueError(f"weight sync {trained.name} -> {serving.name}: roles of two layouts cannot share storage")
+            self()
+            return
         src = dict(unwrap(trained.model).named_parameters())
         dst = dict(unwrap(serving.model).named_parameters())
         mismatched = [n for n in src if n not in dst or dst[n].shape != src[n].shape]
@@ -48,7 +56,6 @@ class WeightSync:
                 f"(first mismatching parameters: {(mismatched or sorted(set(dst) ^ set(src)))[:3]})"
             )
         self.pairs = [(src[n], dst[n]) for n in src]
-        self.shared = share
         if share and any(s.dtype != d.dtype for s, d in self.pairs):
             raise ValueError(f"weight sync {trained.name} -> {serving.name}: storage sharing needs one dtype")
         if self.shared:
@@ -64,6 +71,9 @@ class WeightSync:
         if self.shared:
             return
         with self._both_onloaded(), torch.no_grad():
+            if self.resharded:
+                reshard_weights(self.trained.model, self.serving.model)
+                return
             for s, d in self.pairs:
                 d.copy_(s)
 

@@ -91,6 +91,11 @@ ANCHORS: Dict[str, Tuple[Site, ...]] = {
         Site("transformer/moe/moe_utils.py", "if te_general_gemm is not None and router_dtype != torch.float64:"),
         Site("transformer/moe/moe_utils.py", "if te_general_gemm is not None and ctx.router_dtype != torch.float64:"),
     ),
+    "cross_entropy_tp_group": (  # reads the global TP group; a model of its own layout passes its own
+        Site("tensor_parallel/cross_entropy.py", "group=get_tensor_model_parallel_group()"),
+        Site("tensor_parallel/cross_entropy.py", "rank = get_tensor_model_parallel_rank()"),
+        Site("tensor_parallel/cross_entropy.py", "world_size = get_tensor_model_parallel_world_size()"),
+    ),
     "grad_sync_hooks": (
         Site("model_parallel_config.py", "finalize_model_grads_func"),
         Site("model_parallel_config.py", "no_sync_func"),
@@ -266,6 +271,27 @@ def reload_main_params(optimizer) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # The generation engine's seam: megatron's attention layers, replaced for the steps of an engine
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """megatron's vocab-parallel cross entropy over ``tp_group`` (default: the run's TP group).
+    megatron's reads the global TP group, its rank and size in its forward (the backward needs
+    none): for another group they are pointed at it for the call."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import cross_entropy
+
+    if tp_group is None or tp_group is parallel_state.get_tensor_model_parallel_group():
+        return cross_entropy.vocab_parallel_cross_entropy(logits, target)
+    names = ("get_tensor_model_parallel_group", "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size")
+    saved = {name: getattr(cross_entropy, name) for name in names}
+    cross_entropy.get_tensor_model_parallel_group = lambda *a, **k: tp_group
+    cross_entropy.get_tensor_model_parallel_rank = lambda *a, **k: tp_group.rank()
+    cross_entropy.get_tensor_model_parallel_world_size = lambda *a, **k: tp_group.size()
+    try:
+        return cross_entropy.vocab_parallel_cross_entropy(logits, target)
+    finally:
+        for name, fn in saved.items():
+            setattr(cross_entropy, name, fn)
 
 
 def attention_layers(gpt_model: torch.nn.Module) -> List[torch.nn.Module]:
