@@ -166,8 +166,9 @@ class PPOController:
         shaped = self._advantages(rollout)
         train_metrics = self._train(rollout)
         self.phase = "weight sync"
-        for sync in self.syncs:
-            sync()
+        started = time.perf_counter()
+        synced_bytes = sum(sync() for sync in self.syncs)
+        sync_s = time.perf_counter() - started
         self.ledger.record("phase_end", "iteration")
         generate_s = sampling.pop("time/generate_s")
         metrics = {
@@ -185,6 +186,7 @@ class PPOController:
             self.kl_controller.update(metrics["kl/sequence_mean"], self.config.rollout_samples)  # responses, as verl counts them
         end = time.perf_counter()
         metrics["time/generate_s"] = generate_s
+        metrics["time/weight_sync_s"], metrics["weight_sync/bytes"] = sync_s, float(synced_bytes)
         metrics["time/iteration_s"] = end - start
         self.last_samples = texts
         return {"iteration": self.iteration, **metrics}

@@ -111,6 +111,20 @@ def _span(ranks: List[int]) -> str:
     return f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else ",".join(map(str, ranks))
 
 
+def _own_layout_text(config: RLHFConfig, role: str, world_size: int) -> str:
+    """A serving role's own layout: its sizes, first groups, and where its weights come from."""
+    own = config.layout_of(role)
+    tp, pp = own.tensor_model_parallel_size, own.pipeline_model_parallel_size
+    dp = world_size // (tp * pp)
+    groups = rank_groups(tp, pp, dp)
+    served = config.served_weights.get(role)
+    source = (f"served from {served} by megatron-core's resharding after every training phase" if served
+              else f"loaded from {role}.load")
+    return (f"{'':<11}own layout: TP={tp} PP={pp} DP={dp}; tensor-parallel groups first {_span(groups['tp'][0])}, "
+            f"data-parallel first {_span(groups['dp'][0])}, pipeline stages " +
+            "; ".join(f"{s}: {_span(sorted(g[s] for g in groups['pp']))}" for s in range(pp)) + f"; weights {source}")
+
+
 def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str:
     par = config.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
@@ -122,7 +136,8 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
     tp_in_node = all(len({r // nproc_per_node for r in g}) == 1 for g in groups["tp"])
     lines = [
         f"{world_size} processes = {nodes} node(s) x {nproc_per_node}; TP={tp} PP={pp} DP={dp}"
-        f"{f' EP={ep}' if ep > 1 else ''} for every role "
+        f"{f' EP={ep}' if ep > 1 else ''} for "
+        f"{'the roles without a layout of their own' if any(config.has_own_layout(r) for r in config.model_roles) else 'every role'} "
         f"(sequence parallel {'on' if par.sequence_parallel else 'off'})",
         f"algorithm: {config.algorithm.advantage_estimator}, roles: {', '.join(config.roles)}"
         + ("" if config.roles == ROLE_NAMES else " (no critic)")
@@ -158,9 +173,11 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
             kinds = [k for k in kinds if k != "weights"] + [f"(weights are {owner}'s)"]
         lines.append(
             f"{role:<11}{network:<14}{_count(params):>9}  {ROLE_HEADS[role]:<8}{rc.precision:<6}"
-            f"{arch.num_layers // pp:>13}{rc.micro_batch_size:>7}{global_batch:>8}{accum:>7}  {optimizer:<11}"
+            f"{arch.num_layers // config.layout_of(role).pipeline_model_parallel_size:>13}{rc.micro_batch_size:>7}{global_batch:>8}{accum:>7}  {optimizer:<11}"
             f"{', '.join(kinds) or 'nothing'}"
         )
+        if config.has_own_layout(role):
+            lines.append(_own_layout_text(config, role, world_size))
         if arch.num_experts:
             active = params - experts + experts * arch.moe_router_topk // arch.num_experts
             lines.append(f"{'':<11}experts: {arch.num_experts} in each of {sum(arch.moe_layers())} layers, top-"

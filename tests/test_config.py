@@ -356,3 +356,31 @@ def test_successions_follow_the_phase_order_and_stop_where_sampling_may_go_round
     config = dataclasses.replace(config, reward=dataclasses.replace(config.reward, type=reward),
                                  algorithm=dataclasses.replace(config.algorithm, dynamic_sampling=dynamic))
     assert config.successions == expected
+
+
+def layouts_setup(tmp_path: Path, top: str, **own: str) -> Path:
+    """The tiny setup with ``role="<keys of its parallel mapping>"`` for some roles."""
+    write(tmp_path / "models" / "tiny.yaml", "model:\n  preset: tiny\n")
+    roles = "".join(f"{r}:\n  model_config_file: models/tiny.yaml\n" + (f"  parallel: {{{own[r]}}}\n" if r in own else "")
+                    for r in ROLES)
+    return write(tmp_path / "rlhf.yaml", roles + top)
+
+
+def test_a_serving_roles_own_layout_is_checked_like_the_runs(tmp_path):
+    top = layouts_setup(tmp_path, "parallel: {tensor_model_parallel_size: 2}\n", policy="tensor_model_parallel_size: 1")
+    config = load_config(str(top), world_size=2)
+    assert (config.layout_of("policy").tensor_model_parallel_size, config.layout_of("ppo_policy").tensor_model_parallel_size) == (1, 2)
+    assert config.has_own_layout("policy") and not config.has_own_layout("reference")
+    assert config.weight_owner("policy") is None  # two layouts never share storage
+    # Its own faults name its own key, and say what would be right.
+    top = layouts_setup(tmp_path, "", policy="tensor_model_parallel_size: 3, pipeline_model_parallel_size: 3",
+                        ppo_value="tensor_model_parallel_size: 1", reference="pipeline_model_parallel_size: 2")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(top), world_size=4)
+    text = str(err.value)
+    assert "policy.parallel: TP*PP = 3*3 does not divide the world size 4; valid TP*PP: 1, 2, 4" in text
+    assert "policy.parallel.tensor_model_parallel_size: 3 does not divide policy's num_attention_heads=4" in text
+    assert "policy.parallel.pipeline_model_parallel_size: 3 does not divide policy's num_layers=2" in text
+    assert "ppo_value.parallel: ppo_value is trained, and trained roles run at the run's layout" in text
+    assert "reference.parallel: reference at its own layout needs reference.load" in text
+    assert "does not divide policy, " not in text  # the run's layout is fine for the other roles

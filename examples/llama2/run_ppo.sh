@@ -31,7 +31,8 @@
 #   PROMPT_FILE              JSONL ({"prompt": "..."} or {"messages": [...]} per line) or Parquet
 #   OUTPUT_DIR               metrics, memory ledger, TensorBoard, checkpoints [outputs/PRESET-ppo]
 #   NNODES, GPUS_PER_NODE    * nodes, and GPUs (processes) per node
-#   TP, PP, EP               * tensor, pipeline and expert parallel sizes (every role: one layout)
+#   TP, PP, EP               * tensor, pipeline and expert parallel sizes (the trained roles' layout)
+#   ROLLOUT_TP, ROLLOUT_PP   the policy's own TP and PP for generation and old log-probs [the run's]
 #   free_memory_policy, free_memory_reference, free_memory_reward, free_memory_value,
 #   free_memory_ppo_policy, free_memory_ppo_value
 #                            EMS: True frees the role's device memory while it is idle [True]

@@ -36,13 +36,15 @@ def _stage_layers(arch: ModelArchConfig, pp: int, pp_rank: int) -> List[int]:
     return pattern[pp_rank * per_stage : (pp_rank + 1) * per_stage]
 
 
-def param_numels(arch: ModelArchConfig, head: str, tp: int, pp: int, pp_rank: int) -> List[int]:
+def param_numels(arch: ModelArchConfig, head: str, tp: int, pp: int, pp_rank: int,
+                 padded_vocab: Optional[int] = None) -> List[int]:
     """Element counts of this rank's parameters outside the experts (those megatron DDP reduces
     over DP), in module order (megatron local layers). A tied LM head has no weight of its own,
     except the last stage's copy under PP. A layer with experts has its router here instead of the
-    dense MLP, and its shared expert (its routed experts: ``expert_numels``)."""
+    dense MLP, and its shared expert (its routed experts: ``expert_numels``). ``padded_vocab``: the
+    output rows (RLHFConfig.padded_vocab; default: padded for ``tp``)."""
     h, hd = arch.hidden_size, arch.kv_channels
-    vocab = arch.padded_vocab_size(tp) // tp
+    vocab = (padded_vocab or arch.padded_vocab_size(tp)) // tp
     qkv = (arch.num_attention_heads + 2 * arch.kv_groups) * hd // tp
     out: List[int] = []
     if pp_rank == 0:
@@ -96,13 +98,13 @@ def _ddp_buffer_numel(numels: List[int], dp: int, distributed_optimizer: bool) -
 
 
 def state_bytes(rc: RoleConfig, head: str, trainable: bool, tp: int, pp: int, dp: int, pp_rank: int,
-                dp_rank: int = 0, ep: int = 1, edp_rank: int = 0) -> Dict[str, int]:
+                dp_rank: int = 0, ep: int = 1, edp_rank: int = 0, padded_vocab: Optional[int] = None) -> Dict[str, int]:
     """Device bytes of each kind of one role's state on the rank (pp_rank, dp_rank; with experts
     split over ``ep`` ranks, its expert-data-parallel rank ``edp_rank``)."""
     arch = rc.model
     # Each group of parameters megatron DDP buffers apart, with the data-parallel group that
     # reduces (and with the distributed optimizer shards) it: dense over DP, experts over DP / EP.
-    groups = [(param_numels(arch, head, tp, pp, pp_rank), dp, dp_rank)]
+    groups = [(param_numels(arch, head, tp, pp, pp_rank, padded_vocab), dp, dp_rank)]
     experts = expert_numels(arch, tp, pp, pp_rank, ep)
     if experts:
         groups.append((experts, dp // ep, edp_rank))
@@ -135,7 +137,7 @@ def _owned_elements(numels: List[int], buffer: int, dp: int, dp_rank: int = 0) -
 
 
 def activation_bytes(arch: ModelArchConfig, head: str, micro_batch: int, seq: int, tp: int, pp: int,
-                     precision: str, recompute: bool, training: bool) -> int:
+                     precision: str, recompute: bool, training: bool, padded_vocab: Optional[int] = None) -> int:
     """Estimate of the activations one micro-batch keeps on a stage (Korthikanti et al. 2022,
     without sequence parallelism, no dropout masks): per layer s*b*h*(10 + 24/TP) * bytes/2
     plus the attention scores 5*a*s^2*b/TP * bytes/2 (unfused attention), and the fp32 logits.
@@ -148,7 +150,7 @@ def activation_bytes(arch: ModelArchConfig, head: str, micro_batch: int, seq: in
     if arch.num_experts:  # the most loaded stage: its layers with experts
         moe_layers = max(sum(_stage_layers(arch, pp, r)) for r in range(pp))
         per_layer += moe_layers / layers * _expert_activations_extra(arch, s * b, tp, width)
-    logits = s * b * (arch.padded_vocab_size(tp) // tp if head == "lm" else 1) * 4
+    logits = s * b * ((padded_vocab or arch.padded_vocab_size(tp)) // tp if head == "lm" else 1) * 4
     if not training:
         return int(per_layer + logits)
     kept = s * b * h * width * layers if recompute else per_layer * layers
@@ -204,8 +206,6 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
     tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
     dp = world_size // (tp * pp)
     seq = seq_length or (config.data.max_prompt_length + config.generation.max_new_tokens)
-    rollout_per_rank = config.rollout_samples // dp
-    decoded_at_once = min(rollout_per_rank, config.generation.batch_size or rollout_per_rank)
     # Roles still on free_memory: auto are planned with nothing offloaded (recommend() chooses).
     switches = switches or {r: EMSSwitches.from_role_config(config.role(r), auto=False) for r in config.model_roles}
     roles: Dict[str, Dict[str, int]] = {}
@@ -213,14 +213,20 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
     for name in config.model_roles:
         rc = config.role(name)
         trainable = name in TRAINABLE_ROLES
-        stages = [state_bytes(rc, ROLE_HEADS[name], trainable, tp, pp, dp, r, ep=ep) for r in range(pp)]
+        # Each role at its own layout (RLHFConfig.layout_of), the run's padded vocabulary.
+        own = config.layout_of(name)
+        rtp, rpp = own.tensor_model_parallel_size, own.pipeline_model_parallel_size
+        rdp, vocab = world_size // (rtp * rpp), config.padded_vocab(rc.model)
+        stages = [state_bytes(rc, ROLE_HEADS[name], trainable, rtp, rpp, rdp, r, ep=ep, padded_vocab=vocab) for r in range(rpp)]
         roles[name] = max(stages, key=lambda s: sum(s.values()))
         # 1F1B: the first stage holds up to PP micro-batches' activations before its first backward.
-        in_flight = min(pp, micro_batches_per_step(config, name, dp)) if trainable else 1
+        in_flight = min(rpp, micro_batches_per_step(config, name, rdp)) if trainable else 1
+        rows = config.rollout_samples // rdp
         transient[name] = {
-            "activations": in_flight * activation_bytes(rc.model, ROLE_HEADS[name], rc.micro_batch_size, seq, tp, pp,
-                                                        rc.precision, rc.recompute_activations, trainable),
-            "kv_cache": kv_cache_bytes(rc.model, decoded_at_once, seq, tp, pp, rc.precision) if name == "policy" else 0,
+            "activations": in_flight * activation_bytes(rc.model, ROLE_HEADS[name], rc.micro_batch_size, seq, rtp, rpp,
+                                                        rc.precision, rc.recompute_activations, trainable, vocab),
+            "kv_cache": kv_cache_bytes(rc.model, min(rows, config.generation.batch_size or rows), seq, rtp, rpp,
+                                       rc.precision) if name == "policy" else 0,
         }
     # Host arenas: one per copied kind (grads are freed, never copied). A serving role that shares
     # its trained role's weights has none of its own; its offload_weights moves the owner's.
@@ -236,7 +242,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
     for phase, active, extra in PHASES:
         if active not in roles:
             continue
-        active_owner = config.served_weights.get(active)
+        active_owner = config.weight_owner(active)
         table = {}
         for name, kinds in roles.items():
             kept = set(KINDS) - set(switches[name].kinds())

@@ -33,6 +33,16 @@ def reshard_weights(trained: torch.nn.Module, serving: torch.nn.Module) -> None:
         swap_model_weights(unwrap(trained), unwrap(serving), get_platform().dist_backend)
 
 
+def received_bytes(serving: torch.nn.Module) -> int:
+    """The bytes this rank receives in each resharding into ``serving`` (from megatron's cached plan:
+    its receive buffers, one per slice, live until the copy is done)."""
+    from megatron_rlhf.runtime.megatron_compat import reshard_receives
+
+    params = dict(unwrap(serving).named_parameters())
+    return sum(params[name].data[where].numel() * params[name].element_size()
+               for name, where in reshard_receives(unwrap(serving)) if name in params)
+
+
 class WeightSync:
     """``share``: the serving role's parameters become views of the trained role's storage (the
     config's rule, RLHFConfig.weight_owner: same precision and layout); ``reshard``: the serving
@@ -66,16 +76,18 @@ class WeightSync:
         else:
             self()  # serve the trained role's starting weights: only it needs a `load` checkpoint
 
-    def __call__(self) -> None:
-        """Bring the serving role up to date (nothing to do when it shares the storage)."""
+    def __call__(self) -> int:
+        """Bring the serving role up to date (nothing to do when it shares the storage); returns
+        the bytes this rank's serving shard received."""
         if self.shared:
-            return
+            return 0
         with self._both_onloaded(), torch.no_grad():
             if self.resharded:
                 reshard_weights(self.trained.model, self.serving.model)
-                return
+                return received_bytes(self.serving.model)
             for s, d in self.pairs:
                 d.copy_(s)
+        return sum(d.numel() * d.element_size() for _, d in self.pairs)
 
     @contextlib.contextmanager
     def _both_onloaded(self):

@@ -96,6 +96,10 @@ ANCHORS: Dict[str, Tuple[Site, ...]] = {
         Site("tensor_parallel/cross_entropy.py", "rank = get_tensor_model_parallel_rank()"),
         Site("tensor_parallel/cross_entropy.py", "world_size = get_tensor_model_parallel_world_size()"),
     ),
+    "reshard_plan": (  # the plan megatron's resharding caches on the target model (its transfers)
+        Site("resharding/refit.py", 'setattr(tgt_core, "_cached_reshard_plan", plan)'),
+        Site("resharding/utils.py", "my_slice: tuple[slice, ...]"),
+    ),
     "grad_sync_hooks": (
         Site("model_parallel_config.py", "finalize_model_grads_func"),
         Site("model_parallel_config.py", "no_sync_func"),
@@ -292,6 +296,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
     finally:
         for name, fn in saved.items():
             setattr(cross_entropy, name, fn)
+
+
+def reshard_receives(gpt_model: torch.nn.Module) -> List[Tuple[str, tuple]]:
+    """(parameter name, slice) of every receive this rank makes when megatron's resharding serves
+    ``gpt_model`` (from the plan it cached on the model's first resharding; [] before)."""
+    plan = getattr(gpt_model, "_cached_reshard_plan", None)
+    return [] if plan is None else [(op.param_name, op.my_slice) for op in plan.recv_ops]
 
 
 def attention_layers(gpt_model: torch.nn.Module) -> List[torch.nn.Module]:

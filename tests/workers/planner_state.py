@@ -11,6 +11,7 @@ from megatron_rlhf.config import load_config
 from megatron_rlhf.memory import LEDGER_KINDS
 from megatron_rlhf.memory.planner import state_bytes
 from megatron_rlhf.models.training import next_token_loss
+from megatron_rlhf.models.decoder import groups_of
 from megatron_rlhf.roles import build_role
 
 # Tied embeddings (under PP the last stage's own copy), QKV bias, q/k norm, heads of another width.
@@ -68,4 +69,23 @@ for config_file, tp, pp, ep, dist_opt, precision, features, roles in cases:
         result.append({"layout": (tp, pp, ep, dist_opt, precision, sorted(features)), "role": name, "measured": measured,
                        "planned": planned, "idle": {**idle, **role.memory.leftovers()}})
         del role
+# Serving roles at layouts of their own (the run at TP=2): built on their own groups, planned at their
+# layout with the run's padded vocabulary.
+os.environ.update(TP="2", PP="1", EP="1")
+setup(2, 1)
+for name, (tp, pp) in {"policy": (1, 2), "reference": (1, 1), "value": (2, 2)}.items():
+    config = load_config("examples/tiny/rlhf.yaml", world_size=int(os.environ["WORLD_SIZE"]), check_inputs=False)
+    rc = config.role(name)
+    rc.parallel.tensor_model_parallel_size, rc.parallel.pipeline_model_parallel_size = tp, pp
+    rc.free_memory = True
+    role = build_role(name, config)
+    groups = groups_of(role.model)
+    with role.resident("inference"):
+        measured = {k: v for k, v in role.memory.resident_bytes().items() if k in LEDGER_KINDS}
+    planned = state_bytes(rc, role.head, False, tp, pp, groups.dp.size(), groups.pp.rank(),
+                          padded_vocab=config.padded_vocab(rc.model))
+    idle = {k: v for k, v in role.memory.resident_bytes().items() if k in LEDGER_KINDS and v}
+    result.append({"layout": (tp, pp, 1, False, rc.precision, ["own layout"]), "role": name, "measured": measured,
+                   "planned": planned, "idle": {**idle, **role.memory.leftovers()}})
+    del role
 save({"result": result})
