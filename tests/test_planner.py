@@ -9,7 +9,17 @@ from tests.conftest import REPO
 
 def test_planned_state_bytes_equal_the_ledger_under_several_layouts(workers):
     checked = experts_checked = 0
-    for rank_result in workers(4, "planner_state"):
+    ranks = workers(4, "planner_state")
+    # Resharding's buffers (weight sync into a role of its own layout): receive-only exactly as planned;
+    # with copies of sent slices the plan is the most loaded rank's (within 0.2% of it), none above it.
+    for layouts in ((2, 1, 1), (1, 2, 2)):
+        syncs = [next(s for s in r["syncs"] if s["layouts"] == layouts) for r in ranks]
+        planned = syncs[0]["planned"]
+        assert all(s["recorded"] <= planned for s in syncs), syncs
+        assert max(s["recorded"] for s in syncs) >= 0.998 * planned, syncs
+        if layouts == (2, 1, 1):
+            assert all(s["recorded"] == planned for s in syncs), syncs
+    for rank_result in ranks:
         for row in rank_result["result"]:
             assert row["idle"] == {}, (row["layout"], row["role"])  # EMS left nothing on the device
             for kind, measured in row["measured"].items():

@@ -40,7 +40,8 @@ LEDGER_KINDS = (WEIGHTS, GRADS, MAIN_PARAMS, OPTIMIZER_STATE, OTHER)
 # Memory a role holds only while a phase runs (allocated for it, released after): the ledger
 # records it beside the state kinds and apart from them.
 KV_CACHE = "kv_cache"
-TRANSIENT_KINDS = (KV_CACHE,)
+RESHARD_BUFFERS = "reshard_buffers"  # megatron's resharding: received slices and copies of sent ones
+TRANSIENT_KINDS = (KV_CACHE, RESHARD_BUFFERS)
 # What each phase needs on the device.
 PHASE_NEEDS = {
     "inference": (WEIGHTS,),

@@ -23,7 +23,7 @@ from megatron_rlhf.config.schema import (EMS_SWITCHES, PHASE_ORDER, ROLE_HEADS, 
                                          RoleConfig)
 from megatron_rlhf.memory.manager import GRADS, LEDGER_KINDS as KINDS, MAIN_PARAMS, OPTIMIZER_STATE, PHASE_NEEDS, WEIGHTS, EMSSwitches
 
-TRANSIENT = ("activations", "kv_cache")
+TRANSIENT = ("activations", "kv_cache", "reshard_buffers")
 BYTES = {"fp32": 4, "bf16": 2}
 # (phase, active role, what the active role needs besides its state), in the order they run
 PHASES = tuple((phase, role, "kv_cache" if phase == "generate" else "activations") for phase, role in PHASE_ORDER)
@@ -174,6 +174,29 @@ def kv_cache_bytes(arch: ModelArchConfig, batch: int, seq: int, tp: int, pp: int
     return 2 * (arch.num_layers // pp) * batch * seq * (arch.kv_groups // tp) * hd * BYTES[precision]
 
 
+def reshard_buffer_bytes(config: RLHFConfig, serving: str, world_size: int) -> int:
+    """The buffers megatron's resharding allocates on the most loaded rank while it serves ``serving``
+    (a role of its own layout) its trained role's weights: a receive buffer for every slice of the
+    serving shard, and where the serving TP is larger than the trained one, a contiguous copy of each
+    sent slice of the row-parallel weights (attention output and MLP down projections, cut along
+    their inputs). 0 for a role served without resharding."""
+    trained = config.served_weights.get(serving)
+    if trained is None or not config.has_own_layout(serving):
+        return 0
+    rc, arch, head = config.role(serving), config.role(serving).model, ROLE_HEADS[serving]
+    own, run = config.layout_of(serving), config.parallel
+    stp, spp = own.tensor_model_parallel_size, own.pipeline_model_parallel_size
+    vocab = config.padded_vocab(arch)
+    received = max(sum(param_numels(arch, head, stp, spp, r, vocab)) for r in range(spp)) * BYTES[rc.precision]
+    copied = 0
+    ttp, tpp = run.tensor_model_parallel_size, run.pipeline_model_parallel_size
+    if stp > ttp:
+        h, hd = arch.hidden_size, arch.kv_channels
+        row_parallel = h * arch.num_attention_heads * hd // ttp + h * arch.ffn_hidden_size // ttp
+        copied = arch.num_layers // tpp * row_parallel * BYTES[config.role(trained).precision]
+    return received + copied
+
+
 def micro_batches_per_step(config: RLHFConfig, role: str, dp: int) -> int:
     """Micro-batches each DP rank runs per optimizer step of a trainable role."""
     return max(1, config.samples_per_step(role) // (config.role(role).micro_batch_size * dp))
@@ -227,6 +250,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
                                                         rc.precision, rc.recompute_activations, trainable, vocab),
             "kv_cache": kv_cache_bytes(rc.model, min(rows, config.generation.batch_size or rows), seq, rtp, rpp,
                                        rc.precision) if name == "policy" else 0,
+            "reshard_buffers": reshard_buffer_bytes(config, name, world_size),
         }
     # Host arenas: one per copied kind (grads are freed, never copied). A serving role that shares
     # its trained role's weights has none of its own; its offload_weights moves the owner's.
@@ -254,6 +278,13 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
         table.setdefault(active, {})[extra] = transient[active][extra]
         resident[phase] = table
         phases[phase] = sum(sum(t.values()) for t in table.values())
+    for serving, trained in config.served_weights.items():
+        if serving in roles and transient[serving]["reshard_buffers"]:  # both roles' weights and the buffers
+            table = {name: {k: v for k, v in kinds.items() if k not in switches[name].kinds() or
+                            (k == WEIGHTS and name in (serving, trained))} for name, kinds in roles.items()}
+            table[serving]["reshard_buffers"] = transient[serving]["reshard_buffers"]
+            resident[f"sync_{serving}"] = table
+            phases[f"sync_{serving}"] = sum(sum(t.values()) for t in table.values())
     peak = max(phases, key=phases.get)
     return Plan(roles, transient, phases, resident, peak, {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "seq": seq}, host)
 

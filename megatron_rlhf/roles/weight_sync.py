@@ -15,22 +15,70 @@ import contextlib
 
 import torch
 
-from megatron_rlhf.memory.manager import WEIGHTS
+from megatron_rlhf.memory.manager import RESHARD_BUFFERS, WEIGHTS
 from megatron_rlhf.models.decoder import unwrap
 from megatron_rlhf.roles.base import Role
 
 
-def reshard_weights(trained: torch.nn.Module, serving: torch.nn.Module) -> None:
+def reshard_weights(trained: torch.nn.Module, serving: torch.nn.Module, holding=None) -> None:
     """Copy ``trained``'s weights into ``serving``, a model of the same network at another TP/PP
     (built on its own process groups, with the same padded vocabulary), by megatron-core's
     resharding over the platform's collective backend (gloo on CPU, NCCL on CUDA). Collective over
-    the world; the plan is made on the first call and reused."""
-    from megatron.core.resharding.refit import swap_model_weights
+    the world; the plan is made on the first call and reused. ``holding(tensors)``: a context
+    manager around the transfer, given the buffers megatron allocated for it (the ledger's record)."""
+    from megatron.core.resharding.refit import get_or_create_service, swap_model_weights
 
     from megatron_rlhf.runtime.platform import get_platform
 
+    service = get_or_create_service(get_platform().dist_backend)
+    if holding is not None:
+        models = (unwrap(trained), unwrap(serving))
+        service = _buffer_recorder(service, {p.untyped_storage().data_ptr() for m in models for p in m.parameters()}, holding)
     with torch.no_grad():
-        swap_model_weights(unwrap(trained), unwrap(serving), get_platform().dist_backend)
+        swap_model_weights(unwrap(trained), unwrap(serving), service)
+
+
+def _buffer_recorder(service, parameter_storages, holding):
+    """megatron's copy ``service``, seeing every tensor the resharding submits: the ones of storages
+    of their own (receive buffers, contiguous copies of sent slices; not views of the models'
+    parameters) are held by ``holding`` while the transfer runs."""
+    from megatron.core.resharding.copy_services.base import CopyService
+
+    class BufferRecorder(_BufferRecorder, CopyService):  # megatron takes a CopyService instance
+        pass
+
+    return BufferRecorder(service, parameter_storages, holding)
+
+
+class _BufferRecorder:
+    def __init__(self, service, parameter_storages, holding):
+        self.service, self.parameter_storages, self.holding = service, parameter_storages, holding
+        self.buffers = []
+
+    def _keep(self, tensor: torch.Tensor) -> None:
+        if tensor.untyped_storage().data_ptr() not in self.parameter_storages:
+            self.buffers.append(tensor)
+
+    def submit_send(self, tensor, rank):
+        self._keep(tensor)
+        self.service.submit_send(tensor, rank)
+
+    def submit_send_with_id(self, task_id, tensor, rank):
+        self._keep(tensor)
+        self.service.submit_send_with_id(task_id, tensor, rank)
+
+    def submit_recv(self, tensor, rank):
+        self._keep(tensor)
+        self.service.submit_recv(tensor, rank)
+
+    def submit_recv_with_id(self, task_id, tensor, rank):
+        self._keep(tensor)
+        self.service.submit_recv_with_id(task_id, tensor, rank)
+
+    def run(self):
+        with self.holding(self.buffers):
+            self.service.run()
+        self.buffers = []
 
 
 def received_bytes(serving: torch.nn.Module) -> int:
@@ -83,7 +131,8 @@ class WeightSync:
             return 0
         with self._both_onloaded(), torch.no_grad():
             if self.resharded:
-                reshard_weights(self.trained.model, self.serving.model)
+                holding = lambda buffers: self.serving.memory.holding(RESHARD_BUFFERS, buffers, "weight sync")  # noqa: E731
+                reshard_weights(self.trained.model, self.serving.model, holding)
                 return received_bytes(self.serving.model)
             for s, d in self.pairs:
                 d.copy_(s)

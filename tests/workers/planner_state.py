@@ -8,11 +8,12 @@ from common import save, setup
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.config import load_config
-from megatron_rlhf.memory import LEDGER_KINDS
-from megatron_rlhf.memory.planner import state_bytes
+from megatron_rlhf.memory import LEDGER_KINDS, RESHARD_BUFFERS, MemoryLedger
+from megatron_rlhf.memory.planner import reshard_buffer_bytes, state_bytes
 from megatron_rlhf.models.training import next_token_loss
 from megatron_rlhf.models.decoder import groups_of
 from megatron_rlhf.roles import build_role
+from megatron_rlhf.roles.weight_sync import WeightSync
 
 # Tied embeddings (under PP the last stage's own copy), QKV bias, q/k norm, heads of another width.
 FEATURES = dict(tie_word_embeddings=True, qkv_bias=True, qk_norm=True, head_dim=24)
@@ -88,4 +89,24 @@ for name, (tp, pp) in {"policy": (1, 2), "reference": (1, 1), "value": (2, 2)}.i
     result.append({"layout": (tp, pp, 1, False, rc.precision, ["own layout"]), "role": name, "measured": measured,
                    "planned": planned, "idle": {**idle, **role.memory.leftovers()}})
     del role
-save({"result": result})
+
+# Weight sync into a role of its own layout: the buffers megatron's resharding allocates, as the
+# ledger counts them, against the planner's. From TP=2 into TP=1 (receives only) and from TP=1 into
+# TP=2 x PP=2 (the row-parallel slices are copied before they are sent).
+syncs = []
+for run_tp, (tp, pp) in ((2, (1, 1)), (1, (2, 2))):
+    os.environ.update(TP=str(run_tp), PP="1", EP="1")
+    setup(run_tp, 1)
+    config = load_config("examples/tiny/rlhf.yaml", world_size=int(os.environ["WORLD_SIZE"]), check_inputs=False)
+    config.policy.parallel.tensor_model_parallel_size, config.policy.parallel.pipeline_model_parallel_size = tp, pp
+    ledger = MemoryLedger(None)
+    roles = {name: build_role(name, config) for name in ("ppo_policy", "policy")}
+    for role in roles.values():
+        ledger.track(role.memory)
+    WeightSync(roles["ppo_policy"], roles["policy"], share=False, reshard=True)
+    recorded = max(r["bytes"][RESHARD_BUFFERS] for r in ledger.records if r["role"] == "policy")
+    syncs.append({"layouts": (run_tp, tp, pp), "recorded": recorded,
+                  "planned": reshard_buffer_bytes(config, "policy", int(os.environ["WORLD_SIZE"])),
+                  "stage": groups_of(roles["policy"].model).pp.rank()})
+    del roles
+save({"result": result, "syncs": syncs})
