@@ -91,7 +91,6 @@ class PPOController:
         # The rollout's rows are held in the run's cut (its DP ranks); a role of its own layout
         # gets them in its own cut for its phase (rollout_rows.recut).
         self.cut = RowCut.of(ps.get_data_parallel_group())
-        self.dp_group, self.dp_rank, self.dp_size = self.cut.group, self.cut.rank, self.cut.size
         self.vocab_size = tokenizer.vocab_size
         self.sampling = SamplingParams.from_config(config.generation, tokenizer.eos_ids, tokenizer.pad_id)
         self.roles: Dict[str, Role] = {}
@@ -204,6 +203,11 @@ class PPOController:
         }
 
     def load_state_dict(self, state: Dict) -> None:
+        """Continue from ``state`` (after checkpoint.ppo_state.load_ppo_checkpoint restored the
+        trained roles): the serving roles that copy or reshard their weights are served the
+        restored ones (those sharing storage already run on them)."""
+        for sync in self.syncs:
+            sync()
         self.iteration = self.ledger.iteration = state["iteration"]
         self.kl_controller.value = state["kl_coef"]
         self.score_moments.load_state_dict(state["score_moments"])
@@ -259,7 +263,7 @@ class PPOController:
         the rollout policy's log-probs, scored. Returns this DP rank's rows and the generation time."""
         cfg = self.config
         n = cfg.generation.samples_per_prompt
-        batch = self.dataset.next_batch(cfg.ppo.rollout_batch_size, self.dp_rank, self.dp_size)
+        batch = self.dataset.next_batch(cfg.ppo.rollout_batch_size, self.cut.rank, self.cut.size)
         # Every response draws from its own stream, keyed by what it is (run, iteration, round,
         # prompt, sample): the rollout does not depend on the DP layout or the decode batch.
         indices = torch.tensor(batch["indices"]).repeat_interleave(n)
@@ -365,8 +369,8 @@ class PPOController:
             fields = [f for f in batch["fields"] for _ in range(k)]
             scores = self._score(prompts, self._decode(rows), fields, rows).view(len(batch["texts"]), k).cpu()
             results += [(str(f.get("data_source") or ""), s.tolist()) for f, s in zip(batch["fields"], scores)]
-        gathered = [None] * self.dp_size
-        dist.all_gather_object(gathered, results, group=self.dp_group)
+        gathered = [None] * self.cut.size
+        dist.all_gather_object(gathered, results, group=self.cut.group)
         return validation_metrics([r for part in gathered for r in part], k)
 
     def _chunks_in_run_cut(self, generated: List, cut: RowCut) -> List:
@@ -375,7 +379,7 @@ class PPOController:
         local = [(batch, {k: v.cpu() for k, v in rows.items()}) for batch, rows in generated]
         gathered = [None] * cut.size
         dist.all_gather_object(gathered, local, group=cut.group)
-        chunks = [c for part in gathered for c in part][self.dp_rank :: self.dp_size]
+        chunks = [c for part in gathered for c in part][self.cut.rank :: self.cut.size]
         return [(batch, {k: v.to(self.device) for k, v in rows.items()}) for batch, rows in chunks]
 
     def _score(self, prompts: List[str], responses: List[str], fields: List[Dict], rows: SampleRows) -> torch.Tensor:
@@ -467,7 +471,7 @@ class PPOController:
             out = {"returns/mean": ppo.masked_mean(r.returns, mask).item(),
                    "values/mean": ppo.masked_mean(r.old_values, mask).item()}
         if estimator.whitened(p.whiten_advantages):  # by the statistics of the whole rollout, not this rank's share
-            moments = sum_over(ppo.masked_moments(advantages, mask), self.dp_group)
+            moments = sum_over(ppo.masked_moments(advantages, mask), self.cut.group)
             advantages = ppo.whiten_with_moments(advantages, mask, moments)
         r.advantages = advantages
         return {
@@ -505,7 +509,7 @@ class PPOController:
         cfg = self.config
         role = self.roles[name]
         rows = columns["tokens"].shape[0]
-        step_rows = cfg.samples_per_step(name) // self.dp_size
+        step_rows = cfg.samples_per_step(name) // self.cut.size
         steps: List[List[Dict[str, torch.Tensor]]] = []  # per optimizer step, its micro-batches' metric sums
         grad_norms, skipped, router_losses = [], 0, []
         with self._resident(name, "training"):
@@ -529,7 +533,7 @@ class PPOController:
                     steps.append(result["metrics"])
                     grad_norms.append(float(result["grad_norm"]))
                     router_losses.append(result["moe"])
-        metrics = reported_metrics(steps, prefix, stats, self.device, self.dp_group) if steps else {f"loss/{prefix}": float("nan")}
+        metrics = reported_metrics(steps, prefix, stats, self.device, self.cut.group) if steps else {f"loss/{prefix}": float("nan")}
         grad_norm = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         # Each step's router losses are already the same on every rank: the mean over the steps.
         router = {f"{prefix}/{k}": sum(r[k] for r in router_losses) / len(router_losses) for k in router_losses[0]} \
@@ -539,14 +543,14 @@ class PPOController:
     def _dp_mean(self, metrics: Dict[str, float]) -> Dict[str, float]:
         """The mean over DP ranks (equal shares of the rollout), the sum for counts. A metric only
         some ranks have (a reward's sub-score where every call of it failed) is the mean of those."""
-        if self.dp_size == 1:
+        if self.cut.size == 1:
             return metrics
-        names = [None] * self.dp_size
-        dist.all_gather_object(names, sorted(metrics), group=self.dp_group)
+        names = [None] * self.cut.size
+        dist.all_gather_object(names, sorted(metrics), group=self.cut.group)
         keys = sorted(set().union(*names))
         local = torch.tensor([[metrics.get(k, 0.0), float(k in metrics)] for k in keys], dtype=torch.float64,
                              device=self.device)
-        totals = sum_over(local, self.dp_group).tolist()
+        totals = sum_over(local, self.cut.group).tolist()
         return {k: v if k in COUNTED_METRICS else v / present for k, (v, present) in zip(keys, totals)}
 
 

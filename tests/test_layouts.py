@@ -51,6 +51,7 @@ def test_serving_roles_at_their_own_layouts_give_the_same_iteration(workers):
             for key, value in same["metrics"].items():
                 if not key.startswith(("time/", "weight_sync/")):  # the bytes synced depend on the layout
                     assert abs(value - mixed["metrics"][key]) <= 1e-5, (mode, key, value, mixed["metrics"][key])
+        assert r["resume/resumed"] == r["resume/whole"]  # the resumed policy runs the restored weights
         ems_off, ems_on = r["mixed/sampled/ems_off"], r["mixed/sampled"]
         for key, column in ems_on["columns"].items():
             assert torch.equal(column, ems_off["columns"][key]), key

@@ -12,6 +12,7 @@ from common import OUT_DIR, save
 
 from megatron.core import parallel_state as ps
 
+from megatron_rlhf.checkpoint import ppo_state
 from megatron_rlhf.checkpoint.model_files import save_shard, write_model_meta
 from megatron_rlhf.config.validation import validate
 from megatron_rlhf.controller import PPOController
@@ -30,6 +31,10 @@ base = prepared.config
 base.ppo.value_clip = None
 init_distributed(base.parallel, seed=base.seed)
 CHECKPOINT = os.path.join(OUT_DIR, "reference_tp2")
+
+
+def without_times(metrics):
+    return {k: v for k, v in metrics.items() if not k.startswith("time/")}
 
 
 def mixed(config):
@@ -81,4 +86,14 @@ _, result["same/sampled"] = iteration(base, greedy=False)
 _, result["mixed/greedy"] = iteration(mixed(base), greedy=True)
 _, result["mixed/sampled"] = iteration(mixed(base), greedy=False)
 _, result["mixed/sampled/ems_off"] = iteration(mixed(base), greedy=False, free_memory=False)
+
+# Resume: a checkpoint after the first iteration, loaded by a fresh controller, continues the run;
+# the policy at its own layout is served the restored weights, not its starting ones.
+interrupted, _ = iteration(mixed(base), greedy=False)
+path = ppo_state.save_ppo_checkpoint(interrupted.roles, interrupted.state_dict(), OUT_DIR)
+result["resume/whole"] = without_times(interrupted.step())
+resumed = PPOController(mixed(base), copy.deepcopy(prepared.dataset), prepared.tokenizer, interrupted.reward_scorer,
+                        MemoryLedger(None))
+resumed.load_state_dict(ppo_state.load_ppo_checkpoint(resumed.roles, path))
+result["resume/resumed"] = without_times(resumed.step())
 save(result)
