@@ -114,15 +114,18 @@ def _span(ranks: List[int]) -> str:
 def _own_layout_text(config: RLHFConfig, role: str, world_size: int) -> str:
     """A serving role's own layout: its sizes, first groups, and where its weights come from."""
     own = config.layout_of(role)
-    tp, pp = own.tensor_model_parallel_size, own.pipeline_model_parallel_size
+    tp, pp, ep = own.tensor_model_parallel_size, own.pipeline_model_parallel_size, own.expert_model_parallel_size
+    ep = ep if config.role(role).model.num_experts else 1
     dp = world_size // (tp * pp)
-    groups = rank_groups(tp, pp, dp)
+    groups = rank_groups(tp, pp, dp, ep)
+    experts = (f"; EP={ep}, expert-parallel groups first {_span(groups['ep'][0])}, expert-data-parallel first "
+               f"{_span(groups['edp'][0])}" if ep > 1 else "")
     served = config.served_weights.get(role)
     source = (f"served from {served} by megatron-core's resharding after every training phase" if served
               else f"loaded from {role}.load")
     return (f"{'':<11}own layout: TP={tp} PP={pp} DP={dp}; tensor-parallel groups first {_span(groups['tp'][0])}, "
             f"data-parallel first {_span(groups['dp'][0])}, pipeline stages " +
-            "; ".join(f"{s}: {_span(sorted(g[s] for g in groups['pp']))}" for s in range(pp)) + f"; weights {source}")
+            "; ".join(f"{s}: {_span(sorted(g[s] for g in groups['pp']))}" for s in range(pp)) + experts + f"; weights {source}")
 
 
 def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str:

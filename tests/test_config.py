@@ -373,7 +373,8 @@ def test_a_serving_roles_own_layout_is_checked_like_the_runs(tmp_path):
     assert config.has_own_layout("policy") and not config.has_own_layout("reference")
     assert config.weight_owner("policy") is None  # two layouts never share storage
     # Its own faults name its own key, and say what would be right.
-    top = layouts_setup(tmp_path, "", policy="tensor_model_parallel_size: 3, pipeline_model_parallel_size: 3",
+    top = layouts_setup(tmp_path, "", policy="tensor_model_parallel_size: 3, pipeline_model_parallel_size: 3, "
+                                             "expert_model_parallel_size: 2",
                         ppo_value="tensor_model_parallel_size: 1", reference="pipeline_model_parallel_size: 2")
     with pytest.raises(ConfigError) as err:
         load_config(str(top), world_size=4)
@@ -383,4 +384,23 @@ def test_a_serving_roles_own_layout_is_checked_like_the_runs(tmp_path):
     assert "policy.parallel.pipeline_model_parallel_size: 3 does not divide policy's num_layers=2" in text
     assert "ppo_value.parallel: ppo_value is trained, and trained roles run at the run's layout" in text
     assert "reference.parallel: reference at its own layout needs reference.load" in text
+    assert "policy.parallel.expert_model_parallel_size: policy's model has no experts; remove it" in text
     assert "does not divide policy, " not in text  # the run's layout is fine for the other roles
+
+
+def test_a_policy_of_its_own_expert_layout_and_what_routing_replay_needs(monkeypatch):
+    from megatron_rlhf.config.validation import layout_problems
+
+    monkeypatch.delenv("TP", raising=False)
+    monkeypatch.delenv("EP", raising=False)
+    config = load_config(os.path.join(REPO, "examples", "tiny", "moe.yaml"), world_size=4, check_inputs=False)
+    config.policy.parallel.expert_model_parallel_size = 4
+    assert layout_problems(config, 4) == []  # EP=4 of DP=4 at TP=1
+    config.policy.parallel.expert_model_parallel_size = 3
+    assert any("policy.parallel: EP 3 does not divide policy's data-parallel size 4" in p for p in layout_problems(config, 4))
+    config.policy.parallel.expert_model_parallel_size = None
+    config.policy.parallel.pipeline_model_parallel_size = 2  # the routing record is per stage: PP as training's
+    assert any("policy.parallel: PP 2, but moe.routing_replay: rollout records each pipeline stage's layers" in p
+               for p in layout_problems(config, 4))
+    config.moe.routing_replay = "off"
+    assert layout_problems(config, 4) == []

@@ -35,15 +35,22 @@ def test_serving_roles_at_their_own_layouts_give_the_same_iteration(workers):
     TP=2: the greedy rollout token for token, per-token columns within 1e-5 where they count, one
     iteration's metrics within 1e-5 (greedy and sampled, same streams); EMS on == off bit-exact."""
     for r in workers(2, "role_layouts", timeout=240):
-        assert r["mixed/greedy"]["layouts"] == {"policy": (1, 1), "value": (1, 1), "reference": (1, 2),
-                                                "ppo_policy": (2, 1), "ppo_value": (2, 1)}
-        assert set(r["same/greedy"]["layouts"].values()) == {(2, 1)}
-        for mode in ("greedy", "sampled"):
-            same, mixed = r[f"same/{mode}"], r[f"mixed/{mode}"]
+        assert r["mixed/greedy"]["layouts"] == {"policy": (1, 1, 1), "value": (1, 1, 1), "reference": (1, 2, 1),
+                                                "ppo_policy": (2, 1, 1), "ppo_value": (2, 1, 1)}
+        assert set(r["same/greedy"]["layouts"].values()) == {(2, 1, 1)}
+        # A mixture of experts: the run at EP=2, the policy at EP=1.
+        assert r["moe/mixed/greedy"]["layouts"] == {"policy": (1, 1, 1), "reference": (1, 1, 2), "ppo_policy": (1, 1, 2)}
+        for mode in ("greedy", "sampled", "moe/greedy", "moe/sampled"):
+            kind, _, mode = mode.rpartition("/")
+            same, mixed = r[f"{kind}{'/' if kind else ''}same/{mode}"], r[f"{kind}{'/' if kind else ''}mixed/{mode}"]
             assert torch.equal(same["columns"]["tokens"], mixed["columns"]["tokens"]), mode
             mask = same["columns"]["action_mask"].bool()
             assert torch.equal(mask, mixed["columns"]["action_mask"].bool())
+            if "routes" in same["columns"]:  # routing replay's record (from the rollout): every routing alike
+                assert torch.equal(same["columns"]["routes"], mixed["columns"]["routes"]), mode
             for key in ("old_log_probs", "ref_log_probs", "old_values"):
+                if key not in same["columns"]:
+                    continue
                 gap = (same["columns"][key] - mixed["columns"][key])[mask].abs().max().item()
                 assert gap <= 1e-5, (mode, key, gap)
             assert torch.equal(same["columns"]["scores"], mixed["columns"]["scores"])

@@ -32,7 +32,7 @@
 #   OUTPUT_DIR               metrics, memory ledger, TensorBoard, checkpoints [outputs/PRESET-ppo]
 #   NNODES, GPUS_PER_NODE    * nodes, and GPUs (processes) per node
 #   TP, PP, EP               * tensor, pipeline and expert parallel sizes (the trained roles' layout)
-#   ROLLOUT_TP, ROLLOUT_PP   the policy's own TP and PP for generation and old log-probs [the run's]
+#   ROLLOUT_TP, ROLLOUT_PP, ROLLOUT_EP  the policy's own layout for generation and old log-probs [the run's]
 #   free_memory_policy, free_memory_reference, free_memory_reward, free_memory_value,
 #   free_memory_ppo_policy, free_memory_ppo_value
 #                            EMS: True frees the role's device memory while it is idle [True]

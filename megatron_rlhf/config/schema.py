@@ -168,10 +168,12 @@ class ParallelConfig:
 @dataclasses.dataclass
 class RoleLayoutConfig:
     """A serving role's own layout (policy, reference, reward, value); DP follows from the world
-    size. None: the run's (``parallel.*``). Trained roles always run at the run's layout."""
+    size (experts split over EP of its DP ranks). None: the run's (``parallel.*``). Trained roles
+    always run at the run's layout."""
 
     tensor_model_parallel_size: Optional[int] = bounded(None, ge=1)
     pipeline_model_parallel_size: Optional[int] = bounded(None, ge=1)
+    expert_model_parallel_size: Optional[int] = bounded(None, ge=1)  # a model with experts
 
 
 # The per-kind EMS switches of a role (RoleConfig fields; EMSSwitches carries the same names).
@@ -487,11 +489,8 @@ class RLHFConfig:
     def layout_of(self, role: str) -> ParallelConfig:
         """The parallel layout ``role`` runs at: its own ``parallel`` sizes where set, else the run's."""
         own = self.role(role).parallel
-        return dataclasses.replace(
-            self.parallel,
-            tensor_model_parallel_size=own.tensor_model_parallel_size or self.parallel.tensor_model_parallel_size,
-            pipeline_model_parallel_size=own.pipeline_model_parallel_size or self.parallel.pipeline_model_parallel_size,
-        )
+        return dataclasses.replace(self.parallel, **{f.name: getattr(own, f.name) or getattr(self.parallel, f.name)
+                                                     for f in dataclasses.fields(own)})
 
     def has_own_layout(self, role: str) -> bool:
         """Whether ``role`` runs at a layout other than the run's (its own process groups)."""

@@ -146,10 +146,10 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
         role = ", ".join(users)
         at = f"{users[0]}.model"
         file = config.source_of(at)
-        tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+        tp, pp, ep = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.expert_model_parallel_size
         own = [r for r in users if config.has_own_layout(r)]
-        tp_key, pp_key = ((f"{own[0]}.parallel.tensor_model_parallel_size", f"{own[0]}.parallel.pipeline_model_parallel_size")
-                          if own else ("parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size"))
+        prefix = f"{own[0]}.parallel" if own else "parallel"
+        tp_key, pp_key, ep_key = (f"{prefix}.{size}_model_parallel_size" for size in ("tensor", "pipeline", "expert"))
         heads, groups = m.num_attention_heads, m.kv_groups
         if heads % groups != 0:
             problems.append(
@@ -198,6 +198,7 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
                                 f"({file}): megatron-core trains MoE layers at TP > 1 only with sequence parallelism, "
                                 "which these runs do not use; split the model with expert_model_parallel_size and "
                                 "pipeline_model_parallel_size at tensor_model_parallel_size: 1")
+    ep = par.expert_model_parallel_size
     if ep > 1 and not any(n[1].num_experts for n in networks):
         problems.append(f"{config.at(ep_key)}: {ep}, but no role's model has experts; set it to 1")
     for role in config.model_roles:
@@ -231,7 +232,7 @@ def _role_layout_problems(config: RLHFConfig, world_size: Optional[int]) -> List
     problems = []
     for role in config.roles:
         own = config.role(role).parallel
-        if own.tensor_model_parallel_size is None and own.pipeline_model_parallel_size is None:
+        if all(getattr(own, f.name) is None for f in dataclasses.fields(own)):
             continue
         at = config.at(f"{role}.parallel")
         if role in TRAINABLE_ROLES:
@@ -242,17 +243,26 @@ def _role_layout_problems(config: RLHFConfig, world_size: Optional[int]) -> List
             problems.append(f"{at}: the reward is a function here (reward.type: function): no model to lay out")
             continue
         layout = config.layout_of(role)
-        tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+        tp, pp, ep = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.expert_model_parallel_size
         arch = config.role(role).model
-        if arch.num_experts:
-            problems.append(f"{at}: {role}'s model has experts; a role's own layout takes dense models only "
-                            "(mixtures of experts run at the run's layout: remove it)")
+        if own.expert_model_parallel_size and not arch.num_experts:
+            problems.append(f"{at}.expert_model_parallel_size: {role}'s model has no experts; remove it")
         if world_size is not None and world_size % (tp * pp):
             problems.append(f"{at}: TP*PP = {tp}*{pp} does not divide the world size {world_size}; valid TP*PP: "
                             f"{_divisors(world_size)}")
-        elif world_size is not None and config.rollout_samples % (world_size // (tp * pp)):
-            problems.append(f"{at}: {role}'s data-parallel size {world_size // (tp * pp)} does not divide the rollout's "
-                            f"{config.rollout_samples} responses (ppo.rollout_batch_size x samples_per_prompt)")
+        elif world_size is not None:
+            dp = world_size // (tp * pp)
+            if config.rollout_samples % dp:
+                problems.append(f"{at}: {role}'s data-parallel size {dp} does not divide the rollout's "
+                                f"{config.rollout_samples} responses (ppo.rollout_batch_size x samples_per_prompt)")
+            if arch.num_experts and dp % ep:
+                problems.append(f"{at}: EP {ep} does not divide {role}'s data-parallel size {dp} (megatron takes the "
+                                f"expert-parallel ranks from the data-parallel ones); valid EP: {_divisors(dp)}")
+        if role == "policy" and config.moe.routing_replay != "off" and \
+                pp != config.parallel.pipeline_model_parallel_size:
+            problems.append(f"{at}: PP {pp}, but moe.routing_replay: {config.moe.routing_replay} records each "
+                            "pipeline stage's layers: replay needs the policy at the trained layout's PP "
+                            f"({config.parallel.pipeline_model_parallel_size}); set the PP alike or routing_replay: off")
         if arch.vocab_size and config.padded_vocab(arch) % tp:
             problems.append(f"{at}: TP {tp} does not divide the padded vocabulary {config.padded_vocab(arch)} (padded "
                             "for the run's TP, so that every layout exchanges weights with the trained roles)")

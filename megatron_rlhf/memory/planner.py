@@ -179,18 +179,19 @@ def reshard_buffer_bytes(config: RLHFConfig, serving: str, world_size: int) -> i
     (a role of its own layout) its trained role's weights: a receive buffer for every slice of the
     serving shard, and where the serving TP is larger than the trained one, a contiguous copy of each
     sent slice of the row-parallel weights (attention output and MLP down projections, cut along
-    their inputs). 0 for a role served without resharding."""
+    their inputs; of the dense layers only). 0 for a role served without resharding."""
     trained = config.served_weights.get(serving)
     if trained is None or not config.has_own_layout(serving):
         return 0
     rc, arch, head = config.role(serving), config.role(serving).model, ROLE_HEADS[serving]
     own, run = config.layout_of(serving), config.parallel
-    stp, spp = own.tensor_model_parallel_size, own.pipeline_model_parallel_size
+    stp, spp, sep = own.tensor_model_parallel_size, own.pipeline_model_parallel_size, own.expert_model_parallel_size
     vocab = config.padded_vocab(arch)
-    received = max(sum(param_numels(arch, head, stp, spp, r, vocab)) for r in range(spp)) * BYTES[rc.precision]
+    received = max(sum(param_numels(arch, head, stp, spp, r, vocab)) + sum(expert_numels(arch, stp, spp, r, sep))
+                   for r in range(spp)) * BYTES[rc.precision]
     copied = 0
     ttp, tpp = run.tensor_model_parallel_size, run.pipeline_model_parallel_size
-    if stp > ttp:
+    if stp > ttp and not arch.num_experts:
         h, hd = arch.hidden_size, arch.kv_channels
         row_parallel = h * arch.num_attention_heads * hd // ttp + h * arch.ffn_hidden_size // ttp
         copied = arch.num_layers // tpp * row_parallel * BYTES[config.role(trained).precision]
@@ -240,7 +241,8 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
         own = config.layout_of(name)
         rtp, rpp = own.tensor_model_parallel_size, own.pipeline_model_parallel_size
         rdp, vocab = world_size // (rtp * rpp), config.padded_vocab(rc.model)
-        stages = [state_bytes(rc, ROLE_HEADS[name], trainable, rtp, rpp, rdp, r, ep=ep, padded_vocab=vocab) for r in range(rpp)]
+        stages = [state_bytes(rc, ROLE_HEADS[name], trainable, rtp, rpp, rdp, r, ep=own.expert_model_parallel_size,
+                              padded_vocab=vocab) for r in range(rpp)]
         roles[name] = max(stages, key=lambda s: sum(s.values()))
         # 1F1B: the first stage holds up to PP micro-batches' activations before its first backward.
         in_flight = min(rpp, micro_batches_per_step(config, name, rdp)) if trainable else 1

@@ -102,8 +102,8 @@ def build_role(name: str, config: RLHFConfig) -> Role:
         precision=role_config.precision,
         recompute_activations=role_config.recompute_activations,
         cuda_graph_impl=role_config.cuda_graph_impl,
-        pg_collection=(layout_groups(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size)
-                       if config.has_own_layout(name) else None),
+        pg_collection=(layout_groups(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+                                     layout.expert_model_parallel_size) if config.has_own_layout(name) else None),
         padded_vocab=config.padded_vocab(role_config.model),
     )
     if role_config.load is not None:

@@ -28,13 +28,14 @@ def reshard_weights(trained: torch.nn.Module, serving: torch.nn.Module, holding=
     manager around the transfer, given the buffers megatron allocated for it (the ledger's record)."""
     from megatron.core.resharding.refit import get_or_create_service, swap_model_weights
 
+    from megatron_rlhf.runtime.megatron_compat import sequential_experts_resharded
     from megatron_rlhf.runtime.platform import get_platform
 
     service = get_or_create_service(get_platform().dist_backend)
     if holding is not None:
         models = (unwrap(trained), unwrap(serving))
         service = _buffer_recorder(service, {p.untyped_storage().data_ptr() for m in models for p in m.parameters()}, holding)
-    with torch.no_grad():
+    with torch.no_grad(), sequential_experts_resharded():
         swap_model_weights(unwrap(trained), unwrap(serving), service)
 
 

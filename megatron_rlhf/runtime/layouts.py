@@ -13,19 +13,23 @@ from typing import Dict, List, Tuple
 _BUILT: Dict[Tuple[int, int], object] = {}
 
 
-def layout_groups(tp: int, pp: int):
-    """This rank's ProcessGroupCollection for the dense layout TP x PP x DP (DP = world / (TP x PP))."""
+def layout_groups(tp: int, pp: int, ep: int = 1):
+    """This rank's ProcessGroupCollection for the layout TP x PP x DP (DP = world / (TP x PP)), with
+    experts split over EP ranks taken from the DP ones (each expert split over TP, as megatron's
+    default expert TP; expert DP = DP / EP)."""
     import torch.distributed as dist
     from megatron.core.parallel_state import RankGenerator
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    key = (tp, pp)
+    key = (tp, pp, ep)
     if key in _BUILT:
         return _BUILT[key]
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"a layout of TP={tp} x PP={pp} does not divide the world of {world} ranks")
-    ranks = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    if world % (tp * pp) or (world // (tp * pp)) % ep:
+        raise ValueError(f"a layout of TP={tp} x PP={pp} x EP={ep} does not divide the world of {world} ranks")
+    dp = world // (tp * pp)
+    ranks = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    experts = RankGenerator(tp=tp, ep=ep, dp=dp // ep, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
     me = dist.get_rank()
 
     def group(enumeration: List[List[int]]):
@@ -38,13 +42,15 @@ def layout_groups(tp: int, pp: int):
 
     pipelines = ranks.get_ranks("pp")
     groups = {kind.replace("-", "_"): group(ranks.get_ranks(kind))
-              for kind in ("tp", "cp", "dp", "pp", "tp-pp", "tp-cp", "dp-cp", "tp-dp-cp", "ep")}
+              for kind in ("tp", "cp", "dp", "pp", "tp-pp", "tp-cp", "dp-cp", "tp-dp-cp")}
     groups["mp"] = groups.pop("tp_pp")
     # The tied embedding's group (first and last stage) and the position embedding's (first stage).
     groups["embd"] = group([[p[0], p[-1]] for p in pipelines])
     groups["pos_embd"] = group([[p[0]] for p in pipelines])
-    # Without experts split: each expert spans TP like a dense MLP and is reduced over DP.
-    groups["expt_tp"], groups["expt_dp"] = groups["tp"], groups["dp"]
+    # The experts' groups, numbered as megatron numbers them (its expert rank generator).
+    groups.update(ep=group(experts.get_ranks("ep")), expt_tp=group(experts.get_ranks("tp")),
+                  tp_ep=group(experts.get_ranks("tp-ep")), tp_ep_pp=group(experts.get_ranks("tp-ep-pp")),
+                  expt_dp=group(experts.get_ranks("dp")))
     _BUILT[key] = ProcessGroupCollection(**groups)
     return _BUILT[key]
 

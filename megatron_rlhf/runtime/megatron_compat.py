@@ -100,6 +100,11 @@ ANCHORS: Dict[str, Tuple[Site, ...]] = {
         Site("resharding/refit.py", 'setattr(tgt_core, "_cached_reshard_plan", plan)'),
         Site("resharding/utils.py", "my_slice: tuple[slice, ...]"),
     ),
+    "reshard_sequential_experts": (  # resharding names experts globally for TEGroupedMLP's weightK only
+        Site("resharding/utils.py", "def assign_ep_resolved_name_inplace("),
+        Site("resharding/utils.py", "local_idx = _detect_expert_index_from_param_name(base)"),
+        Site("resharding/utils.py", "assign_ep_resolved_name_inplace(meta, base_name=name)"),
+    ),
     "grad_sync_hooks": (
         Site("model_parallel_config.py", "finalize_model_grads_func"),
         Site("model_parallel_config.py", "no_sync_func"),
@@ -303,6 +308,35 @@ def reshard_receives(gpt_model: torch.nn.Module) -> List[Tuple[str, tuple]]:
     ``gpt_model`` (from the plan it cached on the model's first resharding; [] before)."""
     plan = getattr(gpt_model, "_cached_reshard_plan", None)
     return [] if plan is None else [(op.param_name, op.my_slice) for op in plan.recv_ops]
+
+
+@contextlib.contextmanager
+def sequential_experts_resharded():
+    """megatron's resharding matches an expert's parameters across EP layouts by a global expert
+    index it reads only from TEGroupedMLP's names (``weight3``); SequentialMLP's experts
+    (``local_experts.3.linear_fc1.weight``, the layout used here) would be matched by their local
+    index and refused. Within the block, such names get the global index too: EP rank r of E holds
+    experts r * (N / E) ... (r + 1) * (N / E) - 1, as megatron places them."""
+    from megatron.core.resharding import utils
+
+    original = utils.assign_ep_resolved_name_inplace
+
+    def resolved(meta, *, base_name=None):
+        original(meta, base_name=base_name)
+        parts = meta.resolved_name.split(".")
+        if not meta.is_ep or meta.global_expert_index is not None or "local_experts" not in parts:
+            return
+        at = parts.index("local_experts") + 1
+        ranks = meta.expert_parallel_group_ranks
+        meta.global_expert_index = ranks.index(meta.owner_rank) * (meta.num_experts // len(ranks)) + int(parts[at])
+        parts[at] = str(meta.global_expert_index)
+        meta.resolved_name = ".".join(parts)
+
+    utils.assign_ep_resolved_name_inplace = resolved
+    try:
+        yield
+    finally:
+        utils.assign_ep_resolved_name_inplace = original
 
 
 def attention_layers(gpt_model: torch.nn.Module) -> List[torch.nn.Module]:

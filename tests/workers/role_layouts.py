@@ -8,7 +8,7 @@ import copy
 import os
 
 import torch.distributed as dist
-from common import OUT_DIR, save
+from common import OUT_DIR, save, setup
 
 from megatron.core import parallel_state as ps
 
@@ -49,13 +49,13 @@ def mixed(config):
     return config
 
 
-def iteration(config, greedy: bool, free_memory: bool = True):
+def iteration(config, greedy: bool, free_memory: bool = True, source=prepared):
     config = copy.deepcopy(config)
     config.generation.greedy = greedy
     for role in config.model_roles:
         config.role(role).free_memory = free_memory
-    scorer = RewardPool(prepared.reward_functions, num_workers=1) if ps.get_model_parallel_group().rank() == 0 else None
-    controller = PPOController(config, copy.deepcopy(prepared.dataset), prepared.tokenizer, scorer, MemoryLedger(None))
+    scorer = RewardPool(source.reward_functions, num_workers=1) if ps.get_model_parallel_group().rank() == 0 else None
+    controller = PPOController(config, copy.deepcopy(source.dataset), source.tokenizer, scorer, MemoryLedger(None))
     captured = {}
     advantages = controller._advantages
 
@@ -67,8 +67,8 @@ def iteration(config, greedy: bool, free_memory: bool = True):
     metrics = controller.step()
     r = captured["rollout"]
     columns = {k: getattr(r, k).cpu() for k in ("tokens", "response_lengths", "old_log_probs", "ref_log_probs",
-                                                "old_values", "action_mask", "scores")}
-    layouts = {name: (groups_of(role.model).tp.size(), groups_of(role.model).pp.size())
+                                                "old_values", "action_mask", "scores", "routes") if getattr(r, k) is not None}
+    layouts = {name: (groups_of(role.model).tp.size(), groups_of(role.model).pp.size(), groups_of(role.model).ep.size())
                for name, role in controller.roles.items()}
     return controller, {"columns": columns, "metrics": metrics, "layouts": layouts}
 
@@ -96,4 +96,17 @@ resumed = PPOController(mixed(base), copy.deepcopy(prepared.dataset), prepared.t
                         MemoryLedger(None))
 resumed.load_state_dict(ppo_state.load_ppo_checkpoint(resumed.roles, path))
 result["resume/resumed"] = without_times(resumed.step())
+
+# A mixture of experts (the MoE demo: GRPO, routing replayed from the rollout): the run at TP=1 x EP=2
+# (DP=2), the policy at EP=1 (every expert on every rank), served by resharding.
+os.environ.update(TP="1", EP="2")
+moe = prepare(parse_args(["--config", "examples/tiny/moe.yaml", "--output-dir", os.path.join(OUT_DIR, "moe")]),
+              int(os.environ["WORLD_SIZE"]))
+setup(1, 1, ep=2, seed=moe.config.seed)
+moe_mixed = copy.deepcopy(moe.config)
+moe_mixed.policy.parallel.expert_model_parallel_size = 1
+validate(moe_mixed, dist.get_world_size())
+for mode, greedy in (("greedy", True), ("sampled", False)):
+    _, result[f"moe/same/{mode}"] = iteration(moe.config, greedy, source=moe)
+    _, result[f"moe/mixed/{mode}"] = iteration(moe_mixed, greedy, source=moe)
 save(result)
