@@ -45,4 +45,18 @@ def reward_pool(functions):
     return RewardPool(functions if isinstance(functions, dict) else {functions: 1.0}, num_workers=1)
 
 
+def capture_rollouts(controller) -> dict:
+    """``captured["rollout"]``: the Rollout of the controller's latest iteration (as its advantages
+    are computed)."""
+    captured = {}
+    advantages = controller._advantages
+
+    def spy(rollout):
+        captured["rollout"] = rollout
+        return advantages(rollout)
+
+    controller._advantages = spy
+    return captured
+
+
 REWARDS_FOR_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rewards_for_tests.py")

@@ -6,7 +6,7 @@ metrics and the prompts the dataset served, in order."""
 import copy
 import os
 
-from common import OUT_DIR, REWARDS_FOR_TESTS, reward_pool, save
+from common import OUT_DIR, REWARDS_FOR_TESTS, capture_rollouts, reward_pool, save
 
 from megatron_rlhf.controller import PPOController
 from megatron_rlhf.memory import MemoryLedger
@@ -22,16 +22,7 @@ untouched = copy.deepcopy(dataset)
 
 init_distributed(config.parallel, seed=config.seed)
 controller = PPOController(config, dataset, tokenizer, reward_pool(f"{REWARDS_FOR_TESTS}:signal_after_n"), MemoryLedger(None))
-captured = {}
-advantages = controller._advantages
-
-
-def spy(rollout):
-    captured["rollout"] = rollout
-    return advantages(rollout)
-
-
-controller._advantages = spy
+captured = capture_rollouts(controller)
 metrics = controller.step()
 served = []
 while untouched.consumed < dataset.consumed:

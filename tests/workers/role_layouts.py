@@ -8,7 +8,7 @@ import copy
 import os
 
 import torch.distributed as dist
-from common import OUT_DIR, save, setup
+from common import OUT_DIR, capture_rollouts, save, setup
 
 from megatron.core import parallel_state as ps
 
@@ -56,14 +56,7 @@ def iteration(config, greedy: bool, free_memory: bool = True, source=prepared):
         config.role(role).free_memory = free_memory
     scorer = RewardPool(source.reward_functions, num_workers=1) if ps.get_model_parallel_group().rank() == 0 else None
     controller = PPOController(config, copy.deepcopy(source.dataset), source.tokenizer, scorer, MemoryLedger(None))
-    captured = {}
-    advantages = controller._advantages
-
-    def spy(rollout):
-        captured["rollout"] = rollout
-        return advantages(rollout)
-
-    controller._advantages = spy
+    captured = capture_rollouts(controller)
     metrics = controller.step()
     r = captured["rollout"]
     columns = {k: getattr(r, k).cpu() for k in ("tokens", "response_lengths", "old_log_probs", "ref_log_probs",
