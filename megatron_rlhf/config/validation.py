@@ -198,9 +198,9 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
                                 f"({file}): megatron-core trains MoE layers at TP > 1 only with sequence parallelism, "
                                 "which these runs do not use; split the model with expert_model_parallel_size and "
                                 "pipeline_model_parallel_size at tensor_model_parallel_size: 1")
-    ep = par.expert_model_parallel_size
-    if ep > 1 and not any(n[1].num_experts for n in networks):
-        problems.append(f"{config.at(ep_key)}: {ep}, but no role's model has experts; set it to 1")
+    if par.expert_model_parallel_size > 1 and not any(n[1].num_experts for n in networks):
+        problems.append(f"{config.at('parallel.expert_model_parallel_size')}: {par.expert_model_parallel_size}, but no "
+                        "role's model has experts; set it to 1")
     for role in config.model_roles:
         rc = config.role(role)
         if role in TRAINABLE_ROLES and rc.global_batch_size is not None and dp is not None \

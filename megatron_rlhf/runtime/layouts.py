@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-_BUILT: Dict[Tuple[int, int], object] = {}
+_BUILT: Dict[Tuple[int, int, int], object] = {}  # (tp, pp, ep) -> groups
 
 
 def layout_groups(tp: int, pp: int, ep: int = 1):
