@@ -1,7 +1,8 @@
 """Distributed start-up from torchrun's environment and megatron's parallel state.
 
-All roles share one parallel layout: megatron.core.parallel_state holds one set of TP/PP/DP groups
-per process, and EMS relies on every role living on the same ranks.
+megatron.core.parallel_state holds the run's TP/PP/DP(/EP) groups: the trained roles' layout. Every
+role lives on the same ranks (EMS relies on it); a serving role of its own layout runs on groups of
+its own over those ranks (runtime/layouts.py).
 """
 
 from __future__ import annotations
