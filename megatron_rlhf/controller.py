@@ -533,7 +533,8 @@ class PPOController:
                     steps.append(result["metrics"])
                     grad_norms.append(float(result["grad_norm"]))
                     router_losses.append(result["moe"])
-        metrics = reported_metrics(steps, prefix, stats, self.device, self.cut.group) if steps else {f"loss/{prefix}": float("nan")}
+        metrics = reported_metrics(steps, prefix, stats, self.device, self.cut.group, groups_of(role.model).pp) \
+            if steps else {f"loss/{prefix}": float("nan")}
         grad_norm = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         # Each step's router losses are already the same on every rank: the mean over the steps.
         router = {f"{prefix}/{k}": sum(r[k] for r in router_losses) / len(router_losses) for k in router_losses[0]} \

@@ -184,8 +184,8 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
         if arch.num_experts:
             active = params - experts + experts * arch.moe_router_topk // arch.num_experts
             lines.append(f"{'':<11}experts: {arch.num_experts} in each of {sum(arch.moe_layers())} layers, top-"
-                         f"{arch.moe_router_topk} per token ({_count(active)} parameters active), {arch.num_experts // ep} "
-                         f"per EP rank")
+                         f"{arch.moe_router_topk} per token ({_count(active)} parameters active), "
+                         f"{arch.num_experts // config.layout_of(role).expert_model_parallel_size} per EP rank")
         if rc.load:
             lines.append(f"{'':<11}load: {config.path_of(role + '.load')}")
     if config.reward.type == "function":

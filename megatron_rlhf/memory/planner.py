@@ -183,12 +183,12 @@ def reshard_buffer_bytes(config: RLHFConfig, serving: str, world_size: int) -> i
     trained = config.served_weights.get(serving)
     if trained is None or not config.has_own_layout(serving):
         return 0
-    rc, arch, head = config.role(serving), config.role(serving).model, ROLE_HEADS[serving]
+    rc, arch = config.role(serving), config.role(serving).model
     own, run = config.layout_of(serving), config.parallel
-    stp, spp, sep = own.tensor_model_parallel_size, own.pipeline_model_parallel_size, own.expert_model_parallel_size
-    vocab = config.padded_vocab(arch)
-    received = max(sum(param_numels(arch, head, stp, spp, r, vocab)) + sum(expert_numels(arch, stp, spp, r, sep))
-                   for r in range(spp)) * BYTES[rc.precision]
+    stp, spp = own.tensor_model_parallel_size, own.pipeline_model_parallel_size
+    received = max(state_bytes(rc, ROLE_HEADS[serving], False, stp, spp, world_size // (stp * spp), r,
+                               ep=own.expert_model_parallel_size, padded_vocab=config.padded_vocab(arch))[WEIGHTS]
+                   for r in range(spp))  # the serving shard's weights, each element received once
     copied = 0
     ttp, tpp = run.tensor_model_parallel_size, run.pipeline_model_parallel_size
     if stp > ttp and not arch.num_experts:

@@ -10,7 +10,7 @@ import torch
 from megatron_rlhf.config.schema import RoleConfig
 from megatron_rlhf.models import routing
 from megatron_rlhf.models.batches import at_actions, next_tokens
-from megatron_rlhf.models.decoder import unwrap
+from megatron_rlhf.models.decoder import groups_of, unwrap
 from megatron_rlhf.runtime import megatron_compat as compat
 from megatron_rlhf.runtime.platform import get_platform
 from megatron_rlhf.models.pipeline import LossFn, MicroBatch, forward_backward
@@ -70,29 +70,28 @@ def train_step(
     if grad_norm is None:  # megatron measures the norm only when it clips (clip_grad > 0)
         grad_norm = compat.unclipped_grad_norm(optimizer)
     return {"metrics": metrics, "grad_norm": grad_norm, "update_successful": update_successful, "non_finite": None,
-            "moe": {**moe_losses(unwrap(ddp_model).config, len(micro_batches)), **_replay_stats(ddp_model)}}
+            "moe": {**moe_losses(ddp_model, len(micro_batches)), **_replay_stats(ddp_model)}}
 
 
 def _replay_stats(model: torch.nn.Module) -> Dict[str, float]:
     """With routing replay: ``moe/replay_moved``, the share of the step's replayed token routings
     that the router, left alone, would have sent to other experts (the same on every rank)."""
-    from megatron.core import parallel_state as ps
-
     if not routing.enabled(model):
         return {}
-    share = routing.moved_share(model, (ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group()))
+    groups = groups_of(model)
+    share = routing.moved_share(model, (groups.pp, groups.dp))
     return {} if share is None else {"moe/replay_moved": share}
 
 
-def moe_losses(config, micro_batches: int) -> Dict[str, float]:
-    """megatron's router losses of the last backward, without their coefficients
+def moe_losses(model: torch.nn.Module, micro_batches: int) -> Dict[str, float]:
+    """megatron's router losses of ``model``'s last backward, without their coefficients
     (``moe/load_balancing_loss``, ``moe/z_loss``, those switched on): the mean over the layers with
     experts, the micro-batches and the DP ranks, the same on every rank. Empty for a dense model.
     Clears megatron's tracker, which every routed training forward adds to."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
+    config, groups = unwrap(model).config, groups_of(model)
     if not config.num_moe_experts:
         return {}
     out = {}
@@ -106,9 +105,9 @@ def moe_losses(config, micro_batches: int) -> Dict[str, float]:
         entry = tracker.get(name)
         # this stage's layers, summed over micro-batches
         total = entry["values"].sum().reshape(1) if entry else torch.zeros(1, device=get_platform().device)
-        dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
-        dist.all_reduce(total, group=ps.get_data_parallel_group())
-        out[f"moe/{name}"] = total.item() / (layers * micro_batches * ps.get_data_parallel_world_size())
+        dist.all_reduce(total, group=groups.pp)
+        dist.all_reduce(total, group=groups.dp)
+        out[f"moe/{name}"] = total.item() / (layers * micro_batches * groups.dp.size())
     clear_aux_losses_tracker()
     return out
 

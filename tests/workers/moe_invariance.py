@@ -70,7 +70,7 @@ def one_step(arch, weights, pp, ep, micro):
     metrics = forward_backward(ddp, micro_batches, policy_loss_fn(arch.vocab_size, 1.0, config, kl_coef=0.1),
                                forward_only=False)
     reported = reported_metrics([metrics], "policy", policy_stats(config), torch.device("cpu"), ps.get_data_parallel_group())
-    return {"grads": full_grads(ddp, arch, pp), "loss": reported["loss/policy"], "moe": moe_losses(unwrap(ddp).config, len(micro_batches))}
+    return {"grads": full_grads(ddp, arch, pp), "loss": reported["loss/policy"], "moe": moe_losses(ddp, len(micro_batches))}
 
 
 result = {}
