@@ -282,6 +282,20 @@ def reload_main_params(optimizer) -> None:
 # The generation engine's seam: megatron's attention layers, replaced for the steps of an engine
 
 
+@contextlib.contextmanager
+def _module_names_replaced(module, **replacements):
+    """Within the block, ``module``'s names point at ``replacements`` (functions megatron looks up
+    in its module at call time); afterwards they are megatron's again."""
+    saved = {name: getattr(module, name) for name in replacements}
+    for name, value in replacements.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None) -> torch.Tensor:
     """megatron's vocab-parallel cross entropy over ``tp_group`` (default: the run's TP group).
     megatron's reads the global TP group, its rank and size in its forward (the backward needs
@@ -291,16 +305,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
 
     if tp_group is None or tp_group is parallel_state.get_tensor_model_parallel_group():
         return cross_entropy.vocab_parallel_cross_entropy(logits, target)
-    names = ("get_tensor_model_parallel_group", "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size")
-    saved = {name: getattr(cross_entropy, name) for name in names}
-    cross_entropy.get_tensor_model_parallel_group = lambda *a, **k: tp_group
-    cross_entropy.get_tensor_model_parallel_rank = lambda *a, **k: tp_group.rank()
-    cross_entropy.get_tensor_model_parallel_world_size = lambda *a, **k: tp_group.size()
-    try:
+    with _module_names_replaced(cross_entropy, get_tensor_model_parallel_group=lambda *a, **k: tp_group,
+                                get_tensor_model_parallel_rank=lambda *a, **k: tp_group.rank(),
+                                get_tensor_model_parallel_world_size=lambda *a, **k: tp_group.size()):
         return cross_entropy.vocab_parallel_cross_entropy(logits, target)
-    finally:
-        for name, fn in saved.items():
-            setattr(cross_entropy, name, fn)
 
 
 def reshard_receives(gpt_model: torch.nn.Module) -> List[Tuple[str, tuple]]:
@@ -310,7 +318,6 @@ def reshard_receives(gpt_model: torch.nn.Module) -> List[Tuple[str, tuple]]:
     return [] if plan is None else [(op.param_name, op.my_slice) for op in plan.recv_ops]
 
 
-@contextlib.contextmanager
 def sequential_experts_resharded():
     """megatron's resharding matches an expert's parameters across EP layouts by a global expert
     index it reads only from TEGroupedMLP's names (``weight3``); SequentialMLP's experts
@@ -332,11 +339,7 @@ def sequential_experts_resharded():
         parts[at] = str(meta.global_expert_index)
         meta.resolved_name = ".".join(parts)
 
-    utils.assign_ep_resolved_name_inplace = resolved
-    try:
-        yield
-    finally:
-        utils.assign_ep_resolved_name_inplace = original
+    return _module_names_replaced(utils, assign_ep_resolved_name_inplace=resolved)
 
 
 def attention_layers(gpt_model: torch.nn.Module) -> List[torch.nn.Module]:
