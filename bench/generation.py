@@ -13,8 +13,10 @@ Each side runs ``--repeats`` times, alternating; the median is reported. Prints 
 each and their ratio beside the ratio of token positions each computed (transformers: its padded
 batch, counted by a hook on its forward; ours: prompts fed once plus one token per decode step),
 forward passes per useful token, decode occupancy, whether the greedy outputs agree row by row,
-and computed / useful tokens of the scoring and training passes over the rollout generated. On
-CUDA also the decode step time against the weight-read limit.
+and computed / useful tokens of the scoring and training passes over the rollout generated. On CPU
+our engine also runs with torch's F.linear (``ratio_with_torch_linears``): its own linears run
+oneDNN on packed weights there (runtime/cpu_linears.py), transformers' run torch's MKL GEMM, so this
+second ratio is the like-for-like one.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import sys
 import tempfile
 import time
 import warnings
+from unittest import mock
 
 import torch
 
@@ -39,6 +42,7 @@ from megatron_rlhf.generation import SamplingParams, generate  # noqa: E402
 from megatron_rlhf.models.batches import length_grouped  # noqa: E402
 from megatron_rlhf.models.decoder import build_model, load_local_state_dict  # noqa: E402
 from megatron_rlhf.runtime import destroy_distributed, get_platform, init_distributed  # noqa: E402
+from megatron_rlhf.runtime.cpu_linears import KERNEL_VARIABLE  # noqa: E402
 
 PAD = 0
 WORKLOADS = {
@@ -187,19 +191,25 @@ def compare(ours, hf, w, args) -> dict:
     prompts = torch.randint(3, args.vocab, (w.prompts, int(lengths.max())), generator=g)
     eos = None if w.no_eos else choose_eos(ours, prompts, lengths, w)
     params = SamplingParams(w.new_tokens, greedy=True, eos_ids=(eos,) if eos is not None else (), pad_id=PAD)
-    ours_times, hf_times = [], []
+    run_ours = lambda: generate(ours, prompts, lengths, params, args.vocab, batch_size=w.slots)  # noqa: E731
+    ours_times, hf_times, same_kernel_times = [], [], []
     for _ in range(args.repeats):
-        gen, seconds = timed(lambda: generate(ours, prompts, lengths, params, args.vocab, batch_size=w.slots))
+        gen, seconds = timed(run_ours)
         ours_times.append(seconds)
+        if device.type == "cpu":  # ours again with torch's F.linear, the GEMM transformers runs
+            with linears_of_torch():
+                same_kernel_gen, seconds = timed(run_ours)
+            same_kernel_times.append(seconds)
         with get_platform().plain_tensor_ops():  # a transformers user runs without our device mapping
             (hf_rows, hf_calls, hf_positions), seconds = timed(lambda: hf_generate(hf, prompts.to(device), lengths, eos, w))
         hf_times.append(seconds)
-    ours_s, hf_s = sorted(ours_times)[args.repeats // 2], sorted(hf_times)[args.repeats // 2]
-    ours_rows = [gen.tokens[r, int(lengths[r]) : int(gen.total_lengths[r])].tolist() for r in range(w.prompts)]
+    median = lambda times: sorted(times)[args.repeats // 2]  # noqa: E731
+    ours_s, hf_s = median(ours_times), median(hf_times)
+    ours_rows = responses(gen, lengths)
     useful = sum(len(r) for r in ours_rows)
     response_lengths = sorted(len(r) for r in ours_rows)
     s = gen.stats
-    return {
+    figures = {
         "workload": {"prompts": w.prompts, "prompt_tokens": f"{w.min_prompt}-{w.max_prompt}", "new_tokens": w.new_tokens,
                      "eos": eos, "response_lengths_min_median_max":
                      [response_lengths[0], response_lengths[len(response_lengths) // 2], response_lengths[-1]],
@@ -221,6 +231,20 @@ def compare(ours, hf, w, args) -> dict:
         "greedy_rows_identical": f"{sum(a == b for a, b in zip(ours_rows, hf_rows))}/{w.prompts}",
         **pass_padding(gen, w),
     }
+    if same_kernel_times:
+        same_kernel_rows = responses(same_kernel_gen, lengths)
+        figures["ratio_with_torch_linears"] = (useful / median(same_kernel_times)) / (sum(len(r) for r in hf_rows) / hf_s)
+        figures["torch_linears_greedy_rows_identical"] = f"{sum(a == b for a, b in zip(same_kernel_rows, hf_rows))}/{w.prompts}"
+    return figures
+
+
+def responses(gen, lengths):
+    return [gen.tokens[r, int(lengths[r]) : int(gen.total_lengths[r])].tolist() for r in range(len(lengths))]
+
+
+def linears_of_torch():
+    """Our engine with torch's own linear kernel (runtime/cpu_linears.py): the like-for-like GEMM."""
+    return mock.patch.dict(os.environ, {KERNEL_VARIABLE: "torch"})
 
 
 def main():
@@ -251,11 +275,14 @@ def main():
         for key, value in results[name].items():
             print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
     if len(results) > 1:
-        print("\n| workload | ours tokens/s | transformers tokens/s | ratio | positions-computed ratio (bound) | greedy rows identical |")
-        print("|---|---|---|---|---|---|")
+        same = "ratio_with_torch_linears" in next(iter(results.values()))
+        print("\n| workload | ours tokens/s | transformers tokens/s | ratio | positions-computed ratio (bound) | greedy rows identical |"
+              + (" ratio with torch's linears | its greedy rows identical |" if same else ""))
+        print("|---|---|---|---|---|---|" + ("---|---|" if same else ""))
         for name, r in results.items():
             print(f"| {name} | {r['ours_useful_tokens_per_s']:.0f} | {r['transformers_useful_tokens_per_s']:.0f} | "
-                  f"{r['ratio']:.2f}x | {r['positions_computed_ratio']:.2f}x | {r['greedy_rows_identical']} |")
+                  f"{r['ratio']:.2f}x | {r['positions_computed_ratio']:.2f}x | {r['greedy_rows_identical']} |"
+                  + (f" {r['ratio_with_torch_linears']:.2f}x | {r['torch_linears_greedy_rows_identical']} |" if same else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results if args.workload else results["custom"], f, indent=1)

@@ -57,6 +57,14 @@ def test_rows_end_at_eos_and_are_padded_after(generated):
         assert torch.equal(rank_result["tp2_pp2_eos_by_3"][1], produced)
 
 
+def test_the_engine_s_packed_linears_give_the_tokens_of_torch_s_and_are_megatron_s_again_after(generated):
+    for rank_result in generated:
+        assert torch.equal(rank_result["tp2_pp2_eos_torch_linears"][0], rank_result["tp2_pp2_eos"][0])
+        assert rank_result["megatron_products_restored"]
+    # Per stage and step: 2 layers x (QKV, output projection, FC1, FC2), and the output layer on the last stage.
+    assert all(r["packed_products"] > 0 for r in generated) and generated[-1]["packed_products"] > generated[0]["packed_products"]
+
+
 def test_sampling_agrees_on_every_rank_and_stays_in_the_vocabulary(generated):
     tokens, produced = generated[0]["sampled"]
     for rank_result in generated[1:]:

@@ -247,6 +247,7 @@ def generate(
         model.eval()
         stage = stack.enter_context(PipelineStage(model, cache))
         stack.enter_context(platform.plain_tensor_ops())
+        stack.enter_context(platform.engine_linears(model))
         stack.enter_context(torch.inference_mode())
         if routes is not None:
             stack.enter_context(routing.recording(model))

@@ -82,6 +82,10 @@ ANCHORS: Dict[str, Tuple[Site, ...]] = {
         Site("models/gpt/gpt_model.py", "self.rotary_pos_emb = RotaryEmbedding("),
         Site("models/gpt/gpt_model.py", "hidden_states = self.decoder("),
     ),
+    "linear_matmul": (  # each parallel linear's local product, looked up on the module at call time
+        Site("tensor_parallel/layers.py", "def _forward_impl(self, input, weight, *args, **kwargs):"),
+        Site("tensor_parallel/layers.py", "output_parallel = self._forward_impl(\n            input=input_parallel,"),
+    ),
     "rope_frequencies": (  # megatron's llama3 scaling fixes its bounds; scaled models set their own
         Site("models/common/embeddings/rotary_pos_embedding.py", "self.inv_freq = 1.0 / ("),
         Site("models/common/embeddings/rotary_pos_embedding.py", "freqs = torch.outer(seq, self.inv_freq)"),
@@ -359,6 +363,31 @@ def attention_replaced(gpt_model: torch.nn.Module, make_forward: Callable[[int, 
     finally:
         for attention in layers:
             attention.__dict__.pop("forward", None)
+
+
+@contextlib.contextmanager
+def linear_matmuls_replaced(model: torch.nn.Module, matmul: Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]):
+    """Within the block, every column- and row-parallel linear of ``model`` computes its local
+    product as ``matmul(input, weight, bias)`` (megatron still does the TP communication around
+    it), except where megatron gathers a sequence-parallel input inside the product: there its own."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+
+    def local_product(megatron_own):
+        def forward_impl(input, weight, bias, sequence_parallel=False, **rest):
+            if sequence_parallel:
+                return megatron_own(input=input, weight=weight, bias=bias, sequence_parallel=True, **rest)
+            return matmul(input, weight, bias)
+        return forward_impl
+
+    try:
+        for linear in linears:
+            linear._forward_impl = local_product(linear._forward_impl)
+        yield
+    finally:
+        for linear in linears:
+            linear.__dict__.pop("_forward_impl", None)
 
 
 def rotary_angles(gpt_model: torch.nn.Module, length: int) -> torch.Tensor:

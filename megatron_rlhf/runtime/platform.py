@@ -80,6 +80,11 @@ class DevicePlatform:
         known not to need them: the generation engine's steps)."""
         return contextlib.nullcontext()
 
+    def engine_linears(self, model: torch.nn.Module):
+        """A context in which ``model``'s linear layers may run a kernel suited to weights that do
+        not change inside it (the generation engine's; results agree to rounding, not bitwise)."""
+        return contextlib.nullcontext()
+
     def copy_to_host_async(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Start copying ``tensor`` to the host (queued after the work that writes it); returns a
         function that waits for the copy and gives it."""
@@ -232,6 +237,11 @@ class CpuPlatform(DevicePlatform):
         from megatron_rlhf.runtime import megatron_cpu
 
         return megatron_cpu.device_mapping_paused()
+
+    def engine_linears(self, model: torch.nn.Module):
+        from megatron_rlhf.runtime import cpu_linears
+
+        return cpu_linears.packed_linears(model)
 
     def empty_cache(self) -> None:
         # The CPU counterpart of the CUDA allocator cache: free heap pages glibc still holds.

@@ -2,6 +2,9 @@
 step-by-step argmax of the full forward without a cache. Also: left-padded prompts, EOS, and
 sampling that agrees across TP ranks. Run with 4 processes."""
 
+import os
+from unittest import mock
+
 import torch
 from common import save, setup, tiny_arch
 from megatron.core import parallel_state as ps
@@ -11,6 +14,7 @@ from megatron_rlhf.models.decoder import build_model, load_local_state_dict, loc
 from megatron_rlhf.models.pipeline import forward_backward, gather_vocab_parallel
 from megatron_rlhf.models.sharding import merge_state_dicts, shard_state_dict
 from megatron_rlhf.models.vocab_parallel import token_entropy, token_log_probs
+from megatron_rlhf.runtime import cpu_linears
 
 VOCAB = 100
 arch = tiny_arch(vocab_size=VOCAB)
@@ -64,6 +68,17 @@ def as_tuple(g):
     return g.tokens.cpu(), g.response_lengths.cpu()
 
 
+def counting_packed_products():
+    """Counts the engine's products on packed weights (runtime/cpu_linears.py) in ``counted[0]``."""
+    counted, matmul = [0], cpu_linears.PackedWeights.matmul
+
+    def counting(self, *args):
+        counted[0] += 1
+        return matmul(self, *args)
+
+    return counted, mock.patch.object(cpu_linears.PackedWeights, "matmul", counting)
+
+
 result = {}
 parallel = setup(1, 1)
 model = build_model(arch, parallel, "lm")
@@ -99,6 +114,15 @@ for tp, pp in ((2, 1), (1, 2), (2, 2)):
     if (tp, pp) == (2, 2):
         result["tp2_pp2_eos"] = as_tuple(generate(model, prompts, lengths, with_eos, VOCAB))
         result["tp2_pp2_eos_by_3"] = as_tuple(generate(model, prompts, lengths, with_eos, VOCAB, batch_size=3))
+        # The engine's linears: oneDNN on packed weights by default (here every weight, however
+        # small), torch's F.linear when asked.
+        counted, counting = counting_packed_products()
+        with counting, mock.patch.object(cpu_linears, "SMALLEST_PACKED_WEIGHT", 0):
+            generate(model, prompts, lengths, with_eos, VOCAB)
+            with mock.patch.dict(os.environ, {cpu_linears.KERNEL_VARIABLE: "torch"}):
+                result["tp2_pp2_eos_torch_linears"] = as_tuple(generate(model, prompts, lengths, with_eos, VOCAB))
+        result["packed_products"] = counted[0]
+        result["megatron_products_restored"] = not any("_forward_impl" in m.__dict__ for m in model.modules())
         sampling = SamplingParams(max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, pad_id=0)
         result["sampled"] = as_tuple(generate(model, prompts, lengths, sampling, VOCAB, seeds=torch.arange(4) + 7))
 save(result)
