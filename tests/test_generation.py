@@ -59,6 +59,7 @@ def test_rows_end_at_eos_and_are_padded_after(generated):
 
 def test_the_engine_s_packed_linears_give_the_tokens_of_torch_s_and_are_megatron_s_again_after(generated):
     for rank_result in generated:
+        assert torch.equal(rank_result["tp2_pp2_eos_packed"][0], rank_result["tp2_pp2_eos"][0])
         assert torch.equal(rank_result["tp2_pp2_eos_torch_linears"][0], rank_result["tp2_pp2_eos"][0])
         assert rank_result["megatron_products_restored"]
     # Per stage and step: 2 layers x (QKV, output projection, FC1, FC2), and the output layer on the last stage.

@@ -118,7 +118,7 @@ for tp, pp in ((2, 1), (1, 2), (2, 2)):
         # small), torch's F.linear when asked.
         counted, counting = counting_packed_products()
         with counting, mock.patch.object(cpu_linears, "SMALLEST_PACKED_WEIGHT", 0):
-            generate(model, prompts, lengths, with_eos, VOCAB)
+            result["tp2_pp2_eos_packed"] = as_tuple(generate(model, prompts, lengths, with_eos, VOCAB))
             with mock.patch.dict(os.environ, {cpu_linears.KERNEL_VARIABLE: "torch"}):
                 result["tp2_pp2_eos_torch_linears"] = as_tuple(generate(model, prompts, lengths, with_eos, VOCAB))
         result["packed_products"] = counted[0]
