@@ -103,8 +103,9 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
         return problems
     if par.sequence_parallel:
         problems.append(
-            f"{config.at('parallel.sequence_parallel')}: not supported: generation decodes one token "
-            "per step, which sequence parallelism cannot split over the TP ranks; set it to false"
+            f"{config.at('parallel.sequence_parallel')}: not supported yet: it needs transformer-engine's "
+            "layers (CUDA) and no PPO run has been checked with it (the engine pads its steps for it, "
+            "untried); set it to false"
         )
     dp = None
     if world_size is not None:
