@@ -85,11 +85,13 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     """Everything that can fail on bad input, before any process group or model exists: the
     config, the output directory (writable; an earlier run in it is neither mixed in nor lost by
     accident), the checkpoint to resume (complete, same layout, same run), the tokenizer, the
-    prompt file and the reward function."""
+    prompt file, the reward function and the generation engine's CPU kernel (MEGATRON_RLHF_CPU_LINEARS)."""
     from megatron_rlhf.checkpoint.ppo_state import latest_checkpoint
     from megatron_rlhf.data import build_tokenizer
     from megatron_rlhf.rewards.contract import reward_functions
+    from megatron_rlhf.runtime.cpu_linears import chosen_kernel
 
+    chosen_kernel()  # read again by every generation: a bad value is refused here, not at the first one
     config = load_config(args.config, world_size=world_size, check_inputs=False)
     problems = input_problems(config, needs_prompts=True)
     if problems:

@@ -65,6 +65,13 @@ def test_overwrite_clears_the_old_run_and_resume_refuses_another_runs_settings(t
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
 
 
+def test_a_cpu_linear_kernel_torch_does_not_have_is_refused_before_start_up(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_RLHF_CPU_LINEARS", "mkl")
+    with pytest.raises(ValueError, match=r"MEGATRON_RLHF_CPU_LINEARS='mkl': must be one of onednn, torch"):
+        prepared(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_truncated_checkpoint_names_its_file_and_the_last_intact_one(tmp_path):
     out = tmp_path / "out"
     config = prepared(out).config
