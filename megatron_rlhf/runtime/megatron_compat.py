@@ -352,42 +352,41 @@ def attention_layers(gpt_model: torch.nn.Module) -> List[torch.nn.Module]:
 
 
 @contextlib.contextmanager
+def _methods_replaced(modules: List[torch.nn.Module], name: str, make: Callable[[int, torch.nn.Module], Callable]):
+    """Within the block, module i's method ``name`` is ``make(i, module)`` (an attribute of the
+    instance, which its class's method looks up at call time); afterwards the class's again."""
+    try:
+        for i, module in enumerate(modules):
+            setattr(module, name, make(i, module))
+        yield
+    finally:
+        for module in modules:
+            module.__dict__.pop(name, None)
+
+
 def attention_replaced(gpt_model: torch.nn.Module, make_forward: Callable[[int, torch.nn.Module], Callable]):
     """Within the block, layer i's attention runs ``make_forward(i, attention)(hidden_states,
     **megatron's arguments)`` instead of its own forward (which must return (output, bias))."""
-    layers = attention_layers(gpt_model)
-    try:
-        for i, attention in enumerate(layers):
-            attention.forward = make_forward(i, attention)
-        yield
-    finally:
-        for attention in layers:
-            attention.__dict__.pop("forward", None)
+    return _methods_replaced(attention_layers(gpt_model), "forward", make_forward)
 
 
-@contextlib.contextmanager
 def linear_matmuls_replaced(model: torch.nn.Module, matmul: Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]):
     """Within the block, every column- and row-parallel linear of ``model`` computes its local
     product as ``matmul(input, weight, bias)`` (megatron still does the TP communication around
     it), except where megatron gathers a sequence-parallel input inside the product: there its own."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    def local_product(_, linear):
+        megatron_own = linear._forward_impl
 
-    def local_product(megatron_own):
         def forward_impl(input, weight, bias, sequence_parallel=False, **rest):
             if sequence_parallel:
                 return megatron_own(input=input, weight=weight, bias=bias, sequence_parallel=True, **rest)
             return matmul(input, weight, bias)
         return forward_impl
 
-    try:
-        for linear in linears:
-            linear._forward_impl = local_product(linear._forward_impl)
-        yield
-    finally:
-        for linear in linears:
-            linear.__dict__.pop("_forward_impl", None)
+    linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    return _methods_replaced(linears, "_forward_impl", local_product)
 
 
 def rotary_angles(gpt_model: torch.nn.Module, length: int) -> torch.Tensor:
