@@ -34,8 +34,7 @@ def test_a_row_s_product_does_not_depend_on_the_rows_beside_it():
         assert torch.equal(packed.matmul(x[:rows], weight, None), everything[:rows]), rows
 
 
-def test_each_weight_is_packed_once_and_small_ones_run_f_linear(monkeypatch):
-    monkeypatch.setattr(cpu_linears, "SMALLEST_PACKED_WEIGHT", 0)
+def test_each_weight_is_packed_once_and_small_ones_run_f_linear(every_weight_packed, monkeypatch):
     reorders = []
     reorder = torch.ops.mkldnn._reorder_linear_weight
     monkeypatch.setattr(cpu_linears, "_reorder", lambda w: reorders.append(w) or reorder(w))
