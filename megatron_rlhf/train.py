@@ -467,22 +467,22 @@ def _run(prepared: Prepared) -> list:
     ledger_path = os.path.join(output_dir, "memory.jsonl")
     if rank0 and os.path.exists(ledger_path) and resume_from is None:
         os.remove(ledger_path)  # a fresh run's ledger, not appended to an old one
-    scorer = None  # the rule rewards run on each model-parallel group's first rank (controller._rule_scores)
+    scorer = None  # the rule rewards run on each model-parallel group's first rank (rollout/scoring.py)
     if prepared.reward_functions and ps.get_model_parallel_group().rank() == 0:
         rewards = config.reward
         scorer = RewardPool(prepared.reward_functions, num_workers=rewards.num_workers, timeout_s=rewards.timeout_s,
                             failure_score=rewards.failure_score)
+    progress_dir = os.path.join(output_dir, ".progress")
+    os.makedirs(progress_dir, exist_ok=True)
     controller = PPOController(config, prepared.dataset, prepared.tokenizer, scorer,
                                MemoryLedger(ledger_path if rank0 else None, guard=config.trainer.memory_guard),
                                overlap_budget=budget if config.trainer.overlap_onload else None,
-                               val_dataset=prepared.val_dataset)
+                               val_dataset=prepared.val_dataset, progress_dir=progress_dir)
     if resume_from is not None:
         controller.load_state_dict(load_ppo_checkpoint(controller.roles, resume_from))
         if rank0:
             cut_back(ledger_path, controller.iteration)
             print(f"resumed from {resume_from} (iteration {controller.iteration}, run {prepared.run['id']})", flush=True)
-    controller.progress_dir = os.path.join(output_dir, ".progress")
-    os.makedirs(controller.progress_dir, exist_ok=True)
     log = RunLog(output_dir, config, enabled=rank0, resumed_at=controller.iteration)
     history, validations = [], []
     try:
@@ -493,7 +493,7 @@ def _run(prepared: Prepared) -> list:
             raise
         first = str(e).strip().splitlines()[0][:200]
         when = f"iteration {controller.iteration}" if controller.iteration else "before the first iteration"
-        elsewhere = _ranks_elsewhere(controller.progress_dir, controller.iteration, controller.phase)
+        elsewhere = _ranks_elsewhere(progress_dir, controller.iteration, controller.phase)
         raise RunError(f"{when}, {controller.phase}: {what}; {elsewhere} [{first}]") from None
     finally:
         log.close()

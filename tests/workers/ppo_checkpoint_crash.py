@@ -41,7 +41,7 @@ except RunError as e:
 ppo_state.torch.save = real_save
 
 latest = ppo_state.latest_checkpoint(OUT_DIR)
-fresh = PPOController(config, dataset, tokenizer, controller.reward_scorer, MemoryLedger(None))
+fresh = PPOController(config, dataset, tokenizer, controller.collector.scorer.reward_pool, MemoryLedger(None))
 real_load, map_locations = torch.load, []
 
 

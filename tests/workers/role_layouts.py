@@ -85,7 +85,7 @@ _, result["mixed/sampled/ems_off"] = iteration(mixed(base), greedy=False, free_m
 interrupted, _ = iteration(mixed(base), greedy=False)
 path = ppo_state.save_ppo_checkpoint(interrupted.roles, interrupted.state_dict(), OUT_DIR)
 result["resume/whole"] = without_times(interrupted.step())
-resumed = PPOController(mixed(base), copy.deepcopy(prepared.dataset), prepared.tokenizer, interrupted.reward_scorer,
+resumed = PPOController(mixed(base), copy.deepcopy(prepared.dataset), prepared.tokenizer, interrupted.collector.scorer.reward_pool,
                         MemoryLedger(None))
 resumed.load_state_dict(ppo_state.load_ppo_checkpoint(resumed.roles, path))
 result["resume/resumed"] = without_times(resumed.step())

@@ -1,0 +1,196 @@
+"""Collecting an iteration's rollout: the policy answers ``samples_per_prompt`` times per prompt (one
+turn, or a trajectory of turns with an environment: rollout/multiturn.py) and scores its own
+tokens ("old" log-probs), the reward scores each response (with dynamic sampling: groups without
+a signal dropped over every DP rank and more generated), then the reference's log-probs and the
+value model's values of the rows kept. Every phase returns its rows and metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron_rlhf import ppo
+from megatron_rlhf.config.schema import RLHFConfig
+from megatron_rlhf.data import PromptDataset, Tokenizer
+from megatron_rlhf.generation import SamplingParams, generate
+from megatron_rlhf.memory import KV_CACHE
+from megatron_rlhf.models.batches import action_mask
+from megatron_rlhf.models.routing import ROUTES
+from megatron_rlhf.roles import inference
+from megatron_rlhf.roles.role_set import RoleSet
+from megatron_rlhf.rollout.record import Collected, Prompts, Rollout
+from megatron_rlhf.rollout.rows import SampleRows, cat_rows, trimmed
+from megatron_rlhf.rollout.scoring import Scorer, merged_reward_metrics
+from megatron_rlhf.runtime.platform import get_platform
+
+
+class RolloutCollector:
+    """``turns``: the multi-turn runner (an environment answers between the policy's turns), or
+    None for one response per sample."""
+
+    def __init__(self, config: RLHFConfig, roles: RoleSet, tokenizer: Tokenizer, scorer: Scorer, turns=None):
+        self.config = config
+        self.roles = roles
+        self.tokenizer = tokenizer
+        self.scorer = scorer
+        self.turns = turns
+        self.vocab_size = tokenizer.vocab_size
+        self.device = get_platform().device
+        self.sampling = SamplingParams.from_config(config.generation, tokenizer.eos_ids, tokenizer.pad_id)
+
+    # -- an iteration's rollout ------------------------------------------------------------------
+
+    def collect(self, dataset: PromptDataset, iteration: int) -> Collected:
+        """Generate and score (with dynamic sampling: until enough groups carry a signal), then
+        the reference log-probs and values of the rows kept."""
+        cfg, alg = self.config, self.config.algorithm
+        n = cfg.generation.samples_per_prompt
+        rounds = 1 + (alg.dynamic_sampling_extra_rounds if alg.dynamic_sampling else 0)
+        metrics: Dict[str, float] = {"time/generate_s": 0.0}
+        reward_parts, turn_parts, kept, dropped = [], [], [], []
+        for round_ in range(rounds):
+            batch = dataset.next_batch(cfg.ppo.rollout_batch_size, self.roles.cut.rank, self.roles.cut.size)
+            prompts = Prompts.expand(batch, n, cfg.seed, iteration, round_, self.device)
+            rows, generated = self.policy_rows(prompts, self.sampling, training=True)
+            metrics["time/generate_s"] += generated.pop("time/generate_s")
+            turn_parts.append(generated)
+            rows["scores"], rewarded = self.scorer.score(prompts.texts, self.decode(rows), prompts.fields, rows, iteration)
+            reward_parts.append(rewarded)
+            if not alg.dynamic_sampling:
+                break
+            # Decided on the rows of every DP rank, so that every rank keeps the same groups and
+            # each gets an equal share of them.
+            rows = self.roles.cut.gather(rows, self.sampling.pad_id)
+            signal = ppo.informative_groups(rows["scores"], n)
+            kept.append(_select_groups(rows, signal, n))
+            dropped.append(_select_groups(rows, ~signal, n))
+            if sum(len(k["scores"]) for k in kept) >= cfg.rollout_samples:
+                break
+        if alg.dynamic_sampling:
+            rows, short = self._fill_from(kept, dropped)
+            metrics.update({
+                "sampling/rounds": float(round_ + 1),
+                "sampling/dropped_groups": float(sum(len(d["scores"]) for d in dropped) // n),
+                "sampling/short_groups": float(short),
+            })
+        rollout = self._experience(rows)
+        samples = list(zip([dataset.prompt_of(i) for i in rows["prompt_index"].tolist()], self.decode(rows)))
+        metrics.update(merged_reward_metrics(reward_parts))
+        if self.turns is not None:
+            metrics.update(self.turns.merged_metrics(turn_parts))
+        return Collected(rollout, samples, metrics)
+
+    def _experience(self, rows: SampleRows) -> Rollout:
+        """The rollout of the kept ``rows``: the reference's log-probs and the value model's values added."""
+        tokens, lengths = rows["tokens"], rows["prompt_lengths"] + rows["response_lengths"]
+        ref_log_probs = self._per_token("reference", tokens, lengths)
+        old_values = self._per_token("value", tokens, lengths) if "value" in self.roles else None
+        return Rollout(
+            tokens, rows["prompt_lengths"], rows["response_lengths"], rows["action_mask"], rows["old_log_probs"],
+            ref_log_probs, rows["scores"], group_index=torch.arange(len(tokens), device=tokens.device) // self.config.generation.samples_per_prompt,
+            old_values=old_values, routes=rows.get(ROUTES),
+        )
+
+    # -- the policy's responses ----------------------------------------------------------------
+
+    def policy_rows(self, prompts: Prompts, sampling: SamplingParams, training: bool) -> Tuple[SampleRows, Dict[str, float]]:
+        """The policy's responses to ``prompts`` (this rank's rows in the run's cut), generated in
+        the policy's cut, with its log-probs of them ("old") when ``training``, and (routing replay)
+        the record. Returns the rows (``prompt_index`` and the loss mask ``action_mask`` included)
+        and the metrics of generating them (``time/generate_s``, a trajectory's turns)."""
+        replay = self.config.moe.routing_replay if training else "off"
+        out: Dict[str, float] = {}
+
+        def run(mine: SampleRows) -> SampleRows:
+            with self.roles.resident("policy", "inference"):
+                started = time.perf_counter()
+                rows, turn_metrics = self.generate(mine, prompts, sampling, record_routes=replay == "rollout")
+                out["time/generate_s"] = time.perf_counter() - started
+                out.update(turn_metrics)
+                if training:
+                    self._add_old_log_probs(rows, replay)
+            return rows
+
+        rows = self.roles.at_layout("policy", run, prompts.columns())
+        if "action_mask" not in rows:
+            rows["action_mask"] = action_mask(rows["tokens"].shape[1], rows["prompt_lengths"], rows["response_lengths"])
+        return rows, out
+
+    def generate(self, mine: SampleRows, prompts: Prompts, sampling: SamplingParams,
+                 record_routes: bool = False) -> Tuple[SampleRows, Dict[str, float]]:
+        """The (resident) policy's responses to the prompt rows ``mine`` (tokens, prompt_lengths,
+        seeds, prompt_index: this rank's share in the policy's cut): one turn each, or with an
+        environment a trajectory of turns. Returns the sample rows and the turns' metrics."""
+        if self.turns is not None:
+            return self.turns.run(self, mine, prompts, sampling)
+        gen = self.engine(mine, sampling, record_routes=record_routes)
+        rows = {"tokens": gen.tokens, "prompt_lengths": gen.prompt_lengths, "response_lengths": gen.response_lengths,
+                "prompt_index": mine["prompt_index"]}
+        if gen.routes is not None:
+            rows[ROUTES] = gen.routes
+        return rows, {}
+
+    def engine(self, mine: SampleRows, sampling: SamplingParams, record_routes: bool = False,
+               cache_length: Optional[int] = None):
+        """One generate() of the (resident) policy over ``mine``, its KV cache in the ledger."""
+        policy = self.roles["policy"]
+        return generate(
+            policy.model, mine["tokens"], mine["prompt_lengths"], sampling, self.vocab_size, mine["seeds"],
+            batch_size=self.config.generation.batch_size,
+            cache_length=cache_length or self.config.data.max_prompt_length + self.config.generation.max_new_tokens,
+            on_cache=lambda cache: policy.memory.holding(KV_CACHE, [cache.storage], "generate"),
+            record_routes=record_routes,
+        )
+
+    def _add_old_log_probs(self, rows: SampleRows, replay: str) -> None:
+        """The policy's log-probs of ``rows`` ("old"); routing replay's record kept (generation's),
+        or taken by this pass (models/routing.py)."""
+        recorded = [] if replay == "old_logprob" else None
+        rows["old_log_probs"] = inference.log_probs(
+            self.roles["policy"], rows["tokens"], rows["prompt_lengths"] + rows["response_lengths"], self.vocab_size,
+            self.config.generation.temperature, routes=rows.get(ROUTES), routes_out=recorded)
+        if recorded:
+            rows[ROUTES] = recorded[0]
+
+    # -- the other roles' passes ---------------------------------------------------------------
+
+    def _per_token(self, name: str, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """[B, S-1] per action of role ``name`` (reference: log-probs, value: values) over this rank's rows."""
+        role, temperature = self.roles[name], self.config.generation.temperature
+
+        def run(mine: SampleRows) -> SampleRows:
+            with self.roles.resident(name, "inference"):
+                if role.head == "lm":
+                    out = inference.log_probs(role, mine["tokens"], mine["lengths"], self.vocab_size, temperature)
+                else:
+                    out = inference.values(role, mine["tokens"], mine["lengths"])
+            return {"per_action": out}
+
+        return self.roles.at_layout(name, run, {"tokens": tokens, "lengths": lengths}, tokens.shape[1])["per_action"]
+
+    def decode(self, rows: SampleRows) -> List[str]:
+        """Each row's response text (a trajectory's: the model's turns and the environment's replies)."""
+        return [
+            self.tokenizer.decode(row[p : p + r].tolist())
+            for row, p, r in zip(rows["tokens"].cpu(), rows["prompt_lengths"].tolist(), rows["response_lengths"].tolist())
+        ]
+
+    def _fill_from(self, kept: List[SampleRows], dropped: List[SampleRows]):
+        """This rank's share of the first rollout's worth of kept groups (all ranks' rows, in the
+        order they were drawn). When the rounds ran out first, the gap is filled with dropped groups
+        (their advantages carry no group signal) so that every step keeps its size; returns the
+        rows and how many groups filled it that way."""
+        need = self.config.rollout_samples
+        short = max(0, need - sum(len(k["scores"]) for k in kept))
+        rows = cat_rows(kept + dropped, self.sampling.pad_id)  # kept groups first
+        mine = trimmed(self.roles.cut.share({k: v[:need] for k, v in rows.items()}))  # to its own longest row
+        return mine, short // self.config.generation.samples_per_prompt
+
+
+def _select_groups(rows: SampleRows, groups: torch.Tensor, samples: int) -> SampleRows:
+    """The rows of the groups where ``groups`` [G] is True."""
+    picked = groups.repeat_interleave(samples)
+    return {k: v[picked] for k, v in rows.items()}

@@ -1,0 +1,95 @@
+"""Scores of a rollout's responses: the rule reward (functions in the reward pool's workers, run on
+the first rank of each model-parallel group and sent to its peers) or the reward model (a scalar
+head at the last token), checked against reward.max_abs_score, plus DAPO's overlong penalty."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf import ppo
+from megatron_rlhf.config.schema import RLHFConfig
+from megatron_rlhf.errors import RewardFunctionError
+from megatron_rlhf.rewards.pool import RewardPool, check_scores
+from megatron_rlhf.roles import inference
+from megatron_rlhf.roles.role_set import RoleSet
+from megatron_rlhf.rollout.rows import SampleRows
+
+# Reward metrics that are counts: summed over scoring rounds and DP ranks, never averaged.
+COUNTED_METRICS = ("reward/failures", "reward/timeouts")
+
+
+class Scorer:
+    """``reward_pool``: the rule functions' pool on the first rank of each model-parallel group
+    (None elsewhere, and with a reward model)."""
+
+    def __init__(self, config: RLHFConfig, roles: RoleSet, reward_pool: Optional[RewardPool]):
+        self.config = config
+        self.roles = roles
+        self.reward_pool = reward_pool
+
+    def score(self, prompts: List[str], responses: List[str], fields: List[Dict], rows: SampleRows,
+              iteration: int) -> Tuple[torch.Tensor, Dict[str, float]]:
+        """[B] scores of the sample ``rows`` (on the rows' device) and the rule reward's metrics
+        (failures, sub-scores; none for a reward model)."""
+        metrics: Dict[str, float] = {}
+        if self.config.reward.type == "function":
+            scores, metrics = self._rule_scores(prompts, responses, fields)
+        else:
+            scores = self._reward_model_scores(rows)
+        scores = scores.to(rows["tokens"].device)
+        check_scores(scores, self.config.reward.max_abs_score, iteration, prompts)
+        alg = self.config.algorithm
+        if alg.overlong_buffer_length:
+            scores = scores + ppo.overlong_penalty(model_tokens(rows), self.config.generation.max_new_tokens,
+                                                   alg.overlong_buffer_length, alg.overlong_penalty_factor).to(scores.device)
+        return scores, metrics
+
+    def _reward_model_scores(self, rows: SampleRows) -> torch.Tensor:
+        """[B] the reward model's score at each row's last token."""
+
+        def run(mine: SampleRows) -> SampleRows:
+            last = (mine["prompt_lengths"] + mine["response_lengths"] - 1).clamp(min=0)
+            with self.roles.resident("reward", "inference"):
+                return {"scores": inference.scores(self.roles["reward"], mine["tokens"], last)}
+
+        columns = {k: rows[k] for k in ("tokens", "prompt_lengths", "response_lengths")}
+        return self.roles.at_layout("reward", run, columns, rows["tokens"].shape[1])["scores"]
+
+    def _rule_scores(self, prompts: List[str], responses: List[str], fields: List[Dict]):
+        """The rule reward's (scores, metrics), computed on the first rank of the model-parallel
+        group and sent to the others: every rank of a replica holds the same rows, and a time-out
+        on one of them must not give its TP or PP peers other scores."""
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_model_parallel_group()
+        result = [None]
+        if group.rank() == 0:
+            try:
+                result = [self.reward_pool.score(prompts, responses, fields)]
+            except RewardFunctionError as e:  # the peers learn it too, so none waits for scores
+                result = [e]
+        if group.size() > 1:
+            dist.broadcast_object_list(result, src=dist.get_global_rank(group, 0), group=group)
+        if isinstance(result[0], RewardFunctionError):
+            raise RewardFunctionError(str(result[0]))
+        return result[0]
+
+
+def model_tokens(rows: SampleRows) -> torch.Tensor:
+    """[B] the tokens each row's model wrote (its response, or a trajectory's turns without the
+    environment's tokens)."""
+    if "action_mask" in rows:
+        return rows["action_mask"].sum(dim=1).round().long()
+    return rows["response_lengths"]
+
+
+def merged_reward_metrics(parts: List[Dict[str, float]]) -> Dict[str, float]:
+    """The rule reward's metrics of an iteration's scoring rounds: counts added, means averaged."""
+    merged: Dict[str, float] = {}
+    for key in sorted({k for part in parts for k in part}):
+        values = [part[key] for part in parts if key in part]
+        merged[key] = sum(values) if key in COUNTED_METRICS else sum(values) / len(values)
+    return merged
