@@ -79,6 +79,7 @@ class Prepared:
     reward_functions: Optional[Dict[str, float]]  # rule reward specs (files absolute) -> weight
     resume_from: Optional[str]  # the checkpoint to continue from
     run: Dict[str, Any]  # id, config fingerprint and values: saved with every checkpoint
+    environment: Optional[str] = None  # the multi-turn environment's spec (file absolute)
 
 
 def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
@@ -145,9 +146,24 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
         warnings.warn(f"{dataset.rows.path}: {len(dataset)} prompts, fewer than one rollout batch; prompts repeat within a batch")
     val_dataset = _dataset(config, "data.val_file", tokenizer, shuffle=False) if config.data.val_file else None
     functions = reward_functions(config) if config.reward.type == "function" else None
+    environment = _environment(config, tokenizer) if config.rollout.environment else None
     if args.overwrite and _launch_rank0():
         set_aside_run(output_dir)  # dropped after the first iteration, put back if the launch fails before
-    return Prepared(config, output_dir, tokenizer, dataset, val_dataset, functions, resume_from, run)
+    return Prepared(config, output_dir, tokenizer, dataset, val_dataset, functions, resume_from, run, environment)
+
+
+def _environment(config: RLHFConfig, tokenizer) -> str:
+    """The multi-turn environment's spec, loaded once; its stop strings and the chat template's
+    reply tokens checked (rollout/multiturn.py)."""
+    from megatron_rlhf.rollout.environment import environment_spec
+    from megatron_rlhf.rollout.multiturn import MultiTurn
+
+    try:
+        spec = environment_spec(config)
+        MultiTurn(config, tokenizer, spec, config.data.apply_chat_template)
+    except ValueError as e:
+        raise ConfigError(f"{config.at('rollout.environment')}: {e}") from None
+    return spec
 
 
 def _launch_rank0() -> bool:
@@ -259,6 +275,9 @@ class RunLog:
             parts.append(f"dropped {metrics['sampling/dropped_groups']:.0f}")
         if metrics.get("reward/failures"):
             parts.append(f"reward failures {metrics['reward/failures']:.0f}")
+        if "rollout/turns_mean" in metrics:  # multi-turn
+            parts += [f"turns {metrics['rollout/turns_mean']:.1f}", f"env failures {metrics['rollout/env_failures']:.0f}",
+                      f"masked {1 - metrics['rollout/model_token_share']:.0%}"]
         parts += [f"len {metrics['response/length_mean']:.1f}", f"{metrics['time/iteration_s']:.1f}s"]
         parts += _validation_parts(metrics)
         self._print(" | ".join(parts), 1)
@@ -474,10 +493,15 @@ def _run(prepared: Prepared) -> list:
                             failure_score=rewards.failure_score)
     progress_dir = os.path.join(output_dir, ".progress")
     os.makedirs(progress_dir, exist_ok=True)
+    turns = None
+    if prepared.environment is not None:
+        from megatron_rlhf.rollout.multiturn import MultiTurn
+
+        turns = MultiTurn(config, prepared.tokenizer, prepared.environment, config.data.apply_chat_template)
     controller = PPOController(config, prepared.dataset, prepared.tokenizer, scorer,
                                MemoryLedger(ledger_path if rank0 else None, guard=config.trainer.memory_guard),
                                overlap_budget=budget if config.trainer.overlap_onload else None,
-                               val_dataset=prepared.val_dataset, progress_dir=progress_dir)
+                               val_dataset=prepared.val_dataset, progress_dir=progress_dir, turns=turns)
     if resume_from is not None:
         controller.load_state_dict(load_ppo_checkpoint(controller.roles, resume_from))
         if rank0:
@@ -499,6 +523,8 @@ def _run(prepared: Prepared) -> list:
         log.close()
         if scorer is not None:
             scorer.close()
+        if turns is not None:
+            turns.close()
     if rank0 and history:
         print(_summary(history, time.perf_counter() - started), flush=True)
         if len(validations) > 1:

@@ -299,6 +299,33 @@ class GenerationConfig:
 
 
 @dataclasses.dataclass
+class RolloutConfig:
+    """Multi-turn rollouts: with ``environment`` (``module:Class`` or ``file.py:Class``, relative
+    to the config file; rollout/environment.py) the policy writes a turn, the environment answers,
+    the policy writes again, until the environment says done or a limit is reached; only the
+    policy's tokens are trained (the loss mask). None: one response per sample."""
+
+    environment: Optional[str] = None
+    max_turns: int = bounded(4, ge=1)
+    max_tokens_per_turn: Optional[int] = bounded(None, ge=1)  # None: generation.max_new_tokens
+    # Prompt, turns and replies together; None: max_prompt_length + max_turns x (turn + observation).
+    max_trajectory_tokens: Optional[int] = bounded(None, ge=2)
+    max_observation_tokens: int = bounded(256, ge=1)  # longer replies lose their middle (counted)
+    # Strings that end a turn besides the end tokens (a tool call's closing tag); each must be one token.
+    stop: List[str] = dataclasses.field(default_factory=list)
+    env_timeout_s: float = bounded(30.0, gt=0)  # per environment call
+    env_workers: int = bounded(2, ge=1)  # worker processes per policy replica
+
+    def turn_tokens(self, generation: "GenerationConfig") -> int:
+        return self.max_tokens_per_turn or generation.max_new_tokens
+
+    def trajectory_tokens(self, data: "DataConfig", generation: "GenerationConfig") -> int:
+        if self.max_trajectory_tokens is not None:
+            return self.max_trajectory_tokens
+        return data.max_prompt_length + self.max_turns * (self.turn_tokens(generation) + self.max_observation_tokens)
+
+
+@dataclasses.dataclass
 class PPOConfig:
     iterations: int = bounded(100, ge=1)
     rollout_batch_size: int = bounded(64, ge=1)  # prompts per iteration, over all data-parallel ranks
@@ -405,6 +432,7 @@ class RLHFConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)

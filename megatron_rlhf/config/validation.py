@@ -216,6 +216,7 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
 
     problems.extend(_run_problems(config, dp))
     problems.extend(_routing_replay_problems(config))
+    problems.extend(_rollout_problems(config))
     problems.extend(_fixed_address_problems(config))
     # Weight sync copies or shares trained weights into the serving role: same network.
     for serving, trained in config.served_weights.items():
@@ -463,6 +464,27 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
                 f"{rc.micro_batch_size} does not divide the per-rank rollout of {per_rank} samples "
                 f"({rollout} / DP={dp})",
             )
+    return problems
+
+
+def _rollout_problems(config: RLHFConfig) -> List[str]:
+    """Multi-turn settings need an environment (never silently unused), and its trajectories are
+    generated at the run's layout (the environment's rows are those of the run's cut)."""
+    r = config.rollout
+    if r.environment is None:
+        unused = sorted(k for k in config.origin if k.startswith("rollout.") and k != "rollout.environment")
+        return [f"{config.at(k)}: set, but rollout.environment is not: multi-turn settings need an environment "
+                "(module:Class or file.py:Class); remove it or name one" for k in unused]
+    problems = []
+    if config.has_own_layout("policy"):
+        problems.append(f"{config.at('rollout.environment')}: multi-turn rollouts run the policy at the run's layout "
+                        "only (not yet at a layout of its own); remove policy.parallel")
+    if r.trajectory_tokens(config.data, config.generation) < config.data.max_prompt_length + 1:
+        problems.append(f"{config.at('rollout.max_trajectory_tokens')}: {r.max_trajectory_tokens} leaves no room for "
+                        f"a turn after a prompt of data.max_prompt_length={config.data.max_prompt_length}")
+    if config.algorithm.overlong_buffer_length:
+        problems.append(f"{config.at('algorithm.overlong_buffer_length')}: DAPO's overlong penalty is not defined for "
+                        "multi-turn rollouts yet (a trajectory's model tokens span turns); set it to 0")
     return problems
 
 

@@ -28,6 +28,10 @@ class Tokenizer(Protocol):
 
     def encode_prompt(self, prompt: Union[str, Messages], chat: bool) -> List[int]: ...
 
+    def encode_text(self, text: str) -> List[int]: ...
+
+    def render_chat(self, messages: Messages, generation_prompt: bool) -> str: ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
@@ -58,6 +62,13 @@ class CharTokenizer:
         if chat or not isinstance(prompt, str):
             raise ValueError("the char tokenizer has no chat template; give string prompts and apply_chat_template: false")
         return [self.bos_id] + self.encode(prompt)
+
+    def encode_text(self, text: str) -> List[int]:
+        """``text`` as ids, nothing added (an environment's reply in a trajectory)."""
+        return self.encode(text)
+
+    def render_chat(self, messages: Messages, generation_prompt: bool) -> str:
+        raise ValueError("the char tokenizer has no chat template")
 
     def decode(self, ids: Sequence[int]) -> str:
         first = len(self.SPECIALS)
@@ -112,6 +123,14 @@ class HFTokenizer:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def encode_text(self, text: str) -> List[int]:
+        """``text`` as ids, no special tokens added (the special tokens it spells are parsed as such)."""
+        return list(self._tok(text, add_special_tokens=False)["input_ids"])
+
+    def render_chat(self, messages: Messages, generation_prompt: bool) -> str:
+        """The chat template's text of ``messages`` (the generation prompt added when asked)."""
+        return self._tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -19,8 +19,9 @@ def gae_advantages(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation. rewards, values, mask: [B, T] -> (advantages, returns), [B, T].
 
-    A position whose successor is not counted is terminal (its next value is 0). Masked-out
-    positions get advantage and return 0.
+    Each counted position's successor is the next counted one: in a multi-turn trajectory the
+    environment's tokens (mask 0) between two turns are skipped, not an end. The last counted
+    position is terminal (its next value is 0). Masked-out positions get advantage and return 0.
     """
     B, T = rewards.shape
     advantages = torch.zeros_like(rewards)
@@ -28,10 +29,14 @@ def gae_advantages(
     next_value = torch.zeros_like(next_advantage)
     next_mask = torch.zeros_like(next_advantage)
     for t in reversed(range(T)):
+        counted = mask[:, t].to(rewards.dtype)
         delta = rewards[:, t] + gamma * next_value * next_mask - values[:, t]
-        advantage = (delta + gamma * lam * next_mask * next_advantage) * mask[:, t]
+        advantage = (delta + gamma * lam * next_mask * next_advantage) * counted
         advantages[:, t] = advantage
-        next_advantage, next_value, next_mask = advantage, values[:, t], mask[:, t].to(rewards.dtype)
+        keep = counted > 0
+        next_advantage = torch.where(keep, advantage, next_advantage)
+        next_value = torch.where(keep, values[:, t], next_value)
+        next_mask = torch.where(keep, counted, next_mask)
     returns = (advantages + values) * mask
     return advantages, returns
 
@@ -73,13 +78,14 @@ def rloo_advantages(scores: torch.Tensor, group_index: torch.Tensor, mask: torch
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """REINFORCE++'s per-token returns: sum_{k>=t} gamma^(k-t) * rewards[k] within each response.
-    rewards, mask [B, T] -> [B, T] (0 where mask is 0)."""
+    """REINFORCE++'s per-token returns: sum_{k>=t} gamma^(k-t) * rewards[k] over the counted
+    positions k of each response (k - t counting counted positions: a multi-turn trajectory's
+    environment tokens are skipped). rewards, mask [B, T] -> [B, T] (0 where mask is 0)."""
     returns = torch.zeros_like(rewards)
     running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
     for t in reversed(range(rewards.shape[1])):
-        running = (rewards[:, t] + gamma * running) * mask[:, t]
-        returns[:, t] = running
+        running = torch.where(mask[:, t] > 0, rewards[:, t] + gamma * running, running)
+        returns[:, t] = running * mask[:, t]
     return returns
 
 

@@ -26,18 +26,19 @@ class ContractError(Exception):
     """What a reward function returned breaks the contract (a bug in it, not a hard input)."""
 
 
-def load_reward_function(spec: str, base_dir: str) -> RewardFunction:
-    """Import the callable named by ``spec``; errors name the spec and what is missing, and a
-    file that does not import names its own file and line."""
+def load_reward_function(spec: str, base_dir: str, what: str = "reward function") -> RewardFunction:
+    """Import the callable named by ``spec`` (a reward function, or ``what`` else: an environment
+    class); errors name the spec and what is missing, and a file that does not import names its
+    own file and line."""
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
-        raise ValueError(f"reward function: expected 'module:callable' or 'file.py:callable', got {spec!r}")
+        raise ValueError(f"{what}: expected 'module:callable' or 'file.py:callable', got {spec!r}")
     try:
         if target.endswith(".py"):
             path = target if os.path.isabs(target) else os.path.join(base_dir, target)
             if not os.path.isfile(path):
-                raise ValueError(f"reward function {spec!r}: no file {path}")
-            module_spec = importlib.util.spec_from_file_location(f"reward_{abs(hash(path))}", path)
+                raise ValueError(f"{what} {spec!r}: no file {path}")
+            module_spec = importlib.util.spec_from_file_location(f"user_{abs(hash(path))}", path)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
@@ -45,14 +46,14 @@ def load_reward_function(spec: str, base_dir: str) -> RewardFunction:
     except ValueError:
         raise
     except SyntaxError as e:
-        raise ValueError(f"reward function {spec!r}: {e.filename}:{e.lineno}: syntax error: {e.msg}") from None
+        raise ValueError(f"{what} {spec!r}: {e.filename}:{e.lineno}: syntax error: {e.msg}") from None
     except ImportError as e:
-        raise ValueError(f"reward function {spec!r}: cannot import {target} ({e})") from None
+        raise ValueError(f"{what} {spec!r}: cannot import {target} ({e})") from None
     except Exception as e:  # the user's module failed while it was imported
-        raise ValueError(f"reward function {spec!r}: importing it raised {describe(e)}") from None
+        raise ValueError(f"{what} {spec!r}: importing it raised {describe(e)}") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward function {spec!r}: {target} has no callable {attr!r}")
+        raise ValueError(f"{what} {spec!r}: {target} has no callable {attr!r}")
     return fn
 
 

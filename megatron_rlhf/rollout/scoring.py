@@ -32,14 +32,16 @@ class Scorer:
 
     def score(self, prompts: List[str], responses: List[str], fields: List[Dict], rows: SampleRows,
               iteration: int) -> Tuple[torch.Tensor, Dict[str, float]]:
-        """[B] scores of the sample ``rows`` (on the rows' device) and the rule reward's metrics
-        (failures, sub-scores; none for a reward model)."""
+        """[B] scores of the sample ``rows`` (on the rows' device; an environment's per-turn rewards
+        added) and the rule reward's metrics (failures, sub-scores; none for a reward model)."""
         metrics: Dict[str, float] = {}
         if self.config.reward.type == "function":
             scores, metrics = self._rule_scores(prompts, responses, fields)
         else:
             scores = self._reward_model_scores(rows)
         scores = scores.to(rows["tokens"].device)
+        if "turn_rewards" in rows:  # an environment's per-turn rewards count towards the trajectory's score
+            scores = scores + rows["turn_rewards"]
         check_scores(scores, self.config.reward.max_abs_score, iteration, prompts)
         alg = self.config.algorithm
         if alg.overlong_buffer_length:

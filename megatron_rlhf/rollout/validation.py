@@ -14,6 +14,7 @@ from megatron_rlhf.rollout.collector import RolloutCollector
 from megatron_rlhf.rollout.record import Prompts
 from megatron_rlhf.rollout.rows import RowCut
 
+SCORED_COLUMNS = ("tokens", "prompt_lengths", "response_lengths", "action_mask", "turn_rewards")
 VALIDATION_STREAM = -1  # the iteration key of validation's sampling streams (training's are >= 1)
 
 
@@ -39,7 +40,7 @@ class Validator:
                 batch = self.dataset.batch_of(mine[start : start + chunk])
                 prompts = Prompts.expand(batch, k, cfg.seed, VALIDATION_STREAM, 0, collector.device)
                 rows, _ = collector.generate(prompts.columns(), prompts, sampling)
-                generated.append((batch, {key: rows[key] for key in ("tokens", "prompt_lengths", "response_lengths")}))
+                generated.append((batch, {key: v for key, v in rows.items() if key in SCORED_COLUMNS}))
         if cut != roles.cut:
             generated = _chunks_in_run_cut(generated, cut, roles.cut, collector.device)
         results = []  # (data source, scores of the prompt's k responses)

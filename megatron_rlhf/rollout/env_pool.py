@@ -1,0 +1,141 @@
+"""Environment calls in worker processes, concurrent over the workers, each with a time-out.
+
+An environment may hang, crash or run away; the rollout must not. Each trajectory's instance lives
+in one worker (trajectory id modulo the workers), so its calls are in order, and the workers run
+side by side. A call that outlives ``timeout_s`` has its worker killed and replaced; the other
+trajectories that lived there are rebuilt in the new worker by replaying their calls (their
+environments are deterministic functions of those calls, as the protocol asks), so a hang costs
+only its own trajectory. Workers are plain interpreters without torch (rollout/env_worker.py).
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any, Dict, List, Optional, Tuple
+
+Request = Tuple[int, str, Any]  # (trajectory, "start" | "step", payload)
+Outcome = Tuple[str, Any]  # ("ok", result) or (failure kind: raised | protocol | timeout | exited, reason)
+
+
+class _Worker:
+    def __init__(self, spec: str, timeout_s: float):
+        parent, child = socket.socketpair()
+        self.process = subprocess.Popen([sys.executable, "-m", "megatron_rlhf.rollout.env_worker", str(child.fileno()), spec],
+                                        pass_fds=[child.fileno()], stdin=subprocess.DEVNULL)
+        child.close()
+        self.conn = Connection(parent.detach())
+        if not self.conn.poll(timeout_s + 60.0):
+            self.kill()
+            raise ValueError(f"environment {spec}: its worker took over {timeout_s + 60:.0f}s to load it")
+        try:
+            kind, message = self.conn.recv()
+        except EOFError:
+            raise ValueError(f"environment {spec}: its worker ended while loading it (exit code {self.process.wait()})") from None
+        if kind != "ready":
+            self.kill()
+            raise ValueError(message)
+        self.task: Optional[int] = None  # index of the request being answered
+        self.deadline = 0.0
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.conn.close()
+
+
+class EnvironmentPool:
+    def __init__(self, spec: str, num_workers: int = 2, timeout_s: float = 30.0):
+        self.spec, self.timeout_s = spec, timeout_s
+        self.workers: List[_Worker] = []
+        try:
+            for _ in range(num_workers):
+                self.workers.append(_Worker(spec, timeout_s))
+        except BaseException:
+            self.close()
+            raise
+        self.history: Dict[int, List[Tuple[str, Any]]] = {}  # each live trajectory's answered calls
+        self.lost: Dict[int, str] = {}  # trajectories whose rebuild failed -> why
+
+    def _home(self, trajectory: int) -> int:
+        return trajectory % len(self.workers)
+
+    def call(self, requests: List[Request]) -> List[Outcome]:
+        """Answer every request, each trajectory's in order, the workers side by side."""
+        outcomes: List[Optional[Outcome]] = [None] * len(requests)
+        queues: Dict[int, List[int]] = {}
+        for i, (trajectory, _, _) in enumerate(requests):
+            if trajectory in self.lost:
+                outcomes[i] = ("exited", self.lost[trajectory])
+            else:
+                queues.setdefault(self._home(trajectory), []).append(i)
+        while any(queues.values()) or any(w.task is not None for w in self.workers):
+            for w, worker in enumerate(self.workers):
+                if worker.task is None and queues.get(w):
+                    worker.task = queues[w].pop(0)
+                    trajectory, kind, payload = requests[worker.task]
+                    worker.deadline = time.monotonic() + self.timeout_s
+                    worker.conn.send((kind, trajectory, payload))
+            busy = [w for w in self.workers if w.task is not None]
+            wait([w.conn for w in busy], timeout=max(0.0, min(w.deadline for w in busy) - time.monotonic()))
+            for worker in busy:
+                i = worker.task
+                trajectory, kind, payload = requests[i]
+                if worker.conn.poll():
+                    try:
+                        outcome = worker.conn.recv()
+                    except EOFError:
+                        outcome = ("exited", f"ended its worker process (exit code {worker.process.wait()})")
+                elif time.monotonic() >= worker.deadline:
+                    outcome = ("timeout", f"took over {self.timeout_s:g}s (rollout.env_timeout_s)")
+                else:
+                    continue
+                worker.task = None
+                outcomes[i] = outcome
+                if outcome[0] == "ok":
+                    self.history.setdefault(trajectory, []).append((kind, payload))
+                elif outcome[0] in ("timeout", "exited"):
+                    self._replace(worker, trajectory)
+        return outcomes
+
+    def _replace(self, worker: _Worker, failed: int) -> None:
+        """A fresh worker for ``worker``, the other trajectories it held rebuilt by replay."""
+        w = self.workers.index(worker)
+        worker.kill()
+        self.workers[w] = fresh = _Worker(self.spec, self.timeout_s)
+        self.history.pop(failed, None)
+        held = [t for t in self.history if self._home(t) == w and t not in self.lost]
+        for trajectory in held:
+            for kind, payload in self.history[trajectory]:
+                fresh.conn.send((kind, trajectory, payload))
+                if not fresh.conn.poll(self.timeout_s):  # hung again: a last fresh worker, what it held lost
+                    fresh.kill()
+                    self.workers[w] = _Worker(self.spec, self.timeout_s)
+                    for other in held:
+                        self.lost.setdefault(other, "was lost when its worker was replaced twice (replaying its calls hung)")
+                    return
+                try:
+                    answered = fresh.conn.recv()[0] == "ok"
+                except EOFError:
+                    answered = False
+                if not answered:
+                    self.lost[trajectory] = "could not be rebuilt after its worker was replaced (replaying its calls failed)"
+                    if fresh.process.poll() is not None:
+                        self.workers[w] = fresh = _Worker(self.spec, self.timeout_s)
+                    break
+
+    def release(self, trajectories: List[int]) -> None:
+        """Drop the instances of ``trajectories`` (their batch is done)."""
+        for trajectory in trajectories:
+            if trajectory not in self.lost:
+                self.workers[self._home(trajectory)].conn.send(("close", trajectory, None))
+            self.history.pop(trajectory, None)
+            self.lost.pop(trajectory, None)
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.kill()
+        self.workers = []

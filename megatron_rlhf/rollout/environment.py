@@ -1,0 +1,106 @@
+"""The environment protocol: what answers the policy between its turns (a game, a tool, a judge).
+
+``rollout.environment: module:Class`` or ``path/to/file.py:Class`` (relative to the config file
+that names it), like a reward function. One instance per trajectory, made with no arguments, in an
+environment worker process (rollout/env_pool.py):
+
+    class MyEnvironment:
+        def start(self, row: dict) -> Observation:
+            '''row: the data row ("prompt" and its other columns: ground_truth, ...). The first
+            observation, shown before the model's first turn: None (the prompt alone), a string
+            (a user message, or plain text without a chat template) or a list of chat messages.'''
+        def step(self, turn: Turn) -> StepResult | tuple:
+            '''The model's turn -> (observation, done, reward, info): the reply to show the model
+            (as for start; None when done), whether the trajectory ends, a per-turn reward (a
+            number or None; added to the trajectory's score) and a dict of anything else.'''
+
+Each call is bounded by ``rollout.env_timeout_s``. A call that raises, times out or returns what
+the protocol does not allow ends its trajectory as a counted failure with the reason; the run goes
+on unless every trajectory of a batch fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any, Dict, List, Optional, Union
+
+Messages = List[Dict[str, str]]
+Observation = Union[None, str, Messages]
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclasses.dataclass
+class Turn:
+    """The model's turn as the environment sees it: its text, its token ids, the turn's index
+    (0 for the first), and whether it ended at an end token (False: at the per-turn limit)."""
+
+    text: str
+    token_ids: List[int]
+    index: int
+    ended: bool
+
+
+@dataclasses.dataclass
+class StepResult:
+    observation: Observation = None
+    done: bool = False
+    reward: Optional[float] = None
+    info: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class ProtocolError(Exception):
+    """What an environment returned breaks the protocol (the trajectory fails, counted)."""
+
+
+def checked_observation(value: Any) -> Observation:
+    """``value`` if it is an observation the protocol allows, else ProtocolError saying why."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+        for m in value:
+            if m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
+                raise ProtocolError(f"returned the message {m!r:.80}; a message is {{'role': one of {CHAT_ROLES}, "
+                                    "'content': a string}")
+        return value
+    raise ProtocolError(f"returned the observation {type(value).__name__} {value!r:.60}; an observation is None, "
+                        "a string or a list of chat messages")
+
+
+def checked_step(value: Any) -> StepResult:
+    """A step's result (a StepResult or an (observation, done, reward, info) tuple) checked."""
+    if isinstance(value, tuple):
+        if len(value) != 4:
+            raise ProtocolError(f"step returned a tuple of {len(value)}; expected (observation, done, reward, info)")
+        value = StepResult(*value)
+    if not isinstance(value, StepResult):
+        raise ProtocolError(f"step returned {type(value).__name__}; expected (observation, done, reward, info) "
+                            "or a StepResult")
+    if not isinstance(value.done, bool):
+        raise ProtocolError(f"step returned done={value.done!r:.40}; done is True or False")
+    reward = value.reward
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real) or reward != reward):
+        raise ProtocolError(f"step returned reward={reward!r:.40}; a reward is a finite number or None")
+    if not isinstance(value.info, dict):
+        raise ProtocolError(f"step returned info={value.info!r:.40}; info is a dict")
+    return StepResult(checked_observation(value.observation), value.done,
+                      None if reward is None else float(reward), value.info)
+
+
+def environment_spec(config) -> str:
+    """``rollout.environment`` with a file path made absolute against the config file that names
+    it; the class is imported here once, so a missing or broken one stops the run before start-up."""
+    import os
+
+    from megatron_rlhf.rewards.contract import load_reward_function
+
+    spec = config.rollout.environment
+    base = os.path.dirname(config.source_of("rollout.environment"))
+    target, _, attr = spec.rpartition(":")
+    if target.endswith(".py") and not os.path.isabs(target):
+        spec = f"{os.path.join(base, target)}:{attr}"
+    cls = load_reward_function(spec, base, what="environment")
+    missing = [m for m in ("start", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ValueError(f"environment {spec!r}: has no {' or '.join(missing)} method; see rollout/environment.py")
+    return spec

@@ -1,0 +1,235 @@
+"""Multi-turn rollouts: the policy writes a turn, the environment answers, the policy writes again.
+
+Per policy replica, over its rows: every trajectory starts (the environment's first observation
+appended to the prompt), then each turn the engine generates for every trajectory still going, and
+the environment steps each one (its calls concurrent in worker processes, on the replica's first
+rank, the results sent to its other ranks). A turn ends at an end token, at one of
+``rollout.stop``'s tokens, or at ``max_tokens_per_turn``; a trajectory at the environment's
+``done``, at ``max_turns``, at ``max_trajectory_tokens`` or when its environment fails (counted,
+with the reason). A reply after the last turn is not appended: a trajectory ends with the model's
+tokens. Each turn's tokens draw from the response's own stream (keyed by the turn), so the rollout
+does not depend on the layout or on which trajectories share a turn's batch.
+
+Each turn prefills the whole prefix again (``rollout/prefix_recomputed`` counts those prefills):
+the engine's cache is per generate() call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlhf.config.schema import RLHFConfig
+from megatron_rlhf.errors import RunError
+from megatron_rlhf.generation import SamplingParams, stream_seeds
+from megatron_rlhf.models.decoder import global_rank, groups_of
+from megatron_rlhf.rollout.env_pool import EnvironmentPool
+from megatron_rlhf.rollout.rows import SampleRows
+from megatron_rlhf.rollout.trajectory import ObservationEncoder, Trajectory
+
+# The rollout's counted metrics (summed over rounds and DP ranks; the others are means).
+TURN_COUNTS = ("rollout/env_calls", "rollout/env_failures", "rollout/env_timeouts", "rollout/truncated_observations",
+               "rollout/prefix_recomputed", "rollout/context_truncated")
+
+
+class EnvironmentFailure(RunError):
+    """Every trajectory of a batch failed in its environment."""
+
+
+class MultiTurn:
+    """``spec``: the environment (resolved against its config file); ``chat``: replies go through
+    the tokenizer's chat template."""
+
+    def __init__(self, config: RLHFConfig, tokenizer, spec: str, chat: bool):
+        r = config.rollout
+        self.config, self.tokenizer, self.spec = config, tokenizer, spec
+        self.encoder = ObservationEncoder(tokenizer, chat)
+        self.turn_tokens = r.turn_tokens(config.generation)
+        self.context = r.trajectory_tokens(config.data, config.generation)
+        self.stop_ids = tuple(_single_token(tokenizer, s) for s in r.stop)
+        self.pool: Optional[EnvironmentPool] = None  # started on the first call, on the replica's first rank
+        self.next_id = 0
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+    # -- one batch of trajectories ---------------------------------------------------------------
+
+    def run(self, collector, mine: SampleRows, prompts, sampling: SamplingParams) -> Tuple[SampleRows, Dict[str, float]]:
+        """Trajectories for the prompt rows ``mine`` (the policy resident); the sample rows (with
+        the loss mask ``action_mask`` and the per-turn rewards ``turn_rewards``) and the metrics."""
+        groups = groups_of(collector.roles["policy"].model)
+        counts = dict.fromkeys(TURN_COUNTS, 0.0)
+        env_s = 0.0
+        lengths = mine["prompt_lengths"].tolist()
+        trajectories = [Trajectory(row[:n].tolist(), self._new_id()) for row, n in zip(mine["tokens"].cpu(), lengths)]
+        rows = [{"prompt": text, **fields} for text, fields in zip(prompts.texts, prompts.fields)]
+        started = time.perf_counter()
+        self._environment_calls(trajectories, [("start", row) for row in rows], groups, counts, last_turn=False)
+        env_s += time.perf_counter() - started
+        turn_params = dataclasses.replace(sampling, max_new_tokens=self.turn_tokens,
+                                          eos_ids=tuple(dict.fromkeys(sampling.eos_ids + self.stop_ids)))
+        for turn in range(self.config.rollout.max_turns):
+            live = [i for i, t in enumerate(trajectories) if not t.done]
+            if not live:
+                break
+            turns = self._generate(collector, trajectories, live, mine["seeds"], turn, turn_params, counts)
+            started = time.perf_counter()
+            last = turn == self.config.rollout.max_turns - 1
+            self._environment_calls([trajectories[i] for i in live], [("step", t) for t in turns], groups, counts, last)
+            env_s += time.perf_counter() - started
+        self._release(trajectories, groups)
+        if all(t.failure for t in trajectories):
+            raise EnvironmentFailure(f"environment {self.spec}: every trajectory of the batch failed; the first "
+                                     f"{trajectories[0].failure}")
+        out = _rows(trajectories, mine["prompt_index"], self.tokenizer.pad_id)
+        return out, self._metrics(trajectories, counts, env_s)
+
+    def _new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def _generate(self, collector, trajectories: List[Trajectory], live: List[int], seeds: torch.Tensor, turn: int,
+                  params: SamplingParams, counts: Dict[str, float]) -> List[dict]:
+        """One turn of the model for the ``live`` trajectories; appends its tokens; returns each
+        turn as the environment sees it."""
+        device = seeds.device
+        prefixes = [trajectories[i].tokens for i in live]
+        width = max(len(p) for p in prefixes)
+        tokens = torch.full((len(live), width), self.tokenizer.pad_id, dtype=torch.long)
+        for row, prefix in enumerate(prefixes):
+            tokens[row, : len(prefix)] = torch.tensor(prefix)
+        live_seeds = seeds[torch.tensor(live, device=device)]
+        # Turn 0 draws as a single response would; every later turn from its own stream.
+        turn_seeds = live_seeds if turn == 0 else stream_seeds(live_seeds, turn).to(device)
+        sub = {"tokens": tokens.to(device), "prompt_lengths": torch.tensor([len(p) for p in prefixes], device=device),
+               "seeds": turn_seeds}
+        gen = collector.engine(sub, params, cache_length=max(self.config.data.max_prompt_length, width) + self.turn_tokens)
+        counts["rollout/prefix_recomputed"] += sum(trajectories[i].turns > 0 for i in live)
+        out = []
+        for row, i in enumerate(live):
+            t = trajectories[i]
+            p, r = len(prefixes[row]), int(gen.response_lengths[row])
+            ids = gen.tokens[row, p : p + r].tolist()
+            room = self.context - len(t.tokens)
+            if len(ids) >= room:  # the context is full: the turn is cut there and the trajectory ends
+                ids, t.done = ids[:room], True
+                counts["rollout/context_truncated"] += 1
+            t.append_model(ids)
+            out.append({"text": self.tokenizer.decode(ids), "token_ids": ids, "index": turn,
+                        "ended": bool(ids) and ids[-1] in params.eos_ids})
+        return out
+
+    # -- the environment -------------------------------------------------------------------------
+
+    def _environment_calls(self, trajectories: List[Trajectory], calls: List[tuple], groups, counts, last_turn: bool) -> None:
+        """Start or step each of ``trajectories`` (``calls``: (kind, payload) each; a trajectory
+        already done is not stepped); on the replica's first rank, the results sent to the others."""
+        wanted = [(t, call) for t, call in zip(trajectories, calls) if call[0] == "start" or not t.failure]
+        results = None
+        if groups.tp.rank() == 0 and groups.pp.rank() == 0:
+            results = self._answer(wanted)
+        results = _from_first_rank(results, groups)
+        for (t, (kind, _)), (observation_ids, done, reward, failure, truncated) in zip(wanted, results):
+            counts["rollout/env_calls"] += 1
+            if failure is not None:
+                counts["rollout/env_failures"] += 1
+                counts["rollout/env_timeouts"] += failure.startswith("timeout")
+                t.fail(f"{kind}: {failure}")
+                continue
+            if reward is not None:
+                t.turn_rewards.append(reward)
+            if done or last_turn or t.done:
+                t.done = True
+                continue
+            room = self.context - len(t.tokens) - 1  # a reply with no room for the model to answer ends it
+            if len(observation_ids) > room:
+                t.done = True
+                counts["rollout/context_truncated"] += 1
+                continue
+            t.append_observation(observation_ids, self.config.rollout.max_observation_tokens)
+            counts["rollout/truncated_observations"] += truncated
+
+    def _answer(self, wanted: List[tuple]) -> List[tuple]:
+        """(observation ids, done, reward, failure, truncated) per call, from the environment pool."""
+        if self.pool is None:
+            r = self.config.rollout
+            self.pool = EnvironmentPool(self.spec, r.env_workers, r.env_timeout_s)
+        requests = [(t.index, kind, payload) for t, (kind, payload) in wanted]
+        out = []
+        for (t, (kind, payload)), (status, value) in zip(wanted, self.pool.call(requests)):
+            if status != "ok":
+                out.append(([], True, None, f"{status}: {value}" if status == "timeout" else f"{value}", 0))
+                continue
+            observation, done, reward = (value, False, None) if kind == "start" else (value.observation, value.done, value.reward)
+            turn_ids = payload["token_ids"] if kind == "step" else []
+            try:
+                ids = self.encoder.encode(observation, turn_ids, self.tokenizer.eos_ids)
+            except ValueError as e:
+                out.append(([], True, None, f"its observation could not be encoded ({e})", 0))
+                continue
+            limit = self.config.rollout.max_observation_tokens
+            out.append((ids, done, reward, None, int(len(ids) > limit)))
+        return out
+
+    def _release(self, trajectories: List[Trajectory], groups) -> None:
+        if self.pool is not None and groups.tp.rank() == 0 and groups.pp.rank() == 0:
+            self.pool.release([t.index for t in trajectories])
+
+    def _metrics(self, trajectories: List[Trajectory], counts: Dict[str, float], env_s: float) -> Dict[str, float]:
+        model = sum(sum(t.mask) for t in trajectories)
+        after_prompt = sum(len(t.tokens) - t.prompt_length for t in trajectories)
+        return {**counts, "rollout/turns_mean": sum(t.turns for t in trajectories) / len(trajectories),
+                "rollout/model_token_share": model / max(after_prompt, 1), "time/env_s": env_s}
+
+    @staticmethod
+    def merged_metrics(parts: List[Dict[str, float]]) -> Dict[str, float]:
+        """The metrics of an iteration's rounds: counts and times added, means averaged."""
+        parts = [p for p in parts if p]
+        merged = {}
+        for key in sorted({k for p in parts for k in p}):
+            values = [p[key] for p in parts if key in p]
+            merged[key] = sum(values) if key in TURN_COUNTS or key.startswith("time/") else sum(values) / len(values)
+        return merged
+
+
+def _single_token(tokenizer, text: str) -> int:
+    ids = tokenizer.encode_text(text)
+    if len(ids) != 1:
+        raise ValueError(f"rollout.stop: {text!r} encodes to {len(ids)} tokens {ids}; a stop string must be one token")
+    return ids[0]
+
+
+def _from_first_rank(value, groups):
+    """``value`` of the replica's first rank (pipeline stage 0, tensor rank 0) on every rank of it."""
+    box = [value]
+    if groups.pp.size() > 1:
+        dist.broadcast_object_list(box, src=global_rank(groups.pp, 0), group=groups.pp)
+    if groups.tp.size() > 1:
+        dist.broadcast_object_list(box, src=global_rank(groups.tp, 0), group=groups.tp)
+    return box[0]
+
+
+def _rows(trajectories: List[Trajectory], prompt_index: torch.Tensor, pad_id: int) -> SampleRows:
+    """Sample rows of the trajectories: tokens [B, S], prompt and response lengths [B], the loss
+    mask ``action_mask`` [B, S-1] (1 where the action emitted a model token), turn rewards [B]."""
+    width = max(len(t.tokens) for t in trajectories)
+    tokens = torch.full((len(trajectories), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(trajectories), width, dtype=torch.float32)
+    for row, t in enumerate(trajectories):
+        tokens[row, : len(t.tokens)] = torch.tensor(t.tokens)
+        mask[row, : len(t.mask)] = torch.tensor(t.mask, dtype=torch.float32)
+    device = prompt_index.device
+    return {
+        "tokens": tokens.to(device),
+        "prompt_lengths": torch.tensor([t.prompt_length for t in trajectories], device=device),
+        "response_lengths": torch.tensor([len(t.tokens) - t.prompt_length for t in trajectories], device=device),
+        "action_mask": mask[:, 1:].to(device),
+        "turn_rewards": torch.tensor([sum(t.turn_rewards) for t in trajectories], dtype=torch.float32, device=device),
+        "prompt_index": prompt_index,
+    }

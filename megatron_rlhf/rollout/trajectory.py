@@ -1,0 +1,92 @@
+"""A trajectory as tokens: one append-only buffer per trajectory, token in and token out.
+
+The model's tokens are appended exactly as sampled (loss mask 1); an environment's reply is
+tokenised once, as what the chat template adds for the new message(s) after the model's turn (the
+template's own boundary tokens included: Qwen's newline after ``<|im_end|>``, the next
+``<|im_start|>assistant\\n``), and appended with loss mask 0. Nothing already in the buffer is
+ever tokenised again, so the ids the model was trained on are the ids it produced.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+from megatron_rlhf.rollout.environment import Messages, Observation
+
+# A conversation that ends with an assistant turn: the fixed left context against which a reply's
+# tokens are taken as a difference (the same for every template, so no real turn is re-rendered).
+_BASE: Messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+
+
+class ObservationEncoder:
+    """Turns an observation into the ids that follow the model's turn. ``tokenizer``: a
+    data.tokenizer Tokenizer; ``chat``: whether prompts go through its chat template (else an
+    observation's text is appended as it encodes, messages' contents one after another)."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer = tokenizer
+        self.chat = chat
+        if chat:
+            base = self._render(_BASE, generation_prompt=False)
+            opened = self._render(_BASE[:1], generation_prompt=True)
+            if not base.startswith(opened) or _BASE[1]["content"] not in base[len(opened):]:
+                raise ValueError("the chat template does not render an assistant turn after its generation prompt; "
+                                 "multi-turn rollouts need a template that does")
+            self._base = base
+            # What the template writes after an assistant message's content (its end token and boundary).
+            self._closing = base[len(opened) + base[len(opened):].index(_BASE[1]["content"]) + len(_BASE[1]["content"]):]
+
+    def _render(self, messages: Messages, generation_prompt: bool) -> str:
+        return self.tokenizer.render_chat(messages, generation_prompt)
+
+    def encode(self, observation: Observation, turn_ids: Sequence[int], eos_ids: Sequence[int]) -> List[int]:
+        """The ids to append after a model turn ``turn_ids`` (which ended in one of ``eos_ids`` or
+        not) for ``observation``: the rest of the template's closing of the assistant turn, the
+        new message(s) and the next generation prompt; without a template, the text's ids."""
+        if observation is None:
+            return []
+        if not self.chat:
+            text = observation if isinstance(observation, str) else "".join(m["content"] for m in observation)
+            return self.tokenizer.encode_text(text)
+        messages = [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation)
+        full = self._render(_BASE + messages, generation_prompt=True)
+        if not full.startswith(self._base):
+            raise ValueError("the chat template renders earlier turns differently once a message follows them; "
+                             "its reply tokens cannot be taken as a difference")
+        closing = self.tokenizer.encode_text(self._closing)
+        if turn_ids and closing and turn_ids[-1] == closing[0] and turn_ids[-1] in eos_ids:
+            closing = closing[1:]  # the model wrote the end token itself
+        return closing + self.tokenizer.encode_text(full[len(self._base):])
+
+
+class Trajectory:
+    """The token buffer of one trajectory: ``tokens`` (prompt first), ``mask`` (1 per model
+    token, 0 per prompt or environment token), and what happened (turns, why it ended, rewards)."""
+
+    def __init__(self, prompt_ids: Sequence[int], index: int):
+        self.tokens: List[int] = list(prompt_ids)
+        self.mask: List[int] = [0] * len(prompt_ids)
+        self.prompt_length = len(prompt_ids)
+        self.index = index  # the trajectory's id in the environment pool
+        self.turns = 0
+        self.done = False
+        self.failure: Optional[str] = None  # why the environment failed it (counted)
+        self.turn_rewards: List[float] = []
+        self.truncated_observations = 0
+
+    def append_model(self, ids: Sequence[int]) -> None:
+        self.tokens += ids
+        self.mask += [1] * len(ids)
+        self.turns += 1
+
+    def append_observation(self, ids: Sequence[int], limit: int) -> None:
+        """Environment ids with loss mask 0; more than ``limit`` keep their first and last
+        halves (the middle cut, counted)."""
+        if len(ids) > limit:
+            ids = list(ids[: limit - limit // 2]) + list(ids[len(ids) - limit // 2 :])
+            self.truncated_observations += 1
+        self.tokens += ids
+        self.mask += [0] * len(ids)
+
+    def fail(self, reason: str) -> None:
+        self.failure, self.done = reason, True

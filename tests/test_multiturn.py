@@ -1,0 +1,258 @@
+"""Multi-turn rollouts without a model: trajectories token in and token out against chat templates
+applied once, the loss mask in the RL math, and the environment pool's failures (rollout/)."""
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from megatron_rlhf import ppo
+from megatron_rlhf.data.tokenizer import CharTokenizer, HFTokenizer
+from megatron_rlhf.rollout.env_pool import EnvironmentPool
+from megatron_rlhf.rollout.environment import ProtocolError, StepResult, checked_step
+from megatron_rlhf.rollout.trajectory import ObservationEncoder, Trajectory
+from tests.hf_tokenizer import make_tokenizer_dir
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def llama3_tokenizer_dir(path):
+    """A BPE tokenizer with Llama-3's special tokens and a Llama-3-style chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|pad|>"]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["user assistant tool what is two plus two the answer is four call the calculator result 4"] * 8
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                   pad_token="<|pad|>")
+    fast.chat_template = LLAMA3_TEMPLATE
+    fast.save_pretrained(str(path))
+    return path
+
+
+# Within the tiny ChatML tokenizer's alphabet (it has no unknown token), no reply merging with the
+# generation prompt before it (a template applied once could tokenise across that boundary).
+CONVERSATION = [
+    ("user", "what is 2 + 2 ?"),
+    ("assistant", "answer with 4"),
+    ("user", "4 + 0 = 4"),
+    ("assistant", "answer 4"),
+    ("user", "be brief"),
+    ("assistant", "with 4"),
+]
+
+
+@pytest.fixture(params=["chatml", "llama3"])
+def chat_tokenizer(request, tmp_path):
+    if request.param == "chatml":
+        return HFTokenizer(str(make_tokenizer_dir(tmp_path / "chatml")))
+    return HFTokenizer(str(llama3_tokenizer_dir(tmp_path / "llama3")))
+
+
+def _template_ids(tokenizer, conversation):
+    once = tokenizer._tok.apply_chat_template([{"role": r, "content": c} for r, c in conversation], tokenize=True)
+    return list(once["input_ids"] if hasattr(once, "keys") else once)
+
+
+def _scripted_trajectory(tokenizer, conversation, once):
+    """The trajectory a scripted policy makes: the prompt, each assistant turn as the model emits it
+    (the ids of the conversation's reply, through its end token), each other message through the
+    encoder. Returns it and every earlier state of its buffer."""
+    encoder = ObservationEncoder(tokenizer, chat=True)
+    trajectory = Trajectory(tokenizer.encode_prompt([{"role": conversation[0][0], "content": conversation[0][1]}], True), 1)
+    last_turn, snapshots = [], []
+    for role, content in conversation[1:]:
+        snapshots.append(list(trajectory.tokens))
+        if role == "assistant":
+            start = len(trajectory.tokens)
+            end = next(i for i in range(start, len(once)) if once[i] in tokenizer.eos_ids) + 1
+            last_turn = once[start:end]
+            assert tokenizer.decode(last_turn).strip() == content  # the policy says what the conversation says
+            trajectory.append_model(last_turn)
+        else:
+            trajectory.append_observation(encoder.encode([{"role": role, "content": content}], last_turn, tokenizer.eos_ids), 1000)
+    return trajectory, snapshots
+
+
+def test_a_trajectory_is_the_template_applied_once_with_the_loss_mask_on_the_model_tokens(chat_tokenizer):
+    tok = chat_tokenizer
+    once = _template_ids(tok, CONVERSATION)
+    trajectory, snapshots = _scripted_trajectory(tok, CONVERSATION, once)
+    assert trajectory.tokens == once[: len(trajectory.tokens)]
+    # What the template writes after the last assistant turn's end token is only its boundary.
+    assert tok.decode(once[len(trajectory.tokens):]).strip() == ""
+    # Append-only: every earlier state is a prefix of the final buffer.
+    assert all(trajectory.tokens[: len(s)] == s for s in snapshots)
+    # The loss mask is 1 exactly on the model's tokens: each assistant turn's content and end token.
+    masked_text = [tok.decode([t]) for t, m in zip(trajectory.tokens, trajectory.mask) if m]
+    assert "".join(masked_text).replace(" ", "") == "".join(c for r, c in CONVERSATION if r == "assistant").replace(" ", "")
+    assert sum(t in tok.eos_ids for t, m in zip(trajectory.tokens, trajectory.mask) if m) == 3 == trajectory.turns
+    assert not any(m for t, m in zip(trajectory.tokens, trajectory.mask) if tok.decode([t]).strip() == "user")
+
+
+def test_a_turn_cut_before_its_end_token_gets_the_templates_closing(chat_tokenizer):
+    tok = chat_tokenizer
+    encoder = ObservationEncoder(tok, chat=True)
+    turn = tok.encode_text("answer")  # stopped at the per-turn limit: no end token
+    ids = encoder.encode("2 + 2", turn, tok.eos_ids)
+    assert ids[0] == tok.eos_ids[0]  # the template's end of the assistant turn comes first
+    text = tok._tok.decode(ids)
+    assert "2 + 2" in text and text.rstrip().endswith(tok._tok.decode(tok.encode_prompt([{"role": "user", "content": "x"}], True)[-3:]).rstrip())
+
+
+def test_without_a_template_an_observation_is_its_text():
+    tok = CharTokenizer("abc >")
+    encoder = ObservationEncoder(tok, chat=False)
+    assert encoder.encode(" a>", [3], tok.eos_ids) == tok.encode(" a>")
+    assert encoder.encode(None, [3], tok.eos_ids) == []
+
+
+def test_a_long_observation_loses_its_middle():
+    t = Trajectory([1, 2], 1)
+    t.append_observation(list(range(10, 30)), limit=6)
+    assert t.tokens == [1, 2, 10, 11, 12, 27, 28, 29] and t.mask == [0] * 8 and t.truncated_observations == 1
+
+
+# -- the loss mask in the RL math ----------------------------------------------------------------
+
+def test_the_policy_loss_of_a_multi_turn_batch_counts_model_tokens_only():
+    torch.manual_seed(0)
+    # Two trajectories: model tokens, then environment tokens, then model tokens again (mask 1 0 1).
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 0], [0, 0, 1, 0, 0, 0, 1, 1]], dtype=torch.float32)
+    logp = torch.randn(2, 8, requires_grad=True)
+    old = logp.detach() + 0.1 * torch.randn(2, 8)
+    adv = torch.randn(2, 8)
+    per_token, _ = ppo.policy_loss_terms(logp, old, adv, 0.2, 0.2)
+    loss_sum, count = ppo.aggregate_loss(per_token, mask, "token-mean")
+    (loss_sum / count).backward()
+    # The direct formula over the model's tokens only.
+    ratio = torch.exp(logp.detach() - old)
+    direct = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    assert torch.allclose(loss_sum / count, direct[mask.bool()].mean(), atol=1e-6)
+    assert (logp.grad[mask == 0] == 0).all() and (logp.grad[mask == 1] != 0).any()
+
+
+def test_kl_rewards_and_gae_ignore_the_environments_tokens():
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0]], dtype=torch.float32)
+    kl = ppo.kl_penalty(torch.randn(1, 6), torch.randn(1, 6), "k1") * mask
+    rewards = ppo.token_rewards(torch.tensor([2.0]), kl, 0.1, mask)
+    assert (rewards[mask == 0] == 0).all()
+    assert rewards[0, 4] == pytest.approx(2.0 - 0.1 * kl[0, 4].item())  # the score on the last model token
+    values = torch.randn(1, 6)
+    adv, returns = ppo.gae_advantages(rewards, values, mask, 1.0, 0.95)
+    assert (adv[mask == 0] == 0).all()
+    # Model tokens see each other across the environment's reply as consecutive steps.
+    model = mask[0].bool()
+    compact_adv, _ = ppo.gae_advantages(rewards[:, model], values[:, model], torch.ones(1, 3), 1.0, 0.95)
+    assert torch.allclose(adv[:, model], compact_adv, atol=1e-6)
+
+
+# -- the environment pool --------------------------------------------------------------------------
+
+ENVIRONMENTS = textwrap.dedent('''
+    import os, time
+
+    class Counter:
+        """Replies with its count; the prompt says how it misbehaves at step 2."""
+        def start(self, row):
+            self.mode, self.n = row["prompt"], 0
+            return "start"
+        def step(self, turn):
+            self.n += 1
+            if self.n == 2:
+                if self.mode == "raise":
+                    raise RuntimeError("the game broke")
+                if self.mode == "hang":
+                    time.sleep(60)
+                if self.mode == "exit":
+                    os._exit(3)
+                if self.mode == "non-text":
+                    return 42, False, None, {}
+            return f"count {self.n}", self.n >= 3, 1.0, {}
+''')
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    path = tmp_path_factory.mktemp("env") / "envs.py"
+    path.write_text(ENVIRONMENTS)
+    pool = EnvironmentPool(f"{path}:Counter", num_workers=2, timeout_s=2.0)
+    yield pool
+    pool.close()
+
+
+def test_every_failure_is_its_trajectorys_own_and_named(pool):
+    modes = ["ok", "raise", "hang", "exit", "non-text", "ok", "ok", "ok"]
+    ids = list(range(100, 100 + len(modes)))  # trajectories 2k live in worker 0, 2k+1 in worker 1
+    starts = pool.call([(i, "start", {"prompt": m}) for i, m in zip(ids, modes)])
+    assert starts == [("ok", "start")] * len(modes)
+    turn = {"text": "x", "token_ids": [1], "index": 0, "ended": True}
+    first = pool.call([(i, "step", turn) for i in ids])
+    assert all(kind == "ok" and r.observation == "count 1" for kind, r in first)
+    second = dict(zip(modes, pool.call([(i, "step", turn) for i in ids])))
+    assert second["raise"][0] == "raised" and "RuntimeError: the game broke" in second["raise"][1]
+    assert second["hang"][0] == "timeout" and "env_timeout_s" in second["hang"][1]
+    assert second["exit"][0] == "exited" and "exit code 3" in second["exit"][1]
+    assert second["non-text"][0] == "protocol" and "int 42" in second["non-text"][1]
+    # The healthy trajectories that shared a worker with the hang or the exit were rebuilt by
+    # replay and go on from where they were.
+    healthy = [i for i, m in zip(ids, modes) if m == "ok"]
+    third = pool.call([(i, "step", turn) for i in healthy])
+    assert all(kind == "ok" and r.observation == "count 3" and r.done for kind, r in third)
+    pool.release(ids)
+
+
+def test_the_step_protocol_is_checked():
+    assert checked_step(("hi", False, 1, {})) == StepResult("hi", False, 1.0, {})
+    for bad, words in [((None, "yes", None, {}), "done="), ((None, True, float("nan"), {}), "reward="),
+                       ([{"role": "robot", "content": "x"}], "message"), ((None, True), "tuple of 2")]:
+        with pytest.raises(ProtocolError, match=words):
+            checked_step(bad if isinstance(bad, tuple) else (bad, False, None, {}))
+
+
+def test_reinforce_returns_run_across_the_environments_tokens():
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0]], dtype=torch.float32)
+    rewards = torch.tensor([[0.5, 0.0, 0.0, 0.0, 2.0, 0.0]])
+    returns = ppo.discounted_returns(rewards, mask, 0.9)
+    assert torch.allclose(returns, torch.tensor([[0.5 + 0.81 * 2.0, 0.9 * 2.0, 0, 0, 2.0, 0]]))
+
+
+# -- through the engine, on 2 processes ------------------------------------------------------------
+
+def _numbers(metrics):
+    return {k: v for k, v in metrics.items() if not k.startswith("time/")}
+
+
+def test_multi_turn_rollouts_through_the_engine(tmp_path):
+    from tests.conftest import run_workers
+
+    ranks = run_workers(tmp_path, 2, "multiturn", timeout=400)
+    r = ranks[0]
+    # An environment that never answers: the single-turn run's iteration, figure for figure.
+    single, silent = _numbers(r["single"]), _numbers(r["silent"])
+    assert {k: silent[k] for k in single} == single
+    assert silent["rollout/turns_mean"] == 1 and silent["rollout/env_failures"] == 0
+    assert silent["rollout/env_calls"] == 2 * 32  # a start and a step per trajectory, over both DP ranks
+    # The game: the same rollout and update with EMS off and at micro-batch 1.
+    base = r["game"]
+    assert base["metrics"]["rollout/turns_mean"] == 4 and base["metrics"]["rollout/env_failures"] == 0
+    mask, tokens = base["rollout"]["mask"], base["rollout"]["tokens"]
+    assert 0 < base["metrics"]["rollout/model_token_share"] < 1 and mask.sum() < (tokens[:, 1:] > 0).sum()
+    width = int((tokens != 0).sum(dim=1).max())  # the pad id is 0: each run's rows padded to its widest
+    for name in ("game_ems_off", "game_mbs1"):
+        other = r[name]
+        assert torch.equal(other["rollout"]["tokens"][:, :width], tokens[:, :width])
+        assert torch.equal(other["rollout"]["mask"][:, : width - 1], mask[:, : width - 1])
+        assert torch.allclose(other["rollout"]["advantages"][:, : width - 1], base["rollout"]["advantages"][:, : width - 1], atol=1e-5)
+        for key, value in _numbers(base["metrics"]).items():
+            assert other["metrics"][key] == pytest.approx(value, abs=1e-5), (name, key)

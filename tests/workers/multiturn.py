@@ -1,0 +1,53 @@
+"""Multi-turn rollouts through the real engine on 2 processes: (1) the tiny GRPO demo with an
+environment that never answers gives the single-turn run's iteration; (2) the agent demo's game
+(examples/tiny_agent, TP=2) gives the same rollout and update with EMS off and at micro-batch 1. Saves per rank each run's metrics, and the rollout (gathered over DP) of the game runs."""
+
+import copy
+import os
+
+from common import OUT_DIR, capture_rollouts, reward_pool, save, setup
+
+from megatron_rlhf.controller import PPOController
+from megatron_rlhf.memory import MemoryLedger
+from megatron_rlhf.rollout.multiturn import MultiTurn
+from megatron_rlhf.train import parse_args, prepare
+
+SILENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "environments_for_tests.py") + ":Silent"
+
+
+def iteration(config_file: str, tp: int, name: str, environment=None, ems: bool = True, micro_batch_size=None,
+              **rollout):
+    os.environ.update(TP=str(tp), ITERATIONS="1")
+    prepared = prepare(parse_args(["--config", config_file, "--output-dir", os.path.join(OUT_DIR, name)]),
+                       int(os.environ["WORLD_SIZE"]))
+    config = prepared.config
+    for role in config.model_roles:
+        config.role(role).free_memory = ems
+        if micro_batch_size is not None:
+            config.role(role).micro_batch_size = micro_batch_size
+    spec = environment or prepared.environment
+    for key, value in rollout.items():
+        setattr(config.rollout, key, value)
+    setup(tp=tp, seed=config.seed)
+    turns = MultiTurn(config, prepared.tokenizer, spec, False) if spec else None
+    controller = PPOController(config, copy.deepcopy(prepared.dataset), prepared.tokenizer,
+                               reward_pool(prepared.reward_functions), MemoryLedger(None), turns=turns)
+    captured = capture_rollouts(controller)
+    metrics = controller.step()
+    if turns is not None:
+        turns.close()
+    r = captured["rollout"]
+    cut = controller.role_set.cut
+    rows = cut.gather({"tokens": r.tokens, "mask": r.action_mask, "scores": r.scores, "advantages": r.advantages},
+                      prepared.tokenizer.pad_id)
+    rollout = {k: v.cpu() for k, v in rows.items()}
+    return metrics, rollout
+
+
+result = {}
+result["single"], _ = iteration("examples/tiny/grpo.yaml", 1, "single")
+result["silent"], _ = iteration("examples/tiny/grpo.yaml", 1, "silent", environment=SILENT, max_turns=1)
+for name, ems, mbs in (("game", True, None), ("game_ems_off", False, None), ("game_mbs1", True, 1)):
+    metrics, rollout = iteration("examples/tiny_agent/grpo.yaml", 2, name, ems=ems, micro_batch_size=mbs)
+    result[name] = {"metrics": metrics, "rollout": rollout}
+save(result)
