@@ -7,7 +7,7 @@ NPROC ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-grpo demo-moe demo-math test clean
+.PHONY: install demo demo-grpo demo-moe demo-math demo-agent test clean
 
 install: $(STAMP)
 
@@ -46,6 +46,12 @@ examples/tiny_math/train.jsonl: examples/tiny_math/make_data.py | $(STAMP)
 demo-math: $(STAMP) examples/tiny_math/train.jsonl
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.train \
 		--config examples/tiny_math/grpo.yaml --overwrite
+
+# An agent: GRPO where the policy plays a 4-turn game against an environment whose replies say the
+# next correct move; only the policy's tokens are trained (examples/tiny_agent/grpo.yaml).
+demo-agent: $(STAMP) examples/tiny/prompts.jsonl
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.train \
+		--config examples/tiny_agent/grpo.yaml --overwrite
 
 test: $(STAMP)
 	bash tests/setup_slurm.sh
