@@ -404,3 +404,25 @@ def test_a_policy_of_its_own_expert_layout_and_what_routing_replay_needs(monkeyp
                for p in layout_problems(config, 4))
     config.moe.routing_replay = "off"
     assert layout_problems(config, 4) == []
+
+
+def test_multi_turn_settings_are_refused_by_name_where_they_would_go_unused_or_are_not_modelled(tmp_path):
+    # Without an environment no rollout.* key has an effect: each is named.
+    with pytest.raises(ConfigError) as err:
+        load_config(str(tiny_setup(tmp_path, "rollout: {max_turns: 3, stop: ['x']}\n")), world_size=1)
+    assert "rollout.max_turns: set, but rollout.environment is not" in str(err.value)
+    assert "rollout.stop: set, but rollout.environment is not" in str(err.value)
+    ok = load_config(str(tiny_setup(tmp_path, "rollout: {environment: env.py:Game, max_turns: 3}\n")), world_size=1)
+    assert ok.rollout.turn_tokens(ok.generation) == ok.generation.max_new_tokens
+    # With one: the policy at a layout of its own, DAPO's overlong penalty and a context with no
+    # room for a turn are refused, each naming its key.
+    top = layouts_setup(tmp_path, "parallel: {tensor_model_parallel_size: 2}\nrollout: {environment: env.py:Game, "
+                        "max_trajectory_tokens: 64}\ndata: {max_prompt_length: 64}\n"
+                        "algorithm: {overlong_buffer_length: 4}\ngeneration: {max_new_tokens: 8}\n",
+                        policy="tensor_model_parallel_size: 1")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(top), world_size=2)
+    text = str(err.value)
+    assert "rollout.environment: multi-turn rollouts run the policy at the run's layout only" in text
+    assert "rollout.max_trajectory_tokens: 64 leaves no room for a turn" in text
+    assert "algorithm.overlong_buffer_length: DAPO's overlong penalty is not defined for multi-turn" in text

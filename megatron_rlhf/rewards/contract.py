@@ -120,9 +120,16 @@ def reward_functions(config) -> Dict[str, float]:
     base = os.path.dirname(config.source_of(key))
     resolved = {}
     for spec, weight in specs.items():
-        target, _, attr = spec.rpartition(":")
-        if target.endswith(".py") and not os.path.isabs(target):
-            spec = f"{os.path.join(base, target)}:{attr}"
+        spec = absolute_spec(spec, base)
         load_reward_function(spec, base)
         resolved[spec] = weight
     return resolved
+
+
+def absolute_spec(spec: str, base_dir: str) -> str:
+    """``file.py:callable`` with the file made absolute against ``base_dir`` (worker processes run
+    elsewhere); a module spec as it is."""
+    target, _, attr = spec.rpartition(":")
+    if target.endswith(".py") and not os.path.isabs(target):
+        return f"{os.path.join(base_dir, target)}:{attr}"
+    return spec

@@ -25,21 +25,30 @@ from megatron_rlhf.errors import NonFiniteError, RewardFunctionError
 FAILED = None  # a call that raised or timed out
 
 
-class _Worker:
-    def __init__(self, specs: Sequence[str]):
+class WorkerProcess:
+    """``python -m MODULE FD ARGS...``: a plain interpreter that talks over ``conn`` (a socket
+    pair's end), with the task it is answering and that task's deadline (the reward and
+    environment pools' workers)."""
+
+    def __init__(self, module: str, args: Sequence[str]):
         parent, child = socket.socketpair()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "megatron_rlhf.rewards.worker", str(child.fileno()), *specs],
-            pass_fds=[child.fileno()], stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen([sys.executable, "-m", module, str(child.fileno()), *args],
+                                        pass_fds=[child.fileno()], stdin=subprocess.DEVNULL)
         child.close()
         self.conn = Connection(parent.detach())
-        self.task: Optional[Tuple[int, int]] = None  # (response, function) being scored
+        self.task = None
         self.deadline = 0.0
 
     def kill(self) -> None:
         self.process.kill()
         self.process.wait()
         self.conn.close()
+
+
+class _Worker(WorkerProcess):
+    def __init__(self, specs: Sequence[str]):
+        super().__init__("megatron_rlhf.rewards.worker", specs)
+        self.task: Optional[Tuple[int, int]] = None  # (response, function) being scored
 
 
 class RewardPool:

@@ -21,9 +21,9 @@ from megatron_rlhf.models.batches import action_mask
 from megatron_rlhf.models.routing import ROUTES
 from megatron_rlhf.roles import inference
 from megatron_rlhf.roles.role_set import RoleSet
-from megatron_rlhf.rollout.record import Collected, Prompts, Rollout
+from megatron_rlhf.rollout.record import Collected, Prompts, Rollout, merged_metrics
 from megatron_rlhf.rollout.rows import SampleRows, cat_rows, trimmed
-from megatron_rlhf.rollout.scoring import Scorer, merged_reward_metrics
+from megatron_rlhf.rollout.scoring import Scorer
 from megatron_rlhf.runtime.platform import get_platform
 
 
@@ -49,16 +49,13 @@ class RolloutCollector:
         cfg, alg = self.config, self.config.algorithm
         n = cfg.generation.samples_per_prompt
         rounds = 1 + (alg.dynamic_sampling_extra_rounds if alg.dynamic_sampling else 0)
-        metrics: Dict[str, float] = {"time/generate_s": 0.0}
-        reward_parts, turn_parts, kept, dropped = [], [], [], []
+        parts, kept, dropped = [], [], []  # the rounds' metrics (generation, scoring)
         for round_ in range(rounds):
             batch = dataset.next_batch(cfg.ppo.rollout_batch_size, self.roles.cut.rank, self.roles.cut.size)
             prompts = Prompts.expand(batch, n, cfg.seed, iteration, round_, self.device)
             rows, generated = self.policy_rows(prompts, self.sampling, training=True)
-            metrics["time/generate_s"] += generated.pop("time/generate_s")
-            turn_parts.append(generated)
             rows["scores"], rewarded = self.scorer.score(prompts.texts, self.decode(rows), prompts.fields, rows, iteration)
-            reward_parts.append(rewarded)
+            parts += [generated, rewarded]
             if not alg.dynamic_sampling:
                 break
             # Decided on the rows of every DP rank, so that every rank keeps the same groups and
@@ -69,6 +66,7 @@ class RolloutCollector:
             dropped.append(_select_groups(rows, ~signal, n))
             if sum(len(k["scores"]) for k in kept) >= cfg.rollout_samples:
                 break
+        metrics = {}
         if alg.dynamic_sampling:
             rows, short = self._fill_from(kept, dropped)
             metrics.update({
@@ -76,11 +74,9 @@ class RolloutCollector:
                 "sampling/dropped_groups": float(sum(len(d["scores"]) for d in dropped) // n),
                 "sampling/short_groups": float(short),
             })
+        metrics.update(merged_metrics(parts))
         rollout = self._experience(rows)
         samples = list(zip([dataset.prompt_of(i) for i in rows["prompt_index"].tolist()], self.decode(rows)))
-        metrics.update(merged_reward_metrics(reward_parts))
-        if self.turns is not None:
-            metrics.update(self.turns.merged_metrics(turn_parts))
         return Collected(rollout, samples, metrics)
 
     def _experience(self, rows: SampleRows) -> Rollout:

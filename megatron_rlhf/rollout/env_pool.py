@@ -10,24 +10,20 @@ only its own trajectory. Workers are plain interpreters without torch (rollout/e
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 import time
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any, Dict, List, Optional, Tuple
+
+from megatron_rlhf.rewards.pool import WorkerProcess
 
 Request = Tuple[int, str, Any]  # (trajectory, "start" | "step", payload)
 Outcome = Tuple[str, Any]  # ("ok", result) or (failure kind: raised | protocol | timeout | exited, reason)
 
 
-class _Worker:
+class _Worker(WorkerProcess):
     def __init__(self, spec: str, timeout_s: float):
-        parent, child = socket.socketpair()
-        self.process = subprocess.Popen([sys.executable, "-m", "megatron_rlhf.rollout.env_worker", str(child.fileno()), spec],
-                                        pass_fds=[child.fileno()], stdin=subprocess.DEVNULL)
-        child.close()
-        self.conn = Connection(parent.detach())
+        super().__init__("megatron_rlhf.rollout.env_worker", [spec])
+        self.task: Optional[int] = None  # index of the request being answered
         if not self.conn.poll(timeout_s + 60.0):
             self.kill()
             raise ValueError(f"environment {spec}: its worker took over {timeout_s + 60:.0f}s to load it")
@@ -38,13 +34,6 @@ class _Worker:
         if kind != "ready":
             self.kill()
             raise ValueError(message)
-        self.task: Optional[int] = None  # index of the request being answered
-        self.deadline = 0.0
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait()
-        self.conn.close()
 
 
 class EnvironmentPool:

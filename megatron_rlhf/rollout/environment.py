@@ -92,13 +92,10 @@ def environment_spec(config) -> str:
     it; the class is imported here once, so a missing or broken one stops the run before start-up."""
     import os
 
-    from megatron_rlhf.rewards.contract import load_reward_function
+    from megatron_rlhf.rewards.contract import absolute_spec, load_reward_function
 
-    spec = config.rollout.environment
     base = os.path.dirname(config.source_of("rollout.environment"))
-    target, _, attr = spec.rpartition(":")
-    if target.endswith(".py") and not os.path.isabs(target):
-        spec = f"{os.path.join(base, target)}:{attr}"
+    spec = absolute_spec(config.rollout.environment, base)
     cls = load_reward_function(spec, base, what="environment")
     missing = [m for m in ("start", "step") if not callable(getattr(cls, m, None))]
     if missing:

@@ -28,12 +28,11 @@ from megatron_rlhf.errors import RunError
 from megatron_rlhf.generation import SamplingParams, stream_seeds
 from megatron_rlhf.models.decoder import global_rank, groups_of
 from megatron_rlhf.rollout.env_pool import EnvironmentPool
+from megatron_rlhf.rollout.record import COUNTED_METRICS
 from megatron_rlhf.rollout.rows import SampleRows
 from megatron_rlhf.rollout.trajectory import ObservationEncoder, Trajectory
 
-# The rollout's counted metrics (summed over rounds and DP ranks; the others are means).
-TURN_COUNTS = ("rollout/env_calls", "rollout/env_failures", "rollout/env_timeouts", "rollout/truncated_observations",
-               "rollout/prefix_recomputed", "rollout/context_truncated")
+TURN_COUNTS = tuple(k for k in COUNTED_METRICS if k.startswith("rollout/"))
 
 
 class EnvironmentFailure(RunError):
@@ -132,15 +131,16 @@ class MultiTurn:
         already done is not stepped); on the replica's first rank, the results sent to the others."""
         wanted = [(t, call) for t, call in zip(trajectories, calls) if call[0] == "start" or not t.failure]
         results = None
-        if groups.tp.rank() == 0 and groups.pp.rank() == 0:
+        if _first_rank(groups):
             results = self._answer(wanted)
         results = _from_first_rank(results, groups)
-        for (t, (kind, _)), (observation_ids, done, reward, failure, truncated) in zip(wanted, results):
+        for (t, (kind, _)), (observation_ids, done, reward, failure) in zip(wanted, results):
             counts["rollout/env_calls"] += 1
             if failure is not None:
+                status, reason = failure
                 counts["rollout/env_failures"] += 1
-                counts["rollout/env_timeouts"] += failure.startswith("timeout")
-                t.fail(f"{kind}: {failure}")
+                counts["rollout/env_timeouts"] += status == "timeout"
+                t.fail(f"{kind}: {reason}")
                 continue
             if reward is not None:
                 t.turn_rewards.append(reward)
@@ -153,10 +153,9 @@ class MultiTurn:
                 counts["rollout/context_truncated"] += 1
                 continue
             t.append_observation(observation_ids, self.config.rollout.max_observation_tokens)
-            counts["rollout/truncated_observations"] += truncated
 
     def _answer(self, wanted: List[tuple]) -> List[tuple]:
-        """(observation ids, done, reward, failure, truncated) per call, from the environment pool."""
+        """(observation ids, done, reward, failure: None or (kind, reason)) per call, from the environment pool."""
         if self.pool is None:
             r = self.config.rollout
             self.pool = EnvironmentPool(self.spec, r.env_workers, r.env_timeout_s)
@@ -164,38 +163,28 @@ class MultiTurn:
         out = []
         for (t, (kind, payload)), (status, value) in zip(wanted, self.pool.call(requests)):
             if status != "ok":
-                out.append(([], True, None, f"{status}: {value}" if status == "timeout" else f"{value}", 0))
+                out.append(([], True, None, (status, value)))
                 continue
             observation, done, reward = (value, False, None) if kind == "start" else (value.observation, value.done, value.reward)
             turn_ids = payload["token_ids"] if kind == "step" else []
             try:
                 ids = self.encoder.encode(observation, turn_ids, self.tokenizer.eos_ids)
             except ValueError as e:
-                out.append(([], True, None, f"its observation could not be encoded ({e})", 0))
+                out.append(([], True, None, ("protocol", f"its observation could not be encoded ({e})")))
                 continue
-            limit = self.config.rollout.max_observation_tokens
-            out.append((ids, done, reward, None, int(len(ids) > limit)))
+            out.append((ids, done, reward, None))
         return out
 
     def _release(self, trajectories: List[Trajectory], groups) -> None:
-        if self.pool is not None and groups.tp.rank() == 0 and groups.pp.rank() == 0:
+        if self.pool is not None and _first_rank(groups):
             self.pool.release([t.index for t in trajectories])
 
     def _metrics(self, trajectories: List[Trajectory], counts: Dict[str, float], env_s: float) -> Dict[str, float]:
         model = sum(sum(t.mask) for t in trajectories)
         after_prompt = sum(len(t.tokens) - t.prompt_length for t in trajectories)
-        return {**counts, "rollout/turns_mean": sum(t.turns for t in trajectories) / len(trajectories),
+        return {**counts, "rollout/truncated_observations": float(sum(t.truncated_observations for t in trajectories)),
+                "rollout/turns_mean": sum(t.turns for t in trajectories) / len(trajectories),
                 "rollout/model_token_share": model / max(after_prompt, 1), "time/env_s": env_s}
-
-    @staticmethod
-    def merged_metrics(parts: List[Dict[str, float]]) -> Dict[str, float]:
-        """The metrics of an iteration's rounds: counts and times added, means averaged."""
-        parts = [p for p in parts if p]
-        merged = {}
-        for key in sorted({k for p in parts for k in p}):
-            values = [p[key] for p in parts if key in p]
-            merged[key] = sum(values) if key in TURN_COUNTS or key.startswith("time/") else sum(values) / len(values)
-        return merged
 
 
 def _single_token(tokenizer, text: str) -> int:
@@ -203,6 +192,12 @@ def _single_token(tokenizer, text: str) -> int:
     if len(ids) != 1:
         raise ValueError(f"rollout.stop: {text!r} encodes to {len(ids)} tokens {ids}; a stop string must be one token")
     return ids[0]
+
+
+def _first_rank(groups) -> bool:
+    """Whether this rank is its policy replica's first (pipeline stage 0, tensor rank 0): the one
+    that calls the environment."""
+    return groups.tp.rank() == 0 and groups.pp.rank() == 0
 
 
 def _from_first_rank(value, groups):

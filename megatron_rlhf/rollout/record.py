@@ -74,6 +74,22 @@ class Rollout:
         return self.prompt_lengths + self.response_lengths
 
 
+# The rollout's metrics that are counts: added over scoring rounds and DP ranks (the others are
+# means; times are added over rounds).
+COUNTED_METRICS = ("reward/failures", "reward/timeouts", "rollout/env_calls", "rollout/env_failures",
+                   "rollout/env_timeouts", "rollout/truncated_observations", "rollout/prefix_recomputed",
+                   "rollout/context_truncated")
+
+
+def merged_metrics(parts: List[Dict[str, float]]) -> Dict[str, float]:
+    """The metrics of an iteration's rounds (generation, scoring): counts and times added, means averaged."""
+    merged: Dict[str, float] = {}
+    for key in sorted({k for part in parts for k in part}):
+        values = [part[key] for part in parts if key in part]
+        merged[key] = sum(values) if key in COUNTED_METRICS or key.startswith("time/") else sum(values) / len(values)
+    return merged
+
+
 @dataclasses.dataclass
 class Collected:
     """What collecting a rollout gives: the rollout, (prompt, response) texts of its rows, and the

@@ -17,10 +17,6 @@ from megatron_rlhf.roles import inference
 from megatron_rlhf.roles.role_set import RoleSet
 from megatron_rlhf.rollout.rows import SampleRows
 
-# Reward metrics that are counts: summed over scoring rounds and DP ranks, never averaged.
-COUNTED_METRICS = ("reward/failures", "reward/timeouts")
-
-
 class Scorer:
     """``reward_pool``: the rule functions' pool on the first rank of each model-parallel group
     (None elsewhere, and with a reward model)."""
@@ -45,7 +41,7 @@ class Scorer:
         check_scores(scores, self.config.reward.max_abs_score, iteration, prompts)
         alg = self.config.algorithm
         if alg.overlong_buffer_length:
-            scores = scores + ppo.overlong_penalty(model_tokens(rows), self.config.generation.max_new_tokens,
+            scores = scores + ppo.overlong_penalty(rows["response_lengths"], self.config.generation.max_new_tokens,
                                                    alg.overlong_buffer_length, alg.overlong_penalty_factor).to(scores.device)
         return scores, metrics
 
@@ -78,20 +74,3 @@ class Scorer:
         if isinstance(result[0], RewardFunctionError):
             raise RewardFunctionError(str(result[0]))
         return result[0]
-
-
-def model_tokens(rows: SampleRows) -> torch.Tensor:
-    """[B] the tokens each row's model wrote (its response, or a trajectory's turns without the
-    environment's tokens)."""
-    if "action_mask" in rows:
-        return rows["action_mask"].sum(dim=1).round().long()
-    return rows["response_lengths"]
-
-
-def merged_reward_metrics(parts: List[Dict[str, float]]) -> Dict[str, float]:
-    """The rule reward's metrics of an iteration's scoring rounds: counts added, means averaged."""
-    merged: Dict[str, float] = {}
-    for key in sorted({k for part in parts for k in part}):
-        values = [part[key] for part in parts if key in part]
-        merged[key] = sum(values) if key in COUNTED_METRICS else sum(values) / len(values)
-    return merged

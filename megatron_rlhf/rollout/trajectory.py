@@ -29,12 +29,13 @@ class ObservationEncoder:
         if chat:
             base = self._render(_BASE, generation_prompt=False)
             opened = self._render(_BASE[:1], generation_prompt=True)
-            if not base.startswith(opened) or _BASE[1]["content"] not in base[len(opened):]:
+            answer = base[len(opened):]
+            if not base.startswith(opened) or _BASE[1]["content"] not in answer:
                 raise ValueError("the chat template does not render an assistant turn after its generation prompt; "
                                  "multi-turn rollouts need a template that does")
             self._base = base
             # What the template writes after an assistant message's content (its end token and boundary).
-            self._closing = base[len(opened) + base[len(opened):].index(_BASE[1]["content"]) + len(_BASE[1]["content"]):]
+            self._closing = answer.partition(_BASE[1]["content"])[2]
 
     def _render(self, messages: Messages, generation_prompt: bool) -> str:
         return self.tokenizer.render_chat(messages, generation_prompt)
