@@ -1,8 +1,8 @@
 """Multi-turn rollouts without a model: trajectories token in and token out against chat templates
 applied once, the loss mask in the RL math, and the environment pool's failures (rollout/)."""
 
-import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -256,3 +256,95 @@ def test_multi_turn_rollouts_through_the_engine(tmp_path):
         assert torch.allclose(other["rollout"]["advantages"][:, : width - 1], base["rollout"]["advantages"][:, : width - 1], atol=1e-5)
         for key, value in _numbers(base["metrics"]).items():
             assert other["metrics"][key] == pytest.approx(value, abs=1e-5), (name, key)
+
+
+# -- the turn loop with a scripted engine ------------------------------------------------------
+
+class _Group:
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 1
+
+
+class _ScriptedCollector:
+    """Stands in for the collector: one replica of one rank, whose engine answers every prefix
+    with the same turn ("a" then the end token)."""
+
+    def __init__(self, tokenizer):
+        model = types.SimpleNamespace(pg_collection=types.SimpleNamespace(tp=_Group(), pp=_Group()))
+        self.roles = {"policy": types.SimpleNamespace(model=model)}
+        self.turn = tokenizer.encode("a") + [tokenizer.eos_id]
+
+    def engine(self, rows, params, cache_length=None):
+        width = rows["tokens"].shape[1] + len(self.turn)
+        tokens = torch.zeros(len(rows["tokens"]), width, dtype=torch.long)
+        for i, (row, n) in enumerate(zip(rows["tokens"], rows["prompt_lengths"].tolist())):
+            tokens[i, :n] = row[:n]
+            tokens[i, n : n + len(self.turn)] = torch.tensor(self.turn)
+        return types.SimpleNamespace(tokens=tokens, response_lengths=torch.full((len(tokens),), len(self.turn)))
+
+
+def _turns(tmp_path, environment: str, **rollout):
+    from megatron_rlhf.config.schema import RLHFConfig
+    from megatron_rlhf.generation import SamplingParams
+    from megatron_rlhf.rollout.multiturn import MultiTurn
+
+    (tmp_path / "envs.py").write_text(textwrap.dedent(environment))
+    config = RLHFConfig()
+    for key, value in {"env_timeout_s": 5.0, **rollout}.items():
+        setattr(config.rollout, key, value)
+    tok = CharTokenizer("abc >")
+    turns = MultiTurn(config, tok, f"{tmp_path / 'envs.py'}:Env", chat=False)
+    prompts = types.SimpleNamespace(texts=["b", "c"], fields=[{}, {}])
+    mine = {"tokens": torch.tensor([[1, 4], [1, 5]]), "prompt_lengths": torch.tensor([2, 2]),
+            "seeds": torch.tensor([7, 8]), "prompt_index": torch.tensor([0, 1])}
+    params = SamplingParams(max_new_tokens=2, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
+    try:
+        return turns.run(_ScriptedCollector(tok), mine, prompts, params), tok
+    finally:
+        turns.close()
+
+
+def test_turns_alternate_with_replies_and_the_limits_end_them(tmp_path):
+    (rows, metrics), tok = _turns(tmp_path, """
+        class Env:
+            def start(self, row):
+                return " >"
+            def step(self, turn):
+                return "bbbbbb", False, 0.5, {}
+    """, max_turns=3, max_observation_tokens=4)
+    # prompt, reply " >", then per turn "a" + end token, the reply cut to 4 ("bb" + "bb"), after the
+    # last turn no reply: the trajectory ends with the model's tokens.
+    one = [1, 4] + tok.encode(" >") + (tok.encode("a") + [2] + tok.encode("bbbb")) * 2 + tok.encode("a") + [2]
+    assert rows["tokens"][0].tolist() == one
+    assert rows["action_mask"][0].tolist() == [float(t in (2, tok.encode("a")[0]) and i > 3) for i, t in enumerate(one)][1:]
+    assert rows["turn_rewards"].tolist() == [1.5, 1.5]
+    assert metrics["rollout/turns_mean"] == 3 and metrics["rollout/truncated_observations"] == 4
+    assert metrics["rollout/env_calls"] == 2 + 3 * 2 and metrics["rollout/prefix_recomputed"] == 2 * 2
+
+
+def test_a_trajectory_whose_environment_fails_ends_alone_and_every_failure_ends_the_batch(tmp_path):
+    from megatron_rlhf.rollout.multiturn import EnvironmentFailure
+
+    (rows, metrics), _ = _turns(tmp_path, """
+        class Env:
+            def start(self, row):
+                self.prompt = row["prompt"]
+            def step(self, turn):
+                if self.prompt == "b":
+                    raise KeyError("no such move")
+                return "c", False, None, {}
+    """, max_turns=2)
+    assert metrics["rollout/env_failures"] == 1 and metrics["rollout/env_timeouts"] == 0
+    assert rows["response_lengths"].tolist() == [2, 2 + 1 + 2]  # one turn, then failed; two turns around a reply
+    with pytest.raises(EnvironmentFailure, match=r"environment .*envs.py:Env: every trajectory of the batch failed; "
+                                                 r"the first step: raised KeyError: 'no such move'"):
+        _turns(tmp_path, """
+            class Env:
+                def start(self, row):
+                    return None
+                def step(self, turn):
+                    raise KeyError("no such move")
+        """)
