@@ -412,8 +412,13 @@ def test_multi_turn_settings_are_refused_by_name_where_they_would_go_unused_or_a
         load_config(str(tiny_setup(tmp_path, "rollout: {max_turns: 3, stop: ['x']}\n")), world_size=1)
     assert "rollout.max_turns: set, but rollout.environment is not" in str(err.value)
     assert "rollout.stop: set, but rollout.environment is not" in str(err.value)
-    ok = load_config(str(tiny_setup(tmp_path, "rollout: {environment: env.py:Game, max_turns: 3}\n")), world_size=1)
-    assert ok.rollout.turn_tokens(ok.generation) == ok.generation.max_new_tokens
+    ok = load_config(str(tiny_setup(tmp_path, "rollout: {environment: env.py:Game, max_turns: 3, "
+                                    "max_trajectory_tokens: 200}\n")), world_size=1)
+    assert ok.rollout.turn_tokens(ok.generation) == ok.generation.max_new_tokens and ok.sequence_tokens == 200
+    # The default context (prompt + turns x (turn + observation)) beyond the model's positions.
+    with pytest.raises(ConfigError, match=r"rollout.max_trajectory_tokens: a trajectory's tokens = \d+ exceeds "
+                                          r"policy's max_position_embeddings=256"):
+        load_config(str(tiny_setup(tmp_path, "rollout: {environment: env.py:Game, max_turns: 3}\n")), world_size=1)
     # With one: the policy at a layout of its own, DAPO's overlong penalty and a context with no
     # room for a turn are refused, each naming its key.
     top = layouts_setup(tmp_path, "parallel: {tensor_model_parallel_size: 2}\nrollout: {environment: env.py:Game, "

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_rlhf.generation.kv_cache import _decode, _prefill
+from megatron_rlhf.generation.kv_cache import _decode, _prefill, _prefill_after
 from megatron_rlhf.generation.packing import pack_step, prefill_groups
 from megatron_rlhf.generation.schedule import FREE, SlotSchedule
 
@@ -71,6 +71,54 @@ def test_an_end_learnt_too_late_costs_draws_up_to_max_new_tokens_and_the_run_sti
 
 def test_prompts_of_one_length_share_a_prefill_call():
     assert prefill_groups([8, 5, 8, 3, 5, 8]) == [[0, 2, 5], [1, 4], [3]]
+    assert prefill_groups([8, 5, 8, 8], offsets=[0, 0, 4, 0]) == [[0, 3], [1], [2]]
+
+
+def test_a_row_whose_prefix_a_slot_holds_waits_for_that_slot_and_feeds_only_the_rest():
+    """Row 0's first 3 tokens are in slot 1; rows 1 and 2 have no home. Slot 0 (nobody's home)
+    takes row 1, slot 1 row 0 (3 cached positions); row 2 takes the first slot freed."""
+    schedule = SlotSchedule([5, 4, 6], slots=2, max_new_tokens=[2, 2, 1], prefill_tokens=100, homes=[1, None, None],
+                            cached=[3, 0, 0])
+    first = schedule.next_step()
+    assert first.admitted == [0, 1] and first.rows == [1, 0] and first.cached == [0, 3]
+    steps, draws = run(schedule)
+    assert steps[1] == ([2], []) and draws[2] == [0]
+    assert schedule.served == [2, 0]  # what each slot's cache holds now
+
+
+def test_a_homeless_row_never_takes_a_slot_a_waiting_row_calls_home():
+    schedule = SlotSchedule([2, 2], slots=2, max_new_tokens=1, prefill_tokens=100, homes=[None, 0], cached=[0, 1])
+    step = schedule.next_step()
+    assert step.admitted == [0, 1] and step.rows == [1, 0] and step.cached == [1, 0]
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_a_prompt_fed_after_cached_positions_attends_to_them_and_to_itself(window):
+    """Two prompts fed after 4 and 6 positions their slots (1, 3) already hold, one whole prompt
+    (slot 0): against SDPA over each slot's positions."""
+    gen = torch.Generator().manual_seed(0)
+    lengths, slots, offsets = [2, 3, 3], [1, 3, 0], [4, 6, 0]
+    layout = pack_step(lengths, slots, [], [], torch.zeros(32, 1, 1, 8), window, torch.float32, torch.device("cpu"),
+                       prompt_offsets=offsets)
+    assert layout.positions.tolist() == [4, 5, 6, 7, 8, 0, 1, 2]
+    q, k, v = (torch.randn(8, heads, 8, generator=gen) for heads in (4, 2, 2))
+    cache_k, cache_v = torch.randn(4, 2, 16, 8, generator=gen), torch.randn(4, 2, 16, 8, generator=gen)
+    cache_k[layout.slots, :, layout.positions], cache_v[layout.slots, :, layout.positions] = k, v  # attend()'s write
+    out = torch.full_like(q, float("nan"))
+    for group in layout.prefill:
+        if group.offset:
+            _prefill_after(q, cache_k, cache_v, group, None, out)
+        else:
+            _prefill(q, k, v, group, None, out)
+    start = 0
+    for n, slot, offset in zip(lengths, slots, offsets):
+        positions = offset + torch.arange(n)
+        allowed = (positions[:, None] >= torch.arange(offset + n)) & (
+            True if window is None else positions[:, None] - torch.arange(offset + n) <= window)
+        expected = F.scaled_dot_product_attention(q[start : start + n].transpose(0, 1), cache_k[slot, :, : offset + n],
+                                                  cache_v[slot, :, : offset + n], attn_mask=allowed, enable_gqa=True)
+        assert torch.allclose(out[start : start + n], expected.transpose(0, 1), atol=1e-6)
+        start += n
 
 
 @pytest.mark.parametrize("window", [None, 3])

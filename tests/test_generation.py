@@ -19,6 +19,19 @@ def test_cached_greedy_equals_argmax_of_the_full_forward(generated):
     assert torch.equal(r["tp1_wide"][0], r["tp1"][0])  # prompt tensors of any width
 
 
+def test_a_kept_cache_across_turns_gives_the_tokens_of_prefilling_every_turn_and_feeds_less(generated):
+    """Four turns with replies between them: the cache kept (every row in its slot; two slots for
+    four rows, where rows take each other's slots; TP2 x PP2) against every prefix prefilled again."""
+    prefilled, fed_again = generated[0]["turns_prefilled"]
+    kept, fed_kept = generated[0]["turns_kept"]
+    assert kept == prefilled and len(prefilled[1]) > 7 + 4 * 3
+    assert fed_kept < fed_again / 2  # each turn feeds its reply and its own tokens only
+    shared, fed_shared = generated[0]["turns_kept_2_slots"]
+    assert shared == prefilled and fed_kept < fed_shared < fed_again
+    for rank_result in generated:
+        assert rank_result["tp2_pp2_turns_kept"][0] == prefilled
+
+
 @pytest.mark.parametrize("layout", ["tp2_pp1", "tp1_pp2", "tp2_pp2"])
 def test_greedy_under_tp_and_pp_equals_tp1(generated, layout):
     for rank_result in generated:

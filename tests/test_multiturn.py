@@ -1,6 +1,7 @@
 """Multi-turn rollouts without a model: trajectories token in and token out against chat templates
 applied once, the loss mask in the RL math, and the environment pool's failures (rollout/)."""
 
+import contextlib
 import textwrap
 import types
 
@@ -243,9 +244,17 @@ def test_multi_turn_rollouts_through_the_engine(tmp_path):
     assert {k: silent[k] for k in single} == single
     assert silent["rollout/turns_mean"] == 1 and silent["rollout/env_failures"] == 0
     assert silent["rollout/env_calls"] == 2 * 32  # a start and a step per trajectory, over both DP ranks
+    # One DP rank's trajectories all fail: counted, the run goes on; every trajectory fails: both
+    # ranks end with the error naming the environment (decided together).
+    assert r["fails_on_rank_1"]["rollout/env_failures"] == 16 and r["fails_on_rank_1"]["rollout/env_calls"] == 64
+    for rank in ranks:
+        message, collective = rank["fails_everywhere"]
+        assert collective and "environments_for_tests.py:RaisesAlways: every trajectory of the batch failed" in message
+        assert "the game is broken" in message or "another rank" in message
     # The game: the same rollout and update with EMS off and at micro-batch 1.
     base = r["game"]
     assert base["metrics"]["rollout/turns_mean"] == 4 and base["metrics"]["rollout/env_failures"] == 0
+    assert base["metrics"]["rollout/prefix_recomputed"] == 0  # every trajectory kept its cache across turns
     mask, tokens = base["rollout"]["mask"], base["rollout"]["tokens"]
     assert 0 < base["metrics"]["rollout/model_token_share"] < 1 and mask.sum() < (tokens[:, 1:] > 0).sum()
     width = int((tokens != 0).sum(dim=1).max())  # the pad id is 0: each run's rows padded to its widest
@@ -272,21 +281,31 @@ class _ScriptedCollector:
     """Stands in for the collector: one replica of one rank, whose engine answers every prefix
     with the same turn ("a" then the end token)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, slots):
         model = types.SimpleNamespace(pg_collection=types.SimpleNamespace(tp=_Group(), pp=_Group()))
         self.roles = {"policy": types.SimpleNamespace(model=model)}
         self.turn = tokenizer.encode("a") + [tokenizer.eos_id]
+        self.slots = slots
 
-    def engine(self, rows, params, cache_length=None):
+    def engine(self, rows, params, max_new_tokens, session, keys):
+        """The turn cut to each row's limit; a row whose key the session saw before resumes
+        (in ``session.slots`` slots at most, the later ones prefill again)."""
         width = rows["tokens"].shape[1] + len(self.turn)
         tokens = torch.zeros(len(rows["tokens"]), width, dtype=torch.long)
+        lengths = [min(len(self.turn), limit) for limit in max_new_tokens]
         for i, (row, n) in enumerate(zip(rows["tokens"], rows["prompt_lengths"].tolist())):
             tokens[i, :n] = row[:n]
-            tokens[i, n : n + len(self.turn)] = torch.tensor(self.turn)
-        return types.SimpleNamespace(tokens=tokens, response_lengths=torch.full((len(tokens),), len(self.turn)))
+            tokens[i, n : n + lengths[i]] = torch.tensor(self.turn[: lengths[i]])
+        resumed = sum(key in session.seen for key in keys[: session.slots])
+        session.seen.update(keys[: session.slots])
+        return types.SimpleNamespace(tokens=tokens, response_lengths=torch.tensor(lengths),
+                                     stats=types.SimpleNamespace(resumed=resumed))
+
+    def cache_session(self, rows):
+        return contextlib.nullcontext(types.SimpleNamespace(slots=self.slots, seen=set()))
 
 
-def _turns(tmp_path, environment: str, **rollout):
+def _turns(tmp_path, environment: str, slots=2, **rollout):
     from megatron_rlhf.config.schema import RLHFConfig
     from megatron_rlhf.generation import SamplingParams
     from megatron_rlhf.rollout.multiturn import MultiTurn
@@ -302,7 +321,7 @@ def _turns(tmp_path, environment: str, **rollout):
             "seeds": torch.tensor([7, 8]), "prompt_index": torch.tensor([0, 1])}
     params = SamplingParams(max_new_tokens=2, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
     try:
-        return turns.run(_ScriptedCollector(tok), mine, prompts, params), tok
+        return turns.run(_ScriptedCollector(tok, slots), mine, prompts, params), tok
     finally:
         turns.close()
 
@@ -322,7 +341,22 @@ def test_turns_alternate_with_replies_and_the_limits_end_them(tmp_path):
     assert rows["action_mask"][0].tolist() == [float(t in (2, tok.encode("a")[0]) and i > 3) for i, t in enumerate(one)][1:]
     assert rows["turn_rewards"].tolist() == [1.5, 1.5]
     assert metrics["rollout/turns_mean"] == 3 and metrics["rollout/truncated_observations"] == 4
-    assert metrics["rollout/env_calls"] == 2 + 3 * 2 and metrics["rollout/prefix_recomputed"] == 2 * 2
+    assert metrics["rollout/env_calls"] == 2 + 3 * 2 and metrics["rollout/prefix_recomputed"] == 0
+
+
+def test_a_trajectory_that_lost_its_cache_slot_is_counted_and_the_context_ends_a_turn(tmp_path):
+    (rows, metrics), tok = _turns(tmp_path, """
+        class Env:
+            def start(self, row):
+                return " >"
+            def step(self, turn):
+                return "b", False, None, {}
+    """, slots=1, max_turns=3, max_trajectory_tokens=8)
+    # 4 prompt tokens, "a" + end, "b", then room for one token only: "a" (the turn's limit), the
+    # context is full and the trajectory ends.
+    assert rows["tokens"][0].tolist() == [1, 4] + tok.encode(" >") + tok.encode("a") + [2] + tok.encode("b") + tok.encode("a")
+    assert rows["response_lengths"].tolist() == [6, 6] and metrics["rollout/context_truncated"] == 2
+    assert metrics["rollout/prefix_recomputed"] == 1  # one slot for two trajectories: the second lost it
 
 
 def test_a_trajectory_whose_environment_fails_ends_alone_and_every_failure_ends_the_batch(tmp_path):

@@ -502,6 +502,14 @@ class RLHFConfig:
         return {s: t for s, t in SERVED_WEIGHTS.items() if s in self.roles}
 
     @property
+    def sequence_tokens(self) -> int:
+        """The longest row a rollout holds (a prompt and its response, or a trajectory): the
+        engine's KV cache length and the passes' sequence length."""
+        if self.rollout.environment:
+            return self.rollout.trajectory_tokens(self.data, self.generation)
+        return self.data.max_prompt_length + self.generation.max_new_tokens
+
+    @property
     def rollout_samples(self) -> int:
         """Responses per iteration over all DP ranks: prompts x samples_per_prompt."""
         return self.ppo.rollout_batch_size * self.generation.samples_per_prompt

@@ -424,15 +424,13 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
     if trainer.val_samples_per_prompt > 1 and trainer.val_greedy:
         bad("trainer.val_samples_per_prompt", f"{trainer.val_samples_per_prompt} greedy responses to a prompt are "
             "all the same; set trainer.val_greedy: false to sample them (pass@k needs distinct tries)")
-    longest = data.max_prompt_length + gen.max_new_tokens
+    longest = config.sequence_tokens if _in_domain(config.rollout) else 0
     for role in config.model_roles:
         limit = config.role(role).model.max_position_embeddings
         if longest > limit:
-            bad(
-                "data.max_prompt_length",
-                f"max_prompt_length + generation.max_new_tokens = {longest} exceeds {role}'s "
-                f"max_position_embeddings={limit}",
-            )
+            key, what = ("rollout.max_trajectory_tokens", "a trajectory's tokens") if config.rollout.environment else (
+                "data.max_prompt_length", "max_prompt_length + generation.max_new_tokens")
+            bad(key, f"{what} = {longest} exceeds {role}'s max_position_embeddings={limit}")
             break
     if dp is None or problems or not (_in_domain(ppo, "rollout_batch_size") and _in_domain(gen, "samples_per_prompt")):
         return problems

@@ -4,7 +4,8 @@ A fixed number of decode slots each hold one row at a time (schedule.py). Every 
 of a packed sequence (packing.py, stage.py): the whole prompt of each row admitted this step, then
 the last token of every decoding row (kv_cache.py). When a row ends (EOS or max_new_tokens) its
 slot takes the next waiting prompt, so no slot idles while prompts wait and no token is computed
-for padding.
+for padding. With a cache session (session.py) the cache outlives the call: a trajectory's next
+turn prefills only the tokens its slot does not hold yet.
 
 The schedule is decided on the host from what every rank knows alike: lengths are counted there,
 and EOS is learnt from the device ``completion_lag`` steps late (a copy started right after each
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Literal, Optional
+from typing import Callable, Hashable, Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from megatron_rlhf.generation.kv_cache import SlotKVCache
 from megatron_rlhf.generation.packing import StepPacker
 from megatron_rlhf.generation.sampling import SamplingParams, sample_next
 from megatron_rlhf.generation.schedule import ScheduledStep, SlotSchedule
+from megatron_rlhf.generation.session import CacheSession
 from megatron_rlhf.generation.stage import PipelineStage
 from megatron_rlhf.models import routing
 from megatron_rlhf.models.batches import action_mask
@@ -44,13 +46,15 @@ PREFILL_TOKENS = 8192
 class EngineStats:
     """forward_passes: engine steps; computed_tokens: tokens fed (prompts + decode tokens);
     sampled: tokens sampled (one per prefill and per decode token); useful: tokens kept in a
-    response; slot_steps: slots x steps (idle slots included)."""
+    response; slot_steps: slots x steps (idle slots included); resumed: rows that fed only the
+    tokens after those a cache session held for them."""
 
     forward_passes: int = 0
     computed_tokens: int = 0
     sampled: int = 0
     useful: int = 0
     slot_steps: int = 0
+    resumed: int = 0
 
     def count(self, step: ScheduledStep, fed: int, slots: int) -> None:
         self.forward_passes += 1
@@ -195,6 +199,9 @@ def generate(
     completion_lag: Optional[int] = None,
     on_cache: Optional[Callable[[SlotKVCache], object]] = None,
     record_routes: bool = False,
+    max_new_tokens: Optional[Sequence[int]] = None,
+    session: Optional[CacheSession] = None,
+    keys: Optional[Sequence[Hashable]] = None,
 ) -> Generated:
     """Responses to a batch of prompts [B, P] (``prompt_lengths`` [B] real tokens each).
 
@@ -208,6 +215,11 @@ def generate(
     ``on_cache(cache)``: a context manager entered once the KV cache is allocated and left once
     it is released (the EMS ledger's record of it). ``record_routes``: the result carries the
     experts each fed token was routed to (routing replay's ``rollout`` record; a model with experts).
+    ``max_new_tokens`` [B]: each row's own limit (default: ``params.max_new_tokens``).
+    ``session``: a KV cache kept across calls (session.py; its slots and length replace
+    ``batch_size`` and ``cache_length``, ``on_cache`` is the session's); ``keys`` [B]: each row's
+    identity in it (a trajectory's id): a row whose earlier tokens the session holds feeds only
+    the rest.
     """
     if prompts.dim() != 2 or prompt_lengths.shape != prompts.shape[:1]:
         raise ValueError(f"prompts must be [B, P] with prompt_lengths [B], got {tuple(prompts.shape)} and {tuple(prompt_lengths.shape)}")
@@ -215,14 +227,19 @@ def generate(
     lengths = [int(n) for n in prompt_lengths.tolist()]
     if rows == 0 or min(lengths) < 1:
         raise ValueError("every prompt needs at least one token")
+    limits = [params.max_new_tokens] * rows if max_new_tokens is None else [int(n) for n in max_new_tokens]
+    if len(limits) != rows or min(limits) < 1:
+        raise ValueError(f"max_new_tokens needs one limit >= 1 per row, got {limits}")
+    if session is not None and (keys is None or len(keys) != rows or record_routes):
+        raise ValueError("a cache session needs one key per row and cannot record routes")
     inner = unwrap(model)
     config = inner.config
     device = next(inner.parameters()).device
-    slots = min(rows, batch_size or rows)
-    width = max(lengths) + params.max_new_tokens  # the longest row
-    cache_length = cache_length or width
+    slots = session.slots if session is not None else min(rows, batch_size or rows)
+    width = max(n + limit for n, limit in zip(lengths, limits))  # the longest row
+    cache_length = session.length if session is not None else cache_length or width
     if cache_length < width:
-        raise ValueError(f"cache_length {cache_length} < longest prompt {max(lengths)} + max_new_tokens {params.max_new_tokens}")
+        raise ValueError(f"cache_length {cache_length} < the longest prompt plus its max_new_tokens ({width})")
     platform = get_platform()
     lag = platform.completion_lag if completion_lag is None else completion_lag
     groups = groups_of(model)
@@ -231,18 +248,26 @@ def generate(
                      compat.rotary_angles(inner, cache_length).to(device), config, pad_to=tp if config.sequence_parallel else 1,
                      scratch_slot=slots)
     seeds = (torch.arange(rows) if seeds is None else seeds).to(device=device, dtype=torch.int64)
-    schedule = SlotSchedule(lengths, slots, params.max_new_tokens, PREFILL_TOKENS)
+    homes, cached = None, None
+    if session is not None:
+        homes, cached = session.homes(keys, [p[:n] for p, n in zip(packer.prompts.tolist(), lengths)])
+    schedule = SlotSchedule(lengths, slots, limits, PREFILL_TOKENS, homes, cached)
     responses = _Responses(packer.prompts, lengths, slots, width, params, device)
     peers = _expert_parallel_peers(model)
-    cache = SlotKVCache(len(compat.attention_layers(inner)), slots + (packer.pad_to > 1 or peers is not None), cache_length,
-                        config.num_query_groups // tp if config.num_query_groups else config.num_attention_heads // tp,
-                        config.kv_channels, config.params_dtype, device)
-    stats = EngineStats()
+
+    def new_cache() -> SlotKVCache:
+        return SlotKVCache(len(compat.attention_layers(inner)), slots + (packer.pad_to > 1 or peers is not None),
+                           cache_length, config.num_query_groups // tp if config.num_query_groups else config.num_attention_heads // tp,
+                           config.kv_channels, config.params_dtype, device)
+
+    cache = session.cache_for(new_cache) if session is not None else new_cache()
+    stats = EngineStats(resumed=sum(n > 0 for n in cached or []))
     routes = _Routes(model, rows, width, slots, device) if record_routes else None
     with contextlib.ExitStack() as stack:  # left in reverse: modes, stage, train mode, cache freed, on_cache
-        if on_cache is not None:
-            stack.enter_context(on_cache(cache))
-        stack.callback(cache.release)
+        if session is None:  # a session's cache outlives the call
+            if on_cache is not None:
+                stack.enter_context(on_cache(cache))
+            stack.callback(cache.release)
         stack.callback(model.train, model.training)
         model.eval()
         stage = stack.enter_context(PipelineStage(model, cache))
@@ -271,4 +296,8 @@ def generate(
             if params.eos_ids:
                 schedule.note_alive(lambda copied=platform.copy_to_host_async(responses.alive): copied().tolist())
             stats.count(step, tokens.shape[1], slots)
-    return responses.result(stats, routes)
+    generated = responses.result(stats, routes)
+    if session is not None:
+        totals = generated.total_lengths.tolist()
+        session.keep(schedule.served, keys, [row[:n] for row, n in zip(generated.tokens.tolist(), totals)])
+    return generated

@@ -5,8 +5,9 @@ admitted to a slot writes its keys and values at its own positions 0, 1, ... of 
 rows of any prompt length share a step. The attention of each megatron layer is replaced for an
 engine step (packing.py) by :func:`attend`: megatron's own QKV projection (and q/k norms), RoPE at
 each token's own position, the cache write, causal attention within each prompt (prompts of one
-length in one call), attention of each decode token over its slot's positions so far (one call over
-a view of the cache), megatron's own output projection.
+length in one call; a prompt fed after cached positions attends to them too), attention of each
+decode token over its slot's positions so far (one call over a view of the cache), megatron's own
+output projection.
 """
 
 from __future__ import annotations
@@ -67,7 +68,10 @@ def attend(attention: torch.nn.Module, layer: int, cache: SlotKVCache, step: Ste
     scale = getattr(attention.core_attention, "softmax_scale", None)
     out = torch.empty_like(query)
     for group in step.prefill:
-        _prefill(query[:, 0], key[:, 0], value[:, 0], group, scale, out[:, 0])
+        if group.offset:  # after cached positions: the keys and values come from the cache
+            _prefill_after(query[:, 0], keys, values, group, scale, out[:, 0])
+        else:
+            _prefill(query[:, 0], key[:, 0], value[:, 0], group, scale, out[:, 0])
     if step.decodes:
         out[step.decode_start :, 0] = _decode(query[step.decode_start :, 0], keys, values, step, scale)
     return attention.linear_proj(out.view(out.shape[0], 1, -1))
@@ -86,6 +90,16 @@ def _prefill(query, key, value, group: PrefillGroup, scale, out) -> None:
         out[start : start + n] = attended[0]
     else:
         out[group.index] = attended
+
+
+def _prefill_after(query, keys, values, group: PrefillGroup, scale, out) -> None:
+    """Attention of each prompt of ``group`` (queries [T, heads, dim]) over its slot's cached
+    positions and itself (already written to the cache), causal within the prompt."""
+    extent = group.offset + group.index.shape[1]
+    q = query[group.index].transpose(1, 2)  # [G, heads, n, dim]
+    k, v = keys[group.slots, :, :extent], values[group.slots, :, :extent]  # [G, kv_heads, extent, dim]
+    attended = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True)
+    out[group.index] = attended.transpose(1, 2)
 
 
 def _decode(query, keys, values, step: StepLayout, scale) -> torch.Tensor:

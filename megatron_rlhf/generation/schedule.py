@@ -1,16 +1,19 @@
 """The engine's host-side schedule: which row each decode slot holds, step by step.
 
 Decided on the host from what every rank knows alike. A row leaves its slot when it has produced
-``max_new_tokens`` (counted here) or emitted an end token, which the host learns from the device
+its ``max_new_tokens`` (counted here) or emitted an end token, which the host learns from the device
 ``lag`` steps late (:meth:`SlotSchedule.learn_ended`); a freed slot takes the next waiting prompt
-at the next step. Pure Python: no tensors, no devices.
+at the next step. A row whose prefix a slot's cache already holds (a trajectory's next turn,
+generation/session.py) waits for that slot, its ``home``, and feeds only the tokens after the
+cached ones; a row with no home takes a free slot no waiting row calls home. Pure Python: no
+tensors, no devices.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, List, Optional, Sequence, Tuple, Union
 
 FREE = -1
 
@@ -29,6 +32,7 @@ class ScheduledStep:
     rows: List[int]
     counters: List[int]
     fed: List[int]
+    cached: List[int] = dataclasses.field(default_factory=list)  # per admitted slot: prefix positions already cached
 
     @property
     def slots(self) -> List[int]:
@@ -38,14 +42,23 @@ class ScheduledStep:
 class SlotSchedule:
     """``slots`` decode slots serving rows of ``prompt_lengths`` in order.
 
-    ``prefill_tokens``: prompt tokens admitted per step at most (the first prompt of a step is
-    admitted whatever its length, so a long prompt still gets its prefill).
+    ``max_new_tokens``: each row's limit (or one for all). ``prefill_tokens``: prompt tokens
+    admitted per step at most (the first prompt of a step is admitted whatever its length, so a long
+    prompt still gets its prefill). ``homes``: per row, the slot whose cache holds its first
+    ``cached`` tokens, or None.
     """
 
-    def __init__(self, prompt_lengths: Sequence[int], slots: int, max_new_tokens: int, prefill_tokens: int):
+    def __init__(self, prompt_lengths: Sequence[int], slots: int, max_new_tokens: Union[int, Sequence[int]],
+                 prefill_tokens: int, homes: Optional[Sequence[Optional[int]]] = None,
+                 cached: Optional[Sequence[int]] = None):
         self.lengths = list(prompt_lengths)
-        self.max_new_tokens, self.prefill_tokens = max_new_tokens, prefill_tokens
-        self.waiting: Deque[int] = collections.deque(range(len(self.lengths)))
+        rows = len(self.lengths)
+        self.limits = [max_new_tokens] * rows if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        self.prefill_tokens = prefill_tokens
+        self.homes = list(homes) if homes is not None else [None] * rows
+        self.cached = list(cached) if cached is not None else [0] * rows
+        self.waiting: Deque[int] = collections.deque(range(rows))
+        self.served = [FREE] * slots  # the last row each slot held (whose tokens its cache keeps)
         self.row_in = [FREE] * slots
         self.produced = [0] * slots  # tokens sampled for the slot's row so far
         self.fed = [0] * slots  # positions of the slot's row in the cache
@@ -75,7 +88,7 @@ class SlotSchedule:
         """Retire the rows that are done, admit waiting prompts to the free slots; the step to run,
         or None when every row is done."""
         for slot, row in enumerate(self.row_in):  # ended by length: known here
-            if row != FREE and self.produced[slot] >= self.max_new_tokens:
+            if row != FREE and self.produced[slot] >= self.limits[row]:
                 self.row_in[slot] = FREE
         self.learn_ended(lag)
         admitted = self._admit()
@@ -84,7 +97,7 @@ class SlotSchedule:
             return None
         slots = admitted + decoding
         step = ScheduledStep(admitted, decoding, [self.row_in[s] for s in slots], [self.produced[s] for s in slots],
-                             [self.fed[s] for s in decoding])
+                             [self.fed[s] for s in decoding], [self.cached[self.row_in[s]] for s in admitted])
         for slot in admitted:
             self.fed[slot] = self.lengths[self.row_in[slot]]
         for slot in decoding:
@@ -96,13 +109,24 @@ class SlotSchedule:
 
     def _admit(self) -> List[int]:
         admitted, budget = [], self.prefill_tokens
+        called_home = {self.homes[r] for r in self.waiting} - {None}
         for slot, row in enumerate(self.row_in):
             if row != FREE or not self.waiting:
                 continue
-            if admitted and self.lengths[self.waiting[0]] > budget:
+            row = self._waiting_for(slot, called_home)
+            if row is None:
+                continue
+            if admitted and self.lengths[row] - self.cached[row] > budget:
                 break
-            row = self.waiting.popleft()
-            self.row_in[slot], self.produced[slot], self.fed[slot] = row, 0, 0
-            budget -= self.lengths[row]
+            self.waiting.remove(row)
+            self.row_in[slot], self.served[slot], self.produced[slot], self.fed[slot] = row, row, 0, 0
+            budget -= self.lengths[row] - self.cached[row]
             admitted.append(slot)
         return admitted
+
+    def _waiting_for(self, slot: int, called_home: set) -> Optional[int]:
+        """The waiting row that ``slot`` takes next: the one whose home it is, else (a slot no
+        waiting row calls home) the first row without a home."""
+        if slot in called_home:
+            return next(r for r in self.waiting if self.homes[r] == slot)
+        return next((r for r in self.waiting if self.homes[r] is None), None)

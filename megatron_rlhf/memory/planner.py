@@ -229,7 +229,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
     par = config.parallel
     tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
     dp = world_size // (tp * pp)
-    seq = seq_length or (config.data.max_prompt_length + config.generation.max_new_tokens)
+    seq = seq_length or config.sequence_tokens
     # Roles still on free_memory: auto are planned with nothing offloaded (recommend() chooses).
     switches = switches or {r: EMSSwitches.from_role_config(config.role(r), auto=False) for r in config.model_roles}
     roles: Dict[str, Dict[str, int]] = {}

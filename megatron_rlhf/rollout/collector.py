@@ -8,14 +8,14 @@ value model's values of the rows kept. Every phase returns its rows and metrics.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
 from megatron_rlhf import ppo
 from megatron_rlhf.config.schema import RLHFConfig
 from megatron_rlhf.data import PromptDataset, Tokenizer
-from megatron_rlhf.generation import SamplingParams, generate
+from megatron_rlhf.generation import CacheSession, SamplingParams, generate
 from megatron_rlhf.memory import KV_CACHE
 from megatron_rlhf.models.batches import action_mask
 from megatron_rlhf.models.routing import ROUTES
@@ -129,17 +129,24 @@ class RolloutCollector:
             rows[ROUTES] = gen.routes
         return rows, {}
 
-    def engine(self, mine: SampleRows, sampling: SamplingParams, record_routes: bool = False,
-               cache_length: Optional[int] = None):
-        """One generate() of the (resident) policy over ``mine``, its KV cache in the ledger."""
+    def engine(self, mine: SampleRows, sampling: SamplingParams, record_routes: bool = False, **options):
+        """One generate() of the (resident) policy over ``mine``, its KV cache in the ledger.
+        ``options``: generate()'s per-call ones (a cache session and its keys, per-row limits)."""
         policy = self.roles["policy"]
         return generate(
             policy.model, mine["tokens"], mine["prompt_lengths"], sampling, self.vocab_size, mine["seeds"],
-            batch_size=self.config.generation.batch_size,
-            cache_length=cache_length or self.config.data.max_prompt_length + self.config.generation.max_new_tokens,
-            on_cache=lambda cache: policy.memory.holding(KV_CACHE, [cache.storage], "generate"),
-            record_routes=record_routes,
+            batch_size=self.config.generation.batch_size, cache_length=self.config.sequence_tokens,
+            on_cache=self._ledger_record, record_routes=record_routes, **options,
         )
+
+    def cache_session(self, rows: int) -> CacheSession:
+        """A KV cache kept across the turns of ``rows`` trajectories (as many slots as
+        generation.batch_size allows), in the ledger while it lives."""
+        return CacheSession(min(rows, self.config.generation.batch_size or rows), self.config.sequence_tokens,
+                            self._ledger_record)
+
+    def _ledger_record(self, cache):
+        return self.roles["policy"].memory.holding(KV_CACHE, [cache.storage], "generate")
 
     def _add_old_log_probs(self, rows: SampleRows, replay: str) -> None:
         """The policy's log-probs of ``rows`` ("old"); routing replay's record kept (generation's),

@@ -10,8 +10,11 @@ with the reason). A reply after the last turn is not appended: a trajectory ends
 tokens. Each turn's tokens draw from the response's own stream (keyed by the turn), so the rollout
 does not depend on the layout or on which trajectories share a turn's batch.
 
-Each turn prefills the whole prefix again (``rollout/prefix_recomputed`` counts those prefills):
-the engine's cache is per generate() call.
+The engine keeps each trajectory's KV cache across its turns (a cache session for the batch,
+generation/session.py): a continuing trajectory feeds only the environment's reply and its own
+last token. With fewer decode slots (generation.batch_size) than trajectories, a slot freed by a
+trajectory whose turn ended is given to a waiting one, and the first loses its cache: its next
+turn prefills its prefix again (``rollout/prefix_recomputed`` counts those prefills).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.config.schema import RLHFConfig
 from megatron_rlhf.errors import RunError
-from megatron_rlhf.generation import SamplingParams, stream_seeds
+from megatron_rlhf.generation import CacheSession, SamplingParams, stream_seeds
 from megatron_rlhf.models.decoder import global_rank, groups_of
 from megatron_rlhf.rollout.env_pool import EnvironmentPool
 from megatron_rlhf.rollout.record import COUNTED_METRICS
@@ -73,19 +76,21 @@ class MultiTurn:
         env_s += time.perf_counter() - started
         turn_params = dataclasses.replace(sampling, max_new_tokens=self.turn_tokens,
                                           eos_ids=tuple(dict.fromkeys(sampling.eos_ids + self.stop_ids)))
-        for turn in range(self.config.rollout.max_turns):
-            live = [i for i, t in enumerate(trajectories) if not t.done]
-            if not live:
-                break
-            turns = self._generate(collector, trajectories, live, mine["seeds"], turn, turn_params, counts)
-            started = time.perf_counter()
-            last = turn == self.config.rollout.max_turns - 1
-            self._environment_calls([trajectories[i] for i in live], [("step", t) for t in turns], groups, counts, last)
-            env_s += time.perf_counter() - started
+        with collector.cache_session(len(trajectories)) as session:
+            for turn in range(self.config.rollout.max_turns):
+                live = [i for i, t in enumerate(trajectories) if not t.done]
+                if not live:
+                    break
+                turns = self._generate(collector, session, trajectories, live, mine["seeds"], turn, turn_params, counts)
+                started = time.perf_counter()
+                last = turn == self.config.rollout.max_turns - 1
+                self._environment_calls([trajectories[i] for i in live], [("step", t) for t in turns], groups, counts, last)
+                env_s += time.perf_counter() - started
         self._release(trajectories, groups)
-        if all(t.failure for t in trajectories):
+        if _every_one_failed(trajectories, mine["seeds"].device):
+            first = next((t.failure for t in trajectories if t.failure), "failure was on another rank")
             raise EnvironmentFailure(f"environment {self.spec}: every trajectory of the batch failed; the first "
-                                     f"{trajectories[0].failure}")
+                                     f"{first}", collective=True)
         out = _rows(trajectories, mine["prompt_index"], self.tokenizer.pad_id)
         return out, self._metrics(trajectories, counts, env_s)
 
@@ -93,10 +98,10 @@ class MultiTurn:
         self.next_id += 1
         return self.next_id
 
-    def _generate(self, collector, trajectories: List[Trajectory], live: List[int], seeds: torch.Tensor, turn: int,
-                  params: SamplingParams, counts: Dict[str, float]) -> List[dict]:
-        """One turn of the model for the ``live`` trajectories; appends its tokens; returns each
-        turn as the environment sees it."""
+    def _generate(self, collector, session: CacheSession, trajectories: List[Trajectory], live: List[int],
+                  seeds: torch.Tensor, turn: int, params: SamplingParams, counts: Dict[str, float]) -> List[dict]:
+        """One turn of the model for the ``live`` trajectories (each up to the turn's limit or the
+        context's end); appends its tokens; returns each turn as the environment sees it."""
         device = seeds.device
         prefixes = [trajectories[i].tokens for i in live]
         width = max(len(p) for p in prefixes)
@@ -108,16 +113,17 @@ class MultiTurn:
         turn_seeds = live_seeds if turn == 0 else stream_seeds(live_seeds, turn).to(device)
         sub = {"tokens": tokens.to(device), "prompt_lengths": torch.tensor([len(p) for p in prefixes], device=device),
                "seeds": turn_seeds}
-        gen = collector.engine(sub, params, cache_length=max(self.config.data.max_prompt_length, width) + self.turn_tokens)
-        counts["rollout/prefix_recomputed"] += sum(trajectories[i].turns > 0 for i in live)
+        limits = [min(self.turn_tokens, self.context - len(p)) for p in prefixes]
+        gen = collector.engine(sub, params, max_new_tokens=limits, session=session,
+                               keys=[trajectories[i].index for i in live])
+        counts["rollout/prefix_recomputed"] += sum(trajectories[i].turns > 0 for i in live) - gen.stats.resumed
         out = []
         for row, i in enumerate(live):
             t = trajectories[i]
             p, r = len(prefixes[row]), int(gen.response_lengths[row])
             ids = gen.tokens[row, p : p + r].tolist()
-            room = self.context - len(t.tokens)
-            if len(ids) >= room:  # the context is full: the turn is cut there and the trajectory ends
-                ids, t.done = ids[:room], True
+            if len(t.tokens) + len(ids) >= self.context:  # the context is full: the trajectory ends
+                t.done = True
                 counts["rollout/context_truncated"] += 1
             t.append_model(ids)
             out.append({"text": self.tokenizer.decode(ids), "token_ids": ids, "index": turn,
@@ -185,6 +191,15 @@ class MultiTurn:
         return {**counts, "rollout/truncated_observations": float(sum(t.truncated_observations for t in trajectories)),
                 "rollout/turns_mean": sum(t.turns for t in trajectories) / len(trajectories),
                 "rollout/model_token_share": model / max(after_prompt, 1), "time/env_s": env_s}
+
+
+def _every_one_failed(trajectories: List[Trajectory], device: torch.device) -> bool:
+    """Whether every trajectory of the batch failed, over every rank (all of them decide alike, so
+    none waits in a collective for a rank that stopped)."""
+    counts = torch.tensor([sum(bool(t.failure) for t in trajectories), len(trajectories)], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+    return int(counts[0]) == int(counts[1])
 
 
 def _single_token(tokenizer, text: str) -> int:

@@ -9,7 +9,7 @@ import torch
 from common import save, setup, tiny_arch
 from megatron.core import parallel_state as ps
 
-from megatron_rlhf.generation import SamplingParams, generate
+from megatron_rlhf.generation import CacheSession, SamplingParams, generate
 from megatron_rlhf.models.decoder import build_model, load_local_state_dict, local_state_dict
 from megatron_rlhf.models.pipeline import forward_backward, gather_vocab_parallel
 from megatron_rlhf.models.sharding import merge_state_dicts, shard_state_dict
@@ -64,6 +64,28 @@ def stats(model):
     return token_log_probs(logits, torch.roll(prompts, -1, 1), VOCAB, 0.7), token_entropy(logits, VOCAB, 0.7)
 
 
+def turns(model, session_slots=None):
+    """Four turns of greedy generation per row (each row's own limit), a fixed reply of 1-4 tokens
+    appended after each; every turn's prefix prefilled again, or (``session_slots``) its new
+    tokens only, the cache kept in that many slots. Returns each row's tokens, and the tokens fed."""
+    replies = torch.randint(3, VOCAB, (4, 4, 4), generator=torch.Generator().manual_seed(1))
+    rows = [prompts[r, :n].tolist() for r, n in enumerate(lengths.tolist())]
+    fed = 0
+    session = CacheSession(session_slots, 64) if session_slots else None
+    for turn in range(4):
+        width = max(map(len, rows))
+        batch = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+        g = generate(model, batch, torch.tensor([len(row) for row in rows]), GREEDY, VOCAB, max_new_tokens=[2, 3, 1, 3],
+                     cache_length=64, session=session, keys=list(range(4)) if session else None)
+        fed += g.stats.computed_tokens
+        for r, row in enumerate(rows):
+            row += g.tokens[r, len(row) : len(row) + int(g.response_lengths[r])].tolist()
+            row += replies[r, turn, : 1 + (r + turn) % 4].tolist()
+    if session is not None:
+        session.close()
+    return rows, fed
+
+
 def as_tuple(g):
     return g.tokens.cpu(), g.response_lengths.cpu()
 
@@ -99,6 +121,9 @@ with_eos = SamplingParams(max_new_tokens=6, greedy=True, eos_ids=(eos,), pad_id=
 result["eos"] = eos
 result["tp1_eos"] = as_tuple(generate(model, prompts, lengths, with_eos, VOCAB))
 result["nocache_eos"] = argmax_without_cache(model, with_eos)
+result["turns_prefilled"] = turns(model)
+result["turns_kept"] = turns(model, session_slots=4)
+result["turns_kept_2_slots"] = turns(model, session_slots=2)  # rows take each other's slots: some prefixes again
 del model
 
 for tp, pp in ((2, 1), (1, 2), (2, 2)):
@@ -112,6 +137,7 @@ for tp, pp in ((2, 1), (1, 2), (2, 2)):
     result[f"tp{tp}_pp{pp}"] = as_tuple(generate(model, prompts, lengths, GREEDY, VOCAB))
     result[f"stats_tp{tp}_pp{pp}"] = stats(model)
     if (tp, pp) == (2, 2):
+        result["tp2_pp2_turns_kept"] = turns(model, session_slots=4)
         result["tp2_pp2_eos"] = as_tuple(generate(model, prompts, lengths, with_eos, VOCAB))
         result["tp2_pp2_eos_by_3"] = as_tuple(generate(model, prompts, lengths, with_eos, VOCAB, batch_size=3))
         # The engine's linears: oneDNN on packed weights by default (here every weight, however

@@ -1,6 +1,8 @@
 """Multi-turn rollouts through the real engine on 2 processes: (1) the tiny GRPO demo with an
 environment that never answers gives the single-turn run's iteration; (2) the agent demo's game
-(examples/tiny_agent, TP=2) gives the same rollout and update with EMS off and at micro-batch 1. Saves per rank each run's metrics, and the rollout (gathered over DP) of the game runs."""
+(examples/tiny_agent, TP=2) gives the same rollout and update with EMS off and at micro-batch 1;
+(3) an environment that fails every trajectory of one DP rank, then of both. Saves per rank each
+run's metrics, the rollout (gathered over DP) of the game runs, and the error of the last."""
 
 import copy
 import os
@@ -9,10 +11,11 @@ from common import OUT_DIR, capture_rollouts, reward_pool, save, setup
 
 from megatron_rlhf.controller import PPOController
 from megatron_rlhf.memory import MemoryLedger
-from megatron_rlhf.rollout.multiturn import MultiTurn
+from megatron_rlhf.rollout.multiturn import EnvironmentFailure, MultiTurn
 from megatron_rlhf.train import parse_args, prepare
 
-SILENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "environments_for_tests.py") + ":Silent"
+ENVIRONMENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "environments_for_tests.py")
+SILENT = ENVIRONMENTS + ":Silent"
 
 
 def iteration(config_file: str, tp: int, name: str, environment=None, ems: bool = True, micro_batch_size=None,
@@ -47,6 +50,12 @@ def iteration(config_file: str, tp: int, name: str, environment=None, ems: bool 
 result = {}
 result["single"], _ = iteration("examples/tiny/grpo.yaml", 1, "single")
 result["silent"], _ = iteration("examples/tiny/grpo.yaml", 1, "silent", environment=SILENT, max_turns=1)
+result["fails_on_rank_1"], _ = iteration("examples/tiny/grpo.yaml", 1, "fails_on_rank_1",
+                                         environment=ENVIRONMENTS + ":RaisesOnRankOne", max_turns=1)
+try:
+    iteration("examples/tiny/grpo.yaml", 1, "fails_everywhere", environment=ENVIRONMENTS + ":RaisesAlways", max_turns=1)
+except EnvironmentFailure as e:  # on every rank: none waits for the others in a collective
+    result["fails_everywhere"] = (str(e), e.collective)
 for name, ems, mbs in (("game", True, None), ("game_ems_off", False, None), ("game_mbs1", True, 1)):
     metrics, rollout = iteration("examples/tiny_agent/grpo.yaml", 2, name, ems=ems, micro_batch_size=mbs)
     result[name] = {"metrics": metrics, "rollout": rollout}
