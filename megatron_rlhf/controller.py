@@ -60,7 +60,7 @@ class PPOController:
         self.roles = self.role_set.roles
         self.collector = RolloutCollector(config, self.role_set, tokenizer, Scorer(config, self.role_set, reward_pool), turns)
         self.validator = Validator(self.collector, val_dataset) if val_dataset is not None else None
-        self.update = PPOUpdate(config, self.role_set, tokenizer.vocab_size)
+        self.update = PPOUpdate(config, self.role_set, tokenizer.vocab_size, tokenizer.pad_id)
         p = config.ppo
         self.kl_controller = (
             ppo.AdaptiveKLController(p.kl_coef, p.kl_target, p.kl_horizon) if p.adaptive_kl else ppo.FixedKLController(p.kl_coef)
@@ -98,14 +98,7 @@ class PPOController:
         self.ledger.record("phase_end", "iteration")
         collect_metrics = dict(collected.metrics)
         generate_s = collect_metrics.pop("time/generate_s")
-        metrics = {
-            "reward/mean": rollout.scores.mean().item(),
-            "reward/std": rollout.scores.std().item() if len(rollout.scores) > 1 else 0.0,
-            **shaped,
-            **train_metrics,
-            **collect_metrics,
-            "response/length_mean": rollout.response_lengths.float().mean().item(),
-        }
+        metrics = {**shaped, **train_metrics, **collect_metrics}
         self._mark("metrics")
         metrics = self._dp_mean(metrics)
         if isinstance(self.kl_controller, ppo.AdaptiveKLController):
@@ -163,21 +156,35 @@ class PPOController:
         estimator = ppo.ESTIMATORS[alg.advantage_estimator]
         advantages, r.returns = estimator.advantages(ppo.EstimatorInputs(
             rewards, mask, r.old_values, r.group_index, p.gamma, p.lam, alg.norm_adv_by_std_in_grpo))
-        out = {}
-        if r.returns is not None:
-            out = {"returns/mean": ppo.masked_mean(r.returns, mask).item(),
-                   "values/mean": ppo.masked_mean(r.old_values, mask).item()}
         if estimator.whitened(p.whiten_advantages):  # by the statistics of the whole rollout, not this rank's share
             moments = sum_over(ppo.masked_moments(advantages, mask), self.role_set.cut.group)
             advantages = ppo.whiten_with_moments(advantages, mask, moments)
         r.advantages = advantages
-        return {
-            "kl/mean": ppo.masked_mean(kl, mask).item(),
-            "kl/sequence_mean": kl.sum(dim=1).mean().item(),
-            "kl/coef": self.kl_controller.value,
-            "advantages/abs_mean": ppo.masked_mean(advantages.abs(), mask).item(),
-            **out,
+        return {"kl/coef": self.kl_controller.value, **self._rollout_figures(r, kl)}
+
+    def _rollout_figures(self, r: Rollout, kl: torch.Tensor) -> Dict[str, float]:
+        """The rollout's figures over every DP rank's rows, from sums over the ranks: a token mean
+        weighs every token alike, the reward's std is the whole rollout's, whatever each share holds."""
+        mask, rows = r.action_mask, float(len(r.scores))
+        tokens = mask.sum()
+        ratios = {  # figure: (numerator, denominator) summed over the ranks
+            "reward/mean": (r.scores.sum(), rows),
+            "reward/square_mean": (r.scores.double().pow(2).sum(), rows),
+            "kl/mean": ((kl * mask).sum(), tokens),
+            "kl/sequence_mean": (kl.sum(), rows),
+            "advantages/abs_mean": ((r.advantages.abs() * mask).sum(), tokens),
+            "response/length_mean": (r.response_lengths.sum(), rows),
         }
+        if r.returns is not None:
+            ratios["returns/mean"] = ((r.returns * mask).sum(), tokens)
+            ratios["values/mean"] = ((r.old_values * mask).sum(), tokens)
+        sums = sum_over(torch.tensor([[float(n), float(d)] for n, d in ratios.values()], dtype=torch.float64,
+                                     device=mask.device), self.role_set.cut.group)
+        out = {k: (n / d if d else 0.0) for k, (n, d) in zip(ratios, sums.tolist())}
+        n = sums[0, 1].item()
+        variance = (out.pop("reward/square_mean") - out["reward/mean"] ** 2) * n / (n - 1) if n > 1 else 0.0
+        out["reward/std"] = max(variance, 0.0) ** 0.5
+        return out
 
     def _dp_mean(self, metrics: Dict[str, float]) -> Dict[str, float]:
         """The mean over DP ranks (equal shares of the rollout), the sum for counts. A metric only

@@ -53,3 +53,26 @@ def test_tp_ranks_sample_the_same_tokens_and_clip_grad_0_reports_the_norm(worker
         assert r["tp_ranks_agree"]
         norms = r["grad_norms"]
         assert norms[0.0] > 0 and norms[0.0] == pytest.approx(norms[1e9], rel=1e-6)
+
+
+def _close(got: dict, expected: dict, what: str) -> None:
+    assert sorted(got) == sorted(expected), what
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=TOLERANCE, abs=TOLERANCE), (what, key, got[key], value)
+
+
+def test_a_whole_iteration_with_several_steps_per_epoch_does_not_depend_on_dp_or_tp(tmp_path):
+    """The PPO, GRPO and agent (multi-turn) demos, one iteration of 4 optimizer steps at TP=1 on one
+    process (DP=1) and on two (DP=2): the same reported figures and the same weights after it; the
+    agent demo also at TP=2 from the same starting weights (loaded)."""
+    from tests.conftest import run_workers
+
+    one = run_workers(tmp_path, 1, "dp_iteration")[0]
+    two = run_workers(tmp_path, 2, "dp_iteration")
+    for rank in two:
+        for run in ("ppo", "grpo", "game"):
+            _close(rank[run]["metrics"], one[run]["metrics"], f"{run}: DP=2")
+            _close(rank[run]["weights"], one[run]["weights"], f"{run} weights: DP=2")
+        _close(rank["game_tp2"]["metrics"], one["game"]["metrics"], "game: TP=2")
+        _close(rank["game_tp2"]["weights"], one["game"]["weights"], "game weights: TP=2")
+    assert one["game"]["metrics"]["rollout/turns_mean"] == 4 and 0 < one["game"]["metrics"]["rollout/model_token_share"] < 1

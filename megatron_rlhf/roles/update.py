@@ -19,10 +19,11 @@ from megatron_rlhf.roles.role_set import RoleSet
 
 
 class PPOUpdate:
-    def __init__(self, config: RLHFConfig, roles: RoleSet, vocab_size: int):
+    def __init__(self, config: RLHFConfig, roles: RoleSet, vocab_size: int, pad_id: int):
         self.config = config
         self.roles = roles
         self.vocab_size = vocab_size
+        self.pad_id = pad_id
 
     def __call__(self, r, iteration: int, kl_coef: float) -> Dict[str, float]:
         """Train on the rollout ``r`` (rollout.record.Rollout, advantages filled); its metrics."""
@@ -47,21 +48,27 @@ class PPOUpdate:
                     stats, iteration: int) -> Dict[str, float]:
         """ppo_epochs passes over the rollout in optimizer steps of samples_per_step rows; each step's
         rows (``lengths`` [B]: real tokens each) are grouped by length into micro-batches trimmed to
-        their own longest row."""
+        their own longest row.
+
+        Each epoch's steps are cut from one permutation of the whole rollout (every DP rank's rows,
+        gathered in DP-rank order: the data's order), each DP rank taking its share of every step,
+        so which rows share a step, and so the update, does not depend on DP."""
         cfg, cut = self.config, self.roles.cut
         role = self.roles[name]
-        rows = columns["tokens"].shape[0]
-        step_rows = cfg.samples_per_step(name) // cut.size
+        everything = cut.gather({**columns, "lengths": lengths}, self.pad_id)
+        lengths = everything.pop("lengths")
+        rows, step_rows = lengths.shape[0], cfg.samples_per_step(name)
+        share = step_rows // cut.size
         steps: List[List[Dict[str, torch.Tensor]]] = []  # per optimizer step, its micro-batches' metric sums
         grad_norms, skipped, router_losses = [], 0, []
         with self.roles.resident(name, "training"):
             for epoch in range(cfg.ppo.ppo_epochs):
-                # The same order on every rank of this replica (its TP and PP ranks must agree).
+                # The same order on every rank (whatever the layout).
                 order = torch.randperm(rows, generator=torch.Generator().manual_seed(
-                    cfg.seed + 7_919 * iteration + 104_729 * epoch)).to(columns["tokens"].device)
+                    cfg.seed + 7_919 * iteration + 104_729 * epoch)).to(lengths.device)
                 for first in range(0, rows, step_rows):
-                    picked = order[first : first + step_rows]
-                    mbs, _ = length_grouped(role.config.micro_batch_size, lengths[picked], **{k: v[picked] for k, v in columns.items()})
+                    picked = order[first : first + step_rows][cut.rank * share : (cut.rank + 1) * share]
+                    mbs, _ = length_grouped(role.config.micro_batch_size, lengths[picked], **{k: v[picked] for k, v in everything.items()})
                     result = role.train_step(mbs, loss_fn)
                     if result["non_finite"] is not None:
                         if cfg.trainer.on_non_finite == "stop":
@@ -75,7 +82,7 @@ class PPOUpdate:
                     steps.append(result["metrics"])
                     grad_norms.append(float(result["grad_norm"]))
                     router_losses.append(result["moe"])
-        metrics = reported_metrics(steps, prefix, stats, columns["tokens"].device, cut.group, groups_of(role.model).pp) \
+        metrics = reported_metrics(steps, prefix, stats, lengths.device, cut.group, groups_of(role.model).pp) \
             if steps else {f"loss/{prefix}": float("nan")}
         grad_norm = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         # Each step's router losses are already the same on every rank: the mean over the steps.
