@@ -431,3 +431,17 @@ def test_multi_turn_settings_are_refused_by_name_where_they_would_go_unused_or_a
     assert "rollout.environment: multi-turn rollouts run the policy at the run's layout only" in text
     assert "rollout.max_trajectory_tokens: 64 leaves no room for a turn" in text
     assert "algorithm.overlong_buffer_length: DAPO's overlong penalty is not defined for multi-turn" in text
+
+
+def test_the_policy_losses_are_chosen_by_name_and_gspo_needs_its_sequence_mean(tmp_path):
+    ok = load_config(str(tiny_setup(tmp_path, "ppo: {policy_loss: gspo, loss_agg_mode: seq-mean-token-mean, "
+                                    "clip_ratio_low: 0.0003, clip_ratio_high: 0.0004, clip_ratio_c: 3.0}\n")), world_size=1)
+    assert ok.ppo.policy_loss == "gspo" and ok.ppo.clip_ratio_c == 3.0
+    assert ok.response_tokens == ok.generation.max_new_tokens
+    with pytest.raises(ConfigError) as err:
+        load_config(str(tiny_setup(tmp_path, "ppo: {policy_loss: gspo, clip_ratio_c: 1.0}\n")), world_size=1)
+    text = str(err.value)
+    assert "ppo.loss_agg_mode: GSPO's objective is a mean over sequences" in text and "seq-mean-token-mean" in text
+    assert "ppo.clip_ratio_c" in text
+    with pytest.raises(ConfigError, match="ppo.policy_loss.*vanilla.*gspo"):
+        load_config(str(tiny_setup(tmp_path, "ppo: {policy_loss: cispo}\n")), world_size=1)

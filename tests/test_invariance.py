@@ -25,8 +25,8 @@ def updates(tmp_path_factory):
     return single, layouts
 
 
-@pytest.mark.parametrize("head", ["lm", "scalar"])
-@pytest.mark.parametrize("mode", ppo.LOSS_AGG_MODES)
+@pytest.mark.parametrize("head, mode", [(h, m) for h in ("lm", "scalar") for m in ppo.LOSS_AGG_MODES]
+                         + [("lm", "gspo+dual-clip")])
 def test_micro_batch_size_changes_neither_gradients_nor_reported_loss(updates, head, mode):
     single, _ = updates
     uncut = single[(head, mode, "mb8")]

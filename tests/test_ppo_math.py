@@ -213,13 +213,15 @@ def test_aggregate_loss_equals_the_direct_formula_and_adds_up_over_any_split(mod
         expected = sum(per_token[r, t] for r in range(5) for t in range(7) if mask[r, t]) / mask.sum()
     elif mode == "seq-mean-token-sum":
         expected = sum(sum(per_token[r, t] for t in range(7) if mask[r, t]) for r in rows) / len(rows)
+    elif mode == "seq-mean-token-sum-norm":  # Dr. GRPO: over the constant budget (here 16), not the length
+        expected = sum(sum(per_token[r, t] for t in range(7) if mask[r, t]) / 16 for r in rows) / len(rows)
     else:
         expected = sum(sum(per_token[r, t] for t in range(7) if mask[r, t]) / mask[r].sum() for r in rows) / len(rows)
-    total, count = aggregate_loss(per_token, mask, mode)
+    total, count = aggregate_loss(per_token, mask, mode, norm=16)
     assert count.dtype == torch.int64
     assert (total / count).item() == pytest.approx(float(expected), rel=1e-6)
     for cut in ([1, 2, 2], [3, 2], [1, 1, 1, 1, 1]):
-        parts = [aggregate_loss(p, m, mode) for p, m in zip(per_token.split(cut), mask.split(cut))]
+        parts = [aggregate_loss(p, m, mode, norm=16) for p, m in zip(per_token.split(cut), mask.split(cut))]
         assert (sum(s for s, _ in parts) / sum(c for _, c in parts)).item() == pytest.approx(float(expected), rel=1e-6)
     with pytest.raises(ValueError, match="loss_agg_mode must be one of token-mean"):
         aggregate_loss(per_token, mask, "mean")
@@ -255,6 +257,97 @@ def test_policy_loss_terms_clip_low_and_high_separately():
     expected = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.3))
     torch.testing.assert_close(per_token, expected)
     assert stats["clipped"].tolist() == [[0.0, 0.0, 0.0, 1.0]]
+
+
+def _verl_style_dual_clip(ratio, adv, low, high, c):
+    """The dual-clip loss as verl's compute_policy_loss writes it, per token."""
+    first = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - low, 1 + high))
+    return torch.where(adv < 0, torch.minimum(-adv * c, first), first)
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages_only():
+    from megatron_rlhf.ppo import policy_loss_terms
+
+    old = torch.zeros(1, 5)
+    logp = torch.log(torch.tensor([[0.5, 2.0, 5.0, 5.0, 0.9]]))
+    adv = torch.tensor([[-1.0, -1.0, -2.0, 1.0, 0.5]])
+    per_token, _ = policy_loss_terms(logp, old, adv, 0.2, 0.2, dual_clip=3.0)
+    # ratio 5 with A = -2: PPO's loss 10 is capped at 3 * 2 = 6; with A > 0 nothing changes.
+    assert per_token.tolist()[0] == pytest.approx([0.8, 2.0, 6.0, -1.2, -0.45], rel=1e-6)
+    torch.testing.assert_close(per_token, _verl_style_dual_clip(logp.exp(), adv, 0.2, 0.2, 3.0))
+    gen = torch.Generator().manual_seed(8)
+    logp, old, adv = (torch.randn(6, 9, generator=gen) for _ in range(3))
+    torch.testing.assert_close(policy_loss_terms(logp, old, adv, 0.2, 0.28, dual_clip=2.5)[0],
+                               _verl_style_dual_clip((logp - old).exp(), adv, 0.2, 0.28, 2.5))
+    assert torch.equal(policy_loss_terms(logp, old, adv, 0.2, 0.28)[0],
+                       torch.maximum(-adv * (logp - old).exp(), -adv * (logp - old).exp().clamp(0.8, 1.28)))
+
+
+def _gspo_direct(logp, old, adv, mask, low, high):
+    """The paper's objective, per sequence: s = exp(mean of the log-ratio over its tokens),
+    loss_i = max(-A_i * s, -A_i * clip(s)), averaged over the sequences with a token."""
+    losses = []
+    for row in range(logp.shape[0]):
+        counted = mask[row] > 0
+        if not counted.any():
+            continue
+        s = torch.exp((logp[row] - old[row])[counted].mean())
+        a = adv[row][counted][0]
+        losses.append(torch.maximum(-a * s, -a * s.clamp(1 - low, 1 + high)))
+    return torch.stack(losses).mean()
+
+
+def test_gspo_is_the_sequence_ratio_objective_in_value_and_gradient():
+    from megatron_rlhf.ppo import aggregate_loss, gspo_loss_terms
+
+    gen = torch.Generator().manual_seed(9)
+    mask = torch.tensor(GROUP_MASK[:6], dtype=torch.float32)
+    old = torch.randn(6, 3, generator=gen)
+    adv = torch.randn(6, 1, generator=gen).expand(6, 3) * mask  # one advantage per sequence
+    for spread, (low, high) in ((0.3, (0.2, 0.28)), (1e-4, (3e-4, 4e-4))):  # some sequences clipped, then none
+        logp = (old + spread * torch.randn(6, 3, generator=gen)).requires_grad_()
+        per_token, stats = gspo_loss_terms(logp, old, adv, low, high, mask)
+        total, count = aggregate_loss(per_token, mask, "seq-mean-token-mean")
+        direct_logp = logp.detach().clone().requires_grad_()
+        direct = _gspo_direct(direct_logp, old, adv, mask, low, high)
+        torch.testing.assert_close(total / count, direct)
+        (total / count).backward()
+        direct.backward()
+        torch.testing.assert_close(logp.grad, direct_logp.grad * mask)
+    # Every token of a sequence carries the sequence's ratio.
+    sequence = torch.exp(((logp - old) * mask).sum(1) / mask.sum(1).clamp(min=1))
+    assert torch.allclose((stats["ratio_dev"] + 0)[mask[:, 0] > 0, 0], (sequence - 1).abs()[mask[:, 0] > 0])
+
+
+def test_a_huge_log_ratio_gives_finite_gradients_and_values_inside_the_bound_are_unchanged():
+    from megatron_rlhf.ppo import gspo_loss_terms, policy_loss_terms
+    from megatron_rlhf.ppo.core import LOG_RATIO_LIMIT
+
+    old = torch.zeros(1, 4)
+    logp = torch.tensor([[100.0, -100.0, 3.0, -0.5]], requires_grad=True)
+    adv = torch.tensor([[-1.0, 1.0, -1.0, 1.0]])
+    for terms in (policy_loss_terms, gspo_loss_terms):
+        per_token, _ = terms(logp, old, adv, 0.2, 0.2, torch.ones(1, 4), 3.0)
+        per_token.sum().backward()
+        assert torch.isfinite(per_token).all() and torch.isfinite(logp.grad).all(), terms.__name__
+        logp.grad = None
+    per_token, _ = policy_loss_terms(logp, old, adv, 0.2, 0.2)
+    per_token.sum().backward()
+    # Outside the bound: the clamped formula (ratio e^20 with A = -1: the unclipped branch, no gradient
+    # through the clamp); inside: exactly the unbounded ratio.
+    bounded = torch.exp(torch.tensor([LOG_RATIO_LIMIT, -LOG_RATIO_LIMIT]))
+    assert per_token[0, :2].tolist() == pytest.approx([bounded[0].item(), -bounded[1].item()], rel=1e-6)
+    assert logp.grad[0, :2].tolist() == [0.0, 0.0]
+    inside = torch.tensor([[3.0, -0.5]])
+    assert torch.equal(per_token.detach()[:, 2:], torch.maximum(-adv[:, 2:] * inside.exp(),
+                                                                -adv[:, 2:] * inside.exp().clamp(0.8, 1.2)))
+    for estimator in ("k3", "low_var_kl"):
+        far = torch.tensor([[100.0, -100.0]], requires_grad=True)
+        kl = ppo.kl_penalty(far, torch.zeros(1, 2), estimator)
+        kl.sum().backward()
+        assert torch.isfinite(kl).all() and torch.isfinite(far.grad).all(), estimator
+        near = torch.tensor([[0.7, -3.0]])
+        assert torch.equal(ppo.kl_penalty(near, torch.zeros(1, 2), "k3"), torch.expm1(-near) + near)
 
 
 # --------------------------------------------------------------------------------------------------

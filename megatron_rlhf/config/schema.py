@@ -9,6 +9,8 @@ import os
 from typing import Dict, List, Literal, Optional, Union
 
 from megatron_rlhf.config.errors import located
+from megatron_rlhf.config.names import (ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS,
+                                        LOSS_AGG_MODES, POLICY_LOSSES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +46,6 @@ PHASE_ORDER = (("generate", "policy"), ("reward", "reward"), ("reference", "refe
                ("train_policy", "ppo_policy"), ("train_value", "ppo_value"))
 # The critic: the roles that only an estimator with a learned value baseline (GAE) builds.
 CRITIC_ROLES = ("value", "ppo_value")
-ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
-CRITIC_ESTIMATORS = ("gae",)
-# Estimators whose baseline is the other responses to the same prompt (samples_per_prompt > 1).
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 # Weight sync: each serving role runs the weights its trained role learns (same network). Where both
 # have the same precision the serving role's parameters are views of the trained role's storage.
 SERVED_WEIGHTS = {"policy": "ppo_policy", "value": "ppo_value"}
@@ -338,7 +336,7 @@ class PPOConfig:
     value_clip: Optional[float] = bounded(0.2, gt=0)
     kl_coef: float = bounded(0.05, ge=0)
     # k1: log p - log q; k3: (q/p - 1) - log(q/p); low_var_kl: k3 clamped to [-10, 10].
-    kl_estimator: Literal["k1", "k3", "low_var_kl"] = "k1"
+    kl_estimator: Literal[KL_ESTIMATORS] = "k1"
     # False: the KL penalty is part of every token's reward (classic RLHF PPO); True: it is a term
     # of the policy loss, kl_coef * KL(policy || reference) per token (the GRPO way), not a reward.
     kl_in_loss: bool = False
@@ -352,8 +350,15 @@ class PPOConfig:
     whiten_advantages: bool = True  # over the whole rollout (every DP rank's share together)
     # How per-token losses make a step's loss; the same over any micro-batch size, DP or PP layout:
     # token-mean (every response token of the global batch weighs the same), seq-mean-token-sum,
-    # seq-mean-token-mean (each sequence weighs the same).
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    # seq-mean-token-mean (each sequence weighs the same), seq-mean-token-sum-norm (Dr. GRPO: each
+    # sequence's token sum over the response budget, a constant).
+    loss_agg_mode: Literal[LOSS_AGG_MODES] = "token-mean"
+    # vanilla: PPO's per-token ratio; gspo: the sequence's ratio (mean log-ratio over its tokens),
+    # with seq-mean-token-mean and small clip ranges (the paper's 3e-4 / 4e-4).
+    policy_loss: Literal[POLICY_LOSSES] = "vanilla"
+    # Dual-clip PPO: where the advantage is negative the loss is at most -advantage * clip_ratio_c
+    # (> 1). None: off (verl defaults to 3.0).
+    clip_ratio_c: Optional[float] = bounded(None, gt=1)
 
 
 @dataclasses.dataclass
@@ -508,6 +513,11 @@ class RLHFConfig:
         if self.rollout.environment:
             return self.rollout.trajectory_tokens(self.data, self.generation)
         return self.data.max_prompt_length + self.generation.max_new_tokens
+
+    @property
+    def response_tokens(self) -> int:
+        """A response's budget of tokens after its prompt (Dr. GRPO's constant normaliser)."""
+        return self.sequence_tokens - self.data.max_prompt_length
 
     @property
     def rollout_samples(self) -> int:

@@ -9,7 +9,8 @@ from typing import List, Optional, Tuple
 
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
-from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, GROUP_ESTIMATORS, REQUIRED_ARCH_FIELDS, SERVED_WEIGHTS,
+from megatron_rlhf.config.names import GROUP_ESTIMATORS
+from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, SERVED_WEIGHTS,
                                          SERVING_ROLES, TRAINABLE_ROLES, RLHFConfig)
 
 
@@ -397,6 +398,9 @@ def _algorithm_problems(config: RLHFConfig) -> List[str]:
     if low >= 1:
         bad("ppo.clip_ratio_low" if ppo.clip_ratio_low is not None else "ppo.clip_ratio",
             f"the ratio is clipped below at 1 - {low}, which must stay above 0; use a value < 1")
+    if ppo.policy_loss == "gspo" and ppo.loss_agg_mode != "seq-mean-token-mean":
+        bad("ppo.loss_agg_mode", f"GSPO's objective is a mean over sequences of the sequence's clipped ratio; "
+            f"set ppo.loss_agg_mode: seq-mean-token-mean (got {ppo.loss_agg_mode})")
     return problems
 
 

@@ -1,5 +1,6 @@
-"""RL math: pure tensor functions. core.py: masked reductions, KL, rewards, losses;
-advantages.py: the advantage estimators (ESTIMATORS, by name) and outcome shaping."""
+"""RL math: pure tensor functions. core.py: masked reductions, KL, rewards, losses (POLICY_LOSSES,
+by name); advantages.py: the advantage estimators (ESTIMATORS, by name) and outcome shaping;
+registry.py: the name tables, checked against the config's names (config/names.py)."""
 
 from megatron_rlhf.ppo.advantages import (
     ESTIMATORS,
@@ -16,10 +17,12 @@ from megatron_rlhf.ppo.advantages import (
 from megatron_rlhf.ppo.core import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
+    POLICY_LOSSES,
     AdaptiveKLController,
     FixedKLController,
     RunningMoments,
     aggregate_loss,
+    bounded_log_ratio,
     clip_rewards,
     entropy_from_logits,
     kl_penalty,
@@ -29,6 +32,7 @@ from megatron_rlhf.ppo.core import (
     masked_sum,
     masked_var,
     masked_whiten,
+    gspo_loss_terms,
     policy_loss,
     policy_loss_terms,
     token_rewards,
@@ -43,14 +47,17 @@ __all__ = [
     "EstimatorInputs",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
     "RunningMoments",
     "aggregate_loss",
+    "bounded_log_ratio",
     "clip_rewards",
     "discounted_returns",
     "entropy_from_logits",
     "gae_advantages",
+    "gspo_loss_terms",
     "group_moments",
     "grpo_advantages",
     "informative_groups",

@@ -13,6 +13,9 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+from megatron_rlhf.config.names import ADVANTAGE_ESTIMATORS
+from megatron_rlhf.ppo.registry import registry
+
 
 def gae_advantages(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
@@ -141,9 +144,8 @@ def _outcomes(x: EstimatorInputs) -> torch.Tensor:
     return x.rewards.sum(dim=1)
 
 
-# The one dispatch of algorithm.advantage_estimator (its names and which need a critic or groups
-# are config facts: config/schema.py, which cannot import torch code; a test keeps the two equal).
-ESTIMATORS: Dict[str, Estimator] = {
+# The one dispatch of algorithm.advantage_estimator (which need a critic or groups: config/names.py).
+ESTIMATORS: Dict[str, Estimator] = registry(ADVANTAGE_ESTIMATORS, "algorithm.advantage_estimator", {
     "gae": Estimator(lambda x: gae_advantages(x.rewards, x.values, x.mask, x.gamma, x.lam), lambda whiten: whiten),
     "grpo": Estimator(lambda x: (grpo_advantages(_outcomes(x), x.group_index, x.mask, x.normalize_by_std), None),
                       lambda whiten: False),
@@ -154,5 +156,5 @@ ESTIMATORS: Dict[str, Estimator] = {
     "reinforce_plus_plus_baseline": Estimator(
         lambda x: (grpo_advantages(_outcomes(x), x.group_index, x.mask, normalize_by_std=False), None),
         lambda whiten: True),
-}
+})
 

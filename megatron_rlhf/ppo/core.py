@@ -13,6 +13,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from megatron_rlhf.config.names import KL_ESTIMATORS, LOSS_AGG_MODES
+from megatron_rlhf.config.names import POLICY_LOSSES as POLICY_LOSS_NAMES
+from megatron_rlhf.ppo.registry import registry
+
 # --------------------------------------------------------------------------------------------------
 # Masked reductions
 
@@ -69,10 +73,8 @@ def whiten_with_moments(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tens
 # --------------------------------------------------------------------------------------------------
 # Loss aggregation
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-
-
-def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> Tuple[torch.Tensor, torch.Tensor]:
+def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+                   norm: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """A per-token loss [B, T] as (sum, count) whose ratio is the loss under ``mode``; the sums and
     counts of any split of the rows add up to those of the whole batch, so the loss of a global
     batch does not depend on how it is cut into micro-batches or data-parallel ranks.
@@ -80,6 +82,8 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "tok
     token-mean: every counted token weighs the same (sum over tokens / tokens).
     seq-mean-token-sum: each sequence's token sum, averaged over sequences.
     seq-mean-token-mean: each sequence's token mean, averaged over sequences.
+    seq-mean-token-sum-norm (Dr. GRPO): each sequence's token sum over the constant ``norm`` (the
+    response budget, not the sequence's length), averaged over sequences.
     Sequences without a counted token are not counted. ``count`` is an int64 scalar.
     """
     mask = mask.to(per_token.dtype)
@@ -92,6 +96,10 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "tok
         per_sequence = masked.sum(dim=-1)
     elif mode == "seq-mean-token-mean":
         per_sequence = masked.sum(dim=-1) / tokens.clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        if not norm or norm <= 0:
+            raise ValueError(f"seq-mean-token-sum-norm needs a positive constant norm, got {norm!r}")
+        per_sequence = masked.sum(dim=-1) / norm
     else:
         raise ValueError(f"loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}, got {mode!r}")
     return (per_sequence * has_tokens).sum(), has_tokens.sum().to(torch.int64)
@@ -105,7 +113,14 @@ def _ratio(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 # KL penalty and controllers
 
 
-KL_ESTIMATORS = ("k1", "k3", "low_var_kl")
+# A log-ratio is clamped to +-LOG_RATIO_LIMIT before exp (verl's 20): values inside are unchanged
+# bit for bit; beyond it exp would overflow fp32 past 88.7 and give a NaN gradient, the clamp a zero one.
+LOG_RATIO_LIMIT = 20.0
+
+
+def bounded_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``log_ratio`` clamped to [-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT] (the only input of an exp)."""
+    return log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
@@ -113,15 +128,16 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
     k1: log p - log q (unbiased, can be negative).  k3: (q/p - 1) - log(q/p) (unbiased, >= 0,
     lower variance; Schulman's estimator).  low_var_kl: k3 clamped to [-10, 10], so that one token
-    the reference finds very unlikely cannot dominate a KL loss.
+    the reference finds very unlikely cannot dominate a KL loss. k3's log-ratio is bounded before
+    its exp (bounded_log_ratio).
     """
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
         return log_ratio
-    if estimator == "k3":
-        return torch.expm1(-log_ratio) + log_ratio
-    if estimator == "low_var_kl":
-        return (torch.expm1(-log_ratio) + log_ratio).clamp(-10.0, 10.0)
+    if estimator in ("k3", "low_var_kl"):
+        bounded = bounded_log_ratio(log_ratio)
+        k3 = torch.expm1(-bounded) + bounded
+        return k3 if estimator == "k3" else k3.clamp(-10.0, 10.0)
     raise ValueError(f"KL estimator must be one of {', '.join(KL_ESTIMATORS)}, got {estimator!r}")
 
 
@@ -216,20 +232,71 @@ def token_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, mask: 
 # Losses
 
 
-def policy_loss_terms(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """Per-token clipped surrogate (a loss to minimise) with the ratio clipped to
-    [1 - clip_low, 1 + clip_high]: inputs [B, T] -> ([B, T], per-token stats: ``clipped`` (1.0 where
-    the clipped branch was taken), ``approx_kl`` (0.5 * log-ratio^2) and ``ratio_dev`` (|ratio - 1|), detached)."""
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
+@dataclasses.dataclass(frozen=True)
+class PolicyClip:
+    """The ratio is clipped to [1 - low, 1 + high]; ``dual`` (c > 1, or None: off): where the
+    advantage is negative the loss is at most -advantage * c (dual-clip PPO, Ye et al. 2020)."""
+
+    low: float
+    high: float
+    dual: Optional[float] = None
+
+
+def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip: PolicyClip,
+                       dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token max(-A * ratio, -A * clip(ratio)), dual-clipped where A < 0; and where the clip
+    branch was taken (1.0, detached)."""
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clipped = -advantages * ratio.clamp(1.0 - clip.low, 1.0 + clip.high)
+    loss = torch.maximum(unclipped, clipped)
+    taken = clipped > unclipped
+    if clip.dual is not None:
+        capped = torch.minimum(loss, -advantages * clip.dual)
+        loss = torch.where(advantages < 0, capped, loss)
+    return loss, taken.to(dtype).detach()
+
+
+def policy_loss_terms(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float,
+    mask: Optional[torch.Tensor] = None, dual_clip: Optional[float] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """PPO's per-token clipped surrogate (a loss to minimise), the ratio exp(log-ratio) clipped to
+    [1 - clip_low, 1 + clip_high] (``dual_clip``: see PolicyClip): inputs [B, T] -> ([B, T],
+    per-token stats: ``clipped`` (1.0 where the clipped branch was taken), ``approx_kl`` (0.5 *
+    log-ratio^2) and ``ratio_dev`` (|ratio - 1|), detached). ``mask`` is not needed (per token)."""
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(bounded_log_ratio(log_ratio))
+    loss, taken = _clipped_surrogate(ratio, advantages, PolicyClip(clip_low, clip_high, dual_clip), logprobs.dtype)
     with torch.no_grad():
-        stats = {"clipped": (clipped > unclipped).to(logprobs.dtype), "approx_kl": 0.5 * log_ratio.detach() ** 2,
-                 "ratio_dev": (ratio.detach() - 1.0).abs()}
-    return torch.maximum(unclipped, clipped), stats
+        stats = {"clipped": taken, "approx_kl": 0.5 * log_ratio.detach() ** 2, "ratio_dev": (ratio.detach() - 1.0).abs()}
+    return loss, stats
+
+
+def gspo_loss_terms(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float,
+    mask: Optional[torch.Tensor] = None, dual_clip: Optional[float] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, the token form): every token of a sequence has the sequence's
+    ratio s = exp(mean over its counted tokens of the log-ratio) as its value, and as its gradient
+    s times its own log-prob's: the per-token ratio sg[s] * pi / sg[pi]. Clipped as PPO's (the
+    paper's ranges are small: 3e-4 / 4e-4). Averaged per sequence (seq-mean-token-mean) it is the
+    paper's sequence objective. Inputs [B, T], ``mask`` [B, T] required -> ([B, T], stats as
+    policy_loss_terms, with the sequence's log-ratio for approx_kl and ratio_dev)."""
+    if mask is None:
+        raise ValueError("GSPO needs the mask: a sequence's ratio is the mean over its counted tokens")
+    log_ratio = logprobs - old_logprobs
+    sequence = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1)  # [B, 1]
+    token_log_ratio = logprobs - logprobs.detach() + sequence.detach()  # value: the sequence's; gradient: the token's
+    ratio = torch.exp(bounded_log_ratio(token_log_ratio))
+    loss, taken = _clipped_surrogate(ratio, advantages, PolicyClip(clip_low, clip_high, dual_clip), logprobs.dtype)
+    with torch.no_grad():
+        seq = sequence.detach().expand_as(logprobs)
+        stats = {"clipped": taken, "approx_kl": 0.5 * seq**2, "ratio_dev": (ratio.detach() - 1.0).abs()}
+    return loss, stats
+
+
+# The one dispatch of ppo.policy_loss: name -> per-token terms.
+POLICY_LOSSES = registry(POLICY_LOSS_NAMES, "ppo.policy_loss", {"vanilla": policy_loss_terms, "gspo": gspo_loss_terms})
 
 
 def policy_loss(

@@ -36,24 +36,27 @@ def policy_stats(ppo_config: PPOConfig) -> Tuple[str, ...]:
     return ("clipfrac", "approx_kl", "ratio_dev", "entropy") + (("kl",) if ppo_config.kl_in_loss else ())
 
 
-def policy_loss_fn(vocab_size: int, temperature: float, ppo_config: PPOConfig, kl_coef: float = 0.0) -> LossFn:
-    """The clipped surrogate (clip_range of ``ppo_config``), plus ``kl_coef`` times the per-token
-    KL to the reference (estimator ``ppo_config.kl_estimator``) when ``kl_in_loss``; then the
-    micro-batch also carries ``ref_log_probs``."""
+def policy_loss_fn(vocab_size: int, temperature: float, ppo_config: PPOConfig, kl_coef: float = 0.0,
+                   loss_norm: Optional[float] = None) -> LossFn:
+    """The clipped surrogate of ``ppo_config.policy_loss`` (clip_range, dual clip
+    ``clip_ratio_c``), plus ``kl_coef`` times the per-token KL to the reference (estimator
+    ``ppo_config.kl_estimator``) when ``kl_in_loss``; then the micro-batch also carries
+    ``ref_log_probs``. ``loss_norm``: seq-mean-token-sum-norm's constant (the response budget)."""
     low, high = clip_range(ppo_config)
     mode, kl_in_loss, estimator = ppo_config.loss_agg_mode, ppo_config.kl_in_loss, ppo_config.kl_estimator
+    terms_of, dual = ppo.POLICY_LOSSES[ppo_config.policy_loss], ppo_config.clip_ratio_c
 
     def loss_fn(output, mb):
         logp = next_token_log_probs(output, mb["tokens"], vocab_size, temperature)
         mask = mb["action_mask"]
-        per_token, terms = ppo.policy_loss_terms(logp, mb["old_log_probs"], mb["advantages"], low, high)
+        per_token, terms = terms_of(logp, mb["old_log_probs"], mb["advantages"], low, high, mask, dual)
         stats = {"clipfrac": terms["clipped"], "approx_kl": terms["approx_kl"], "ratio_dev": terms["ratio_dev"],
                  "entropy": at_actions(token_entropy(output.detach(), vocab_size, temperature))}
         if kl_in_loss:
             kl = ppo.kl_penalty(logp, mb["ref_log_probs"], estimator)
             per_token = per_token + kl_coef * kl
             stats["kl"] = kl.detach()
-        loss_sum, count = ppo.aggregate_loss(per_token, mask, mode)
+        loss_sum, count = ppo.aggregate_loss(per_token, mask, mode, loss_norm)
         metrics = {"loss": loss_sum.detach(), "loss_count": count, "tokens": mask.sum(),
                    **{k: ppo.masked_sum(v, mask) for k, v in stats.items()}}
         return loss_sum, count, metrics
@@ -61,11 +64,11 @@ def policy_loss_fn(vocab_size: int, temperature: float, ppo_config: PPOConfig, k
     return loss_fn
 
 
-def value_loss_fn(clip_range: Optional[float], loss_agg_mode: str = "token-mean") -> LossFn:
+def value_loss_fn(clip_range: Optional[float], loss_agg_mode: str = "token-mean", loss_norm: Optional[float] = None) -> LossFn:
     def loss_fn(output, mb):
         mask = mb["action_mask"]
         per_token, stats = ppo.value_loss_terms(state_values(output), mb["old_values"], mb["returns"], clip_range)
-        loss_sum, count = ppo.aggregate_loss(per_token, mask, loss_agg_mode)
+        loss_sum, count = ppo.aggregate_loss(per_token, mask, loss_agg_mode, loss_norm)
         metrics = {"loss": loss_sum.detach(), "loss_count": count, "tokens": mask.sum(),
                    "clipfrac": ppo.masked_sum(stats["clipped"], mask)}
         return loss_sum, count, metrics

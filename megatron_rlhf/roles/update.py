@@ -33,13 +33,13 @@ class PPOUpdate:
             policy_columns["ref_log_probs"] = r.ref_log_probs
         if r.routes is not None:
             policy_columns[ROUTES] = r.routes
-        policy_loss = policy_loss_fn(self.vocab_size, cfg.generation.temperature, cfg.ppo, kl_coef)
+        policy_loss = policy_loss_fn(self.vocab_size, cfg.generation.temperature, cfg.ppo, kl_coef, cfg.response_tokens)
         out = {}
         start = time.perf_counter()
         out.update(self._train_role("ppo_policy", policy_columns, r.lengths, policy_loss, "policy", policy_stats(cfg.ppo), iteration))
         if "ppo_value" in self.roles:
             value_columns = dict(tokens=r.tokens, action_mask=r.action_mask, old_values=r.old_values, returns=r.returns)
-            value_loss = value_loss_fn(cfg.ppo.value_clip, cfg.ppo.loss_agg_mode)
+            value_loss = value_loss_fn(cfg.ppo.value_clip, cfg.ppo.loss_agg_mode, cfg.response_tokens)
             out.update(self._train_role("ppo_value", value_columns, r.lengths, value_loss, "value", ("clipfrac",), iteration))
         out["time/train_s"] = time.perf_counter() - start
         return out

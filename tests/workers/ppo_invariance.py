@@ -1,6 +1,6 @@
 """The PPO update of one synthetic rollout under several ways of cutting the work. Args: "single"
 (1 process: the uncut run, one micro-batch of all 8 rows, against micro-batches of 1 and 4, for
-every loss_agg_mode) or "layouts" (2 processes: DP=2, TP=2, PP=2, token-mean). The policy loss
+every loss_agg_mode, and GSPO with dual-clip) or "layouts" (2 processes: DP=2, TP=2, PP=2, token-mean). The policy loss
 is the GRPO-style one: the KL to the reference in the loss (low_var_kl) and clip-higher. Saves, per case,
 the full gradients of ppo_policy (LM head) and ppo_value (scalar head) after the step's backward
 (megatron's finalize has scaled them) and the reported losses."""
@@ -72,9 +72,12 @@ def one_step(weights, head, tp, pp, micro, mode):
     lengths = (prompt_lengths + response_lengths).chunk(dp)[dp_rank]
     if head == "lm":
         config = PPOConfig(loss_agg_mode=mode, kl_in_loss=True, kl_estimator="low_var_kl", clip_ratio_high=0.28)
-        loss_fn, stats = policy_loss_fn(arch.vocab_size, 1.0, config, kl_coef=0.1), policy_stats(config)
+        if mode == "gspo+dual-clip":
+            config = PPOConfig(loss_agg_mode="seq-mean-token-mean", policy_loss="gspo", clip_ratio_c=3.0,
+                               kl_in_loss=True, kl_estimator="low_var_kl")
+        loss_fn, stats = policy_loss_fn(arch.vocab_size, 1.0, config, kl_coef=0.1, loss_norm=WIDTH), policy_stats(config)
     else:
-        loss_fn, stats = value_loss_fn(0.2, mode), ("clipfrac",)
+        loss_fn, stats = value_loss_fn(0.2, mode, loss_norm=WIDTH), ("clipfrac",)
     ddp.zero_grad_buffer()
     # The uncut run feeds whole rows; every cut run groups rows by length, trimmed (models/batches.py).
     uncut = (tp, pp, micro) == (1, 1, ROWS)
@@ -89,7 +92,7 @@ result = {}
 for head in ("lm", "scalar"):
     weights = full_weights(head)
     if ARGS[0] == "single":
-        for mode in ppo.LOSS_AGG_MODES:
+        for mode in ppo.LOSS_AGG_MODES + (("gspo+dual-clip",) if head == "lm" else ()):
             for micro in (8, 1, 4):
                 result[(head, mode, f"mb{micro}")] = one_step(weights, head, 1, 1, micro, mode)
     else:
