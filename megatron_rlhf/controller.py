@@ -30,7 +30,7 @@ from megatron_rlhf.rewards.pool import RewardPool
 from megatron_rlhf.roles.role_set import Progress, RoleSet
 from megatron_rlhf.roles.update import PPOUpdate
 from megatron_rlhf.rollout.collector import RolloutCollector
-from megatron_rlhf.rollout.record import COUNTED_METRICS, Rollout
+from megatron_rlhf.rollout.record import Rollout, is_counted
 from megatron_rlhf.rollout.scoring import Scorer
 from megatron_rlhf.rollout.validation import Validator
 
@@ -197,4 +197,4 @@ class PPOController:
         local = torch.tensor([[metrics.get(k, 0.0), float(k in metrics)] for k in keys], dtype=torch.float64,
                              device=self.collector.device)
         totals = sum_over(local, self.role_set.cut.group).tolist()
-        return {k: v if k in COUNTED_METRICS else v / present for k, (v, present) in zip(keys, totals)}
+        return {k: v if is_counted(k) else v / present for k, (v, present) in zip(keys, totals)}

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from megatron_rlhf.checkpoint.run_state import (
     check_resume,
@@ -146,24 +146,41 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
         warnings.warn(f"{dataset.rows.path}: {len(dataset)} prompts, fewer than one rollout batch; prompts repeat within a batch")
     val_dataset = _dataset(config, "data.val_file", tokenizer, shuffle=False) if config.data.val_file else None
     functions = reward_functions(config) if config.reward.type == "function" else None
-    environment = _environment(config, tokenizer) if config.rollout.environment else None
+    environment = _environment(config, tokenizer) if config.rollout.multi_turn else None
     if args.overwrite and _launch_rank0():
         set_aside_run(output_dir)  # dropped after the first iteration, put back if the launch fails before
     return Prepared(config, output_dir, tokenizer, dataset, val_dataset, functions, resume_from, run, environment)
 
 
 def _environment(config: RLHFConfig, tokenizer) -> str:
-    """The multi-turn environment's spec, loaded once; its stop strings and the chat template's
-    reply tokens checked (rollout/multiturn.py)."""
+    """The multi-turn environment's spec (a custom one, or the built-in tool environment), loaded
+    once; the chat template's reply tokens checked (rollout/multiturn.py)."""
     from megatron_rlhf.rollout.environment import environment_spec
     from megatron_rlhf.rollout.multiturn import MultiTurn
 
     try:
-        spec = environment_spec(config)
+        if config.rollout.tools:  # the built-in tool environment (its tools loaded with the prompts)
+            from megatron_rlhf.tools.environment import SPEC as spec
+        else:
+            spec = environment_spec(config)
         MultiTurn(config, tokenizer, spec, config.data.apply_chat_template)
     except ValueError as e:
-        raise ConfigError(f"{config.at('rollout.environment')}: {e}") from None
+        raise ConfigError(f"{config.at('rollout.tools' if config.rollout.tools else 'rollout.environment')}: {e}") from None
     return spec
+
+
+def _tool_specs(config: RLHFConfig) -> Optional[List[dict]]:
+    """The function specs of rollout.tools (shown by the chat template in every prompt), or None."""
+    if not config.rollout.tools:
+        return None
+    from megatron_rlhf.tools.environment import load_tool_set, tool_options
+
+    options = tool_options(config)
+    try:
+        tools, _ = load_tool_set(tuple(options["tools"]), options["parser"])
+    except ValueError as e:
+        raise ConfigError(f"{config.at('rollout.tools')}: {e}") from None
+    return [tool.spec for tool in tools.values()]
 
 
 def _launch_rank0() -> bool:
@@ -177,7 +194,7 @@ def _dataset(config: RLHFConfig, key: str, tokenizer, shuffle: Optional[bool] = 
     from megatron_rlhf.data import PromptDataset
 
     data = config.data
-    dataset = PromptDataset.from_file(config.path_of(key), tokenizer, data, config.seed, shuffle)
+    dataset = PromptDataset.from_file(config.path_of(key), tokenizer, data, config.seed, shuffle, _tool_specs(config))
     overlong = dataset.check_encodes()
     if overlong:
         what = "are skipped" if data.overlong_prompts == "filter" else "keep only their last tokens"
@@ -278,6 +295,8 @@ class RunLog:
         if "rollout/turns_mean" in metrics:  # multi-turn
             parts += [f"turns {metrics['rollout/turns_mean']:.1f}", f"env failures {metrics['rollout/env_failures']:.0f}",
                       f"masked {1 - metrics['rollout/model_token_share']:.0%}"]
+        if "rollout/tool_calls" in metrics:  # tools
+            parts.append(f"tool calls {metrics['rollout/tool_calls']:.0f} ({metrics['rollout/tool_errors']:.0f} errors)")
         parts += [f"len {metrics['response/length_mean']:.1f}", f"{metrics['time/iteration_s']:.1f}s"]
         parts += _validation_parts(metrics)
         self._print(" | ".join(parts), 1)

@@ -410,8 +410,8 @@ def test_multi_turn_settings_are_refused_by_name_where_they_would_go_unused_or_a
     # Without an environment no rollout.* key has an effect: each is named.
     with pytest.raises(ConfigError) as err:
         load_config(str(tiny_setup(tmp_path, "rollout: {max_turns: 3, stop: ['x']}\n")), world_size=1)
-    assert "rollout.max_turns: set, but rollout.environment is not" in str(err.value)
-    assert "rollout.stop: set, but rollout.environment is not" in str(err.value)
+    assert "rollout.max_turns: set, but neither rollout.environment nor rollout.tools is" in str(err.value)
+    assert "rollout.stop: set, but neither rollout.environment nor rollout.tools is" in str(err.value)
     ok = load_config(str(tiny_setup(tmp_path, "rollout: {environment: env.py:Game, max_turns: 3, "
                                     "max_trajectory_tokens: 200}\n")), world_size=1)
     assert ok.rollout.turn_tokens(ok.generation) == ok.generation.max_new_tokens and ok.sequence_tokens == 200
@@ -445,3 +445,30 @@ def test_the_policy_losses_are_chosen_by_name_and_gspo_needs_its_sequence_mean(t
     assert "ppo.clip_ratio_c" in text
     with pytest.raises(ConfigError, match="ppo.policy_loss.*vanilla.*gspo"):
         load_config(str(tiny_setup(tmp_path, "ppo: {policy_loss: cispo}\n")), world_size=1)
+
+
+def test_tool_settings_are_refused_by_name_where_they_cannot_work(tmp_path):
+    top = ("rollout: {tools: [t.py:add], environment: env.py:Game, tool_timeout_s: 30, env_timeout_s: 30, "
+           "max_trajectory_tokens: 200}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(tiny_setup(tmp_path, top)), world_size=1)
+    text = str(err.value)
+    assert "rollout.tools: the tools run in the built-in tool environment" in text
+    assert "rollout.tool_timeout_s: 30s must stay below rollout.env_timeout_s=30s" in text
+    assert "rollout.tool_parser: hermes calls are shown to the model through the chat template" in text
+    with pytest.raises(ConfigError, match="rollout.tool_parser: set, but rollout.tools is empty"):
+        load_config(str(tiny_setup(tmp_path, "rollout: {environment: env.py:Game, tool_parser: tags, "
+                                             "max_trajectory_tokens: 200}\n")), world_size=1)
+    ok = load_config(str(tiny_setup(tmp_path, "rollout: {tools: [t.py:add], tool_parser: tags, "
+                                              "max_trajectory_tokens: 200}\n")), world_size=1)
+    assert ok.rollout.multi_turn and ok.sequence_tokens == 200
+
+
+def test_a_tool_that_cannot_be_loaded_stops_the_run_before_start_up(tmp_path):
+    from megatron_rlhf.train import _tool_specs
+
+    (tmp_path / "t.py").write_text("def add(a: int):\n    return a\n")
+    config = load_config(str(tiny_setup(tmp_path, "rollout: {tools: [t.py:add], tool_parser: tags, "
+                                                  "max_trajectory_tokens: 200}\n")), world_size=1)
+    with pytest.raises(ConfigError, match=r"rollout.tools: tool .*t.py:add: no schema can be made"):
+        _tool_specs(config)

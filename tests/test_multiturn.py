@@ -244,6 +244,12 @@ def test_multi_turn_rollouts_through_the_engine(tmp_path):
     assert {k: silent[k] for k in single} == single
     assert silent["rollout/turns_mean"] == 1 and silent["rollout/env_failures"] == 0
     assert silent["rollout/env_calls"] == 2 * 32  # a start and a step per trajectory, over both DP ranks
+    # The tool environment through the config and the workers: every tool metric reported (a random
+    # tiny model writes no call: every trajectory answers at its first turn).
+    tools = r["tools"]
+    assert tools["rollout/env_calls"] == 2 * 64 and tools["rollout/env_failures"] == 0  # a start and a step each
+    assert tools["rollout/turns_mean"] == 1 and tools["rollout/tool_calls"] == tools["rollout/tool_errors"] == 0
+    assert "rollout/tool_timeouts" in tools and "time/tool_s" in tools
     # One DP rank's trajectories all fail: counted, the run goes on; every trajectory fails: both
     # ranks end with the error naming the environment (decided together).
     assert r["fails_on_rank_1"]["rollout/env_failures"] == 16 and r["fails_on_rank_1"]["rollout/env_calls"] == 64

@@ -1,6 +1,11 @@
-"""The RL math's names a config chooses from, in one place: config/schema.py types its keys by
-them, and megatron_rlhf.ppo implements and dispatches on exactly these (checked when it is imported,
-ppo/registry.py). Torch-free, like the rest of the config package."""
+"""The names a config chooses from for the RL math and the tools, in one place: config/schema.py
+types its keys by them, and megatron_rlhf.ppo and megatron_rlhf.tools implement and dispatch on
+exactly these (``registry`` checks it when their tables are built). Torch-free, like the rest of
+the config package."""
+
+from typing import Dict, Sequence, TypeVar
+
+T = TypeVar("T")
 
 # algorithm.advantage_estimator (ppo/advantages.py ESTIMATORS)
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
@@ -12,3 +17,16 @@ KL_ESTIMATORS = ("k1", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # ppo.policy_loss (ppo/core.py POLICY_LOSSES)
 POLICY_LOSSES = ("vanilla", "gspo")
+# rollout.tool_parser (tools/parsers.py PARSERS)
+TOOL_PARSERS = ("hermes", "llama3_json", "tags")
+
+
+def registry(names: Sequence[str], key: str, implementations: Dict[str, T]) -> Dict[str, T]:
+    """A name -> implementation table, checked against ``names`` (the domain of config key
+    ``key``) where it is built: an implementation without a name, or a name without one, stops the
+    import instead of failing a run. In the order of ``names``."""
+    missing, unknown = set(names) - set(implementations), set(implementations) - set(names)
+    if missing or unknown:
+        raise RuntimeError(f"{key}: the config's names {tuple(names)} and the implementations "
+                           f"{tuple(implementations)} differ (missing {sorted(missing)}, unnamed {sorted(unknown)})")
+    return {name: implementations[name] for name in names}

@@ -10,7 +10,7 @@ from typing import Dict, List, Literal, Optional, Union
 
 from megatron_rlhf.config.errors import located
 from megatron_rlhf.config.names import (ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS,
-                                        LOSS_AGG_MODES, POLICY_LOSSES)
+                                        LOSS_AGG_MODES, POLICY_LOSSES, TOOL_PARSERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,10 +309,21 @@ class RolloutConfig:
     # Prompt, turns and replies together; None: max_prompt_length + max_turns x (turn + observation).
     max_trajectory_tokens: Optional[int] = bounded(None, ge=2)
     max_observation_tokens: int = bounded(256, ge=1)  # longer replies lose their middle (counted)
-    # Strings that end a turn besides the end tokens (a tool call's closing tag); each must be one token.
+    # Strings that end a turn besides the end tokens (a tool call's closing tag).
     stop: List[str] = dataclasses.field(default_factory=list)
     env_timeout_s: float = bounded(30.0, gt=0)  # per environment call
     env_workers: int = bounded(2, ge=1)  # worker processes per policy replica
+    # Tools (megatron_rlhf/tools): callables (module:callable or file.py:callable) the built-in tool
+    # environment calls for the model; their schemas go to the chat template's tools.
+    tools: List[str] = dataclasses.field(default_factory=list)
+    tool_parser: Literal[TOOL_PARSERS] = "hermes"  # the models' call format (tools/parsers.py)
+    max_parallel_calls: int = bounded(4, ge=1)  # calls of one turn run side by side, at most this many
+    tool_timeout_s: float = bounded(20.0, gt=0)  # per call; below env_timeout_s
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether an environment (a custom one, or the tool environment) answers between turns."""
+        return bool(self.environment or self.tools)
 
     def turn_tokens(self, generation: "GenerationConfig") -> int:
         return self.max_tokens_per_turn or generation.max_new_tokens
@@ -510,7 +521,7 @@ class RLHFConfig:
     def sequence_tokens(self) -> int:
         """The longest row a rollout holds (a prompt and its response, or a trajectory): the
         engine's KV cache length and the passes' sequence length."""
-        if self.rollout.environment:
+        if self.rollout.multi_turn:
             return self.rollout.trajectory_tokens(self.data, self.generation)
         return self.data.max_prompt_length + self.generation.max_new_tokens
 

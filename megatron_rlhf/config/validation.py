@@ -473,14 +473,28 @@ def _rollout_problems(config: RLHFConfig) -> List[str]:
     """Multi-turn settings need an environment (never silently unused), and its trajectories are
     generated at the run's layout (the environment's rows are those of the run's cut)."""
     r = config.rollout
-    if r.environment is None:
+    if not r.multi_turn:
         unused = sorted(k for k in config.origin if k.startswith("rollout.") and k != "rollout.environment")
-        return [f"{config.at(k)}: set, but rollout.environment is not: multi-turn settings need an environment "
-                "(module:Class or file.py:Class); remove it or name one" for k in unused]
+        return [f"{config.at(k)}: set, but neither rollout.environment nor rollout.tools is: multi-turn settings need "
+                "an environment (module:Class or file.py:Class) or tools; remove it or name one" for k in unused]
     problems = []
+    key = "rollout.environment" if r.environment else "rollout.tools"
     if config.has_own_layout("policy"):
-        problems.append(f"{config.at('rollout.environment')}: multi-turn rollouts run the policy at the run's layout "
+        problems.append(f"{config.at(key)}: multi-turn rollouts run the policy at the run's layout "
                         "only (not yet at a layout of its own); remove policy.parallel")
+    if r.tools and r.environment:
+        problems.append(f"{config.at('rollout.tools')}: the tools run in the built-in tool environment; a custom "
+                        f"rollout.environment ({r.environment}) calls its own tools: set one of the two")
+    if r.tools and r.tool_timeout_s >= r.env_timeout_s:
+        problems.append(f"{config.at('rollout.tool_timeout_s')}: {r.tool_timeout_s:g}s must stay below "
+                        f"rollout.env_timeout_s={r.env_timeout_s:g}s (a step's bound, its calls included)")
+    tool_keys = ("tool_parser", "max_parallel_calls", "tool_timeout_s")
+    for k in tool_keys:
+        if not r.tools and f"rollout.{k}" in config.origin:
+            problems.append(f"{config.at('rollout.' + k)}: set, but rollout.tools is empty; name the tools or remove it")
+    if r.tools and r.tool_parser != "tags" and not config.data.apply_chat_template:
+        problems.append(f"{config.at('rollout.tool_parser')}: {r.tool_parser} calls are shown to the model through the "
+                        "chat template's tools; set data.apply_chat_template: true (or use the tags parser)")
     if r.trajectory_tokens(config.data, config.generation) < config.data.max_prompt_length + 1:
         problems.append(f"{config.at('rollout.max_trajectory_tokens')}: {r.max_trajectory_tokens} leaves no room for "
                         f"a turn after a prompt of data.max_prompt_length={config.data.max_prompt_length}")

@@ -30,8 +30,8 @@ class PromptDataset:
 
     def __init__(self, rows: RowFile, tokenizer: Tokenizer, max_length: int, seed: int, shuffle: bool = True,
                  chat: bool = False, system_prompt: Optional[str] = None,
-                 overlong: Literal["filter", "truncate"] = "filter"):
-        self.rows, self.tokenizer = rows, tokenizer
+                 overlong: Literal["filter", "truncate"] = "filter", tools: Optional[List[dict]] = None):
+        self.rows, self.tokenizer, self.tools = rows, tokenizer, tools
         self.max_length, self.seed, self.shuffle = max_length, seed, shuffle
         self.chat, self.system_prompt, self.overlong = chat, system_prompt, overlong
         self._lengths: Dict[int, int] = {}  # token count of every prompt seen
@@ -40,11 +40,13 @@ class PromptDataset:
         self.truncated = 0
 
     @classmethod
-    def from_file(cls, path: str, tokenizer: Tokenizer, data, seed: int, shuffle: Optional[bool] = None) -> "PromptDataset":
-        """The dataset of ``path`` with the settings of ``data`` (a DataConfig)."""
+    def from_file(cls, path: str, tokenizer: Tokenizer, data, seed: int, shuffle: Optional[bool] = None,
+                  tools: Optional[List[dict]] = None) -> "PromptDataset":
+        """The dataset of ``path`` with the settings of ``data`` (a DataConfig); ``tools``: the
+        function specs the chat template shows in every prompt."""
         return cls(open_rows(path, data.prompt_key), tokenizer, data.max_prompt_length, seed,
                    data.shuffle if shuffle is None else shuffle, data.apply_chat_template, data.system_prompt,
-                   data.overlong_prompts)
+                   data.overlong_prompts, tools)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -57,7 +59,7 @@ class PromptDataset:
             if messages[0]["role"] != "system":
                 prompt = [{"role": "system", "content": self.system_prompt}] + messages
         try:
-            ids = self.tokenizer.encode_prompt(prompt, self.chat)
+            ids = self.tokenizer.encode_prompt(prompt, self.chat, self.tools if self.chat else None)
         except ValueError as e:
             raise ValueError(f"{self.rows.where(index)}: {e}") from None
         if not ids:

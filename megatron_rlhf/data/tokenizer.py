@@ -26,7 +26,7 @@ class Tokenizer(Protocol):
     pad_id: int
     has_chat_template: bool
 
-    def encode_prompt(self, prompt: Union[str, Messages], chat: bool) -> List[int]: ...
+    def encode_prompt(self, prompt: Union[str, Messages], chat: bool, tools: Optional[List[dict]] = None) -> List[int]: ...
 
     def encode_text(self, text: str) -> List[int]: ...
 
@@ -58,8 +58,8 @@ class CharTokenizer:
         except KeyError as e:
             raise ValueError(f"character {e.args[0]!r} is not in the tokenizer alphabet {self.alphabet!r}") from None
 
-    def encode_prompt(self, prompt: Union[str, Messages], chat: bool) -> List[int]:
-        if chat or not isinstance(prompt, str):
+    def encode_prompt(self, prompt: Union[str, Messages], chat: bool, tools: Optional[List[dict]] = None) -> List[int]:
+        if chat or tools or not isinstance(prompt, str):
             raise ValueError("the char tokenizer has no chat template; give string prompts and apply_chat_template: false")
         return [self.bos_id] + self.encode(prompt)
 
@@ -111,9 +111,10 @@ class HFTokenizer:
             raise ValueError(f"{self.path}: data.tokenizer.{key}: token {token!r} is not in the vocabulary")
         return tid
 
-    def encode_prompt(self, prompt: Union[str, Messages], chat: bool) -> List[int]:
+    def encode_prompt(self, prompt: Union[str, Messages], chat: bool, tools: Optional[List[dict]] = None) -> List[int]:
         """A string with the special tokens the tokenizer adds itself (Llama's BOS), or ``chat``: the
-        messages (or the string as one user message) through the chat template, generation prompt added."""
+        messages (or the string as one user message) through the chat template, generation prompt
+        added, ``tools`` (function specs) passed to it."""
         if not chat:
             if not isinstance(prompt, str):
                 raise ValueError("a chat (a list of messages) needs data.apply_chat_template: true")
@@ -121,7 +122,7 @@ class HFTokenizer:
         if not self.has_chat_template:
             raise ValueError(f"{self.path}: data.apply_chat_template is true but the tokenizer has no chat template")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def encode_text(self, text: str) -> List[int]:

@@ -1,6 +1,6 @@
 """RL math: pure tensor functions. core.py: masked reductions, KL, rewards, losses (POLICY_LOSSES,
 by name); advantages.py: the advantage estimators (ESTIMATORS, by name) and outcome shaping;
-registry.py: the name tables, checked against the config's names (config/names.py)."""
+the name tables are checked against the config's names (config/names.py registry)."""
 
 from megatron_rlhf.ppo.advantages import (
     ESTIMATORS,

@@ -13,8 +13,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from megatron_rlhf.config.names import ADVANTAGE_ESTIMATORS
-from megatron_rlhf.ppo.registry import registry
+from megatron_rlhf.config.names import ADVANTAGE_ESTIMATORS, registry
 
 
 def gae_advantages(

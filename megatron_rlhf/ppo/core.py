@@ -13,9 +13,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron_rlhf.config.names import KL_ESTIMATORS, LOSS_AGG_MODES
+from megatron_rlhf.config.names import KL_ESTIMATORS, LOSS_AGG_MODES, registry
 from megatron_rlhf.config.names import POLICY_LOSSES as POLICY_LOSS_NAMES
-from megatron_rlhf.ppo.registry import registry
 
 # --------------------------------------------------------------------------------------------------
 # Masked reductions

@@ -10,6 +10,7 @@ only its own trajectory. Workers are plain interpreters without torch (rollout/e
 
 from __future__ import annotations
 
+import json
 import time
 from multiprocessing.connection import wait
 from typing import Any, Dict, List, Optional, Tuple
@@ -21,8 +22,8 @@ Outcome = Tuple[str, Any]  # ("ok", result) or (failure kind: raised | protocol 
 
 
 class _Worker(WorkerProcess):
-    def __init__(self, spec: str, timeout_s: float):
-        super().__init__("megatron_rlhf.rollout.env_worker", [spec])
+    def __init__(self, spec: str, timeout_s: float, options: Dict[str, Any]):
+        super().__init__("megatron_rlhf.rollout.env_worker", [spec, json.dumps(options)])
         self.task: Optional[int] = None  # index of the request being answered
         if not self.conn.poll(timeout_s + 60.0):
             self.kill()
@@ -37,17 +38,22 @@ class _Worker(WorkerProcess):
 
 
 class EnvironmentPool:
-    def __init__(self, spec: str, num_workers: int = 2, timeout_s: float = 30.0):
-        self.spec, self.timeout_s = spec, timeout_s
+    """``options``: the keyword arguments every instance is made with (JSON; none: no arguments)."""
+
+    def __init__(self, spec: str, num_workers: int = 2, timeout_s: float = 30.0, options: Optional[Dict[str, Any]] = None):
+        self.spec, self.timeout_s, self.options = spec, timeout_s, options or {}
         self.workers: List[_Worker] = []
         try:
             for _ in range(num_workers):
-                self.workers.append(_Worker(spec, timeout_s))
+                self.workers.append(self._new_worker())
         except BaseException:
             self.close()
             raise
         self.history: Dict[int, List[Tuple[str, Any]]] = {}  # each live trajectory's answered calls
         self.lost: Dict[int, str] = {}  # trajectories whose rebuild failed -> why
+
+    def _new_worker(self) -> _Worker:
+        return _Worker(self.spec, self.timeout_s, self.options)
 
     def _home(self, trajectory: int) -> int:
         return trajectory % len(self.workers)
@@ -94,7 +100,7 @@ class EnvironmentPool:
         """A fresh worker for ``worker``, the other trajectories it held rebuilt by replay."""
         w = self.workers.index(worker)
         worker.kill()
-        self.workers[w] = fresh = _Worker(self.spec, self.timeout_s)
+        self.workers[w] = fresh = self._new_worker()
         self.history.pop(failed, None)
         held = [t for t in self.history if self._home(t) == w and t not in self.lost]
         for trajectory in held:
@@ -102,7 +108,7 @@ class EnvironmentPool:
                 fresh.conn.send((kind, trajectory, payload))
                 if not fresh.conn.poll(self.timeout_s):  # hung again: a last fresh worker, what it held lost
                     fresh.kill()
-                    self.workers[w] = _Worker(self.spec, self.timeout_s)
+                    self.workers[w] = self._new_worker()
                     for other in held:
                         self.lost.setdefault(other, "was lost when its worker was replaced twice (replaying its calls hung)")
                     return
@@ -113,7 +119,7 @@ class EnvironmentPool:
                 if not answered:
                     self.lost[trajectory] = "could not be rebuilt after its worker was replaced (replaying its calls failed)"
                     if fresh.process.poll() is not None:
-                        self.workers[w] = fresh = _Worker(self.spec, self.timeout_s)
+                        self.workers[w] = fresh = self._new_worker()
                     break
 
     def release(self, trajectories: List[int]) -> None:

@@ -1,16 +1,17 @@
-"""An environment worker process (rollout/env_pool.py): ``python -m megatron_rlhf.rollout.env_worker FD SPEC``
-(a file spec absolute). Loads the environment class, says "ready", then answers each request:
+"""An environment worker process (rollout/env_pool.py): ``python -m megatron_rlhf.rollout.env_worker FD SPEC
+OPTIONS`` (a file spec absolute; OPTIONS: the JSON keyword arguments of every instance). Loads the environment class, says "ready", then answers each request:
 ("start", trajectory, row) and ("step", trajectory, Turn fields) with ("ok", result), ("raised",
 description) or ("protocol", message); ("close", trajectory) drops an instance, unanswered. Its
 standard output goes to standard error: the environment's prints never reach the socket."""
 
+import json
 import os
 import sys
 from multiprocessing.connection import Connection
 
 
 def main(argv) -> None:
-    fd, spec = int(argv[0]), argv[1]
+    fd, spec, options = int(argv[0]), argv[1], json.loads(argv[2]) if len(argv) > 2 else {}
     os.dup2(2, 1)
     conn = Connection(fd)
     from megatron_rlhf.rewards.contract import describe, load_reward_function
@@ -33,7 +34,7 @@ def main(argv) -> None:
             continue
         try:
             if kind == "start":
-                instances[trajectory] = env = cls()
+                instances[trajectory] = env = cls(**options)
                 result = checked_observation(env.start(payload))
             else:
                 result = checked_step(instances[trajectory].step(Turn(**payload)))

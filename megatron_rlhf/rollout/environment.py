@@ -14,7 +14,9 @@ environment worker process (rollout/env_pool.py):
             (as for start; None when done), whether the trajectory ends, a per-turn reward (a
             number or None; added to the trajectory's score) and a dict of anything else.'''
 
-Each call is bounded by ``rollout.env_timeout_s``. A call that raises, times out or returns what
+A step's ``info`` may carry ``counts``: {name: number}, names starting with ``tool_`` or
+``env_``; they are added over the batch into the metrics as ``rollout/<name>`` (``time/<name>``
+for a name ending in ``_s``). Each call is bounded by ``rollout.env_timeout_s``. A call that raises, times out or returns what
 the protocol does not allow ends its trajectory as a counted failure with the reason; the run goes
 on unless every trajectory of a batch fails.
 """
@@ -28,6 +30,7 @@ from typing import Any, Dict, List, Optional, Union
 Messages = List[Dict[str, str]]
 Observation = Union[None, str, Messages]
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+COUNT_PREFIXES = ("tool_", "env_")  # an environment's own counts (info["counts"]), summed into rollout/<name>
 
 
 @dataclasses.dataclass
@@ -83,6 +86,12 @@ def checked_step(value: Any) -> StepResult:
         raise ProtocolError(f"step returned reward={reward!r:.40}; a reward is a finite number or None")
     if not isinstance(value.info, dict):
         raise ProtocolError(f"step returned info={value.info!r:.40}; info is a dict")
+    counts = value.info.get("counts", {})
+    if not isinstance(counts, dict) or not all(
+            isinstance(k, str) and k.startswith(COUNT_PREFIXES) and isinstance(v, numbers.Real) and not isinstance(v, bool)
+            and v == v for k, v in counts.items()):
+        raise ProtocolError(f"step returned info['counts']={counts!r:.80}; counts map names that start with "
+                            f"{' or '.join(COUNT_PREFIXES)} to finite numbers")
     return StepResult(checked_observation(value.observation), value.done,
                       None if reward is None else float(reward), value.info)
 

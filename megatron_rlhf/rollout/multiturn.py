@@ -52,7 +52,15 @@ class MultiTurn:
         self.encoder = ObservationEncoder(tokenizer, chat)
         self.turn_tokens = r.turn_tokens(config.generation)
         self.context = r.trajectory_tokens(config.data, config.generation)
-        self.stop_ids = tuple(_single_token(tokenizer, s) for s in r.stop)
+        self.options, stops = {}, list(r.stop)
+        if r.tools:  # the built-in tool environment: its options, and its parser's stop strings
+            from megatron_rlhf.tools.environment import load_tool_set, tool_options
+
+            self.options = tool_options(config)
+            stops += load_tool_set(tuple(self.options["tools"]), self.options["parser"])[1].stop
+        # A stop string of one token ends the turn in the engine; a longer one cuts the turn after it.
+        self.stop_ids = tuple(ids[0] for ids in map(tokenizer.encode_text, stops) if len(ids) == 1)
+        self.stop_strings = tuple(s for s in stops if len(tokenizer.encode_text(s)) != 1)
         self.pool: Optional[EnvironmentPool] = None  # started on the first call, on the replica's first rank
         self.next_id = 0
 
@@ -121,7 +129,7 @@ class MultiTurn:
         for row, i in enumerate(live):
             t = trajectories[i]
             p, r = len(prefixes[row]), int(gen.response_lengths[row])
-            ids = gen.tokens[row, p : p + r].tolist()
+            ids = self._cut_at_stop(gen.tokens[row, p : p + r].tolist())
             if len(t.tokens) + len(ids) >= self.context:  # the context is full: the trajectory ends
                 t.done = True
                 counts["rollout/context_truncated"] += 1
@@ -129,6 +137,21 @@ class MultiTurn:
             out.append({"text": self.tokenizer.decode(ids), "token_ids": ids, "index": turn,
                         "ended": bool(ids) and ids[-1] in params.eos_ids})
         return out
+
+    def _cut_at_stop(self, ids: List[int]) -> List[int]:
+        """A turn's ids up to the first token that completes one of the multi-token stop strings
+        (the tokens after it are dropped: the turn ended there)."""
+        def stopped(n: int) -> bool:  # grows with n: the first n that holds is found by bisection
+            text = self.tokenizer.decode(ids[:n])
+            return any(s in text for s in self.stop_strings)
+
+        if not self.stop_strings or not stopped(len(ids)):
+            return ids
+        low, high = 1, len(ids)
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if stopped(middle) else (middle + 1, high)
+        return ids[:low]
 
     # -- the environment -------------------------------------------------------------------------
 
@@ -140,8 +163,11 @@ class MultiTurn:
         if _first_rank(groups):
             results = self._answer(wanted)
         results = _from_first_rank(results, groups)
-        for (t, (kind, _)), (observation_ids, done, reward, failure) in zip(wanted, results):
+        for (t, (kind, _)), (observation_ids, done, reward, failure, own_counts) in zip(wanted, results):
             counts["rollout/env_calls"] += 1
+            for name, value in own_counts.items():  # the environment's counts (tool calls, ...)
+                key = ("time/" if name.endswith("_s") else "rollout/") + name
+                counts[key] = counts.get(key, 0.0) + value
             if failure is not None:
                 status, reason = failure
                 counts["rollout/env_failures"] += 1
@@ -161,24 +187,26 @@ class MultiTurn:
             t.append_observation(observation_ids, self.config.rollout.max_observation_tokens)
 
     def _answer(self, wanted: List[tuple]) -> List[tuple]:
-        """(observation ids, done, reward, failure: None or (kind, reason)) per call, from the environment pool."""
+        """(observation ids, done, reward, failure: None or (kind, reason), the environment's
+        counts) per call, from the environment pool."""
         if self.pool is None:
             r = self.config.rollout
-            self.pool = EnvironmentPool(self.spec, r.env_workers, r.env_timeout_s)
+            self.pool = EnvironmentPool(self.spec, r.env_workers, r.env_timeout_s, self.options)
         requests = [(t.index, kind, payload) for t, (kind, payload) in wanted]
         out = []
         for (t, (kind, payload)), (status, value) in zip(wanted, self.pool.call(requests)):
             if status != "ok":
-                out.append(([], True, None, (status, value)))
+                out.append(([], True, None, (status, value), {}))
                 continue
             observation, done, reward = (value, False, None) if kind == "start" else (value.observation, value.done, value.reward)
+            own_counts = value.info.get("counts", {}) if kind == "step" else {}
             turn_ids = payload["token_ids"] if kind == "step" else []
             try:
                 ids = self.encoder.encode(observation, turn_ids, self.tokenizer.eos_ids)
             except ValueError as e:
-                out.append(([], True, None, ("protocol", f"its observation could not be encoded ({e})")))
+                out.append(([], True, None, ("protocol", f"its observation could not be encoded ({e})"), own_counts))
                 continue
-            out.append((ids, done, reward, None))
+            out.append((ids, done, reward, None, own_counts))
         return out
 
     def _release(self, trajectories: List[Trajectory], groups) -> None:
@@ -200,13 +228,6 @@ def _every_one_failed(trajectories: List[Trajectory], device: torch.device) -> b
     if dist.is_initialized():
         dist.all_reduce(counts)
     return int(counts[0]) == int(counts[1])
-
-
-def _single_token(tokenizer, text: str) -> int:
-    ids = tokenizer.encode_text(text)
-    if len(ids) != 1:
-        raise ValueError(f"rollout.stop: {text!r} encodes to {len(ids)} tokens {ids}; a stop string must be one token")
-    return ids[0]
 
 
 def _first_rank(groups) -> bool:

@@ -81,12 +81,21 @@ COUNTED_METRICS = ("reward/failures", "reward/timeouts", "rollout/env_calls", "r
                    "rollout/context_truncated")
 
 
+# An environment's own counts (rollout/environment.py: info["counts"]) are counts too.
+COUNTED_PREFIXES = ("rollout/tool_", "rollout/env_")
+
+
+def is_counted(key: str) -> bool:
+    """Whether the metric ``key`` is a count (added over rounds and DP ranks, not averaged)."""
+    return key in COUNTED_METRICS or key.startswith(COUNTED_PREFIXES)
+
+
 def merged_metrics(parts: List[Dict[str, float]]) -> Dict[str, float]:
     """The metrics of an iteration's rounds (generation, scoring): counts and times added, means averaged."""
     merged: Dict[str, float] = {}
     for key in sorted({k for part in parts for k in part}):
         values = [part[key] for part in parts if key in part]
-        merged[key] = sum(values) if key in COUNTED_METRICS or key.startswith("time/") else sum(values) / len(values)
+        merged[key] = sum(values) if is_counted(key) or key.startswith("time/") else sum(values) / len(values)
     return merged
 
 

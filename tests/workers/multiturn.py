@@ -1,7 +1,8 @@
 """Multi-turn rollouts through the real engine on 2 processes: (1) the tiny GRPO demo with an
 environment that never answers gives the single-turn run's iteration; (2) the agent demo's game
 (examples/tiny_agent, TP=2) gives the same rollout and update with EMS off and at micro-batch 1;
-(3) an environment that fails every trajectory of one DP rank, then of both. Saves per rank each
+(3) an environment that fails every trajectory of one DP rank, then of both; (4) the tiny
+GRPO run with the sandboxed Python tool (tags format) instead of an environment. Saves per rank each
 run's metrics, the rollout (gathered over DP) of the game runs, and the error of the last."""
 
 import copy
@@ -47,6 +48,16 @@ def iteration(config_file: str, tp: int, name: str, environment=None, ems: bool 
     return metrics, rollout
 
 
+TOOLS_CONFIG = """includes: {repo}/examples/tiny_agent/grpo.yaml
+data:
+  tokenizer:
+    alphabet: "abcdefghijklmnopqrstuvwxyz <>/()+0123456789"
+rollout:
+  environment: null
+  tools: [megatron_rlhf.tools.sandbox:python]
+  tool_parser: tags
+"""
+
 result = {}
 result["single"], _ = iteration("examples/tiny/grpo.yaml", 1, "single")
 result["silent"], _ = iteration("examples/tiny/grpo.yaml", 1, "silent", environment=SILENT, max_turns=1)
@@ -56,6 +67,11 @@ try:
     iteration("examples/tiny/grpo.yaml", 1, "fails_everywhere", environment=ENVIRONMENTS + ":RaisesAlways", max_turns=1)
 except EnvironmentFailure as e:  # on every rank: none waits for the others in a collective
     result["fails_everywhere"] = (str(e), e.collective)
+# The sandboxed Python tool in the tags format, wired through the config, the prompts and the workers.
+tools_config = os.path.join(OUT_DIR, "tools.yaml")
+with open(tools_config, "w") as f:
+    f.write(TOOLS_CONFIG.format(repo=os.getcwd()))
+result["tools"], _ = iteration(tools_config, 1, "tools")
 for name, ems, mbs in (("game", True, None), ("game_ems_off", False, None), ("game_mbs1", True, 1)):
     metrics, rollout = iteration("examples/tiny_agent/grpo.yaml", 2, name, ems=ems, micro_batch_size=mbs)
     result[name] = {"metrics": metrics, "rollout": rollout}

@@ -1,0 +1,109 @@
+"""The built-in tool environment (``rollout.tools``): the model's turn is parsed for tool calls
+(``rollout.tool_parser``); each call is checked against its tool's schema and run, side by side
+(at most ``max_parallel_calls`` at once, each bounded by ``tool_timeout_s``); the results go back
+as ``tool`` messages through the chat template, and the model writes again. A turn without a call
+ends the trajectory (the model answered). A call that cannot be read, names no tool, has wrong
+arguments, raises, or runs out of time is answered with the error as the tool's reply, and counted:
+never a failed trajectory.
+
+It runs in the environment workers (rollout/env_pool.py) like any environment; its step reports
+``counts`` in its info: ``tool_calls`` (and ``tool_calls/<name>``), ``tool_errors``,
+``tool_timeouts``, ``tool_s`` (the calls' wall time).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import time
+from typing import Any, Dict, List, Sequence, Tuple
+
+from megatron_rlhf.rollout.environment import StepResult, Turn
+from megatron_rlhf.tools.function import FunctionTool, ToolError, argument_problem, load_tools, result_text
+from megatron_rlhf.tools.parsers import ParsedTurn, ToolCall, make_parser
+
+SPEC = "megatron_rlhf.tools.environment:ToolEnvironment"
+
+
+def tool_options(config) -> Dict[str, Any]:
+    """What the workers' ToolEnvironment is made with, from ``config.rollout`` (tool files absolute)."""
+    import os
+
+    from megatron_rlhf.rewards.contract import absolute_spec
+
+    r = config.rollout
+    base = os.path.dirname(config.source_of("rollout.tools"))
+    return {"tools": [absolute_spec(spec, base) for spec in r.tools], "parser": r.tool_parser,
+            "max_parallel_calls": r.max_parallel_calls, "tool_timeout_s": r.tool_timeout_s}
+
+
+@functools.lru_cache(maxsize=None)
+def load_tool_set(specs: Sequence[str], parser: str):
+    """The tools of ``specs`` (absolute) by name and the parser for them, loaded once per process."""
+    import os
+
+    tools = load_tools(specs, os.getcwd())
+    return {t.name: t for t in tools}, make_parser(parser, tools)
+
+
+@functools.lru_cache(maxsize=None)
+def _executor(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tool")
+
+
+class ToolEnvironment:
+    def __init__(self, tools: Sequence[str], parser: str = "hermes", max_parallel_calls: int = 4,
+                 tool_timeout_s: float = 30.0):
+        self.tools, self.parser = load_tool_set(tuple(tools), parser)
+        self.executor = _executor(max_parallel_calls)
+        self.timeout_s = tool_timeout_s
+
+    def start(self, row: Dict[str, Any]) -> None:
+        return None
+
+    def step(self, turn: Turn) -> StepResult:
+        parsed: ParsedTurn = self.parser.parse(turn.text)
+        counts: Dict[str, float] = {"tool_calls": 0.0, "tool_errors": float(len(parsed.problems)),
+                                    "tool_timeouts": 0.0, "tool_s": 0.0}
+        if not parsed.wants_tools:
+            return StepResult(None, True, None, {"counts": counts})
+        started = time.perf_counter()
+        replies = [f"error: {problem}" for problem in parsed.problems]
+        replies += self._call_all(parsed.calls, counts)
+        counts["tool_s"] = time.perf_counter() - started
+        return StepResult([{"role": "tool", "content": reply} for reply in replies], False, None, {"counts": counts})
+
+    def _call_all(self, calls: List[ToolCall], counts: Dict[str, float]) -> List[str]:
+        """Each call's reply, in order; the calls that can run run side by side."""
+        replies: List[Any] = []
+        for call in calls:
+            tool = self.tools.get(call.name)
+            problem = (f"there is no tool {call.name!r}; the tools are {', '.join(self.tools)}" if tool is None
+                       else argument_problem(tool, call.arguments))
+            if problem:
+                counts["tool_errors"] += 1
+                replies.append(f"error: {problem}")
+                continue
+            counts["tool_calls"] += 1
+            counts[f"tool_calls/{tool.name}"] = counts.get(f"tool_calls/{tool.name}", 0.0) + 1
+            replies.append((tool, self.executor.submit(tool.fn, **call.arguments), time.monotonic() + self.timeout_s))
+        return [r if isinstance(r, str) else self._reply(*r, counts) for r in replies]
+
+    def _reply(self, tool: FunctionTool, future: concurrent.futures.Future, deadline: float,
+               counts: Dict[str, float]) -> str:
+        """The call's result as text, or the error the model is shown (counted). A call still
+        running at its deadline is left to finish on its own (a thread cannot be stopped): a tool
+        that may never return should run its work in a process, as the sandbox does."""
+        try:
+            return result_text(future.result(timeout=max(deadline - time.monotonic(), 0.0)))
+        except concurrent.futures.TimeoutError:
+            counts["tool_errors"] += 1
+            counts["tool_timeouts"] += 1
+            return f"error: {tool.name} did not answer within {self.timeout_s:g}s"
+        except ToolError as e:
+            counts["tool_errors"] += 1
+            counts["tool_timeouts"] += e.timed_out
+            return f"error: {e}"
+        except Exception as e:  # the tool failed on these arguments: the model is told, the run goes on
+            counts["tool_errors"] += 1
+            return f"error: {tool.name} raised {type(e).__name__}: {e}"
