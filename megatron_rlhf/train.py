@@ -159,27 +159,26 @@ def _environment(config: RLHFConfig, tokenizer) -> str:
     from megatron_rlhf.rollout.multiturn import MultiTurn
 
     try:
-        if config.rollout.tools:  # the built-in tool environment (its tools loaded with the prompts)
+        if config.rollout.uses_tools:  # the built-in tool environment (its tools loaded with the prompts)
             from megatron_rlhf.tools.environment import SPEC as spec
         else:
             spec = environment_spec(config)
         MultiTurn(config, tokenizer, spec, config.data.apply_chat_template)
     except ValueError as e:
-        raise ConfigError(f"{config.at('rollout.tools' if config.rollout.tools else 'rollout.environment')}: {e}") from None
+        raise ConfigError(f"{config.at('rollout.environment' if config.rollout.environment else 'rollout.tools')}: {e}") from None
     return spec
 
 
 def _tool_specs(config: RLHFConfig) -> Optional[List[dict]]:
     """The function specs of rollout.tools (shown by the chat template in every prompt), or None."""
-    if not config.rollout.tools:
+    if not config.rollout.uses_tools:
         return None
-    from megatron_rlhf.tools.environment import load_tool_set, tool_options
+    from megatron_rlhf.tools.environment import tool_options, tool_set_of
 
-    options = tool_options(config)
     try:
-        tools, _ = load_tool_set(tuple(options["tools"]), options["parser"])
+        tools, _ = tool_set_of(tool_options(config), keep_servers=False)
     except ValueError as e:
-        raise ConfigError(f"{config.at('rollout.tools')}: {e}") from None
+        raise ConfigError(f"{config.at('rollout.tools' if config.rollout.tools else 'rollout.mcp_servers')}: {e}") from None
     return [tool.spec for tool in tools.values()]
 
 

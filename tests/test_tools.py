@@ -3,6 +3,7 @@ tool environment, the prompt with the tools block, a scripted tool-using traject
 environment workers and the chat template, and the sandbox against code that misbehaves."""
 
 import os
+import sys
 import textwrap
 import types
 
@@ -359,3 +360,55 @@ def test_sandbox_code_is_run_from_a_file_spec_in_its_own_words():
         f()
     """), LIMITS)
     assert result.status == "error" and "sandbox_boot" not in result.output and 'File "main.py", line 3' in result.output
+
+
+# -- MCP servers ------------------------------------------------------------------------------------
+
+MCP_SERVER = '''
+import os
+import sys
+from mcp.server.mcpserver import MCPServer
+
+app = MCPServer("tiny")
+
+@app.tool()
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers."""
+    return a * b
+
+@app.tool()
+def shout(text: str) -> str:
+    """Upper-case a text."""
+    return text.upper()
+
+@app.tool()
+def crash() -> str:
+    """End the server."""
+    os._exit(1)
+
+if __name__ == "__main__":
+    app.run()
+'''
+
+
+def test_an_mcp_server_s_tools_are_listed_and_called_and_a_server_that_dies_is_started_again(tmp_path):
+    from megatron_rlhf.tools.environment import ToolEnvironment
+
+    (tmp_path / "server.py").write_text(MCP_SERVER)
+    env = ToolEnvironment([], "hermes", tool_timeout_s=20, mcp_servers=[f"{sys.executable} server.py"],
+                          mcp_dir=str(tmp_path))
+    assert sorted(env.tools) == ["crash", "multiply", "shout"]
+    assert env.tools["multiply"].parameters["required"] == ["a", "b"]
+
+    def call(name, arguments):
+        result = env.step(Turn('<tool_call>{"name": "%s", "arguments": %s}</tool_call>' % (name, arguments), [], 0, True))
+        return [m["content"] for m in result.observation], result.info["counts"]
+
+    assert call("multiply", '{"a": 6, "b": 7}') == (["42"], {"tool_calls": 1, "tool_errors": 0, "tool_timeouts": 0,
+                                                            "tool_s": pytest.approx(0, abs=5), "tool_calls/multiply": 1})
+    assert call("shout", '{"text": "hi"}')[0] == ["HI"]
+    assert call("multiply", '{"a": "six"}')[0][0].startswith("error: invalid arguments for multiply")
+    replies, counts = call("crash", "{}")
+    assert replies[0].startswith("error: crash: the MCP server") and "started again" in replies[0]
+    assert counts["tool_errors"] == 1
+    assert call("multiply", '{"a": 2, "b": 3}')[0] == ["6"]  # a fresh server

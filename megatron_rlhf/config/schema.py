@@ -316,14 +316,21 @@ class RolloutConfig:
     # Tools (megatron_rlhf/tools): callables (module:callable or file.py:callable) the built-in tool
     # environment calls for the model; their schemas go to the chat template's tools.
     tools: List[str] = dataclasses.field(default_factory=list)
+    # MCP servers whose tools the model may call too: command lines (stdio), run in the config's directory.
+    mcp_servers: List[str] = dataclasses.field(default_factory=list)
     tool_parser: Literal[TOOL_PARSERS] = "hermes"  # the models' call format (tools/parsers.py)
     max_parallel_calls: int = bounded(4, ge=1)  # calls of one turn run side by side, at most this many
     tool_timeout_s: float = bounded(20.0, gt=0)  # per call; below env_timeout_s
 
     @property
+    def uses_tools(self) -> bool:
+        """Whether the built-in tool environment runs (tools or MCP servers named)."""
+        return bool(self.tools or self.mcp_servers)
+
+    @property
     def multi_turn(self) -> bool:
         """Whether an environment (a custom one, or the tool environment) answers between turns."""
-        return bool(self.environment or self.tools)
+        return bool(self.environment or self.uses_tools)
 
     def turn_tokens(self, generation: "GenerationConfig") -> int:
         return self.max_tokens_per_turn or generation.max_new_tokens

@@ -478,21 +478,22 @@ def _rollout_problems(config: RLHFConfig) -> List[str]:
         return [f"{config.at(k)}: set, but neither rollout.environment nor rollout.tools is: multi-turn settings need "
                 "an environment (module:Class or file.py:Class) or tools; remove it or name one" for k in unused]
     problems = []
-    key = "rollout.environment" if r.environment else "rollout.tools"
+    tools_key = "rollout.tools" if r.tools else "rollout.mcp_servers"
+    key = "rollout.environment" if r.environment else tools_key
     if config.has_own_layout("policy"):
         problems.append(f"{config.at(key)}: multi-turn rollouts run the policy at the run's layout "
                         "only (not yet at a layout of its own); remove policy.parallel")
-    if r.tools and r.environment:
-        problems.append(f"{config.at('rollout.tools')}: the tools run in the built-in tool environment; a custom "
+    if r.uses_tools and r.environment:
+        problems.append(f"{config.at(tools_key)}: the tools run in the built-in tool environment; a custom "
                         f"rollout.environment ({r.environment}) calls its own tools: set one of the two")
-    if r.tools and r.tool_timeout_s >= r.env_timeout_s:
+    if r.uses_tools and r.tool_timeout_s >= r.env_timeout_s:
         problems.append(f"{config.at('rollout.tool_timeout_s')}: {r.tool_timeout_s:g}s must stay below "
                         f"rollout.env_timeout_s={r.env_timeout_s:g}s (a step's bound, its calls included)")
     tool_keys = ("tool_parser", "max_parallel_calls", "tool_timeout_s")
     for k in tool_keys:
-        if not r.tools and f"rollout.{k}" in config.origin:
+        if not r.uses_tools and f"rollout.{k}" in config.origin:
             problems.append(f"{config.at('rollout.' + k)}: set, but rollout.tools is empty; name the tools or remove it")
-    if r.tools and r.tool_parser != "tags" and not config.data.apply_chat_template:
+    if r.uses_tools and r.tool_parser != "tags" and not config.data.apply_chat_template:
         problems.append(f"{config.at('rollout.tool_parser')}: {r.tool_parser} calls are shown to the model through the "
                         "chat template's tools; set data.apply_chat_template: true (or use the tags parser)")
     if r.trajectory_tokens(config.data, config.generation) < config.data.max_prompt_length + 1:

@@ -53,11 +53,11 @@ class MultiTurn:
         self.turn_tokens = r.turn_tokens(config.generation)
         self.context = r.trajectory_tokens(config.data, config.generation)
         self.options, stops = {}, list(r.stop)
-        if r.tools:  # the built-in tool environment: its options, and its parser's stop strings
-            from megatron_rlhf.tools.environment import load_tool_set, tool_options
+        if r.uses_tools:  # the built-in tool environment: its options, and its parser's stop strings
+            from megatron_rlhf.tools.environment import tool_options, tool_set_of
 
             self.options = tool_options(config)
-            stops += load_tool_set(tuple(self.options["tools"]), self.options["parser"])[1].stop
+            stops += tool_set_of(self.options, keep_servers=False)[1].stop
         # A stop string of one token ends the turn in the engine; a longer one cuts the turn after it.
         self.stop_ids = tuple(ids[0] for ids in map(tokenizer.encode_text, stops) if len(ids) == 1)
         self.stop_strings = tuple(s for s in stops if len(tokenizer.encode_text(s)) != 1)

@@ -32,18 +32,37 @@ def tool_options(config) -> Dict[str, Any]:
     from megatron_rlhf.rewards.contract import absolute_spec
 
     r = config.rollout
-    base = os.path.dirname(config.source_of("rollout.tools"))
+    base = os.path.dirname(config.source_of("rollout.tools")) if r.tools else ""
+    servers_dir = os.path.dirname(config.source_of("rollout.mcp_servers")) if r.mcp_servers else ""
     return {"tools": [absolute_spec(spec, base) for spec in r.tools], "parser": r.tool_parser,
-            "max_parallel_calls": r.max_parallel_calls, "tool_timeout_s": r.tool_timeout_s}
+            "max_parallel_calls": r.max_parallel_calls, "tool_timeout_s": r.tool_timeout_s,
+            "mcp_servers": list(r.mcp_servers), "mcp_dir": servers_dir}
 
 
 @functools.lru_cache(maxsize=None)
-def load_tool_set(specs: Sequence[str], parser: str):
-    """The tools of ``specs`` (absolute) by name and the parser for them, loaded once per process."""
+def load_tool_set(specs: Sequence[str], parser: str, mcp_servers: Sequence[str] = (), mcp_dir: str = "",
+                  timeout_s: float = 30.0, keep_servers: bool = True):
+    """The tools of ``specs`` (absolute) and of the MCP servers (command lines, started in
+    ``mcp_dir``) by name, and the parser for them; loaded once per process. ``keep_servers``:
+    False lists the servers' tools and stops them (the prompts need only their schemas)."""
     import os
 
+    from megatron_rlhf.tools.mcp_tools import load_mcp_tools
+
     tools = load_tools(specs, os.getcwd())
+    tools += load_mcp_tools(list(mcp_servers), mcp_dir or os.getcwd(), timeout_s, keep=keep_servers)
+    names = [t.name for t in tools]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"rollout.tools / rollout.mcp_servers: two tools are named {', '.join(map(repr, twice))}; "
+                         "tool names must differ")
     return {t.name: t for t in tools}, make_parser(parser, tools)
+
+
+def tool_set_of(options: Dict[str, Any], keep_servers: bool = True):
+    """load_tool_set for the ToolEnvironment ``options`` (tool_options)."""
+    return load_tool_set(tuple(options["tools"]), options["parser"], tuple(options.get("mcp_servers", ())),
+                         options.get("mcp_dir", ""), options.get("tool_timeout_s", 30.0), keep_servers)
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,8 +72,8 @@ def _executor(workers: int) -> concurrent.futures.ThreadPoolExecutor:
 
 class ToolEnvironment:
     def __init__(self, tools: Sequence[str], parser: str = "hermes", max_parallel_calls: int = 4,
-                 tool_timeout_s: float = 30.0):
-        self.tools, self.parser = load_tool_set(tuple(tools), parser)
+                 tool_timeout_s: float = 30.0, mcp_servers: Sequence[str] = (), mcp_dir: str = ""):
+        self.tools, self.parser = load_tool_set(tuple(tools), parser, tuple(mcp_servers), mcp_dir, tool_timeout_s)
         self.executor = _executor(max_parallel_calls)
         self.timeout_s = tool_timeout_s
 
