@@ -56,7 +56,7 @@ LAUNCH_PRESETS: Dict[str, Tuple[str, Dict[str, object]]] = {
     "mixtral-8x7b": ("mixtral-8x7b", dict(_LLAMA2, TP=1, PP=2, EP=8, NNODES=2)),
     "qwen3-235b-a22b": ("qwen3-235b-a22b", dict(_QWEN, TP=1, PP=2, EP=32, NNODES=16)),  # planned, never run
 }
-PATH_VARIABLES = ("POLICY_LOAD", "REWARD_LOAD", "VALUE_LOAD", "TOKENIZER", "PROMPT_FILE", "OUTPUT_DIR")
+PATH_VARIABLES = ("POLICY_LOAD", "REWARD_LOAD", "VALUE_LOAD", "TOKENIZER", "PROMPT_FILE", "VAL_FILE", "OUTPUT_DIR")
 
 
 def _positive(env: Dict[str, str], name: str, problems: List[str]) -> Optional[int]:

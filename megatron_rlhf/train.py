@@ -146,7 +146,12 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
         warnings.warn(f"{dataset.rows.path}: {len(dataset)} prompts, fewer than one rollout batch; prompts repeat within a batch")
     val_dataset = _dataset(config, "data.val_file", tokenizer, shuffle=False) if config.data.val_file else None
     functions = reward_functions(config) if config.reward.type == "function" else None
+    for data in (dataset, val_dataset):
+        if functions and data is not None:
+            _check_reward_columns(config, functions, data)
     environment = _environment(config, tokenizer) if config.rollout.multi_turn else None
+    if _launch_rank0():
+        _show_inputs(config, tokenizer, dataset)
     if args.overwrite and _launch_rank0():
         set_aside_run(output_dir)  # dropped after the first iteration, put back if the launch fails before
     return Prepared(config, output_dir, tokenizer, dataset, val_dataset, functions, resume_from, run, environment)
@@ -167,6 +172,52 @@ def _environment(config: RLHFConfig, tokenizer) -> str:
     except ValueError as e:
         raise ConfigError(f"{config.at('rollout.environment' if config.rollout.environment else 'rollout.tools')}: {e}") from None
     return spec
+
+
+def _show_inputs(config: RLHFConfig, tokenizer, dataset) -> None:
+    """What the model will read, said once at start-up: the end tokens (and end-like tokens of the
+    vocabulary that are not among them), and the first prompt as rendered, special tokens shown."""
+    print(f"end tokens: {', '.join(tokenizer.end_tokens())}", flush=True)
+    unused = tokenizer.unused_end_like_tokens()
+    if unused:
+        warnings.warn(f"{config.at('data.tokenizer.path')}: the vocabulary has {', '.join(unused)}, which do not end a "
+                      "response here; if the model ends its answers with them, list them in data.tokenizer.eos_tokens")
+    first = dataset.batch_of(dataset.usable_indices()[:1] or [0])
+    ids = first["tokens"][0, : int(first["lengths"][0])].tolist()
+    text = tokenizer.show(ids)
+    print(f"first prompt ({len(ids)} tokens): {text[:600]!r}{' ...' if len(text) > 600 else ''}", flush=True)
+
+
+def _check_reward_columns(config: RLHFConfig, functions: Dict[str, float], dataset) -> None:
+    """Every column a reward function needs is in every row of ``dataset``, and a built-in
+    verifier's ground truths are answers it can compare (a string or number, or a list of them)."""
+    from megatron_rlhf.rewards.contract import load_reward_function, required_fields
+
+    key = "reward.function" if config.reward.functions is None else "reward.functions"
+    needs = {spec: required_fields(load_reward_function(spec, "/")) for spec in functions}
+    verifier = any(spec.startswith("megatron_rlhf.rewards.verifiers:") and "ground_truth" in n for spec, n in needs.items())
+    for index in range(len(dataset)):
+        fields = dataset.rows.prompt_and_fields(index)[1]
+        for spec, names in needs.items():
+            missing = [n for n in names if n not in fields]
+            if missing:
+                raise ConfigError(f"{config.at(key)}: {spec} needs the column {', '.join(map(repr, missing))}, which "
+                                  f"{dataset.rows.where(index)} does not have (its columns: "
+                                  f"{', '.join(sorted(fields)) or 'none'}); add it to the data or drop the function")
+        truth = fields.get("ground_truth")
+        if verifier and not _comparable_answer(truth):
+            raise ConfigError(f"{dataset.rows.where(index)}: ground_truth {json.dumps(truth, default=str)[:80]} is not an "
+                              "answer the verifiers compare: a string or a number, or a list of them (any is right)")
+
+
+def _comparable_answer(truth) -> bool:
+    plain = (str, int, float)
+    if isinstance(truth, bool):
+        return False
+    if isinstance(truth, plain):
+        return True
+    return isinstance(truth, (list, tuple)) and bool(truth) and all(isinstance(t, plain) and not isinstance(t, bool)
+                                                                   for t in truth)
 
 
 def _tool_specs(config: RLHFConfig) -> Optional[List[dict]]:
@@ -194,7 +245,14 @@ def _dataset(config: RLHFConfig, key: str, tokenizer, shuffle: Optional[bool] = 
 
     data = config.data
     dataset = PromptDataset.from_file(config.path_of(key), tokenizer, data, config.seed, shuffle, _tool_specs(config))
-    overlong = dataset.check_encodes()
+    try:
+        overlong = dataset.check_encodes()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if overlong == len(dataset) and data.overlong_prompts == "filter":
+        raise ConfigError(f"{config.at(key)}: every one of the {len(dataset)} prompts of {dataset.rows.path} is longer "
+                          f"than data.max_prompt_length={data.max_prompt_length} tokens; raise it, or set "
+                          "data.overlong_prompts: truncate")
     if overlong:
         what = "are skipped" if data.overlong_prompts == "filter" else "keep only their last tokens"
         warnings.warn(f"{dataset.rows.path}: {overlong} of {len(dataset)} prompts are longer than "

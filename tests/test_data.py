@@ -65,12 +65,20 @@ def test_prompt_files_name_file_and_line_of_each_problem(tmp_path):
         '{"prompt": "ok"}\nnot json\n': r"p\.jsonl:2: not valid JSON",
         '{"prompt": "ok", "messages": [{"role": "user", "content": "hi"}]}\n': r"p\.jsonl:1: has both 'prompt' and 'messages'",
         '{"prompt": "  "}\n': r"p\.jsonl:1: empty 'prompt'",
-        '{"messages": [{"role": "user"}]}\n': r"p\.jsonl:1: 'messages' must be a string or a list of",
+        '{"messages": [{"role": "user"}]}\n': r"p\.jsonl:1: 'messages' message 0: content must be a string",
+        '{"messages": 3}\n': r"p\.jsonl:1: 'messages' must be a string or a list of",
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]}\n':
+            r"p\.jsonl:1: 'messages' message 1: role 'robot' is not one of system, user, assistant, tool",
     }
     for text, message in cases.items():
         path.write_text(text)
         with pytest.raises(ValueError, match=message):
             open_rows(str(path), None)
+    # OpenAI-style rows: an assistant message with tool_calls and no content.
+    path.write_text('{"messages": [{"role": "user", "content": "add"}, {"role": "assistant", "content": null, '
+                    '"tool_calls": [{"type": "function", "function": {"name": "add", "arguments": "{}"}}]}, '
+                    '{"role": "tool", "content": "3"}]}\n')
+    assert len(open_rows(str(path), None)) == 1
     path.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xae"}\n')
     with pytest.raises(ValueError, match=r"p\.jsonl:2: not UTF-8 text"):
         open_rows(str(path), None)
@@ -178,3 +186,68 @@ def test_the_math_recipe_prepares_gsm8k_and_math_rows_and_its_config_loads(tmp_p
     config, problems = read_config("examples/qwen2.5/grpo_gsm8k.yaml")
     assert not problems and config.reward.type == "function" and config.data.apply_chat_template
     assert set(config.reward.functions) == {"megatron_rlhf.rewards.verifiers:gsm8k", "megatron_rlhf.rewards.verifiers:answer_format"}
+
+
+# -- a real tokenizer's inputs (issue 43): a ChatML template with two end tokens -------------------
+
+@pytest.fixture
+def chatml(tmp_path):
+    return make_tokenizer_dir(tmp_path / "chatml", generation_eos=["<|im_end|>", "<|endoftext|>"])
+
+
+def test_the_end_tokens_are_the_union_of_every_source_and_an_end_like_token_left_out_is_named(tmp_path, chatml):
+    full = build_tokenizer(TokenizerConfig(type="hf"), str(chatml))
+    assert full.end_tokens() == ["<|im_end|> (2)", "<|endoftext|> (0)"] and not full.unused_end_like_tokens()
+    bare = str(chatml / "tokenizer.json")  # no generation_config.json: only what is named ends a response
+    one = build_tokenizer(TokenizerConfig(type="hf", eos_token="<|im_end|>"), bare)
+    assert one.eos_ids == (2,) and one.unused_end_like_tokens() == ["<|endoftext|>"]
+    both = build_tokenizer(TokenizerConfig(type="hf", eos_tokens=["<|im_end|>", "<|endoftext|>"]), bare)
+    assert both.eos_ids == (2, 0)
+    with pytest.raises(ValueError, match="data.tokenizer.eos_tokens: token '<|eot_id|>' is not in the vocabulary"):
+        build_tokenizer(TokenizerConfig(type="hf", eos_tokens=["<|eot_id|>"]), bare)
+
+
+def test_a_chat_ending_with_an_assistant_message_is_continued_and_the_reward_sees_the_question(tmp_path, chatml):
+    from megatron_rlhf.data.prompts import prompt_text
+
+    tok = build_tokenizer(TokenizerConfig(type="hf"), str(chatml))
+    chat = [{"role": "user", "content": "2 + 2 = ?"}, {"role": "assistant", "content": "#### "}]
+    text = tok.show(tok.encode_prompt(chat, True))
+    assert text.rstrip().endswith("####") and text.count("<|im_start|>") == 2 and text.count("<|im_end|>") == 1
+    assert prompt_text(chat) == "2 + 2 = ?"
+
+
+def test_a_tools_column_reaches_the_chat_template(tmp_path):
+    from tests.test_tools import byte_tokenizer_dir
+
+    tok = build_tokenizer(TokenizerConfig(type="hf"), byte_tokenizer_dir(tmp_path / "qwen", "qwen"))
+    spec = {"type": "function", "function": {"name": "lookup", "description": "Look up.",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}], "tools": json.dumps([spec])}) + "\n"
+                    + json.dumps({"prompt": [{"role": "user", "content": "hi"}], "tools": "not json"}) + "\n")
+    dataset = PromptDataset(open_rows(str(path), None), tok, 4096, 0, chat=True)
+    batch = dataset.batch_of([0])
+    assert '"name": "lookup"' in tok.show(batch["tokens"][0, : batch["lengths"][0]].tolist())
+    with pytest.raises(ValueError, match=r"rows\.jsonl:2: its 'tools' column is not valid JSON"):
+        dataset.batch_of([1])
+
+
+def test_truncating_a_chat_keeps_the_template_and_cuts_the_start_of_the_last_user_message(tmp_path, chatml):
+    tok = build_tokenizer(TokenizerConfig(type="hf"), str(chatml))
+    path = tmp_path / "rows.jsonl"
+    long = "what is the answer " * 6 + "2 + 2 = ?"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": long}]}) + "\n")
+    whole = len(tok.encode_prompt([{"role": "user", "content": long}], True))
+    dataset = PromptDataset(open_rows(str(path), None), tok, whole - 6, 0, chat=True, system_prompt="be brief",
+                            overlong="truncate")
+    assert dataset.check_encodes() == 1
+    batch = dataset.batch_of([0])
+    ids = batch["tokens"][0, : batch["lengths"][0]].tolist()
+    text = tok.show(ids)
+    assert len(ids) <= whole - 6 and text.startswith("<|im_start|> system\nbe brief<|im_end|>")
+    assert "<|im_start|> user\n" in text and text.rstrip().endswith("<|im_start|> assistant") and "2 + 2 = ?" in text
+    assert dataset.truncated == 1
+    tight = PromptDataset(open_rows(str(path), None), tok, 8, 0, chat=True, system_prompt="be brief", overlong="truncate")
+    with pytest.raises(ValueError, match=r"rows\.jsonl:1: the chat does not fit in data.max_prompt_length=8 tokens even"):
+        tight.check_encodes()

@@ -110,8 +110,33 @@ def test_input_faults_are_found_before_start_up_with_file_and_line(tmp_path, mon
     prompts.write_text('{"prompt": "abc"}\n' + json.dumps({"prompt": "a" * 40}) + "\n")
     with pytest.warns(UserWarning, match=r"1 of 2 prompts are longer than data.max_prompt_length=32 tokens"):
         prepared(tmp_path / "out")
+    prompts.write_text(json.dumps({"prompt": "b" * 40}) + "\n" + json.dumps({"prompt": "a" * 40}) + "\n")
+    with pytest.raises(ConfigError, match=r"every one of the 2 prompts of .*prompts.jsonl is longer than "
+                                          r"data.max_prompt_length=32 tokens"):
+        prepared(tmp_path / "out")
     with pytest.raises(ConfigError, match="this is a role's model file, not a top config"):
         prepare(parse_args(["--config", str(REPO / "examples/tiny/ppo_policy.yaml")]), 1)
+
+
+def test_a_verifier_s_missing_or_incomparable_ground_truth_is_refused_before_start_up(tmp_path, monkeypatch):
+    prompts = tmp_path / "prompts.jsonl"
+    monkeypatch.setenv("PROMPT_FILE", str(prompts))
+    config = tmp_path / "rlhf.yaml"
+    config.write_text(f"includes: {TINY}\nreward:\n  function: megatron_rlhf.rewards.verifiers:gsm8k\n")
+
+    def prepare_it():
+        return prepare(parse_args(["--config", str(config), "--output-dir", str(tmp_path / "out")]), 2)
+
+    prompts.write_text('{"prompt": "abc", "ground_truth": "1"}\n{"prompt": "abd"}\n')
+    with pytest.raises(ConfigError, match=r"reward.function: megatron_rlhf.rewards.verifiers:gsm8k needs the column "
+                                          r"'ground_truth', which .*prompts.jsonl:2 does not have \(its columns: none\)"):
+        prepare_it()
+    for bad in ("null", '{"a": 1}', "[]", "true"):
+        prompts.write_text('{"prompt": "abc", "ground_truth": "1"}\n{"prompt": "abd", "ground_truth": %s}\n' % bad)
+        with pytest.raises(ConfigError, match=r"prompts.jsonl:2: ground_truth .* is not an answer the verifiers compare"):
+            prepare_it()
+    prompts.write_text('{"prompt": "abc", "ground_truth": ["1", 2]}\n{"prompt": "abd", "ground_truth": 3.5}\n')
+    assert prepare_it().reward_functions
 
 
 def test_converter_flags_are_checked_and_files_get_the_umask_mode(tmp_path):

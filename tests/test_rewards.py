@@ -60,6 +60,8 @@ def test_gsm8k_and_format_read_the_final_answer():
     responses = ["so 3 + 4 = 7\n#### 7", "#### 1,234.", "the answer is 7", "#### 6\n#### 7", "#### $12"]
     assert gsm8k([""] * 5, responses, ["7", "1234", "7", "7", "12"]) == [1.0, 1.0, 0.0, 1.0, 1.0]
     assert gsm8k([""], ["#### 8"], ["7"]) == [0.0]
+    # A list of answers: any of them is right.
+    assert gsm8k(["", ""], ["#### 12", "#### 13"], [["12"], ["12", "14"]]) == [1.0, 0.0]
     assert answer_format([""] * 3, ["#### 3", r"\boxed{3}", "three"]) == [1.0, 1.0, 0.0]
 
 
@@ -71,6 +73,8 @@ def test_gsm8k_and_format_read_the_final_answer():
     (r"\boxed{3}", "4", False),  # wrong
     (r"\boxed{\frac{1}{3}}", "0.5", False),
     ("I do not know", "4", False),  # no answer
+    (r"\boxed{12}", ["12", "13"], True),  # a list: any of its answers
+    (r"\boxed{14}", ["12", "13"], False),
 ])
 def test_the_math_verifier_on_hand_made_cases(response, truth, right):
     assert math([""], [response], [truth]) == [float(right)]

@@ -27,7 +27,7 @@
 #                            generation_config.json) or tokenizer.json;  TOKENIZER_TYPE hf or char [hf; tiny: char]
 #   EOS_TOKEN                * one more end token [none; Llama 3: <|eot_id|>; Qwen: <|im_end|>]
 #   APPLY_CHAT_TEMPLATE      render prompts (or {"messages": [...]} rows) with the chat template [False]
-#   VAL_FILE                 validation prompts (with trainer.val_interval)
+#   VAL_FILE                 validation prompts (with trainer.val_interval); VAL_BEFORE_TRAIN [the recipe's]
 #   PROMPT_FILE              JSONL ({"prompt": "..."} or {"messages": [...]} per line) or Parquet
 #   OUTPUT_DIR               metrics, memory ledger, TensorBoard, checkpoints [outputs/PRESET-ppo]
 #   NNODES, GPUS_PER_NODE    * nodes, and GPUs (processes) per node

@@ -17,6 +17,8 @@ KL_ESTIMATORS = ("k1", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # ppo.policy_loss (ppo/core.py POLICY_LOSSES)
 POLICY_LOSSES = ("vanilla", "gspo")
+# The roles of a chat message (data rows, environments' observations).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 # rollout.tool_parser (tools/parsers.py PARSERS)
 TOOL_PARSERS = ("hermes", "llama3_json", "tags")
 

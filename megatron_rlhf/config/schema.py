@@ -262,6 +262,9 @@ class TokenizerConfig:
     path: Optional[str] = None
     alphabet: Optional[str] = None  # char only; None: printable ASCII
     eos_token: Optional[str] = None  # hf: one more token that ends a response
+    # hf: more tokens that end a response (Qwen's <|endoftext|> and <|im_end|>, Llama-3's <|eot_id|>
+    # and <|eom_id|>); the end tokens are these, eos_token, the tokenizer's and generation_config.json's.
+    eos_tokens: List[str] = dataclasses.field(default_factory=list)
     pad_token: Optional[str] = None  # hf: None: the tokenizer's own, else its first end token
 
 

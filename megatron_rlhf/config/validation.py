@@ -412,6 +412,11 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
     def bad(key: str, message: str) -> None:
         problems.append(f"{config.at(key)}: {message}")
 
+    if data.tokenizer.type == "char":
+        for key in ("eos_token", "eos_tokens", "pad_token", "path"):
+            if f"data.tokenizer.{key}" in config.origin and getattr(data.tokenizer, key):
+                bad(f"data.tokenizer.{key}", "set, but the char tokenizer has fixed special tokens and no file; "
+                    "remove it, or use type: hf")
     if (gen.top_k or gen.top_p < 1) and not gen.greedy:
         key = "generation.top_k" if gen.top_k else "generation.top_p"
         bad(key, "PPO's ratios need the log-probs of the distribution the rollout sampled from, and "

@@ -5,11 +5,13 @@ columns carried along for the reward.
 Every rank reads the same file and draws the same global order (seeded per pass); each
 data-parallel rank takes its contiguous slice of every global batch. A prompt longer than
 ``max_length`` tokens is skipped and counted (``overlong: filter``: the next one in the order takes
-its place, on every rank alike) or keeps its last tokens (``truncate``).
+its place, on every rank alike) or is cut (``truncate``): a string keeps its last tokens, a chat
+keeps its template's structure and loses the start of its last user message.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Dict, List, Literal, Optional
 
 import torch
@@ -19,8 +21,26 @@ from megatron_rlhf.data.tokenizer import Tokenizer
 
 
 def prompt_text(prompt: Prompt) -> str:
-    """What the reward function sees as the prompt: the string, or a chat's last message."""
-    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+    """What the reward function sees as the prompt: the string, or a chat's last user message
+    (the question, also when the chat ends with an assistant message to continue)."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [m for m in prompt if m["role"] == "user" and isinstance(m.get("content"), str)]
+    return (users[-1] if users else prompt[-1]).get("content") or ""
+
+
+def _row_tools(value: Any) -> List[dict]:
+    """A row's ``tools`` column as function specs (a list of objects, or its JSON text; none: [])."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"its 'tools' column is not valid JSON ({e.msg})") from None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ValueError(f"its 'tools' column must be a list of function specs, got {json.dumps(value, default=str)[:80]}")
+    return value
 
 
 class PromptDataset:
@@ -51,15 +71,17 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def _encode(self, index: int, prompt) -> List[int]:
+    def _encode(self, index: int, prompt, fields: Dict[str, Any]) -> List[int]:
         """Row ``index``'s ``prompt`` as ids the model reads (before any cut to max_length); its
-        length is kept."""
+        length is kept. With a chat template, the tools shown are the run's and the row's own
+        (a ``tools`` column: a list of function specs, or its JSON text)."""
         if self.chat and self.system_prompt is not None:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
             if messages[0]["role"] != "system":
                 prompt = [{"role": "system", "content": self.system_prompt}] + messages
         try:
-            ids = self.tokenizer.encode_prompt(prompt, self.chat, self.tools if self.chat else None)
+            tools = (list(self.tools or []) + _row_tools(fields.get("tools"))) if self.chat else []
+            ids = self.tokenizer.encode_prompt(prompt, self.chat, tools or None)
         except ValueError as e:
             raise ValueError(f"{self.rows.where(index)}: {e}") from None
         if not ids:
@@ -70,13 +92,18 @@ class PromptDataset:
     def length(self, index: int) -> int:
         """Row ``index``'s prompt length in tokens."""
         if index not in self._lengths:
-            self._encode(index, self.rows.prompt_and_fields(index)[0])
+            self._encode(index, *self.rows.prompt_and_fields(index))
         return self._lengths[index]
 
     def check_encodes(self) -> int:
         """Tokenize every prompt (errors name file and line; lengths are kept, ids are not); the
-        number longer than max_length."""
-        return sum(self.length(i) > self.max_length for i in range(len(self)))
+        number longer than max_length (under ``truncate``, each overlong chat is cut once here, so
+        one that cannot be is refused now)."""
+        overlong = [i for i in range(len(self)) if self.length(i) > self.max_length]
+        if self.overlong == "truncate" and self.chat:
+            for i in overlong:
+                self._fitted(i, *self.rows.prompt_and_fields(i))
+        return len(overlong)
 
     def _order(self, epoch: int) -> List[int]:
         if not self.shuffle:
@@ -124,7 +151,7 @@ class PromptDataset:
         ids, texts, fields = [], [], []
         for i in indices:  # each row read once
             prompt, row_fields = self.rows.prompt_and_fields(i)
-            ids.append(self._encode(i, prompt)[-self.max_length:])
+            ids.append(self._fitted(i, prompt, row_fields))
             texts.append(prompt_text(prompt))
             fields.append(row_fields)
         self.truncated += sum(self.length(i) > self.max_length for i in indices)
@@ -133,6 +160,37 @@ class PromptDataset:
         for row, x in enumerate(ids):
             tokens[row, : len(x)] = torch.tensor(x)
         return {"tokens": tokens, "lengths": lengths, "texts": texts, "fields": fields, "indices": list(indices)}
+
+    def _fitted(self, index: int, prompt, fields: Dict[str, Any]) -> List[int]:
+        """Row ``index``'s ids within max_length: a string prompt keeps its last tokens; a chat
+        keeps its template's structure and loses the start of its last user message instead
+        (the fewest characters that make it fit)."""
+        ids = self._encode(index, prompt, fields)
+        if len(ids) <= self.max_length:
+            return ids
+        if not self.chat:
+            return ids[-self.max_length:]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+        last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+        if last is None:
+            raise ValueError(f"{self.rows.where(index)}: the chat is longer than data.max_prompt_length={self.max_length} "
+                             "tokens and has no user message to shorten")
+        content = messages[last]["content"]
+
+        def encoded(keep: int) -> List[int]:
+            messages[last]["content"] = content[len(content) - keep:] if keep else ""
+            return self._encode(index, messages, fields)
+
+        if len(encoded(0)) > self.max_length:
+            raise ValueError(f"{self.rows.where(index)}: the chat does not fit in data.max_prompt_length={self.max_length} "
+                             "tokens even with its last user message emptied; raise max_prompt_length")
+        low, high = 0, len(content)  # the most characters kept that fit
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if len(encoded(middle)) <= self.max_length else (low, middle - 1)
+        fitted = encoded(low)
+        self._lengths[index] = len(ids)  # the row's own length (counted as truncated), not the cut one's
+        return fitted
 
     def prompt_of(self, index: int) -> str:
         """Row ``index``'s prompt as the reward sees it."""

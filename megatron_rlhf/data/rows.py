@@ -13,6 +13,8 @@ import json
 import os
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from megatron_rlhf.config.names import CHAT_ROLES
+
 Prompt = Union[str, List[Dict[str, str]]]
 AUTO_KEYS = ("prompt", "messages")  # what prompt_key None looks for
 
@@ -66,17 +68,34 @@ def _prompt_key(keys, prompt_key: Optional[str], where: str) -> str:
 
 
 def check_prompt(prompt: Any, key: str, where: str) -> None:
-    """A non-empty string, or a non-empty list of {"role": str, "content": str} messages."""
+    """A non-empty string, or a non-empty list of chat messages: {"role": one of CHAT_ROLES,
+    "content": str} (an assistant message with ``tool_calls`` may have no content, as OpenAI-style
+    datasets write it); a bad message is named by its index."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ValueError(f"{where}: empty {key!r}; every row needs text to respond to")
         return
-    if isinstance(prompt, (list, tuple)) and prompt and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt):
-        return
-    shown = json.dumps(prompt, default=str)[:80]
-    raise ValueError(f"{where}: {key!r} must be a string or a list of {{\"role\": ..., \"content\": ...}} messages, "
-                     f"got {shown}")
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        shown = json.dumps(prompt, default=str)[:80]
+        raise ValueError(f"{where}: {key!r} must be a string or a list of {{\"role\": ..., \"content\": ...}} "
+                         f"messages, got {shown}")
+    for i, m in enumerate(prompt):
+        problem = _message_problem(m)
+        if problem:
+            raise ValueError(f"{where}: {key!r} message {i}: {problem}: {json.dumps(m, default=str)[:200]}")
+
+
+def _message_problem(m: Any) -> str:
+    if not isinstance(m, dict):
+        return "a message is an object with a role and a content"
+    if m.get("role") not in CHAT_ROLES:
+        return f"role {m.get('role')!r} is not one of {', '.join(CHAT_ROLES)}"
+    content = m.get("content")
+    if content is None and m["role"] == "assistant" and m.get("tool_calls"):
+        return ""
+    if not isinstance(content, str):
+        return f"content must be a string (or null in an assistant message with tool_calls), got {type(content).__name__}"
+    return ""
 
 
 class JsonlRows(RowFile):

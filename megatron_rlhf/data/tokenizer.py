@@ -70,6 +70,16 @@ class CharTokenizer:
     def render_chat(self, messages: Messages, generation_prompt: bool) -> str:
         raise ValueError("the char tokenizer has no chat template")
 
+    def show(self, ids: Sequence[int]) -> str:
+        """``ids`` as text with the special tokens written out."""
+        return "".join(self.SPECIALS[i] if i < len(self.SPECIALS) else self.decode([i]) for i in ids)
+
+    def end_tokens(self) -> List[str]:
+        return [f"{self.SPECIALS[self.eos_id]} ({self.eos_id})"]
+
+    def unused_end_like_tokens(self) -> List[str]:
+        return []
+
     def decode(self, ids: Sequence[int]) -> str:
         first = len(self.SPECIALS)
         return "".join(self.alphabet[i - first] for i in ids if first <= i < self.vocab_size)
@@ -82,7 +92,8 @@ class HFTokenizer:
     of generation_config.json's ``eos_token_id``, and ``eos_token``. Padding: ``pad_token``, else
     the tokenizer's own, else the first end token (padding is always masked)."""
 
-    def __init__(self, path: str, eos_token: Optional[str] = None, pad_token: Optional[str] = None):
+    def __init__(self, path: str, eos_token: Optional[str] = None, pad_token: Optional[str] = None,
+                 eos_tokens: Sequence[str] = ()):
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         try:
@@ -94,7 +105,8 @@ class HFTokenizer:
             raise ValueError(f"{path}: not a readable Hugging Face tokenizer ({type(e).__name__}: {e})") from None
         self.path = path
         self.vocab_size = len(self._tok)
-        eos = [self._tok.eos_token_id] + _generation_config_eos(path) + [self._token_id("eos_token", eos_token)]
+        eos = ([self._tok.eos_token_id] + _generation_config_eos(path) + [self._token_id("eos_token", eos_token)]
+               + [self._token_id("eos_tokens", t) for t in eos_tokens])
         self.eos_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
         if not self.eos_ids:
             raise ValueError(f"{path}: the tokenizer names no end-of-sequence token and data.tokenizer.eos_token is not "
@@ -114,7 +126,8 @@ class HFTokenizer:
     def encode_prompt(self, prompt: Union[str, Messages], chat: bool, tools: Optional[List[dict]] = None) -> List[int]:
         """A string with the special tokens the tokenizer adds itself (Llama's BOS), or ``chat``: the
         messages (or the string as one user message) through the chat template, generation prompt
-        added, ``tools`` (function specs) passed to it."""
+        added (a chat ending with an assistant message is continued instead: the model writes on
+        from its text), ``tools`` (function specs) passed to it."""
         if not chat:
             if not isinstance(prompt, str):
                 raise ValueError("a chat (a list of messages) needs data.apply_chat_template: true")
@@ -122,7 +135,10 @@ class HFTokenizer:
         if not self.has_chat_template:
             raise ValueError(f"{self.path}: data.apply_chat_template is true but the tokenizer has no chat template")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        ids = self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        # A chat that ends with an assistant message is a prefix for the model to continue.
+        continuing = messages[-1]["role"] == "assistant"
+        ids = self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=not continuing,
+                                            continue_final_message=continuing, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def encode_text(self, text: str) -> List[int]:
@@ -133,8 +149,27 @@ class HFTokenizer:
         """The chat template's text of ``messages`` (the generation prompt added when asked)."""
         return self._tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
 
+    def end_tokens(self) -> List[str]:
+        """The end tokens as text, for the start-up line."""
+        return [f"{self._tok.convert_ids_to_tokens(i)} ({i})" for i in self.eos_ids]
+
+    def unused_end_like_tokens(self) -> List[str]:
+        """Special tokens that end turns in common model families but do not end a response here
+        (e.g. a Qwen tokenizer without generation_config.json: <|endoftext|>)."""
+        vocabulary = self._tok.get_vocab()
+        return [t for t in END_LIKE_TOKENS if t in vocabulary and vocabulary[t] not in self.eos_ids]
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def show(self, ids: Sequence[int]) -> str:
+        """``ids`` as text with the special tokens written out (what the model reads)."""
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+# Tokens that end a turn or a document in the families the converter supports.
+END_LIKE_TOKENS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "</s>",
+                   "<end_of_turn>", "<|end|>")
 
 
 def _generation_config_eos(path: str) -> List[int]:
@@ -154,4 +189,4 @@ def build_tokenizer(config: TokenizerConfig, path: Optional[str] = None) -> Toke
     """``path``: the tokenizer directory or file resolved against the config file (config.path_of)."""
     if config.type == "char":
         return CharTokenizer(config.alphabet)
-    return HFTokenizer(path or config.path, config.eos_token, config.pad_token)
+    return HFTokenizer(path or config.path, config.eos_token, config.pad_token, config.eos_tokens)

@@ -79,6 +79,17 @@ def accepted_fields(fn: RewardFunction, fields: Dict[str, Any]) -> Dict[str, Any
     return {k: v for k, v in fields.items() if k in names}
 
 
+def required_fields(fn: RewardFunction) -> List[str]:
+    """The data columns ``fn`` cannot be called without: its parameters after (prompts,
+    responses) that have no default."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    named = [p for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    return [p.name for p in named[2:] if p.default is inspect.Parameter.empty]
+
+
 def call(fn: RewardFunction, prompts: List[str], responses: List[str], fields: List[Dict[str, Any]]) -> List[Dict[str, float]]:
     """Per response, its named scores (``score`` first). Raises what ``fn`` raises, or
     ContractError for a result that breaks the contract."""

@@ -8,6 +8,8 @@
   expressions, sets, intervals), else 0.0.
 - ``answer_format``: 1.0 when the response states a final answer the way the verifiers read it
   (``#### N`` or ``\\boxed{...}``), else 0.0; a small weight of it rewards the format early on.
+
+A ``ground_truth`` that is a list (or tuple) means any of its answers is right.
 """
 
 from __future__ import annotations
@@ -33,11 +35,17 @@ def gsm8k_answer(response: str) -> Optional[str]:
     return _normalise_number(found[-1]) if found else None
 
 
+def answers(truth) -> List[str]:
+    """The right answers a ground truth names: a list (or tuple) means any of them."""
+    return [str(t) for t in truth] if isinstance(truth, (list, tuple)) else [str(truth)]
+
+
 def gsm8k(prompts: List[str], responses: List[str], ground_truth: Sequence) -> List[float]:
     out = []
     for response, truth in zip(responses, ground_truth):
         answer = gsm8k_answer(response)
-        out.append(1.0 if answer is not None and answer == _normalise_number(str(truth)) else 0.0)
+        right = answer is not None and any(answer == _normalise_number(t) for t in answers(truth))
+        out.append(1.0 if right else 0.0)
     return out
 
 
@@ -70,7 +78,7 @@ def math_equal(response: str, truth: str) -> bool:
 
 
 def math(prompts: List[str], responses: List[str], ground_truth: Sequence) -> List[float]:
-    return [1.0 if math_equal(r, str(t)) else 0.0 for r, t in zip(responses, ground_truth)]
+    return [1.0 if any(math_equal(r, t) for t in answers(truth)) else 0.0 for r, truth in zip(responses, ground_truth)]
 
 
 def answer_format(prompts: List[str], responses: List[str]) -> List[float]:

@@ -27,9 +27,10 @@ import dataclasses
 import numbers
 from typing import Any, Dict, List, Optional, Union
 
+from megatron_rlhf.config.names import CHAT_ROLES
+
 Messages = List[Dict[str, str]]
 Observation = Union[None, str, Messages]
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 COUNT_PREFIXES = ("tool_", "env_")  # an environment's own counts (info["counts"]), summed into rollout/<name>
 
 
