@@ -97,6 +97,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     problems = input_problems(config, needs_prompts=True)
     if problems:
         raise ConfigError("missing input:\n  " + "\n  ".join(problems))
+    _check_loaded_checkpoints(config)
     if args.iterations is not None:
         if args.iterations < 1:
             raise ConfigError(f"--iterations: must be >= 1, got {args.iterations}")
@@ -172,6 +173,20 @@ def _environment(config: RLHFConfig, tokenizer) -> str:
     except ValueError as e:
         raise ConfigError(f"{config.at('rollout.environment' if config.rollout.environment else 'rollout.tools')}: {e}") from None
     return spec
+
+
+def _check_loaded_checkpoints(config: RLHFConfig) -> None:
+    """Every ``<role>.load`` checkpoint with a manifest (the converter writes one) has its files
+    at their sizes: a truncated or missing shard stops the run here, not while roles are built."""
+    from megatron_rlhf.checkpoint.model_files import MANIFEST, CheckpointError, verify_checkpoint
+
+    for role in config.model_roles:
+        path = config.path_of(role + ".load")
+        if path and os.path.isfile(os.path.join(path, MANIFEST)):
+            try:
+                verify_checkpoint(path, checksums=False)
+            except CheckpointError as e:
+                raise ConfigError(f"{config.at(role + '.load')}: {e}") from None
 
 
 def _show_inputs(config: RLHFConfig, tokenizer, dataset) -> None:

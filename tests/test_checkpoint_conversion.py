@@ -94,3 +94,60 @@ def test_converters_have_help():
         proc = subprocess.run([sys.executable, f"tools/{tool}", "--help"], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.dirname(__file__)))
         assert proc.returncode == 0 and "--output" in proc.stdout
+
+
+def test_the_converter_never_deletes_its_input_and_reads_exactly_the_indexed_weights(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = tmp_path / "hf"
+    tiny_hf(hf_dir, "lm")
+    before = {p.name: p.read_bytes() for p in hf_dir.iterdir()}
+    for output, words in ((hf_dir, "it is the input"), (tmp_path, "it contains the input"),
+                          (hf_dir / "mg", "it lies inside the input")):
+        with pytest.raises(CheckpointError, match=f"refusing to write .*: {words}"):
+            hf_to_megatron(str(hf_dir), str(output), overwrite=True)
+    assert {p.name: p.read_bytes() for p in hf_dir.iterdir()} == before
+    # A second variant beside the model (fp16 weights and their index): only the main index's files
+    # are read; without a main index, the directory is ambiguous and refused naming the files.
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    save_file({k: torch.zeros_like(v).half() for k, v in weights.items()}, str(hf_dir / "model.fp16.safetensors"))
+    (hf_dir / "model.fp16.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "model.fp16.safetensors" for k in weights}}))
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: "model.safetensors" for k in weights}}))
+    hf_to_megatron(str(hf_dir), str(tmp_path / "mg"))
+    from megatron_rlhf.checkpoint.model_files import read_model_meta
+
+    assert read_model_meta(str(tmp_path / "mg"))[1]["dtype"] == "float32"
+    (hf_dir / "model.safetensors.index.json").unlink()
+    with pytest.raises(CheckpointError, match="weight indexes model.fp16.safetensors.index.json but none of"):
+        hf_to_megatron(str(hf_dir), str(tmp_path / "mg2"))
+    (hf_dir / "model.fp16.safetensors.index.json").unlink()
+    with pytest.raises(CheckpointError, match=r"several weight files \(model.fp16.safetensors, model.safetensors\)"):
+        hf_to_megatron(str(hf_dir), str(tmp_path / "mg2"))
+    (hf_dir / "model.fp16.safetensors").unlink()
+    # A NaN weight: refused naming the file and the tensor; nothing written.
+    weights["model.layers.1.mlp.up_proj.weight"][3, 4] = float("nan")
+    save_file(weights, str(hf_dir / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor model.layers.1.mlp.up_proj.weight holds NaN"):
+        hf_to_megatron(str(hf_dir), str(tmp_path / "mg3"))
+    assert not (tmp_path / "mg3").exists()
+
+
+def test_a_converted_checkpoint_carries_a_manifest_and_a_damaged_one_is_refused_before_start_up(tmp_path):
+    from megatron_rlhf.checkpoint.model_files import MANIFEST, verify_checkpoint
+    from megatron_rlhf.config import ConfigError, load_config
+    from megatron_rlhf.train import _check_loaded_checkpoints
+
+    tiny_hf(tmp_path / "hf", "lm")
+    hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"), tp=2)
+    manifest = json.loads((tmp_path / "mg" / MANIFEST).read_text())
+    assert any(name.endswith("model_optim_rng.pt") for name in manifest) and "megatron_rlhf_model.json" in manifest
+    verify_checkpoint(str(tmp_path / "mg"))
+    shard = next((tmp_path / "mg").rglob("model_optim_rng.pt"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    from tests.test_config import tiny_setup
+
+    config = load_config(str(tiny_setup(tmp_path / "cfg")), world_size=1)
+    config.reference.load = str(tmp_path / "mg")
+    with pytest.raises(ConfigError, match=r"reference.load: .*model_optim_rng.pt: \d+ bytes, the manifest says \d+"):
+        _check_loaded_checkpoints(config)

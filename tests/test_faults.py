@@ -32,7 +32,7 @@ def prepared(out, *flags):
 
 def fake_checkpoint(out, name, config, tp=2, run=None):
     """A checkpoint directory as save_ppo_checkpoint leaves it (trainer state and manifest only)."""
-    from megatron_rlhf.checkpoint.ppo_state import _checksum
+    from megatron_rlhf.checkpoint.model_files import _checksum
 
     path = out / "checkpoints" / name
     path.mkdir(parents=True)

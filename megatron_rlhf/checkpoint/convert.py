@@ -24,6 +24,7 @@ from megatron_rlhf.checkpoint.model_files import (
     read_model_meta,
     save_shard,
     write_atomically,
+    write_manifest,
     write_model_meta,
 )
 from megatron_rlhf.models.sharding import shard_state_dict, stages_of
@@ -98,6 +99,13 @@ def hf_to_megatron(
     keys = hf_decoder.megatron_keys(arch, head)
     padded, tied = arch.padded_vocab_size(tp), arch.tied_output(head)
 
+    def finite(name: str) -> torch.Tensor:
+        tensor = reader.get(name)
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{reader.files[name]}: tensor {name} holds NaN or infinite values; the checkpoint "
+                                  "is damaged (nothing was written)")
+        return tensor
+
     def fill(tmp: str) -> None:
         bar = _progress(len(keys) * tp, f"HF -> Megatron TP={tp} PP={pp}")
         for pp_rank in range(pp):
@@ -105,7 +113,7 @@ def hf_to_megatron(
             for tp_rank in range(tp):
                 shard = {}
                 for key in stage_keys:
-                    full = hf_decoder.megatron_tensor(key, reader.get, arch, head).to(torch_dtype)
+                    full = hf_decoder.megatron_tensor(key, finite, arch, head).to(torch_dtype)
                     shard.update(shard_state_dict({key: full}, arch.num_layers, padded, tp, tp_rank, pp, pp_rank,
                                                   head=head, tied=tied))
                     bar.update(1)
@@ -113,8 +121,9 @@ def hf_to_megatron(
                 del shard
         bar.close()
         write_model_meta(tmp, arch, head, torch_dtype, tp, pp)
+        write_manifest(tmp)  # last: checked before a run that loads it builds any model
 
-    write_atomically(output, fill, overwrite)
+    write_atomically(output, fill, overwrite, inputs=[hf_dir])
 
 
 def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrite: bool = False) -> None:
@@ -158,6 +167,6 @@ def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrit
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config_from_arch(arch, head, str(torch_dtype).replace("torch.", "")), f, indent=1)
 
-    write_atomically(output, fill, overwrite)
+    write_atomically(output, fill, overwrite, inputs=[root])
 
 

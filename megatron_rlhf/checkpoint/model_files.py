@@ -14,7 +14,8 @@ import json
 import os
 import shutil
 import struct
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+import zlib
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,10 +33,17 @@ class CheckpointError(ValueError):
 # Atomic directories
 
 
-def write_atomically(final_dir: str, fill: Callable[[str], None], overwrite: bool = False) -> None:
+def write_atomically(final_dir: str, fill: Callable[[str], None], overwrite: bool = False,
+                     inputs: Sequence[str] = ()) -> None:
     """Run ``fill(tmp_dir)`` and rename the finished directory to ``final_dir``. A failure
-    leaves ``final_dir`` as it was (absent, or the old contents) and removes the partial one."""
+    leaves ``final_dir`` as it was (absent, or the old contents) and removes the partial one.
+    An output that is, contains or lies inside one of ``inputs`` is refused before anything."""
     final_dir = os.path.abspath(final_dir)
+    for source in inputs:
+        overlap = _overlap(final_dir, source)
+        if overlap:
+            raise CheckpointError(f"refusing to write {final_dir}: it {overlap} the input {os.path.realpath(source)}, "
+                                  "which replacing it would delete; choose an output outside the input")
     if os.path.exists(final_dir) and not overwrite:
         raise CheckpointError(f"{final_dir} exists; choose another output or pass --overwrite")
     parent = os.path.dirname(final_dir)
@@ -56,6 +64,59 @@ def write_atomically(final_dir: str, fill: Callable[[str], None], overwrite: boo
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final_dir)
+
+
+MANIFEST = "manifest.json"
+
+
+def _checksum(path: str) -> int:
+    value = 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            value = zlib.crc32(chunk, value)
+    return value
+
+
+def write_manifest(root: str) -> None:
+    """manifest.json: every file under ``root`` with its size and CRC-32 (written last: a
+    directory with a manifest is complete)."""
+    files = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, names in os.walk(root) for f in names)
+    manifest = {f: {"bytes": os.path.getsize(os.path.join(root, f)), "crc32": _checksum(os.path.join(root, f))}
+                for f in files if f != MANIFEST}
+    with open(os.path.join(root, MANIFEST), "w") as out:
+        json.dump(manifest, out, indent=0)
+
+
+def verify_checkpoint(path: str, checksums: bool = True) -> None:
+    """Raise CheckpointError naming the first file of checkpoint ``path`` that is missing, of
+    another size or (with ``checksums``) other content than its manifest says."""
+    manifest_file = os.path.join(path, MANIFEST)
+    try:
+        with open(manifest_file) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{manifest_file}: unreadable ({e}); the checkpoint is incomplete") from None
+    for name, expected in manifest.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file}: missing")
+        size = os.path.getsize(file)
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{file}: {size} bytes, the manifest says {expected['bytes']} (truncated or replaced)")
+        if checksums and _checksum(file) != expected["crc32"]:
+            raise CheckpointError(f"{file}: its content differs from the manifest's checksum (corrupted)")
+
+
+def _overlap(output: str, source: str) -> str:
+    """How ``output`` overlaps the directory ``source`` ("is", "contains", "lies inside"), or ""."""
+    out, src = os.path.realpath(output), os.path.realpath(source)
+    if out == src:
+        return "is"
+    if src.startswith(out.rstrip(os.sep) + os.sep):
+        return "contains"
+    if out.startswith(src.rstrip(os.sep) + os.sep):
+        return "lies inside"
+    return ""
 
 
 def _apply_umask(root: str) -> None:
@@ -204,6 +265,38 @@ def _safetensors_header(path: str) -> Dict[str, dict]:
     return header
 
 
+MAIN_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def _weight_files(directory: str, names: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """(safetensors files, .bin files) holding the model: exactly those the main index names, or
+    the one unindexed file; a directory where that is ambiguous (several indexes but no main one,
+    several unindexed weight files) is refused, naming the files."""
+    index = next((n for n in MAIN_INDEXES if n in names), None)
+    if index:
+        try:
+            with open(os.path.join(directory, index)) as f:
+                listed = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{os.path.join(directory, index)}: not a readable weight index ({e})") from None
+        missing = [n for n in listed if n not in names]
+        if missing:
+            raise CheckpointError(f"{os.path.join(directory, index)}: names files that are missing: {', '.join(missing)}")
+        return ([n for n in listed if n.endswith(".safetensors")], [n for n in listed if n.endswith(".bin")])
+    others = sorted(n for n in names if n.endswith(".index.json"))
+    if others:
+        raise CheckpointError(f"{directory}: weight indexes {', '.join(others)} but none of {', '.join(MAIN_INDEXES)}: "
+                              "which variant is the model is ambiguous; keep one variant's files (or name its index "
+                              "model.safetensors.index.json)")
+    safetensors = sorted(n for n in names if n.endswith(".safetensors"))
+    bins = sorted(n for n in names if n.endswith(".bin") and n.startswith("pytorch_model"))
+    for found in (safetensors, bins):
+        if len(found) > 1:
+            raise CheckpointError(f"{directory}: several weight files ({', '.join(found)}) and no index naming them: "
+                                  "which hold the model is ambiguous; add the model's index or keep one variant")
+    return safetensors, bins
+
+
 class HFCheckpointReader:
     """Tensors of a Hugging Face model directory (safetensors or .bin, sharded or not), read one
     at a time; shapes are known before any tensor data is read."""
@@ -216,15 +309,7 @@ class HFCheckpointReader:
         if not os.path.isdir(directory):
             raise CheckpointError(f"{directory}: no such directory")
         names = os.listdir(directory)
-        safetensors = sorted(n for n in names if n.endswith(".safetensors"))
-        bins = sorted(n for n in names if n.endswith(".bin") and n.startswith("pytorch_model"))
-        index = next((n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json") if n in names), None)
-        if index:
-            with open(os.path.join(directory, index)) as f:
-                listed = set(json.load(f)["weight_map"].values())
-            missing = sorted(n for n in listed if n not in names)
-            if missing:
-                raise CheckpointError(f"{os.path.join(directory, index)}: names files that are missing: {', '.join(missing)}")
+        safetensors, bins = _weight_files(directory, names)
         if safetensors:
             for name in safetensors:
                 path = os.path.join(directory, name)

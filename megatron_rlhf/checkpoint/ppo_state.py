@@ -23,16 +23,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import zlib
 from typing import Any, Dict, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_rlhf.checkpoint.model_files import (
+    MANIFEST,
     CheckpointError,
+    _checksum,
     load_model_shard,
     save_shard,
+    verify_checkpoint,
     write_model_meta,
 )
 from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES
@@ -42,7 +44,6 @@ from megatron_rlhf.models.sharding import experts_renumbered
 from megatron_rlhf.runtime import megatron_compat as compat
 
 LATEST = "latest"
-MANIFEST = "manifest.json"
 
 
 def checkpoints_dir(output_dir: str) -> str:
@@ -169,14 +170,6 @@ def _write_checkpoint(roles, trainer_state, root: str, name: str, tmp: str, fina
     dist.barrier()
 
 
-def _checksum(path: str) -> int:
-    value = 0
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            value = zlib.crc32(chunk, value)
-    return value
-
-
 def _write_manifest(root: str, rank0: bool) -> None:
     """manifest.json: every file of the checkpoint with its size and CRC-32 (the files split over
     the ranks to checksum; collective). Written last, so a checkpoint with a manifest is complete."""
@@ -194,26 +187,6 @@ def _write_manifest(root: str, rank0: bool) -> None:
         manifest = {f: {"bytes": os.path.getsize(os.path.join(root, f)), "crc32": sums[f]} for f in files}
         with open(os.path.join(root, MANIFEST), "w") as out:
             json.dump(manifest, out, indent=0)
-
-
-def verify_checkpoint(path: str, checksums: bool = True) -> None:
-    """Raise CheckpointError naming the first file of checkpoint ``path`` that is missing, of
-    another size or (with ``checksums``) other content than its manifest says."""
-    manifest_file = os.path.join(path, MANIFEST)
-    try:
-        with open(manifest_file) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{manifest_file}: unreadable ({e}); the checkpoint is incomplete") from None
-    for name, expected in manifest.items():
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            raise CheckpointError(f"{file}: missing")
-        size = os.path.getsize(file)
-        if size != expected["bytes"]:
-            raise CheckpointError(f"{file}: {size} bytes, the manifest says {expected['bytes']} (truncated or replaced)")
-        if checksums and _checksum(file) != expected["crc32"]:
-            raise CheckpointError(f"{file}: its content differs from the manifest's checksum (corrupted)")
 
 
 def intact_checkpoints(output_dir: str, checksums: bool = False):

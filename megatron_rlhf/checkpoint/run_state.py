@@ -88,7 +88,8 @@ def check_resume(path: str, config: RLHFConfig, now: Dict[str, Any], output_dir:
     import torch
 
     from megatron_rlhf.checkpoint.model_files import CheckpointError
-    from megatron_rlhf.checkpoint.ppo_state import check_layout, intact_checkpoints, verify_checkpoint
+    from megatron_rlhf.checkpoint.model_files import verify_checkpoint
+    from megatron_rlhf.checkpoint.ppo_state import check_layout, intact_checkpoints
 
     try:
         verify_checkpoint(path, checksums=int(os.environ.get("LOCAL_RANK", "0")) == 0)
