@@ -176,7 +176,7 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
             kinds = [k for k in kinds if k != "weights"] + [f"(weights are {owner}'s)"]
         lines.append(
             f"{role:<11}{network:<14}{_count(params):>9}  {ROLE_HEADS[role]:<8}{rc.precision:<6}"
-            f"{arch.num_layers // config.layout_of(role).pipeline_model_parallel_size:>13}{rc.micro_batch_size:>7}{global_batch:>8}{accum:>7}  {optimizer:<11}"
+            f"{arch.num_layers // config.layout_of(role).pipeline_model_parallel_size:>13}{str(rc.micro_batch_size):>7}{global_batch:>8}{accum:>7}  {optimizer:<11}"
             f"{', '.join(kinds) or 'nothing'}"
         )
         if config.has_own_layout(role):

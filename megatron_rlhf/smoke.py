@@ -60,9 +60,10 @@ def main(argv=None) -> None:
         total = torch.tensor([params])
         dist.all_reduce(total)  # every rank's shard, DP replicas counted once below
         rc = role.config
-        tokens = torch.randint(0, rc.model.vocab_size, (rc.micro_batch_size * 2 * dp, args.seq_length), generator=gen)
+        rows = rc.micro_batch_size if rc.token_budget is None else max(1, rc.token_budget // args.seq_length)
+        tokens = torch.randint(0, rc.model.vocab_size, (rows * 2 * dp, args.seq_length), generator=gen)
         mine = tokens.chunk(dp)[dp_rank]
-        mbs = [{"tokens": t} for t in mine.split(rc.micro_batch_size)]
+        mbs = [{"tokens": t} for t in mine.split(rows)]
         if role.trainable:
             losses = []
             for _ in range(args.steps):

@@ -114,7 +114,7 @@ def test_unknown_key_names_file_key_and_suggests(tmp_path):
 
 def test_wrong_type_names_file_and_expected_type(tmp_path):
     top = tiny_setup(tmp_path, model_extra="micro_batch_size: two\n")
-    with pytest.raises(ConfigError, match=r"tiny\.yaml: policy\.micro_batch_size: expected int, got str 'two'"):
+    with pytest.raises(ConfigError, match=r"tiny\.yaml: policy\.micro_batch_size: expected int or one of 'auto', got str 'two'"):
         load_config(str(top))
     top = tiny_setup(tmp_path, model_extra="precision: fp8\n")
     with pytest.raises(ConfigError, match=r"precision: expected one of 'fp32', 'bf16'"):
@@ -472,3 +472,29 @@ def test_a_tool_that_cannot_be_loaded_stops_the_run_before_start_up(tmp_path):
                                                   "max_trajectory_tokens: 200}\n")), world_size=1)
     with pytest.raises(ConfigError, match=r"rollout.tools: tool .*t.py:add: no schema can be made"):
         _tool_specs(config)
+
+
+def _role_setup(tmp_path, role: str, lines: str):
+    """tiny_setup with ``lines`` (indented keys) added to ``role``'s entry."""
+    top = tiny_setup(tmp_path)
+    entry = f"{role}:\n  model_config_file: models/tiny.yaml\n"
+    top.write_text(top.read_text().replace(entry, entry + lines))
+    return top
+
+
+def test_micro_batches_by_tokens_need_their_budget_hold_the_longest_row_and_run_unpipelined(tmp_path):
+    ok = load_config(str(_role_setup(tmp_path, "ppo_policy", "  micro_batch_size: auto\n  max_tokens_per_micro_batch: 512\n")),
+                     world_size=1)
+    assert ok.ppo_policy.token_budget == 512 and ok.reference.token_budget is None
+    cases = [
+        ("ppo_policy", "  micro_batch_size: auto\n",
+         "ppo_policy.micro_batch_size: auto packs micro-batches by tokens; set ppo_policy.max_tokens_per_micro_batch"),
+        ("reference", "  max_tokens_per_micro_batch: 512\n",
+         "reference.max_tokens_per_micro_batch: set, but reference.micro_batch_size is"),
+        ("ppo_policy", "  micro_batch_size: auto\n  max_tokens_per_micro_batch: 8\n",
+         "ppo_policy.max_tokens_per_micro_batch: 8 is below the longest row a rollout holds"),
+    ]
+    for role, lines, words in cases:
+        with pytest.raises(ConfigError) as err:
+            load_config(str(_role_setup(tmp_path, role, lines)), world_size=1)
+        assert words in str(err.value), str(err.value)

@@ -71,3 +71,19 @@ def test_the_scalar_head_computes_in_fp32_from_bf16_weights():
     values, _ = head(hidden)
     assert head.weight.dtype == torch.bfloat16 and values.dtype == torch.float32
     assert torch.equal(values, hidden.float() @ head.weight.float().t())
+
+
+def test_micro_batches_packed_by_tokens_hold_as_many_rows_as_fit_and_a_row_too_long_is_refused():
+    import torch
+
+    from megatron_rlhf.models.batches import token_packed
+
+    lengths = torch.tensor([3, 9, 5, 9, 2, 4, 7])
+    tokens = torch.arange(7 * 10).reshape(7, 10)
+    mbs, order = token_packed(20, lengths, tokens=tokens, action_mask=torch.ones(7, 9))
+    # Longest first: 9, 9 (2 x 9 <= 20), then 7, 5 (2 x 7), then 4, 3, 2 (3 x 4 <= 20; 5 x 4 would not fit).
+    assert [mb["tokens"].shape for mb in mbs] == [(2, 9), (2, 7), (3, 4)]
+    assert order.tolist() == [1, 3, 6, 2, 5, 0, 4] and all(mb["action_mask"].shape[1] == mb["tokens"].shape[1] - 1 for mb in mbs)
+    assert sum(mb["tokens"].shape[0] * mb["tokens"].shape[1] <= 20 for mb in mbs) == 3
+    with pytest.raises(ValueError, match="a row of 9 tokens does not fit in max_tokens_per_micro_batch=8"):
+        token_packed(8, lengths, tokens=tokens)

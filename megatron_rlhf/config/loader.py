@@ -228,7 +228,7 @@ def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is typing.Union:
         names = [_type_name(a) for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(names) + " (or null)"
+        return " or ".join(names) + (" (or null)" if type(None) in typing.get_args(tp) else "")
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin is dict:

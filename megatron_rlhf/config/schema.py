@@ -23,7 +23,10 @@ class Domain:
     lt: Optional[float] = None
 
     def problem(self, value) -> Optional[str]:
-        """None, or what is wrong with ``value`` ("must be >= 1, got 0")."""
+        """None, or what is wrong with ``value`` ("must be >= 1, got 0"); a key that also takes a
+        word (``micro_batch_size: auto``) has its words checked by its type, not here."""
+        if isinstance(value, str):
+            return None
         bounds = [(op, bound, holds) for op, bound, holds in (
             (">=", self.ge, operator.ge), (">", self.gt, operator.gt), ("<=", self.le, operator.le), ("<", self.lt, operator.lt),
         ) if bound is not None]
@@ -196,7 +199,10 @@ class RoleConfig:
     free_grad_buffers: Optional[bool] = None
     offload_optimizer_state: Optional[bool] = None
     empty_cache: bool = True  # torch.cuda.empty_cache() at this role's phase boundaries
-    micro_batch_size: int = bounded(1, ge=1)
+    # Rows per micro-batch, or ``auto``: micro-batches packed by tokens, each at most
+    # ``max_tokens_per_micro_batch`` (rows x the longest row's tokens; verl's dynamic batch size).
+    micro_batch_size: Union[int, Literal["auto"]] = bounded(1, ge=1)
+    max_tokens_per_micro_batch: Optional[int] = bounded(None, ge=2)
     global_batch_size: Optional[int] = bounded(None, ge=1)  # trainable roles: samples per optimizer step
     # Trainable roles only.
     use_distributed_optimizer: bool = True
@@ -216,6 +222,11 @@ class RoleConfig:
     # Trainable roles: megatron defers the all-gather of updated weights to the role's next forward;
     # the serving role reads those weights first. Accepted only to be refused with the reason.
     overlap_param_gather: bool = False
+
+    @property
+    def token_budget(self) -> Optional[int]:
+        """The tokens per micro-batch under ``micro_batch_size: auto``, else None (rows)."""
+        return self.max_tokens_per_micro_batch if self.micro_batch_size == "auto" else None
 
     def ems_switch(self, name: str, auto: Optional[bool] = None) -> bool:
         """An EMS switch (offload_weights, free_grad_buffers, offload_optimizer_state) as it

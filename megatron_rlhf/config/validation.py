@@ -205,8 +205,9 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
                         "role's model has experts; set it to 1")
     for role in config.model_roles:
         rc = config.role(role)
+        problems.extend(_token_budget_problems(config, role))
         if role in TRAINABLE_ROLES and rc.global_batch_size is not None and dp is not None \
-                and _in_domain(rc, "micro_batch_size", "global_batch_size"):
+                and rc.micro_batch_size != "auto" and _in_domain(rc, "micro_batch_size", "global_batch_size"):
             step = rc.micro_batch_size * dp
             if rc.global_batch_size % step != 0:
                 problems.append(
@@ -460,17 +461,38 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
                     f"{step} does not divide the rollout of {config.rollout_samples} samples ({rollout}); "
                     "each PPO epoch splits the rollout into optimizer steps of this size",
                 )
-            elif (step // dp) % rc.micro_batch_size:
+            elif rc.micro_batch_size != "auto" and (step // dp) % rc.micro_batch_size:
                 bad(
                     f"{role}.micro_batch_size",
                     f"{rc.micro_batch_size} does not divide the per-rank step of {step // dp} samples",
                 )
-        elif per_rank % rc.micro_batch_size:
+        elif rc.micro_batch_size != "auto" and per_rank % rc.micro_batch_size:
             bad(
                 f"{role}.micro_batch_size",
                 f"{rc.micro_batch_size} does not divide the per-rank rollout of {per_rank} samples "
                 f"({rollout} / DP={dp})",
             )
+    return problems
+
+
+def _token_budget_problems(config: RLHFConfig, role: str) -> List[str]:
+    """``micro_batch_size: auto`` goes with ``max_tokens_per_micro_batch`` (and the budget with
+    auto), holds the longest row, and runs at PP=1 (pipelined micro-batches share one shape)."""
+    rc, where = config.role(role), config.at
+    budget = rc.max_tokens_per_micro_batch
+    if rc.micro_batch_size != "auto":
+        return [f"{where(role + '.max_tokens_per_micro_batch')}: set, but {role}.micro_batch_size is "
+                f"{rc.micro_batch_size} rows; set micro_batch_size: auto to pack micro-batches by tokens"] if budget else []
+    if budget is None:
+        return [f"{where(role + '.micro_batch_size')}: auto packs micro-batches by tokens; set "
+                f"{role}.max_tokens_per_micro_batch (e.g. {4 * config.sequence_tokens})"]
+    problems = []
+    if _in_domain(config.rollout) and budget < config.sequence_tokens:
+        problems.append(f"{where(role + '.max_tokens_per_micro_batch')}: {budget} is below the longest row a rollout "
+                        f"holds ({config.sequence_tokens} tokens); use at least {config.sequence_tokens}")
+    if config.layout_of(role).pipeline_model_parallel_size > 1:
+        problems.append(f"{where(role + '.micro_batch_size')}: auto (micro-batches by tokens) runs at pipeline size 1 "
+                        "only (pipelined micro-batches share one shape); set a number of rows")
     return problems
 
 

@@ -198,9 +198,18 @@ def reshard_buffer_bytes(config: RLHFConfig, serving: str, world_size: int) -> i
     return received + copied
 
 
+def micro_batch_rows(config: RLHFConfig, role: str) -> int:
+    """Rows of a role's micro-batch: its micro_batch_size, or under a token budget the rows of
+    the longest rows that fit in it (the most tokens one micro-batch holds)."""
+    rc = config.role(role)
+    if rc.token_budget is not None:
+        return max(1, rc.token_budget // config.sequence_tokens)
+    return rc.micro_batch_size
+
+
 def micro_batches_per_step(config: RLHFConfig, role: str, dp: int) -> int:
     """Micro-batches each DP rank runs per optimizer step of a trainable role."""
-    return max(1, config.samples_per_step(role) // (config.role(role).micro_batch_size * dp))
+    return max(1, config.samples_per_step(role) // (micro_batch_rows(config, role) * dp))
 
 
 @dataclasses.dataclass
@@ -248,7 +257,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
         in_flight = min(rpp, micro_batches_per_step(config, name, rdp)) if trainable else 1
         rows = config.rollout_samples // rdp
         transient[name] = {
-            "activations": in_flight * activation_bytes(rc.model, ROLE_HEADS[name], rc.micro_batch_size, seq, rtp, rpp,
+            "activations": in_flight * activation_bytes(rc.model, ROLE_HEADS[name], micro_batch_rows(config, name), seq, rtp, rpp,
                                                         rc.precision, rc.recompute_activations, trainable, vocab),
             "kv_cache": kv_cache_bytes(rc.model, min(rows, config.generation.batch_size or rows), seq, rtp, rpp,
                                        rc.precision) if name == "policy" else 0,

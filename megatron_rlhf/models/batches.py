@@ -53,14 +53,36 @@ def length_grouped(size: int, lengths: torch.Tensor, **columns: torch.Tensor) ->
     [B] whole. The trimmed positions are padding: causal attention never lets them reach the kept
     ones, and every loss and pass masks them. Returns the micro-batches and the row order
     (the original index of each row, in micro-batch order)."""
-    width = columns["tokens"].shape[1]
     rows = lengths.shape[0]
     if rows % size:
         raise ValueError(f"{rows} rows do not split into micro-batches of {size}")
     order = torch.sort(lengths, descending=True, stable=True).indices
-    batches = []
-    for first in range(0, rows, size):
+    return _cut(order, [size] * (rows // size), lengths, columns), order
+
+
+def token_packed(budget: int, lengths: torch.Tensor, **columns: torch.Tensor) -> Tuple[List[MicroBatch], torch.Tensor]:
+    """As :func:`length_grouped`, but each micro-batch takes rows (longest first) while its rows x
+    its longest row stay within ``budget`` tokens: as few micro-batches as fit, of any number of
+    rows. A row longer than the budget is refused (ValueError)."""
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    sizes, first = [], 0
+    longest = [max(int(n), 2) for n in lengths[order].tolist()]
+    if longest and longest[0] > budget:
+        raise ValueError(f"a row of {longest[0]} tokens does not fit in max_tokens_per_micro_batch={budget}")
+    while first < len(longest):
+        rows = max(1, budget // longest[first])  # the first row is the micro-batch's longest
+        sizes.append(min(rows, len(longest) - first))
+        first += sizes[-1]
+    return _cut(order, sizes, lengths, columns), order
+
+
+def _cut(order: torch.Tensor, sizes: List[int], lengths: torch.Tensor, columns: Dict[str, torch.Tensor]) -> List[MicroBatch]:
+    """Micro-batches of ``sizes`` rows taken in ``order``, each trimmed to its own longest row."""
+    width = columns["tokens"].shape[1]
+    batches, first = [], 0
+    for size in sizes:
         picked = order[first : first + size]
+        first += size
         w = max(int(lengths[picked].max()), 2)  # an action needs two positions
         mb = {}
         for name, column in columns.items():
@@ -71,7 +93,14 @@ def length_grouped(size: int, lengths: torch.Tensor, **columns: torch.Tensor) ->
                 column = column[:, : w - 1]
             mb[name] = column
         batches.append(mb)
-    return batches, order
+    return batches
+
+
+def micro_batches_of(role_config, lengths: torch.Tensor, **columns: torch.Tensor) -> Tuple[List[MicroBatch], torch.Tensor]:
+    """A role's micro-batches of these rows (RoleConfig: rows per micro-batch, or a token budget)."""
+    if role_config.token_budget is not None:
+        return token_packed(role_config.token_budget, lengths, **columns)
+    return length_grouped(role_config.micro_batch_size, lengths, **columns)
 
 
 def ungrouped(parts: List[torch.Tensor], order: torch.Tensor, width: int, fill: float = 0) -> torch.Tensor:

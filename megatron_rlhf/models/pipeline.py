@@ -61,8 +61,9 @@ def forward_backward(
     if loss_fn is None and not forward_only:
         raise ValueError("training (forward_only=False) needs a loss function")
     batch = micro_batches[0]["tokens"].shape[0]
-    if any(mb["tokens"].shape[0] != batch for mb in micro_batches):
-        raise ValueError(f"all micro-batches of one call need the same number of rows: "
+    groups = groups_of(model)
+    if groups.pp.size() > 1 and any(mb["tokens"].shape[0] != batch for mb in micro_batches):
+        raise ValueError(f"under pipeline parallelism all micro-batches of one call need the same number of rows: "
                          f"{[mb['tokens'].shape[0] for mb in micro_batches]}")
     seq = max(mb["tokens"].shape[1] for mb in micro_batches)
     recording = routing.recording(model) if routes_out is not None else contextlib.nullcontext()
@@ -88,7 +89,6 @@ def forward_backward(
             routes_out.append(routing.as_rows(flat, *mb["tokens"].shape, dtype))
         return output, partial(call_loss, loss_fn or collect_output, mb)
 
-    groups = groups_of(model)
     with recording:
         return get_forward_backward_func(pp_size=groups.pp.size())(
             forward_step_func=forward_step_func,

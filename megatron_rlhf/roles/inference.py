@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from megatron_rlhf.models.batches import length_grouped, state_values, ungrouped
+from megatron_rlhf.models.batches import micro_batches_of, state_values, ungrouped
 from megatron_rlhf.models.decoder import groups_of
 from megatron_rlhf.models.pipeline import Reduce, broadcast_from_last_stage
 from megatron_rlhf.models.routing import ROUTES
@@ -25,7 +25,7 @@ def _rows(role: Role, tokens: torch.Tensor, lengths: torch.Tensor, reduce: Reduc
     """``reduce`` over micro-batches grouped by length, each trimmed to its longest row; the
     results back in row order, zero at the trimmed positions. With ``routes_out`` (a list), the
     routing of every row on this stage is appended to it: [B, S, L, K], -1 at the trimmed positions."""
-    micro_batches, order = length_grouped(role.config.micro_batch_size, lengths, tokens=tokens, **columns)
+    micro_batches, order = micro_batches_of(role.config, lengths, tokens=tokens, **columns)
     recorded = [] if routes_out is not None else None
     outputs = role.forward(micro_batches, reduce, routes_out=recorded)
     if recorded is not None:

@@ -11,7 +11,7 @@ import torch
 
 from megatron_rlhf.config.schema import RLHFConfig
 from megatron_rlhf.errors import NonFiniteError
-from megatron_rlhf.models.batches import length_grouped
+from megatron_rlhf.models.batches import micro_batches_of
 from megatron_rlhf.models.decoder import groups_of
 from megatron_rlhf.models.routing import ROUTES
 from megatron_rlhf.roles.losses import policy_loss_fn, policy_stats, reported_metrics, value_loss_fn
@@ -68,7 +68,7 @@ class PPOUpdate:
                     cfg.seed + 7_919 * iteration + 104_729 * epoch)).to(lengths.device)
                 for first in range(0, rows, step_rows):
                     picked = order[first : first + step_rows][cut.rank * share : (cut.rank + 1) * share]
-                    mbs, _ = length_grouped(role.config.micro_batch_size, lengths[picked], **{k: v[picked] for k, v in everything.items()})
+                    mbs, _ = micro_batches_of(role.config, lengths[picked], **{k: v[picked] for k, v in everything.items()})
                     result = role.train_step(mbs, loss_fn)
                     if result["non_finite"] is not None:
                         if cfg.trainer.on_non_finite == "stop":

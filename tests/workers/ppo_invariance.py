@@ -11,7 +11,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_rlhf import ppo
 from megatron_rlhf.config.schema import PPOConfig, RoleConfig
-from megatron_rlhf.models.batches import action_mask, length_grouped, split_rows
+from megatron_rlhf.models.batches import action_mask, length_grouped, split_rows, token_packed
 from megatron_rlhf.models.decoder import build_model, load_local_state_dict, local_state_dict, unwrap
 from megatron_rlhf.models.pipeline import forward_backward
 from megatron_rlhf.models.sharding import merge_state_dicts, shard_state_dict, to_local_layer_names
@@ -81,7 +81,10 @@ def one_step(weights, head, tp, pp, micro, mode):
     ddp.zero_grad_buffer()
     # The uncut run feeds whole rows; every cut run groups rows by length, trimmed (models/batches.py).
     uncut = (tp, pp, micro) == (1, 1, ROWS)
-    micro_batches = split_rows(micro, **mine) if uncut else length_grouped(micro, lengths, **mine)[0]
+    if isinstance(micro, str):  # micro-batches packed by tokens ("tokens40": 40 per micro-batch)
+        micro_batches = token_packed(int(micro[len("tokens"):]), lengths, **mine)[0]
+    else:
+        micro_batches = split_rows(micro, **mine) if uncut else length_grouped(micro, lengths, **mine)[0]
     metrics = forward_backward(ddp, micro_batches, loss_fn, forward_only=False)
     prefix = "policy" if head == "lm" else "value"
     reported = reported_metrics([metrics], prefix, stats, torch.device("cpu"), ps.get_data_parallel_group())
@@ -95,6 +98,8 @@ for head in ("lm", "scalar"):
         for mode in ppo.LOSS_AGG_MODES + (("gspo+dual-clip",) if head == "lm" else ()):
             for micro in (8, 1, 4):
                 result[(head, mode, f"mb{micro}")] = one_step(weights, head, 1, 1, micro, mode)
+            if mode == "token-mean":
+                result[(head, mode, "tokens40")] = one_step(weights, head, 1, 1, "tokens40", mode)
     else:
         for name, tp, pp, micro in (("dp2", 1, 1, 2), ("tp2", 2, 1, 4), ("pp2", 1, 2, 2)):
             result[(head, "token-mean", name)] = one_step(weights, head, tp, pp, micro, "token-mean")
