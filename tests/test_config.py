@@ -498,3 +498,13 @@ def test_micro_batches_by_tokens_need_their_budget_hold_the_longest_row_and_run_
         with pytest.raises(ConfigError) as err:
             load_config(str(_role_setup(tmp_path, role, lines)), world_size=1)
         assert words in str(err.value), str(err.value)
+
+
+def test_a_system_prompt_without_a_template_and_a_weight_that_is_not_finite_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="data.system_prompt: set, but data.apply_chat_template is false"):
+        load_config(str(tiny_setup(tmp_path, "data: {system_prompt: be brief}\n")), world_size=1)
+    for weight, words in ((".nan", "the weight of a.py:f is nan; a weight is a finite number"),
+                          (".inf", "the weight of a.py:f is inf"), ("'high'", "expected a mapping of str to float")):
+        with pytest.raises(ConfigError, match=f"reward.functions: {words}"):
+            load_config(str(tiny_setup(tmp_path, f"reward: {{type: function, functions: {{'a.py:f': {weight}}}}}\n")),
+                        world_size=1)

@@ -251,3 +251,27 @@ def test_truncating_a_chat_keeps_the_template_and_cuts_the_start_of_the_last_use
     tight = PromptDataset(open_rows(str(path), None), tok, 8, 0, chat=True, system_prompt="be brief", overlong="truncate")
     with pytest.raises(ValueError, match=r"rows\.jsonl:1: the chat does not fit in data.max_prompt_length=8 tokens even"):
         tight.check_encodes()
+
+
+def test_a_damaged_parquet_row_group_and_a_template_that_raises_are_named(tmp_path, chatml):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": f"question number {i} " * 20, "ground_truth": str(i)} for i in range(40)]
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=20, compression="NONE")
+    data = bytearray(path.read_bytes())
+    start = pq.ParquetFile(path).metadata.row_group(1).column(0).data_page_offset
+    data[start + 20 : start + 200] = b"\xff" * 180  # the second row group's page header
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"(?s)d\.parquet: row group 1 \(from row 21\) cannot be read .*; the file is damaged"):
+        open_rows(str(path), None)
+    config = json.loads((chatml / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turn') }}{% endif %}x"
+    (chatml / "tokenizer_config.json").write_text(json.dumps(config))
+    (chatml / "chat_template.jinja").unlink(missing_ok=True)
+    tok = build_tokenizer(TokenizerConfig(type="hf"), str(chatml))
+    (tmp_path / "p.jsonl").write_text('{"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}\n')
+    dataset = PromptDataset(open_rows(str(tmp_path / "p.jsonl"), None), tok, 64, 0, chat=True)
+    with pytest.raises(ValueError, match=r"p\.jsonl:1: .*: the chat template failed on this chat \(.*no system turn\)"):
+        dataset.check_encodes()

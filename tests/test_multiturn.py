@@ -388,3 +388,18 @@ def test_a_trajectory_whose_environment_fails_ends_alone_and_every_failure_ends_
                 def step(self, turn):
                     raise KeyError("no such move")
         """)
+
+
+def test_a_stop_string_of_several_tokens_cuts_the_turn_right_after_it_once():
+    from megatron_rlhf.config.schema import RLHFConfig
+    from megatron_rlhf.rollout.multiturn import MultiTurn
+
+    config = RLHFConfig()
+    config.rollout.stop = ["</python>", ">"]
+    tok = CharTokenizer("abcdefghijklmnopqrstuvwxyz<>/()+ 0123456789")
+    turns = MultiTurn(config, tok, "unused:Env", chat=False)
+    assert turns.stop_ids == (tok.encode(">")[0],) and turns.stop_strings == ("</python>",)
+    ids = tok.encode("run <python>print(1)</python> then </python> more")
+    cut = turns._cut_at_stop(ids)
+    assert tok.decode(cut) == "run <python>print(1)</python>"  # at the first closing tag, its tokens once
+    assert turns._cut_at_stop(tok.encode("no tag here")) == tok.encode("no tag here")

@@ -4,6 +4,7 @@ roles that must share an architecture. Run before any model is built."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import List, Optional, Tuple
 
@@ -358,6 +359,10 @@ def _reward_problems(config: RLHFConfig) -> List[str]:
             if not spec or ":" not in spec:
                 problems.append(f"{config.at(key)}: reward.type is 'function', so name the rule as 'module:callable' or "
                                 f"'file.py:callable', got {spec!r}")
+        for spec, weight in (reward.functions or {}).items():
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+                problems.append(f"{config.at('reward.functions')}: the weight of {spec} is {weight!r}; a weight is a "
+                                "finite number")
     else:
         for key in ("function", "functions"):
             if getattr(reward, key) is not None:
@@ -413,6 +418,9 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
     def bad(key: str, message: str) -> None:
         problems.append(f"{config.at(key)}: {message}")
 
+    if data.system_prompt is not None and not data.apply_chat_template:
+        bad("data.system_prompt", "set, but data.apply_chat_template is false: a system message is rendered by the "
+            "chat template; set apply_chat_template: true, or put the text in the prompts")
     if data.tokenizer.type == "char":
         for key in ("eos_token", "eos_tokens", "pad_token", "path"):
             if f"data.tokenizer.{key}" in config.origin and getattr(data.tokenizer, key):

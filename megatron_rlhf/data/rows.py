@@ -163,7 +163,7 @@ class ParquetRows(RowFile):
         self.key = _prompt_key(self._parquet.schema_arrow.names, prompt_key, path)
         self.starts = [0]
         for group in range(self._parquet.num_row_groups):
-            column = self._parquet.read_row_group(group, columns=[self.key]).column(0).to_pylist()
+            column = self._row_group(group, [self.key])
             for i, prompt in enumerate(column):
                 check_prompt(prompt, self.key, self.where(self.starts[-1] + i))
             self.starts.append(self.starts[-1] + len(column))
@@ -179,8 +179,18 @@ class ParquetRows(RowFile):
 
         group = bisect.bisect_right(self.starts, index) - 1
         if self._cached[0] != group:
-            self._cached = (group, self._parquet.read_row_group(group).to_pylist())
+            self._cached = (group, self._row_group(group))
         return dict(self._cached[1][index - self.starts[group]])
+
+    def _row_group(self, group: int, columns: Optional[List[str]] = None):
+        """Row group ``group`` as rows (or ``columns``' values); an unreadable one named with the file."""
+        try:
+            table = self._parquet.read_row_group(group, columns=columns)
+        except Exception as e:  # pyarrow's ArrowInvalid / OSError kinds for damaged data
+            first = self.starts[group] + 1 if group < len(self.starts) else "?"
+            raise ValueError(f"{self.path}: row group {group} (from row {first}) cannot be read ({type(e).__name__}: "
+                             f"{e}); the file is damaged") from None
+        return table.column(0).to_pylist() if columns else table.to_pylist()
 
     def where(self, index: int) -> str:
         return f"{self.path}: row {index + 1}"

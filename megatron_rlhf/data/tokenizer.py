@@ -137,8 +137,11 @@ class HFTokenizer:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         # A chat that ends with an assistant message is a prefix for the model to continue.
         continuing = messages[-1]["role"] == "assistant"
-        ids = self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=not continuing,
-                                            continue_final_message=continuing, tokenize=True)
+        try:
+            ids = self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=not continuing,
+                                                continue_final_message=continuing, tokenize=True)
+        except Exception as e:  # jinja2's TemplateError kinds: the template refused or could not be read
+            raise ValueError(f"{self.path}: the chat template failed on this chat ({type(e).__name__}: {e})") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def encode_text(self, text: str) -> List[int]:
