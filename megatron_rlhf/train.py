@@ -363,7 +363,9 @@ class RunLog:
         if "sampling/dropped_groups" in metrics:  # dynamic sampling
             parts.append(f"dropped {metrics['sampling/dropped_groups']:.0f}")
         if metrics.get("reward/failures"):
-            parts.append(f"reward failures {metrics['reward/failures']:.0f}")
+            failing = [k.split("/")[1] for k, v in metrics.items() if k.startswith("reward/") and k.endswith("/failures")
+                       and k.count("/") == 2 and v]
+            parts.append(f"reward failures {metrics['reward/failures']:.0f}" + (f" ({', '.join(failing)})" if failing else ""))
         if "rollout/turns_mean" in metrics:  # multi-turn
             parts += [f"turns {metrics['rollout/turns_mean']:.1f}", f"env failures {metrics['rollout/env_failures']:.0f}",
                       f"masked {1 - metrics['rollout/model_token_share']:.0%}"]
@@ -394,7 +396,10 @@ def _validation_parts(metrics: dict) -> list:
     passes = [k for k in metrics if k.startswith("val/pass@")]
     if not passes:
         return []
-    return [f"val reward {metrics['val/reward/mean']:.3f}", f"{passes[0]} {metrics[passes[0]]:.3f}"]
+    parts = [f"val reward {metrics['val/reward/mean']:.3f}", f"{passes[0]} {metrics[passes[0]]:.3f}"]
+    if metrics.get("val/reward/failures"):
+        parts.append(f"val reward failures {metrics['val/reward/failures']:.0f}")
+    return parts
 
 
 def _validation_summary(first: dict, last: dict) -> str:

@@ -95,10 +95,22 @@ def test_fields_sub_scores_and_weights(rules):
 def test_a_call_that_raises_or_hangs_scores_the_failure_score_and_is_counted(rules):
     pool = RewardPool({rules("picky"): 1.0}, num_workers=2, failure_score=-1.0)
     try:
-        scores, metrics = pool.score(["p0", "p1", "p2"], ["abc", "ab", "abcd"], [{}, {}, {}])
+        with pytest.warns(UserWarning, match=r"1 of 3 reward calls failed \(0 timed out\) and scored "
+                                             r"reward.failure_score=-1; the first: reward function .*picky raised"):
+            scores, metrics = pool.score(["p0", "p1", "p2"], ["abc", "ab", "abcd"], [{}, {}, {}])
     finally:
         pool.close()
     assert scores.tolist() == [1.0, -1.0, 0.5] and metrics["reward/failures"] == 1
+    # With several functions, each one's score (failures at failure_score) and failures are reported,
+    # also when every call of one of them failed.
+    pool = RewardPool({rules("picky"): 1.0, rules("always_raises"): 0.5}, num_workers=1, failure_score=0.0)
+    try:
+        with pytest.warns(UserWarning, match="4 of 6 reward calls failed"):
+            _, metrics = pool.score(["p0", "p1", "p2"], ["abc", "ab", "abcd"], [{}, {}, {}])
+    finally:
+        pool.close()
+    assert metrics["reward/picky/failures"] == 1 and metrics["reward/always_raises/failures"] == 3
+    assert metrics["reward/always_raises"] == 0.0 and metrics["reward/picky"] == pytest.approx(1.5 / 3)
     pool = RewardPool({rules("sleeps_on_x"): 1.0}, num_workers=1, timeout_s=2.0, failure_score=-1.0)
     try:
         started = time.monotonic()

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from multiprocessing.connection import Connection, wait
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -129,6 +130,9 @@ class RewardPool:
                     first_failure = f"{name} {value} {where}"
         if tasks and counts["failures"] == len(tasks):
             raise RewardFunctionError(f"every reward call of the batch failed; the first: {first_failure}")
+        if counts["failures"]:  # scored as failure_score and counted; the reason said, not only the count
+            warnings.warn(f"{counts['failures']} of {len(tasks)} reward calls failed ({counts['timeouts']} timed out) and "
+                          f"scored reward.failure_score={self.failure_score:g}; the first: {first_failure}")
         return self._combine(results, len(responses)), self._metrics(results, counts, len(responses))
 
     def _collect(self, worker: _Worker, row: int, f: int, prompts: List[str]):
@@ -160,17 +164,23 @@ class RewardPool:
         return torch.tensor(scores, dtype=torch.float32)
 
     def _metrics(self, results, counts: Dict[str, int], rows: int) -> Dict[str, float]:
+        """reward/failures, reward/timeouts; with several functions (or named sub-scores) each
+        function's mean score as it went into the reward (failure_score for its failed calls:
+        reported whether or not any call of it succeeded) and its own failures."""
         metrics = {f"reward/{k}": float(v) for k, v in counts.items()}
         for f, spec in enumerate(self.specs):
             named: Dict[str, List[float]] = {}
+            failed = sum(results[row, f] is FAILED for row in range(rows))
             for row in range(rows):
                 for key, value in (results[row, f] or {}).items():
                     named.setdefault(key, []).append(value)
             if len(self.specs) == 1 and set(named) <= {"score"}:
                 continue  # reward/mean says it already
             prefix = f"reward/{spec.rpartition(':')[2]}"
+            named["score"] = named.get("score", []) + [self.failure_score] * failed
             for key, values in named.items():
                 metrics[prefix if key == "score" else f"{prefix}/{key}"] = sum(values) / len(values)
+            metrics[f"{prefix}/failures"] = float(failed)
         return metrics
 
 

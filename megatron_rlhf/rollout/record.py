@@ -86,8 +86,10 @@ COUNTED_PREFIXES = ("rollout/tool_", "rollout/env_")
 
 
 def is_counted(key: str) -> bool:
-    """Whether the metric ``key`` is a count (added over rounds and DP ranks, not averaged)."""
-    return key in COUNTED_METRICS or key.startswith(COUNTED_PREFIXES)
+    """Whether the metric ``key`` is a count (added over rounds and DP ranks, not averaged): the
+    listed ones, an environment's, and a reward function's own failures (reward/<name>/failures)."""
+    return (key in COUNTED_METRICS or key.startswith(COUNTED_PREFIXES)
+            or key.startswith("reward/") and key.endswith("/failures"))
 
 
 def merged_metrics(parts: List[Dict[str, float]]) -> Dict[str, float]:

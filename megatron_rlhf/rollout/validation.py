@@ -43,16 +43,20 @@ class Validator:
                 generated.append((batch, {key: v for key, v in rows.items() if key in SCORED_COLUMNS}))
         if cut != roles.cut:
             generated = _chunks_in_run_cut(generated, cut, roles.cut, collector.device)
-        results = []  # (data source, scores of the prompt's k responses)
+        results, failures = [], []  # (data source, scores of the prompt's k responses); failed reward calls
         for batch, rows in generated:  # scored once the policy has left (a reward model may need the room)
             prompts = [t for t in batch["texts"] for _ in range(k)]
             fields = [f for f in batch["fields"] for _ in range(k)]
-            scores, _ = collector.scorer.score(prompts, collector.decode(rows), fields, rows, iteration)
+            scores, scored = collector.scorer.score(prompts, collector.decode(rows), fields, rows, iteration)
+            failures.append(scored.get("reward/failures", 0.0))
             scores = scores.view(len(batch["texts"]), k).cpu()
             results += [(str(f.get("data_source") or ""), s.tolist()) for f, s in zip(batch["fields"], scores)]
         gathered = [None] * roles.cut.size
-        dist.all_gather_object(gathered, results, group=roles.cut.group)
-        return validation_metrics([r for part in gathered for r in part], k)
+        dist.all_gather_object(gathered, (results, sum(failures)), group=roles.cut.group)
+        metrics = validation_metrics([r for part, _ in gathered for r in part], k)
+        if collector.config.reward.type == "function":  # one rank per replica in the DP group: each counted once
+            metrics["val/reward/failures"] = float(sum(f for _, f in gathered))
+        return metrics
 
 
 def _chunks_in_run_cut(generated: List, cut: RowCut, run_cut: RowCut, device) -> List:
