@@ -63,6 +63,16 @@ def parse_args():
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--slots", type=int, default=32, help="our decode slots (generation.batch_size)")
     p.add_argument("--hf-batch", type=int, help="rows per transformers generate() call (default: all prompts)")
+    add_model_arguments(p)
+    p.add_argument("--micro-batch-size", type=int, default=4, help="of the scoring and training passes")
+    p.add_argument("--step-rows", type=int, default=16, help="rows per optimizer step of the training pass")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the figures to this JSON file")
+    return p.parse_args()
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The random Llama's shape and precision (random_llama reads them)."""
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -70,11 +80,6 @@ def parse_args():
     p.add_argument("--ffn", type=int, default=688)
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--micro-batch-size", type=int, default=4, help="of the scoring and training passes")
-    p.add_argument("--step-rows", type=int, default=16, help="rows per optimizer step of the training pass")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="also write the figures to this JSON file")
-    return p.parse_args()
 
 
 def random_llama(args, directory: str, positions: int):

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from generation import PAD, random_llama  # noqa: E402
+from generation import PAD, add_model_arguments, random_llama  # noqa: E402
 
 from megatron_rlhf.checkpoint import load_model_shard  # noqa: E402
 from megatron_rlhf.checkpoint.convert import hf_to_megatron  # noqa: E402
@@ -48,13 +48,7 @@ def parse_args():
     p.add_argument("--model-tokens", type=int, default=192, help="the model's tokens per trajectory, over all turns")
     p.add_argument("--reply", type=int, default=8, help="tokens of the environment's reply between turns")
     p.add_argument("--repeats", type=int, default=3, help="runs of each side, alternating; the median is reported")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--ffn", type=int, default=688)
-    p.add_argument("--vocab", type=int, default=8000)
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    add_model_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the figures to this JSON file")
     args = p.parse_args()

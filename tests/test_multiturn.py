@@ -13,7 +13,7 @@ from megatron_rlhf.data.tokenizer import CharTokenizer, HFTokenizer
 from megatron_rlhf.rollout.env_pool import EnvironmentPool
 from megatron_rlhf.rollout.environment import ProtocolError, StepResult, checked_step
 from megatron_rlhf.rollout.trajectory import ObservationEncoder, Trajectory
-from tests.hf_tokenizer import make_tokenizer_dir
+from tests.hf_tokenizer import byte_level_tokenizer_dir, make_tokenizer_dir
 
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
@@ -24,21 +24,10 @@ LLAMA3_TEMPLATE = (
 
 def llama3_tokenizer_dir(path):
     """A BPE tokenizer with Llama-3's special tokens and a Llama-3-style chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|pad|>"]
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = ["user assistant tool what is two plus two the answer is four call the calculator result 4"] * 8
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
-                                   pad_token="<|pad|>")
-    fast.chat_template = LLAMA3_TEMPLATE
-    fast.save_pretrained(str(path))
-    return path
+    corpus = "user assistant tool what is two plus two the answer is four call the calculator result 4"
+    return byte_level_tokenizer_dir(path, specials, "<|eot_id|>", LLAMA3_TEMPLATE, corpus, bos="<|begin_of_text|>",
+                                    vocab_size=300)
 
 
 # Within the tiny ChatML tokenizer's alphabet (it has no unknown token), no reply merging with the

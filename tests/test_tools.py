@@ -15,6 +15,7 @@ from megatron_rlhf.rollout.environment import Turn
 from megatron_rlhf.tools.function import ToolError, argument_problem, function_tool, load_tools
 from megatron_rlhf.tools.parsers import ToolCall, make_parser
 from megatron_rlhf.tools.sandbox import SandboxLimits, run_python
+from tests.hf_tokenizer import byte_level_tokenizer_dir
 
 # ChatML with Qwen2.5's tool block and tool responses, and a Llama-3.1-style template with tools in
 # the system turn and tool results from "ipython" (written for these tests after the models' formats).
@@ -54,21 +55,10 @@ FORMATS = {
 
 
 def byte_tokenizer_dir(path, name):
-    """A byte-level BPE tokenizer (every string encodes) with the special tokens and template of ``name``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
+    """A byte-level BPE tokenizer with the special tokens and template of ``name``."""
     specials, eos, template = FORMATS[name]
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = ['user assistant tool system what is two plus three the answer is five {"name": "add", "arguments"}'] * 8
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token="<|pad|>")
-    fast.chat_template = template
-    fast.save_pretrained(str(path))
-    return str(path)
+    corpus = 'user assistant tool system what is two plus three the answer is five {"name": "add", "arguments"}'
+    return byte_level_tokenizer_dir(path, specials, eos, template, corpus)
 
 
 TOOLS_PY = '''
