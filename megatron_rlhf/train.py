@@ -28,7 +28,7 @@ from megatron_rlhf.checkpoint.run_state import (
     set_aside_run,
 )
 from megatron_rlhf.config import ConfigError, input_problems, load_config
-from megatron_rlhf.config.schema import RLHFConfig
+from megatron_rlhf.config.schema import ROLE_HEADS, RLHFConfig
 from megatron_rlhf.dry_run import host_text
 from megatron_rlhf.units import human, parse_bytes, positive_int
 
@@ -135,7 +135,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
             raise ConfigError(f"{config.at('trainer.wandb')}: true, but the wandb package is not installed; install "
                               "it with pip install -e .[wandb] (or pip install wandb), or set wandb: false") from None
     tokenizer = build_tokenizer(config.data.tokenizer, config.path_of("data.tokenizer.path"))
-    for role in ("policy", "reference", "ppo_policy"):
+    for role in (r for r in config.model_roles if ROLE_HEADS[r] == "lm"):  # the roles that read the tokenizer's ids
         model_vocab = config.role(role).model.vocab_size
         if tokenizer.vocab_size > model_vocab:
             raise ConfigError(
@@ -559,7 +559,6 @@ def _peer_problem(error: RuntimeError, timeout_s: float) -> Optional[str]:
 
 def _run(prepared: Prepared) -> list:
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint
     from megatron_rlhf.controller import PPOController
@@ -567,6 +566,7 @@ def _run(prepared: Prepared) -> list:
     from megatron_rlhf.memory import MemoryLedger
     from megatron_rlhf.memory.auto import auto_roles, device_budget, resolve_free_memory
     from megatron_rlhf.rewards.pool import RewardPool
+    from megatron_rlhf.rollout.scoring import scores_here
     from megatron_rlhf.runtime import destroy_distributed, init_distributed
 
     config, output_dir, resume_from = prepared.config, prepared.output_dir, prepared.resume_from
@@ -582,8 +582,8 @@ def _run(prepared: Prepared) -> list:
     ledger_path = os.path.join(output_dir, "memory.jsonl")
     if rank0 and os.path.exists(ledger_path) and resume_from is None:
         os.remove(ledger_path)  # a fresh run's ledger, not appended to an old one
-    scorer = None  # the rule rewards run on each model-parallel group's first rank (rollout/scoring.py)
-    if prepared.reward_functions and ps.get_model_parallel_group().rank() == 0:
+    scorer = None
+    if prepared.reward_functions and scores_here():
         rewards = config.reward
         scorer = RewardPool(prepared.reward_functions, num_workers=rewards.num_workers, timeout_s=rewards.timeout_s,
                             failure_score=rewards.failure_score)

@@ -54,6 +54,8 @@ CRITIC_ROLES = ("value", "ppo_value")
 SERVED_WEIGHTS = {"policy": "ppo_policy", "value": "ppo_value"}
 # The roles that only run forwards: each may have a layout of its own (RoleConfig.parallel).
 SERVING_ROLES = ("policy", "reference", "reward", "value")
+# The roles that run the policy network: they record (policy) and replay (both) its routing.
+REPLAYING_ROLES = ("policy", "ppo_policy")
 # Which head each role's network ends in: vocabulary logits or one scalar per token.
 ROLE_HEADS = {
     "policy": "lm",
@@ -391,6 +393,12 @@ class PPOConfig:
     # Dual-clip PPO: where the advantage is negative the loss is at most -advantage * clip_ratio_c
     # (> 1). None: off (verl defaults to 3.0).
     clip_ratio_c: Optional[float] = bounded(None, gt=1)
+
+    @property
+    def clip_range(self) -> "tuple[float, float]":
+        """(low, high): the policy ratio is clipped to [1 - low, 1 + high]."""
+        low, high = self.clip_ratio_low, self.clip_ratio_high
+        return (self.clip_ratio if low is None else low, self.clip_ratio if high is None else high)
 
 
 @dataclasses.dataclass

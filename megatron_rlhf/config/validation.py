@@ -207,15 +207,6 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
     for role in config.model_roles:
         rc = config.role(role)
         problems.extend(_token_budget_problems(config, role))
-        if role in TRAINABLE_ROLES and rc.global_batch_size is not None and dp is not None \
-                and rc.micro_batch_size != "auto" and _in_domain(rc, "micro_batch_size", "global_batch_size"):
-            step = rc.micro_batch_size * dp
-            if rc.global_batch_size % step != 0:
-                problems.append(
-                    f"{config.at(role + '.global_batch_size')}: "
-                    f"{rc.global_batch_size} is not divisible by micro_batch_size*DP = "
-                    f"{rc.micro_batch_size}*{dp} = {step}; use a multiple of {step}"
-                )
 
     problems.extend(_run_problems(config, dp))
     problems.extend(_routing_replay_problems(config))
@@ -400,7 +391,7 @@ def _algorithm_problems(config: RLHFConfig) -> List[str]:
     if gen.max_new_tokens >= 1 and alg.overlong_buffer_length >= gen.max_new_tokens:
         bad("algorithm.overlong_buffer_length", f"must be below generation.max_new_tokens={gen.max_new_tokens}, "
             f"got {alg.overlong_buffer_length}")
-    low = ppo.clip_ratio if ppo.clip_ratio_low is None else ppo.clip_ratio_low
+    low = ppo.clip_range[0]
     if low >= 1:
         bad("ppo.clip_ratio_low" if ppo.clip_ratio_low is not None else "ppo.clip_ratio",
             f"the ratio is clipped below at 1 - {low}, which must stay above 0; use a value < 1")
@@ -446,7 +437,7 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
     for role in config.model_roles:
         limit = config.role(role).model.max_position_embeddings
         if longest > limit:
-            key, what = ("rollout.max_trajectory_tokens", "a trajectory's tokens") if config.rollout.environment else (
+            key, what = ("rollout.max_trajectory_tokens", "a trajectory's tokens") if config.rollout.multi_turn else (
                 "data.max_prompt_length", "max_prompt_length + generation.max_new_tokens")
             bad(key, f"{what} = {longest} exceeds {role}'s max_position_embeddings={limit}")
             break
@@ -469,10 +460,12 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
                     f"{step} does not divide the rollout of {config.rollout_samples} samples ({rollout}); "
                     "each PPO epoch splits the rollout into optimizer steps of this size",
                 )
-            elif rc.micro_batch_size != "auto" and (step // dp) % rc.micro_batch_size:
+            elif rc.micro_batch_size != "auto" and step % (rc.micro_batch_size * dp):
+                split = rc.micro_batch_size * dp
                 bad(
-                    f"{role}.micro_batch_size",
-                    f"{rc.micro_batch_size} does not divide the per-rank step of {step // dp} samples",
+                    f"{role}.global_batch_size" if rc.global_batch_size is not None else f"{role}.micro_batch_size",
+                    f"{step} is not divisible by micro_batch_size*DP = {rc.micro_batch_size}*{dp} = {split}; "
+                    f"use a multiple of {split}",
                 )
         elif rc.micro_batch_size != "auto" and per_rank % rc.micro_batch_size:
             bad(

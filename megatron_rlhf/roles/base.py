@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES, RLHFConfig, RoleConfig
+from megatron_rlhf.config.schema import REPLAYING_ROLES, ROLE_HEADS, TRAINABLE_ROLES, RLHFConfig, RoleConfig
 from megatron_rlhf.memory.manager import WEIGHTS, EMSSwitches, RoleMemory
 from megatron_rlhf.models import routing
 from megatron_rlhf.models.decoder import build_model, groups_of, load_local_state_dict
@@ -18,9 +18,6 @@ from megatron_rlhf.models.training import train_step, wrap_for_training
 from megatron_rlhf.runtime.distributed import set_seed
 from megatron_rlhf.runtime.layouts import layout_groups
 
-
-# The roles that run the policy network: they record (policy) and replay (both) its routing.
-REPLAYING_ROLES = ("policy", "ppo_policy")
 
 
 @dataclasses.dataclass

@@ -25,12 +25,6 @@ from megatron_rlhf.models.pipeline import LossFn, broadcast_from_last_stage, sum
 from megatron_rlhf.models.vocab_parallel import next_token_log_probs, token_entropy
 
 
-def clip_range(ppo_config: PPOConfig) -> Tuple[float, float]:
-    """(low, high): the policy ratio is clipped to [1 - low, 1 + high]."""
-    low, high = ppo_config.clip_ratio_low, ppo_config.clip_ratio_high
-    return (ppo_config.clip_ratio if low is None else low, ppo_config.clip_ratio if high is None else high)
-
-
 def policy_stats(ppo_config: PPOConfig) -> Tuple[str, ...]:
     """The per-token statistics the policy loss reports (see reported_metrics)."""
     return ("clipfrac", "approx_kl", "ratio_dev", "entropy") + (("kl",) if ppo_config.kl_in_loss else ())
@@ -38,11 +32,11 @@ def policy_stats(ppo_config: PPOConfig) -> Tuple[str, ...]:
 
 def policy_loss_fn(vocab_size: int, temperature: float, ppo_config: PPOConfig, kl_coef: float = 0.0,
                    loss_norm: Optional[float] = None) -> LossFn:
-    """The clipped surrogate of ``ppo_config.policy_loss`` (clip_range, dual clip
+    """The clipped surrogate of ``ppo_config.policy_loss`` (its clip_range, dual clip
     ``clip_ratio_c``), plus ``kl_coef`` times the per-token KL to the reference (estimator
     ``ppo_config.kl_estimator``) when ``kl_in_loss``; then the micro-batch also carries
     ``ref_log_probs``. ``loss_norm``: seq-mean-token-sum-norm's constant (the response budget)."""
-    low, high = clip_range(ppo_config)
+    low, high = ppo_config.clip_range
     mode, kl_in_loss, estimator = ppo_config.loss_agg_mode, ppo_config.kl_in_loss, ppo_config.kl_estimator
     terms_of, dual = ppo.POLICY_LOSSES[ppo_config.policy_loss], ppo_config.clip_ratio_c
 

@@ -17,6 +17,14 @@ from megatron_rlhf.roles import inference
 from megatron_rlhf.roles.role_set import RoleSet
 from megatron_rlhf.rollout.rows import SampleRows
 
+def scores_here() -> bool:
+    """Whether this rank runs the rule rewards (and holds their pool): its model-parallel group's
+    first rank, which sends the scores to the others."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_model_parallel_group().rank() == 0
+
+
 class Scorer:
     """``reward_pool``: the rule functions' pool on the first rank of each model-parallel group
     (None elsewhere, and with a reward model)."""
@@ -64,7 +72,7 @@ class Scorer:
 
         group = ps.get_model_parallel_group()
         result = [None]
-        if group.rank() == 0:
+        if scores_here():
             try:
                 result = [self.reward_pool.score(prompts, responses, fields)]
             except RewardFunctionError as e:  # the peers learn it too, so none waits for scores
