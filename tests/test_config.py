@@ -478,7 +478,9 @@ def _role_setup(tmp_path, role: str, lines: str):
     """tiny_setup with ``lines`` (indented keys) added to ``role``'s entry."""
     top = tiny_setup(tmp_path)
     entry = f"{role}:\n  model_config_file: models/tiny.yaml\n"
-    top.write_text(top.read_text().replace(entry, entry + lines))
+    text = top.read_text()
+    at = next(i for i in range(len(text)) if text.startswith(entry, i) and (i == 0 or text[i - 1] == "\n"))
+    top.write_text(text[: at + len(entry)] + lines + text[at + len(entry):])
     return top
 
 

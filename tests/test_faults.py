@@ -326,3 +326,18 @@ def test_overwrite_puts_the_old_run_back_when_the_launch_fails_before_its_first_
     with pytest.warns(UserWarning, match="put back the run an --overwrite launch set aside"):
         with pytest.raises(ConfigError, match=r"already holds a run \(3 iterations"):
             prepared(out)
+
+
+def test_resume_may_change_how_the_work_is_cut_but_not_what_it_computes(tmp_path):
+    from megatron_rlhf.config import load_config
+    from tests.test_config import _role_setup
+
+    def fingerprint(role, lines):
+        return run_identity(load_config(str(_role_setup(tmp_path, role, lines)), world_size=1, check_inputs=False))["fingerprint"]
+
+    base = fingerprint("policy", "")
+    # The served roles' own layouts and micro-batch sizing change only how the work is cut.
+    assert fingerprint("policy", "  parallel: {tensor_model_parallel_size: 1}\n") == base
+    assert fingerprint("ppo_policy", "  micro_batch_size: auto\n  max_tokens_per_micro_batch: 512\n") == base
+    # What the numbers depend on is not free (a trained role's learning rate here).
+    assert fingerprint("ppo_policy", "  lr: 0.5\n") != base
