@@ -151,3 +151,17 @@ def test_a_converted_checkpoint_carries_a_manifest_and_a_damaged_one_is_refused_
     config.reference.load = str(tmp_path / "mg")
     with pytest.raises(ConfigError, match=r"reference.load: .*model_optim_rng.pt: \d+ bytes, the manifest says \d+"):
         _check_loaded_checkpoints(config)
+
+
+def test_an_exported_model_carries_its_tokenizer_and_generation_config(tmp_path):
+    from tests.hf_tokenizer import make_tokenizer_dir
+
+    tiny_hf(tmp_path / "hf", "lm")
+    hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"))
+    tokenizer = make_tokenizer_dir(tmp_path / "tok", generation_eos=["<|im_end|>", "<|endoftext|>"])
+    megatron_to_hf(str(tmp_path / "mg"), str(tmp_path / "out"), tokenizer=str(tokenizer))
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert loaded.chat_template and json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == [2, 0]
+    with pytest.raises(CheckpointError, match="--tokenizer .*: none of tokenizer.json"):
+        megatron_to_hf(str(tmp_path / "mg"), str(tmp_path / "out2"), tokenizer=str(tmp_path / "mg"))
+    assert not (tmp_path / "out2").exists()

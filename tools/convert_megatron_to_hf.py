@@ -3,7 +3,8 @@
 to a Hugging Face directory of its family (config.json naming the family's model_type and class,
 safetensors files and their index).
 
-    python tools/convert_megatron_to_hf.py --megatron-dir ckpt/llama2-7b-tp2pp1 --output Llama-2-7b-rlhf
+    python tools/convert_megatron_to_hf.py --megatron-dir ckpt/llama2-7b-tp2pp1 --output Llama-2-7b-rlhf \
+        --tokenizer Llama-2-7b-hf     # copies its tokenizer files and generation_config.json too
 """
 
 import argparse
@@ -19,9 +20,11 @@ def main(argv=None) -> int:
     p.add_argument("--output", required=True, help="the Hugging Face directory to write (must not exist)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default: the checkpoint's own")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--tokenizer", help="a Hugging Face directory whose tokenizer files, chat template and "
+                                       "generation_config.json are copied in, so the output can generate on its own")
     args = p.parse_args(argv)
     try:
-        megatron_to_hf(args.megatron_dir, args.output, args.dtype, args.overwrite)
+        megatron_to_hf(args.megatron_dir, args.output, args.dtype, args.overwrite, args.tokenizer)
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

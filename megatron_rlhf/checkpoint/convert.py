@@ -126,8 +126,24 @@ def hf_to_megatron(
     write_atomically(output, fill, overwrite, inputs=[hf_dir])
 
 
-def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrite: bool = False) -> None:
+# What a Hugging Face directory needs besides the weights to tokenize and generate on its own.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "added_tokens.json")
+
+
+def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrite: bool = False,
+                   tokenizer: Optional[str] = None) -> None:
+    """``tokenizer``: a Hugging Face directory whose TOKENIZER_FILES are copied in (refused before
+    anything is written if it holds none of them)."""
+    import shutil
+
     from safetensors.torch import save_file
+
+    copied = [f for f in TOKENIZER_FILES if tokenizer and os.path.isfile(os.path.join(tokenizer, f))]
+    if tokenizer and not copied:
+        raise CheckpointError(f"--tokenizer {tokenizer}: none of {', '.join(TOKENIZER_FILES)} there; name the model's "
+                              "Hugging Face directory")
 
     arch, meta = read_model_meta(root)
     head = meta["head"]
@@ -166,6 +182,8 @@ def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrit
             json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=1)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config_from_arch(arch, head, str(torch_dtype).replace("torch.", "")), f, indent=1)
+        for name in copied:
+            shutil.copyfile(os.path.join(tokenizer, name), os.path.join(tmp, name))
 
     write_atomically(output, fill, overwrite, inputs=[root])
 
