@@ -67,7 +67,7 @@ class PPOController:
         )
         self.score_moments = ppo.RunningMoments()
         self.iteration = 0
-        self.last_samples = []  # (prompt, response) texts of the latest rollout
+        self.last_samples = []  # a few rows of the latest rollout: prompt, response, score, ground truth
 
     @property
     def phase(self) -> str:

@@ -313,8 +313,10 @@ class RunLog:
             return
         os.makedirs(output_dir, exist_ok=True)
         self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
+        self.samples_path = os.path.join(output_dir, "samples.jsonl")
         # On resume: the iterations the checkpoint covers; later ones are redone.
         cut_back(self.metrics_path, resumed_at)
+        cut_back(self.samples_path, resumed_at)
         if config.trainer.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -352,10 +354,14 @@ class RunLog:
         else:
             print(line, flush=True)
 
-    def log(self, metrics: dict, total: int) -> None:
+    def log(self, metrics: dict, total: int, samples: list = ()) -> None:
+        """One iteration: metrics.jsonl (and TensorBoard, W&B), samples.jsonl (a few rows: prompt,
+        response, score, ground truth), the printed line."""
         if not self.enabled:
             return
         self._record(metrics)
+        with open(self.samples_path, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps({"iteration": metrics["iteration"], **s}, default=str) + "\n" for s in samples)
         parts = [f"iter {metrics['iteration']:>4}/{total}", f"reward {metrics['reward/mean']:.3f}",
                  f"kl {metrics['kl/mean']:+.4f}", f"loss/policy {metrics['loss/policy']:+.4f}"]
         if "loss/value" in metrics:  # GAE only
@@ -520,7 +526,7 @@ def _run_iterations(controller, log, prepared: Prepared, validations: list, hist
             validations.append(controller.validate())
             metrics.update(validations[-1])
         history.append(metrics)
-        log.log(metrics, config.ppo.iterations)
+        log.log(metrics, config.ppo.iterations, controller.last_samples)
         if log.enabled:  # the new run has an iteration: the run --overwrite set aside goes
             drop_set_aside(prepared.output_dir)
         last = controller.iteration == config.ppo.iterations
@@ -625,8 +631,8 @@ def _run(prepared: Prepared) -> list:
         print(_summary(history, time.perf_counter() - started), flush=True)
         if len(validations) > 1:
             print(_validation_summary(validations[0], validations[-1]), flush=True)
-        prompt, response = controller.last_samples[0]
-        print(f"sample: {prompt!r} -> {response!r}", flush=True)
+        sample = controller.last_samples[0]
+        print(f"sample: {sample['prompt']!r} -> {sample['response']!r}", flush=True)
         ledger = controller.ledger
         print(
             f"memory (rank 0): at most {ledger.peak_resident_bytes() / 2**20:.2f} MiB of role state resident "

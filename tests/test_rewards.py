@@ -203,7 +203,13 @@ def test_chat_rows_hand_their_ground_truth_to_the_reward_and_validation_reports(
         assert row["reward/check_truth/truth_matches"] == 1.0 and row["reward/failures"] == 0
     for row in (rows[0], rows[2]):
         assert {"val/reward/mean", "val/mean@4", "val/pass@4", "val/add/pass@4", "val/sub/mean@4"} <= set(row)
+        assert row["val/reward/failures"] == 0
     assert "val/pass@4" not in rows[1]
+    # samples.jsonl: a few rows of each iteration as the run shows them, ground truth included.
+    samples = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert [s["iteration"] for s in samples] == [1] * 4 + [2] * 4
+    assert all(s["prompt"].endswith("= ?") and "response" in s and s["score"] == 0.0 and
+               str(eval(s["prompt"].replace("= ?", ""))) == s["ground_truth"] for s in samples)
 
 
 def test_a_parquet_file_and_a_reward_that_blocks_on_one_rank(tmp_path):

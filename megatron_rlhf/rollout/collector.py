@@ -15,6 +15,7 @@ import torch
 from megatron_rlhf import ppo
 from megatron_rlhf.config.schema import RLHFConfig
 from megatron_rlhf.data import PromptDataset, Tokenizer
+from megatron_rlhf.data.prompts import prompt_text
 from megatron_rlhf.generation import CacheSession, SamplingParams, generate
 from megatron_rlhf.memory import KV_CACHE
 from megatron_rlhf.models.batches import action_mask
@@ -25,6 +26,9 @@ from megatron_rlhf.rollout.record import Collected, Prompts, Rollout, merged_met
 from megatron_rlhf.rollout.rows import SampleRows, cat_rows, trimmed
 from megatron_rlhf.rollout.scoring import Scorer
 from megatron_rlhf.runtime.platform import get_platform
+
+
+SAMPLES_SHOWN = 4  # rows of each iteration the run shows (the printed sample line, samples.jsonl)
 
 
 class RolloutCollector:
@@ -76,8 +80,20 @@ class RolloutCollector:
             })
         metrics.update(merged_metrics(parts))
         rollout = self._experience(rows)
-        samples = list(zip([dataset.prompt_of(i) for i in rows["prompt_index"].tolist()], self.decode(rows)))
-        return Collected(rollout, samples, metrics)
+        return Collected(rollout, self._samples(dataset, rows), metrics)
+
+    def _samples(self, dataset: PromptDataset, rows: SampleRows) -> List[Dict]:
+        """The first SAMPLES_SHOWN rows of this rank as the run shows them: prompt, response, score
+        and (when the data has one) ground truth."""
+        shown = {k: v[:SAMPLES_SHOWN] for k, v in rows.items()}
+        out = []
+        for index, response, score in zip(shown["prompt_index"].tolist(), self.decode(shown), shown["scores"].tolist()):
+            prompt, fields = dataset.rows.prompt_and_fields(index)
+            sample = {"prompt": prompt_text(prompt), "response": response, "score": score}
+            if "ground_truth" in fields:
+                sample["ground_truth"] = fields["ground_truth"]
+            out.append(sample)
+        return out
 
     def _experience(self, rows: SampleRows) -> Rollout:
         """The rollout of the kept ``rows``: the reference's log-probs and the value model's values added."""

@@ -103,9 +103,10 @@ def merged_metrics(parts: List[Dict[str, float]]) -> Dict[str, float]:
 
 @dataclasses.dataclass
 class Collected:
-    """What collecting a rollout gives: the rollout, (prompt, response) texts of its rows, and the
-    metrics of collecting it (sampling, rewards, turns; ``time/generate_s``)."""
+    """What collecting a rollout gives: the rollout, a few of its rows as the run shows them
+    (prompt, response, score, ground truth), and the metrics of collecting it (sampling, rewards,
+    turns; ``time/generate_s``)."""
 
     rollout: Rollout
-    samples: List[Tuple[str, str]]
+    samples: List[Dict[str, Any]]
     metrics: Dict[str, float]

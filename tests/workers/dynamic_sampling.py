@@ -10,6 +10,7 @@ from common import OUT_DIR, REWARDS_FOR_TESTS, capture_rollouts, reward_pool, sa
 
 from megatron_rlhf.controller import PPOController
 from megatron_rlhf.memory import MemoryLedger
+from megatron_rlhf.rollout import collector as collector_module
 from megatron_rlhf.runtime import init_distributed
 from megatron_rlhf.train import parse_args, prepare
 
@@ -23,10 +24,11 @@ untouched = copy.deepcopy(dataset)
 init_distributed(config.parallel, seed=config.seed)
 controller = PPOController(config, dataset, tokenizer, reward_pool(f"{REWARDS_FOR_TESTS}:signal_after_n"), MemoryLedger(None))
 captured = capture_rollouts(controller)
+collector_module.SAMPLES_SHOWN = 10**6  # every kept row's prompt, in order
 metrics = controller.step()
 served = []
 while untouched.consumed < dataset.consumed:
     served += untouched.next_batch(config.ppo.rollout_batch_size, 0, 1)["texts"]
 rollout = captured["rollout"]
-save({"prompts": [p for p, _ in controller.last_samples], "scores": rollout.scores.cpu(), "metrics": metrics,
+save({"prompts": [s["prompt"] for s in controller.last_samples], "scores": rollout.scores.cpu(), "metrics": metrics,
       "served": served, "advantages": rollout.advantages.cpu(), "mask": rollout.action_mask.cpu()})
