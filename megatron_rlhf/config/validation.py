@@ -91,18 +91,45 @@ def _expert_problems(m) -> List[Problem]:
     return problems
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What the checks across keys know of the launch: the world size (None: not known, as in a
+    config check without a launch) and the data-parallel size it gives (None: not known or invalid)."""
+
+    world_size: Optional[int]
+    dp: Optional[int]
+
+
 def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> List[str]:
-    """Every problem of the parallel layout and batch sizes, each naming file, key and what is valid."""
-    # Values outside their domain first, all of them, then the checks across keys (which skip what
-    # an invalid value would only make confusing).
+    """Every problem of the config's keys together (layouts, networks, batch sizes, algorithm,
+    rollout), each naming file, key and what is valid: the values outside their domain first, then
+    the world's sizes, then every check of CHECKS in order (each skips what an invalid value would
+    only make confusing)."""
     problems = domain_problems(config)
-    par = config.parallel
+    world, layout = _world_problems(config, world_size)
+    if layout is None:  # a size below one: nothing can be checked across keys
+        return problems
+    problems += world
+    problems += _reward_problems(config) + _algorithm_problems(config)
+    incomplete = [(r, [k for k in REQUIRED_ARCH_FIELDS if getattr(config.role(r).model, k) is None])
+                  for r in config.model_roles]
+    incomplete = [f"{config.source_of(r + '.model')}: {r}.model: missing {', '.join(m)}; set them or name a "
+                  "preset (model: {preset: ...})" for r, m in incomplete if m]
+    if incomplete:  # nothing below can be checked without the networks
+        return problems + incomplete
+    for _, check in CHECKS:
+        problems += check(config, layout)
+    return list(dict.fromkeys(problems))  # a network at two layouts reports its own faults once
+
+
+def _world_problems(config: RLHFConfig, world_size: Optional[int]) -> Tuple[List[str], Optional[Layout]]:
+    """Sequence parallelism, and what the world size must divide; the Layout (None when a size
+    is below one)."""
+    par, problems = config.parallel, []
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
     ep = par.expert_model_parallel_size
-    tp_key, pp_key = "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size"
-    ep_key = "parallel.expert_model_parallel_size"
     if tp < 1 or pp < 1 or ep < 1:  # nothing below divides by a size that is not one
-        return problems
+        return problems, None
     if par.sequence_parallel:
         problems.append(
             f"{config.at('parallel.sequence_parallel')}: not supported yet: it needs transformer-engine's "
@@ -113,7 +140,7 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
     if world_size is not None:
         if world_size % (tp * pp) != 0:
             problems.append(
-                f"{config.at(tp_key)}: world size {world_size} is not divisible by "
+                f"{config.at('parallel.tensor_model_parallel_size')}: world size {world_size} is not divisible by "
                 f"TP*PP = {tp}*{pp} = {tp * pp}; valid TP*PP for this world size: "
                 f"{_divisors(world_size)}"
             )
@@ -121,20 +148,15 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
             dp = world_size // (tp * pp)
             if dp % ep != 0:
                 problems.append(
-                    f"{config.at(ep_key)}: {ep} does not divide the data-parallel size {dp} (world size "
-                    f"{world_size} / TP*PP {tp * pp}): megatron takes the expert-parallel ranks from the "
-                    f"data-parallel ones; valid EP: {_divisors(dp)}")
+                    f"{config.at('parallel.expert_model_parallel_size')}: {ep} does not divide the data-parallel size "
+                    f"{dp} (world size {world_size} / TP*PP {tp * pp}): megatron takes the expert-parallel ranks from "
+                    f"the data-parallel ones; valid EP: {_divisors(dp)}")
+    return problems, Layout(world_size, dp)
 
-    problems.extend(_reward_problems(config))
-    problems.extend(_algorithm_problems(config))
-    incomplete = [(r, [k for k in REQUIRED_ARCH_FIELDS if getattr(config.role(r).model, k) is None])
-                  for r in config.model_roles]
-    incomplete = [f"{config.source_of(r + '.model')}: {r}.model: missing {', '.join(m)}; set them or name a "
-                  "preset (model: {preset: ...})" for r, m in incomplete if m]
-    if incomplete:  # nothing below can be checked without the networks
-        return problems + incomplete
-    problems.extend(_role_layout_problems(config, world_size))
-    # Architecture checks once per distinct network and layout, naming every role that uses it.
+
+def _networks(config: RLHFConfig) -> List[tuple]:
+    """(network and layout, its ModelArchConfig, the roles that use it): one entry per distinct
+    network at a layout, so its faults are reported once, naming every role."""
     networks: List[tuple] = []
     for role in config.model_roles:
         key = (config.role(role).model.network(), config.layout_of(role))
@@ -143,13 +165,22 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
             networks.append((key, config.role(role).model, [role]))
         else:
             same[2].append(role)
-    for (_, layout), m, users in networks:
+    return networks
+
+
+def _network_problems(config: RLHFConfig, layout: Layout) -> List[str]:
+    """Each network's architecture against itself and against the layout it runs at."""
+    problems: List[str] = []
+    par = config.parallel
+    networks = _networks(config)
+    for (_, own_layout), m, users in networks:
         if not _in_domain(m):
             continue
         role = ", ".join(users)
         at = f"{users[0]}.model"
         file = config.source_of(at)
-        tp, pp, ep = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.expert_model_parallel_size
+        tp, pp = own_layout.tensor_model_parallel_size, own_layout.pipeline_model_parallel_size
+        ep = own_layout.expert_model_parallel_size
         own = [r for r in users if config.has_own_layout(r)]
         prefix = f"{own[0]}.parallel" if own else "parallel"
         tp_key, pp_key, ep_key = (f"{prefix}.{size}_model_parallel_size" for size in ("tensor", "pipeline", "expert"))
@@ -204,23 +235,15 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
     if par.expert_model_parallel_size > 1 and not any(n[1].num_experts for n in networks):
         problems.append(f"{config.at('parallel.expert_model_parallel_size')}: {par.expert_model_parallel_size}, but no "
                         "role's model has experts; set it to 1")
-    for role in config.model_roles:
-        rc = config.role(role)
-        problems.extend(_token_budget_problems(config, role))
+    return problems
 
-    problems.extend(_run_problems(config, dp))
-    problems.extend(_routing_replay_problems(config))
-    problems.extend(_rollout_problems(config))
-    problems.extend(_fixed_address_problems(config))
-    # Weight sync copies or shares trained weights into the serving role: same network.
-    for serving, trained in config.served_weights.items():
-        if config.role(trained).model.network() != config.role(serving).model.network():
-            problems.append(
-                f"{config.source_of(trained + '.model')}: {trained}.model: differs from "
-                f"{serving}.model ({config.source_of(serving + '.model')}); weight sync needs the "
-                "same architecture"
-            )
-    return list(dict.fromkeys(problems))  # a network at two layouts reports its own faults once
+
+def _served_weight_problems(config: RLHFConfig, layout: Layout) -> List[str]:
+    """Weight sync copies or shares trained weights into the serving role: the same network."""
+    return [f"{config.source_of(trained + '.model')}: {trained}.model: differs from {serving}.model "
+            f"({config.source_of(serving + '.model')}); weight sync needs the same architecture"
+            for serving, trained in config.served_weights.items()
+            if config.role(trained).model.network() != config.role(serving).model.network()]
 
 
 def _role_layout_problems(config: RLHFConfig, world_size: Optional[int]) -> List[str]:
@@ -531,6 +554,21 @@ def _rollout_problems(config: RLHFConfig) -> List[str]:
         problems.append(f"{config.at('algorithm.overlong_buffer_length')}: DAPO's overlong penalty is not defined for "
                         "multi-turn rollouts yet (a trajectory's model tokens span turns); set it to 0")
     return problems
+
+
+# The checks across keys, in the order they report (layout_problems runs them once the networks are
+# complete); each takes the config and the Layout.
+CHECKS = (
+    ("serving roles' own layouts", lambda config, layout: _role_layout_problems(config, layout.world_size)),
+    ("networks", _network_problems),
+    ("micro-batches by tokens", lambda config, layout: [p for role in config.model_roles
+                                                       for p in _token_budget_problems(config, role)]),
+    ("data, generation and batches", lambda config, layout: _run_problems(config, layout.dp)),
+    ("routing replay", lambda config, layout: _routing_replay_problems(config)),
+    ("multi-turn rollouts and tools", lambda config, layout: _rollout_problems(config)),
+    ("fixed device addresses", lambda config, layout: _fixed_address_problems(config)),
+    ("served weights", _served_weight_problems),
+)
 
 
 def input_problems(config: RLHFConfig, needs_prompts: bool = False) -> List[str]:
