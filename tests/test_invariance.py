@@ -38,7 +38,7 @@ def test_micro_batch_size_changes_neither_gradients_nor_reported_loss(updates, h
 
 
 @pytest.mark.parametrize("head", ["lm", "scalar"])
-@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2", "pp2_tokens40"])  # the last: packed by tokens, equal rows
 def test_dp_tp_and_pp_give_the_uncut_update(updates, head, layout):
     single, layouts = updates
     uncut = single[(head, "token-mean", "mb8")]

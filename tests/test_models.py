@@ -87,3 +87,7 @@ def test_micro_batches_packed_by_tokens_hold_as_many_rows_as_fit_and_a_row_too_l
     assert sum(mb["tokens"].shape[0] * mb["tokens"].shape[1] <= 20 for mb in mbs) == 3
     with pytest.raises(ValueError, match="a row of 9 tokens does not fit in max_tokens_per_micro_batch=8"):
         token_packed(8, lengths, tokens=tokens)
+    # Under pipeline parallelism every micro-batch has the same rows: the most that divide the 7 rows
+    # and keep the longest (9) within the budget: 7 x 9 = 63 <= 70, one micro-batch; 20: one row each.
+    assert [mb["tokens"].shape[0] for mb in token_packed(70, lengths, equal_rows=True, tokens=tokens)[0]] == [7]
+    assert [mb["tokens"].shape[0] for mb in token_packed(20, lengths, equal_rows=True, tokens=tokens)[0]] == [1] * 7

@@ -501,7 +501,7 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
 
 def _token_budget_problems(config: RLHFConfig, role: str) -> List[str]:
     """``micro_batch_size: auto`` goes with ``max_tokens_per_micro_batch`` (and the budget with
-    auto), holds the longest row, and runs at PP=1 (pipelined micro-batches share one shape)."""
+    auto), and holds the longest row."""
     rc, where = config.role(role), config.at
     budget = rc.max_tokens_per_micro_batch
     if rc.micro_batch_size != "auto":
@@ -514,9 +514,6 @@ def _token_budget_problems(config: RLHFConfig, role: str) -> List[str]:
     if _in_domain(config.rollout) and budget < config.sequence_tokens:
         problems.append(f"{where(role + '.max_tokens_per_micro_batch')}: {budget} is below the longest row a rollout "
                         f"holds ({config.sequence_tokens} tokens); use at least {config.sequence_tokens}")
-    if config.layout_of(role).pipeline_model_parallel_size > 1:
-        problems.append(f"{where(role + '.micro_batch_size')}: auto (micro-batches by tokens) runs at pipeline size 1 "
-                        "only (pipelined micro-batches share one shape); set a number of rows")
     return problems
 
 

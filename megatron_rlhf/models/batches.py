@@ -60,15 +60,21 @@ def length_grouped(size: int, lengths: torch.Tensor, **columns: torch.Tensor) ->
     return _cut(order, [size] * (rows // size), lengths, columns), order
 
 
-def token_packed(budget: int, lengths: torch.Tensor, **columns: torch.Tensor) -> Tuple[List[MicroBatch], torch.Tensor]:
+def token_packed(budget: int, lengths: torch.Tensor, equal_rows: bool = False,
+                 **columns: torch.Tensor) -> Tuple[List[MicroBatch], torch.Tensor]:
     """As :func:`length_grouped`, but each micro-batch takes rows (longest first) while its rows x
     its longest row stay within ``budget`` tokens: as few micro-batches as fit, of any number of
-    rows. A row longer than the budget is refused (ValueError)."""
+    rows. ``equal_rows`` (pipeline parallelism: the stages exchange one shape of rows): every
+    micro-batch has the same number of rows, the most that divides the rows and keeps the longest
+    within the budget. A row longer than the budget is refused (ValueError)."""
     order = torch.sort(lengths, descending=True, stable=True).indices
-    sizes, first = [], 0
     longest = [max(int(n), 2) for n in lengths[order].tolist()]
     if longest and longest[0] > budget:
         raise ValueError(f"a row of {longest[0]} tokens does not fit in max_tokens_per_micro_batch={budget}")
+    if equal_rows:
+        rows = max(r for r in range(1, len(longest) + 1) if len(longest) % r == 0 and r * longest[0] <= budget)
+        return _cut(order, [rows] * (len(longest) // rows), lengths, columns), order
+    sizes, first = [], 0
     while first < len(longest):
         rows = max(1, budget // longest[first])  # the first row is the micro-batch's longest
         sizes.append(min(rows, len(longest) - first))
@@ -96,10 +102,12 @@ def _cut(order: torch.Tensor, sizes: List[int], lengths: torch.Tensor, columns: 
     return batches
 
 
-def micro_batches_of(role_config, lengths: torch.Tensor, **columns: torch.Tensor) -> Tuple[List[MicroBatch], torch.Tensor]:
-    """A role's micro-batches of these rows (RoleConfig: rows per micro-batch, or a token budget)."""
+def micro_batches_of(role_config, lengths: torch.Tensor, pipelined: bool = False,
+                     **columns: torch.Tensor) -> Tuple[List[MicroBatch], torch.Tensor]:
+    """A role's micro-batches of these rows (RoleConfig: rows per micro-batch, or a token budget;
+    ``pipelined``: the role runs at PP > 1, so its micro-batches have equal rows)."""
     if role_config.token_budget is not None:
-        return token_packed(role_config.token_budget, lengths, **columns)
+        return token_packed(role_config.token_budget, lengths, equal_rows=pipelined, **columns)
     return length_grouped(role_config.micro_batch_size, lengths, **columns)
 
 

@@ -25,7 +25,8 @@ def _rows(role: Role, tokens: torch.Tensor, lengths: torch.Tensor, reduce: Reduc
     """``reduce`` over micro-batches grouped by length, each trimmed to its longest row; the
     results back in row order, zero at the trimmed positions. With ``routes_out`` (a list), the
     routing of every row on this stage is appended to it: [B, S, L, K], -1 at the trimmed positions."""
-    micro_batches, order = micro_batches_of(role.config, lengths, tokens=tokens, **columns)
+    micro_batches, order = micro_batches_of(role.config, lengths, groups_of(role.model).pp.size() > 1, tokens=tokens,
+                                            **columns)
     recorded = [] if routes_out is not None else None
     outputs = role.forward(micro_batches, reduce, routes_out=recorded)
     if recorded is not None:

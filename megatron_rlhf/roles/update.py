@@ -59,6 +59,7 @@ class PPOUpdate:
         lengths = everything.pop("lengths")
         rows, step_rows = lengths.shape[0], cfg.samples_per_step(name)
         share = step_rows // cut.size
+        pipelined = groups_of(role.model).pp.size() > 1
         steps: List[List[Dict[str, torch.Tensor]]] = []  # per optimizer step, its micro-batches' metric sums
         grad_norms, skipped, router_losses = [], 0, []
         with self.roles.resident(name, "training"):
@@ -68,7 +69,8 @@ class PPOUpdate:
                     cfg.seed + 7_919 * iteration + 104_729 * epoch)).to(lengths.device)
                 for first in range(0, rows, step_rows):
                     picked = order[first : first + step_rows][cut.rank * share : (cut.rank + 1) * share]
-                    mbs, _ = micro_batches_of(role.config, lengths[picked], **{k: v[picked] for k, v in everything.items()})
+                    mbs, _ = micro_batches_of(role.config, lengths[picked], pipelined,
+                                              **{k: v[picked] for k, v in everything.items()})
                     result = role.train_step(mbs, loss_fn)
                     if result["non_finite"] is not None:
                         if cfg.trainer.on_non_finite == "stop":

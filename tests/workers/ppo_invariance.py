@@ -82,7 +82,7 @@ def one_step(weights, head, tp, pp, micro, mode):
     # The uncut run feeds whole rows; every cut run groups rows by length, trimmed (models/batches.py).
     uncut = (tp, pp, micro) == (1, 1, ROWS)
     if isinstance(micro, str):  # micro-batches packed by tokens ("tokens40": 40 per micro-batch)
-        micro_batches = token_packed(int(micro[len("tokens"):]), lengths, **mine)[0]
+        micro_batches = token_packed(int(micro[len("tokens"):]), lengths, equal_rows=pp > 1, **mine)[0]
     else:
         micro_batches = split_rows(micro, **mine) if uncut else length_grouped(micro, lengths, **mine)[0]
     metrics = forward_backward(ddp, micro_batches, loss_fn, forward_only=False)
@@ -101,6 +101,6 @@ for head in ("lm", "scalar"):
             if mode == "token-mean":
                 result[(head, mode, "tokens40")] = one_step(weights, head, 1, 1, "tokens40", mode)
     else:
-        for name, tp, pp, micro in (("dp2", 1, 1, 2), ("tp2", 2, 1, 4), ("pp2", 1, 2, 2)):
+        for name, tp, pp, micro in (("dp2", 1, 1, 2), ("tp2", 2, 1, 4), ("pp2", 1, 2, 2), ("pp2_tokens40", 1, 2, "tokens40")):
             result[(head, "token-mean", name)] = one_step(weights, head, tp, pp, micro, "token-mean")
 save(result)
