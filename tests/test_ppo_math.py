@@ -448,7 +448,7 @@ def test_length_grouped_micro_batches_are_trimmed_and_come_back_in_row_order():
 
 
 def test_the_estimator_registry_is_the_configs_domain_and_dispatches_to_the_formulas():
-    from megatron_rlhf.config.schema import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS
+    from megatron_rlhf.config.names import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS
 
     assert set(ppo.ESTIMATORS) == set(ADVANTAGE_ESTIMATORS)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0]])

@@ -9,8 +9,8 @@ import os
 from typing import Dict, List, Literal, Optional, Union
 
 from megatron_rlhf.config.errors import located
-from megatron_rlhf.config.names import (ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS,
-                                        LOSS_AGG_MODES, POLICY_LOSSES, TOOL_PARSERS)
+from megatron_rlhf.config.names import (ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES,
+                                        POLICY_LOSSES, TOOL_PARSERS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import time
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence
 
 from megatron_rlhf.rollout.environment import StepResult, Turn
 from megatron_rlhf.tools.function import FunctionTool, ToolError, argument_problem, load_tools, result_text
