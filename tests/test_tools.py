@@ -295,7 +295,7 @@ def test_a_tool_using_trajectory_is_the_template_applied_once_with_the_model_s_t
 
 # -- the sandbox ------------------------------------------------------------------------------------
 
-LIMITS = SandboxLimits(cpu_s=2, wall_s=3, memory_mb=512, file_mb=1, output_bytes=4096)
+LIMITS = SandboxLimits(cpu_s=1, wall_s=2, memory_mb=512, file_mb=1, output_bytes=4096)
 SANDBOX_CASES = {
     "reads the run's files": ("print(open({secret!r}).read())", "error", "does not allow reading"),
     "lists the run's directory": ("import os; print(os.listdir({run!r}))", "error", "does not allow os.listdir"),
