@@ -21,7 +21,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 import warnings
 
 import torch
@@ -29,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from generation import PAD, add_model_arguments, random_llama  # noqa: E402
+from generation import PAD, add_model_arguments, random_llama, timed  # noqa: E402
 
 from megatron_rlhf.checkpoint import load_model_shard  # noqa: E402
 from megatron_rlhf.checkpoint.convert import hf_to_megatron  # noqa: E402
@@ -78,14 +77,6 @@ def rollout(model, prompts: torch.Tensor, replies: torch.Tensor, turns: int, kee
     if session is not None:
         session.close()
     return rows, fed
-
-
-def timed(run):
-    get_platform().synchronize()
-    started = time.perf_counter()
-    result = run()
-    get_platform().synchronize()
-    return result, time.perf_counter() - started
 
 
 def measure(model, turns: int, args) -> dict:

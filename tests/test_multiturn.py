@@ -273,24 +273,26 @@ class _Group:
 
 
 class _ScriptedCollector:
-    """Stands in for the collector: one replica of one rank, whose engine answers every prefix
-    with the same turn ("a" then the end token)."""
+    """Stands in for the collector: one replica of one rank, whose engine answers every prefix of
+    a call with the call's turn: ``turns[k]`` for the k-th call (the last one again after)."""
 
-    def __init__(self, tokenizer, slots):
+    def __init__(self, turns, slots):
         model = types.SimpleNamespace(pg_collection=types.SimpleNamespace(tp=_Group(), pp=_Group()))
         self.roles = {"policy": types.SimpleNamespace(model=model)}
-        self.turn = tokenizer.encode("a") + [tokenizer.eos_id]
+        self.turns, self.calls = list(turns), 0
         self.slots = slots
 
     def engine(self, rows, params, max_new_tokens, session, keys):
         """The turn cut to each row's limit; a row whose key the session saw before resumes
         (in ``session.slots`` slots at most, the later ones prefill again)."""
-        width = rows["tokens"].shape[1] + len(self.turn)
+        turn = self.turns[min(self.calls, len(self.turns) - 1)]
+        self.calls += 1
+        width = rows["tokens"].shape[1] + len(turn)
         tokens = torch.zeros(len(rows["tokens"]), width, dtype=torch.long)
-        lengths = [min(len(self.turn), limit) for limit in max_new_tokens]
+        lengths = [min(len(turn), limit) for limit in max_new_tokens]
         for i, (row, n) in enumerate(zip(rows["tokens"], rows["prompt_lengths"].tolist())):
             tokens[i, :n] = row[:n]
-            tokens[i, n : n + lengths[i]] = torch.tensor(self.turn[: lengths[i]])
+            tokens[i, n : n + lengths[i]] = torch.tensor(turn[: lengths[i]])
         resumed = sum(key in session.seen for key in keys[: session.slots])
         session.seen.update(keys[: session.slots])
         return types.SimpleNamespace(tokens=tokens, response_lengths=torch.tensor(lengths),
@@ -316,7 +318,8 @@ def _turns(tmp_path, environment: str, slots=2, **rollout):
             "seeds": torch.tensor([7, 8]), "prompt_index": torch.tensor([0, 1])}
     params = SamplingParams(max_new_tokens=2, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
     try:
-        return turns.run(_ScriptedCollector(tok, slots), mine, prompts, params), tok
+        # Every turn: "a" then the end token.
+        return turns.run(_ScriptedCollector([tok.encode("a") + [tok.eos_id]], slots), mine, prompts, params), tok
     finally:
         turns.close()
 

@@ -16,6 +16,7 @@ from megatron_rlhf.tools.function import ToolError, argument_problem, function_t
 from megatron_rlhf.tools.parsers import ToolCall, make_parser
 from megatron_rlhf.tools.sandbox import SandboxLimits, run_python
 from tests.hf_tokenizer import byte_level_tokenizer_dir
+from tests.test_multiturn import _ScriptedCollector
 
 # ChatML with Qwen2.5's tool block and tool responses, and a Llama-3.1-style template with tools in
 # the system turn and tool results from "ipython" (written for these tests after the models' formats).
@@ -217,34 +218,6 @@ def test_the_prompt_shows_the_tools_as_the_model_family_s_template_does(tmp_path
     assert batch["tokens"][0, : batch["lengths"][0]].tolist() == expected
 
 
-class _ScriptedPolicy:
-    """Stands in for the collector (one replica, one rank): each turn, every trajectory gets the
-    next of ``turns`` (ids, the model's tokens through its end token)."""
-
-    def __init__(self, turns):
-        from tests.test_multiturn import _Group
-
-        model = types.SimpleNamespace(pg_collection=types.SimpleNamespace(tp=_Group(), pp=_Group()))
-        self.roles = {"policy": types.SimpleNamespace(model=model)}
-        self.turns, self.calls = list(turns), 0
-
-    def engine(self, rows, params, max_new_tokens, session, keys):
-        turn = self.turns[self.calls]
-        self.calls += 1
-        width = rows["tokens"].shape[1] + len(turn)
-        tokens = torch.zeros(len(rows["tokens"]), width, dtype=torch.long)
-        for i, (row, n) in enumerate(zip(rows["tokens"], rows["prompt_lengths"].tolist())):
-            tokens[i, :n] = row[:n]
-            tokens[i, n : n + len(turn)] = torch.tensor(turn)
-        return types.SimpleNamespace(tokens=tokens, response_lengths=torch.full((len(tokens),), len(turn)),
-                                     stats=types.SimpleNamespace(resumed=0))
-
-    def cache_session(self, rows):
-        import contextlib
-
-        return contextlib.nullcontext(None)
-
-
 @pytest.mark.parametrize("name", ["qwen", "llama31"])
 def test_a_tool_using_trajectory_is_the_template_applied_once_with_the_model_s_tokens_trained(tmp_path, tools_file, name):
     """A scripted policy calls add, reads the result, answers: through the environment workers, the
@@ -279,7 +252,7 @@ def test_a_tool_using_trajectory_is_the_template_applied_once_with_the_model_s_t
     mine = {"tokens": torch.tensor([prompt]), "prompt_lengths": torch.tensor([len(prompt)]), "seeds": torch.tensor([1]),
             "prompt_index": torch.tensor([0])}
     try:
-        rows, metrics = turns.run(_ScriptedPolicy([first_turn, second_turn]), mine,
+        rows, metrics = turns.run(_ScriptedCollector([first_turn, second_turn], slots=1), mine,
                                   types.SimpleNamespace(texts=["q"], fields=[{}]),
                                   SamplingParams(max_new_tokens=64, eos_ids=tok.eos_ids, pad_id=tok.pad_id))
     finally:

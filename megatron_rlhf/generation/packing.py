@@ -1,9 +1,10 @@
 """One engine step as one packed sequence [1, T], and where each of its tokens belongs.
 
 The prompt of each row admitted this step comes first (its prefill: the whole prompt, or the
-tokens after those its slot's cache already holds), then one token per decoding row. Everything the attention of every layer needs to know about the step is worked out
-here once (the cache positions written, the rotary angles, the prefill groups, the decode mask),
-so the per-layer attention (kv_cache.py) does tensor work only.
+tokens after those its slot's cache already holds), then one token per decoding row. Everything
+the attention of every layer needs to know about the step is worked out here once (the cache
+positions written, the rotary angles, the prefill groups, the decode mask), so the per-layer
+attention (kv_cache.py) does tensor work only.
 """
 
 from __future__ import annotations

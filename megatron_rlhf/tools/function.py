@@ -58,7 +58,7 @@ def function_tool(fn: Callable[..., Any], where: str = "") -> FunctionTool:
     parameters = function.get("parameters") or {"type": "object", "properties": {}}
     if not isinstance(function.get("name"), str) or parameters.get("type") != "object":
         raise ValueError(f"tool {where}: its spec needs a name and parameters of type object, got {spec!r:.200}")
-    _checker(parameters, where)  # a broken schema stops the run here, not at the model's first call
+    check_schema(parameters, where)  # a broken schema stops the run here, not at the model's first call
     return FunctionTool(function["name"], function.get("description", ""), parameters, fn)
 
 
@@ -76,21 +76,24 @@ def load_tools(specs: Sequence[str], base: str) -> List[FunctionTool]:
     return tools
 
 
-def _checker(schema: Dict[str, Any], where: str):
+def check_schema(schema: Dict[str, Any], where: str):
+    """Refuse a schema that is not valid JSON schema (once, where a tool is made)."""
     import jsonschema
 
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as e:
         raise ValueError(f"tool {where}: its parameters are not a valid JSON schema ({e.message})") from None
-    return jsonschema.Draft202012Validator(schema)
 
 
 def argument_problem(tool: FunctionTool, arguments: Any) -> Optional[str]:
-    """Why ``arguments`` do not fit ``tool``'s schema (the message the model is shown), or None."""
+    """Why ``arguments`` do not fit ``tool``'s schema (the message the model is shown), or None.
+    The schema itself was checked when the tool was made."""
+    import jsonschema
+
     if not isinstance(arguments, dict):
         return f"the arguments of {tool.name} must be a JSON object, got {json.dumps(arguments)[:80]}"
-    error = next(iter(_checker(tool.parameters, tool.name).iter_errors(arguments)), None)
+    error = next(iter(jsonschema.Draft202012Validator(tool.parameters).iter_errors(arguments)), None)
     if error is None:
         return None
     at = "/".join(str(p) for p in error.absolute_path)

@@ -15,7 +15,7 @@ import shlex
 import threading
 from typing import Any, Dict, List, Optional
 
-from megatron_rlhf.tools.function import FunctionTool, ToolError, _checker
+from megatron_rlhf.tools.function import FunctionTool, ToolError, check_schema
 
 START_TIMEOUT_S = 60.0
 
@@ -70,7 +70,7 @@ class MCPServerTools:
         out = []
         for tool in listed:
             schema = dict(getattr(tool, "input_schema", None) or getattr(tool, "inputSchema", None) or {"type": "object"})
-            _checker(schema, f"{tool.name} of MCP server `{self.command}`")
+            check_schema(schema, f"{tool.name} of MCP server `{self.command}`")
             out.append(FunctionTool(tool.name, tool.description or "", schema, _Caller(self, tool.name)))
         return out
 

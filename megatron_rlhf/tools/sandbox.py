@@ -12,6 +12,7 @@ processes, signals and ctypes. Standard output and error come back together, cut
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import select
@@ -49,13 +50,14 @@ class SandboxResult:
     seconds: float
 
 
-def _library() -> list:
+@functools.lru_cache(maxsize=None)
+def _library() -> tuple:
     """The directories the code may read and import from: the standard library and the
     interpreter's installed packages (not editable installs elsewhere: their paths are not here)."""
     paths = sysconfig.get_paths()
     found = [paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k)]
     found += [p for p in sys.path if p.endswith("lib-dynload")]  # the standard library's extension modules
-    return sorted({os.path.realpath(p) for p in found if os.path.isdir(p)})
+    return tuple(sorted({os.path.realpath(p) for p in found if os.path.isdir(p)}))
 
 
 def network_namespace_available() -> bool:
@@ -72,7 +74,7 @@ def network_namespace_available() -> bool:
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Run ``code`` in the sandbox; never raises for what the code does."""
     home = tempfile.mkdtemp(prefix="sandbox-")
-    settings = {**dataclasses.asdict(limits), "library": _library()}
+    settings = {**dataclasses.asdict(limits), "library": list(_library())}
     started = time.perf_counter()
     env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HOME": home}
     try:
