@@ -68,7 +68,7 @@ try:
 except EnvironmentFailure as e:  # on every rank: none waits for the others in a collective
     result["fails_everywhere"] = (str(e), e.collective)
 # The sandboxed Python tool in the tags format, wired through the config, the prompts and the workers.
-tools_config = os.path.join(OUT_DIR, "tools.yaml")
+tools_config = os.path.join(OUT_DIR, f"tools_{os.environ['RANK']}.yaml")  # one per rank: no rank reads another's half-written file
 with open(tools_config, "w") as f:
     f.write(TOOLS_CONFIG.format(repo=os.getcwd()))
 result["tools"], _ = iteration(tools_config, 1, "tools")
