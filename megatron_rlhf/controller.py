@@ -124,6 +124,7 @@ class PPOController:
             "score_moments": self.score_moments.state_dict(),
             "dataset": self.dataset.state_dict(),
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            "partial": self.collector.partial.state_dict() if self.collector.partial is not None else None,
         }
 
     def load_state_dict(self, state: Dict) -> None:
@@ -138,6 +139,8 @@ class PPOController:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
+        if self.collector.partial is not None:
+            self.collector.partial.load_state_dict(state.get("partial") or {"held": None})
 
     # -- advantages and metrics ----------------------------------------------------------------
 
@@ -160,11 +163,21 @@ class PPOController:
             moments = sum_over(ppo.masked_moments(advantages, mask), self.role_set.cut.group)
             advantages = ppo.whiten_with_moments(advantages, mask, moments)
         r.advantages = advantages
-        return {"kl/coef": self.kl_controller.value, **self._rollout_figures(r, kl)}
+        return {"kl/coef": self.kl_controller.value, **self._rollout_figures(r, kl, self._correct(r))}
 
-    def _rollout_figures(self, r: Rollout, kl: torch.Tensor) -> Dict[str, float]:
+    def _correct(self, r: Rollout) -> Dict[str, tuple]:
+        """Where the engine's log-probs were recorded: r.correction (the policy loss's token weights
+        and mask, algorithm.rollout_correction) and the mismatch figures' sums."""
+        if r.behaviour_log_probs is None:
+            return {}
+        c = self.config.algorithm.rollout_correction
+        r.correction = ppo.rollout_correction(r.old_log_probs, r.behaviour_log_probs, r.action_mask, c.mode, c.level, c.band)
+        return ppo.mismatch_figures(r.old_log_probs, r.behaviour_log_probs, r.action_mask, r.correction)
+
+    def _rollout_figures(self, r: Rollout, kl: torch.Tensor, more: Dict[str, tuple]) -> Dict[str, float]:
         """The rollout's figures over every DP rank's rows, from sums over the ranks: a token mean
-        weighs every token alike, the reward's std is the whole rollout's, whatever each share holds."""
+        weighs every token alike, the reward's std is the whole rollout's, whatever each share holds.
+        ``more``: further figures as (numerator, denominator) of this rank's share."""
         mask, rows = r.action_mask, float(len(r.scores))
         tokens = mask.sum()
         ratios = {  # figure: (numerator, denominator) summed over the ranks
@@ -178,6 +191,7 @@ class PPOController:
         if r.returns is not None:
             ratios["returns/mean"] = ((r.returns * mask).sum(), tokens)
             ratios["values/mean"] = ((r.old_values * mask).sum(), tokens)
+        ratios.update(more)
         sums = sum_over(torch.tensor([[float(n), float(d)] for n, d in ratios.values()], dtype=torch.float64,
                                      device=mask.device), self.role_set.cut.group)
         out = {k: (n / d if d else 0.0) for k, (n, d) in zip(ratios, sums.tolist())}

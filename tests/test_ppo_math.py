@@ -472,3 +472,42 @@ def test_the_estimator_registry_is_the_configs_domain_and_dispatches_to_the_form
     assert ppo.ESTIMATORS["rloo"].advantages(x)[0][0].tolist() == [-1.0, -1.0, 0.0]
     assert [ppo.ESTIMATORS[n].whitened(w) for n in ("gae", "grpo", "reinforce_plus_plus") for w in (True, False)] == \
         [True, False, False, False, True, True]
+
+
+def test_rollout_correction_weights_and_masks_are_the_formulas_on_hand_cases():
+    old = torch.log(torch.tensor([[0.5, 0.2, 0.9, 0.3], [0.4, 0.4, 0.1, 0.6]]))
+    behaviour = torch.log(torch.tensor([[0.25, 0.4, 0.3, 0.3], [0.1, 0.8, 0.1, 0.6]]))
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    ratios = [[2.0, 0.5, 3.0, 1.0], [4.0, 0.5, 1.0, 1.0]]  # pi_old / pi_behaviour, by hand
+    truncated = ppo.rollout_correction(old, behaviour, mask, "truncate", "token", (0.5, 2.0))
+    expected = [[min(r, 2.0) if m else 1.0 for r, m in zip(rr, mm)] for rr, mm in zip(ratios, mask.tolist())]
+    assert torch.allclose(truncated.weights, torch.tensor(expected), rtol=1e-6)
+    assert torch.equal(truncated.keep, mask.float())
+    # Sequence level: the product of the row's ratios (2 x 0.5 x 3 = 3; 4 x 0.5 = 2), capped, at every token.
+    sequence = ppo.rollout_correction(old, behaviour, mask, "truncate", "sequence", (0.5, 2.5))
+    assert torch.allclose(sequence.weights, torch.tensor([[2.5, 2.5, 2.5, 1.0], [2.0, 2.0, 1.0, 1.0]]), rtol=1e-6)
+    # Mask: ratios outside [0.6, 2.5] leave the loss (0.5 below, 3 and 4 above); weights stay 1.
+    masked = ppo.rollout_correction(old, behaviour, mask, "mask", "token", (0.6, 2.5))
+    assert masked.keep.tolist() == [[1 if m and 0.6 <= r <= 2.5 else 0 for r, m in zip(rr, mm)]
+                                    for rr, mm in zip(ratios, mask.tolist())]
+    assert torch.equal(masked.weights, torch.ones_like(old))
+    sums = ppo.mismatch_figures(old, behaviour, mask, masked)
+    masked_tokens, tokens = sums["rollout/masked_share"]
+    assert (float(masked_tokens), float(tokens)) == (4.0, 5.0)  # only the ratio 2 stays
+    kl = sum(r - 1 - math.log(r) for rr, mm in zip(ratios, mask.tolist()) for r, m in zip(rr, mm) if m) / 5
+    assert float(sums["rollout/behaviour_kl"][0]) / float(sums["rollout/behaviour_kl"][1]) == pytest.approx(kl, rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_rollout_correction_with_behaviour_equal_to_old_changes_nothing(mode, level):
+    torch.manual_seed(0)
+    old = torch.randn(6, 9) - 2
+    mask = torch.tensor(MASK + [[1] * 5], dtype=torch.float).repeat(1, 2)[:, :9]
+    correction = ppo.rollout_correction(old, old.clone(), mask, mode, level, (0.5, 2.0))
+    assert torch.equal(correction.weights, torch.ones_like(old)) and torch.equal(correction.keep, mask)
+    logp, adv = torch.randn(6, 9), torch.randn(6, 9)
+    plain, _ = ppo.policy_loss_terms(logp, old, adv, 0.2, 0.2)
+    weighed, _ = ppo.policy_loss_terms(logp, old, adv, 0.2, 0.2)
+    assert torch.equal(ppo.aggregate_loss(weighed * correction.weights, correction.keep)[0],
+                       ppo.aggregate_loss(plain, mask)[0])

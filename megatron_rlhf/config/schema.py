@@ -4,13 +4,14 @@ key is absent. Only these keys are accepted: anything else is an error naming fi
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import os
 from typing import Dict, List, Literal, Optional, Union
 
 from megatron_rlhf.config.errors import located
-from megatron_rlhf.config.names import (ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES,
-                                        POLICY_LOSSES, TOOL_PARSERS)
+from megatron_rlhf.config.names import (ADVANTAGE_ESTIMATORS, CORRECTION_LEVELS, CRITIC_ESTIMATORS, KL_ESTIMATORS,
+                                        LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS, TOOL_PARSERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,6 +314,28 @@ class GenerationConfig:
 
 
 @dataclasses.dataclass
+class PartialRolloutConfig:
+    """Partial rollouts (slime's APRIL, verl's colocate_async; rollout/partial.py): responses to
+    ``over_sample`` x ppo.rollout_batch_size prompts are in flight; generation stops once
+    rollout_batch_size groups (every response of a prompt) have ended, and the unfinished ones are
+    held with the run's state and resumed first by the next iteration's weights. A group whose first
+    tokens are more than ``max_staleness`` weight versions older than the update is dropped (counted)."""
+
+    enabled: bool = False
+    over_sample: float = bounded(2.0, ge=1)
+    max_staleness: int = bounded(1, ge=0)
+    # Tokens each response generates between the checks for ended groups; None: max_new_tokens / 8.
+    chunk_tokens: Optional[int] = bounded(None, ge=1)
+
+    def chunk(self, generation: "GenerationConfig") -> int:
+        return self.chunk_tokens or max(1, generation.max_new_tokens // 8)
+
+    def pool_groups(self, rollout_batch_size: int) -> int:
+        """Prompts in flight (held and new) each round."""
+        return math.ceil(self.over_sample * rollout_batch_size - 1e-9)
+
+
+@dataclasses.dataclass
 class RolloutConfig:
     """Multi-turn rollouts: with ``environment`` (``module:Class`` or ``file.py:Class``, relative
     to the config file; rollout/environment.py) the policy writes a turn, the environment answers,
@@ -337,6 +360,7 @@ class RolloutConfig:
     tool_parser: Literal[TOOL_PARSERS] = "hermes"  # the models' call format (tools/parsers.py)
     max_parallel_calls: int = bounded(4, ge=1)  # calls of one turn run side by side, at most this many
     tool_timeout_s: float = bounded(20.0, gt=0)  # per call; below env_timeout_s
+    partial: PartialRolloutConfig = dataclasses.field(default_factory=PartialRolloutConfig)
 
     @property
     def uses_tools(self) -> bool:
@@ -402,6 +426,27 @@ class PPOConfig:
 
 
 @dataclasses.dataclass
+class RolloutCorrectionConfig:
+    """Off-policy correction of the rollout (ppo/correction.py): the tokens were sampled by a
+    behaviour policy (older weights with partial rollouts; the engine's numerics on GPU) whose
+    log-probs the engine records; the update weighs each token by pi_old / pi_behaviour.
+    ``truncate``: by min(ratio, threshold) (truncated importance sampling, TIS); ``mask``: tokens
+    whose ratio leaves [threshold_low, threshold] leave the policy loss. ``level``: the ratio of
+    each token, or of each sequence (the product over its tokens, every token of it alike)."""
+
+    mode: Literal[ROLLOUT_CORRECTIONS] = "off"
+    level: Literal[CORRECTION_LEVELS] = "token"
+    threshold: float = bounded(2.0, gt=0)
+    threshold_low: Optional[float] = bounded(None, ge=0)  # mask only; None: 1 / threshold
+
+    @property
+    def band(self):
+        """(low, high) of the ratio kept (mask) or the cap (truncate: high)."""
+        low = self.threshold_low if self.threshold_low is not None else 1.0 / self.threshold
+        return low, self.threshold
+
+
+@dataclasses.dataclass
 class AlgorithmConfig:
     """How advantages are estimated and which rollouts are kept. ``gae`` is PPO with a critic
     (value and ppo_value roles); every other estimator is critic-free and builds neither.
@@ -423,6 +468,7 @@ class AlgorithmConfig:
     # loses overlong_penalty_factor * (excess / overlong_buffer_length) of score (0: off).
     overlong_buffer_length: int = bounded(0, ge=0)
     overlong_penalty_factor: float = bounded(1.0, ge=0)
+    rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.generation.kv_cache import SlotKVCache
 from megatron_rlhf.generation.packing import StepPacker
-from megatron_rlhf.generation.sampling import SamplingParams, sample_next
+from megatron_rlhf.generation.sampling import SamplingParams, chosen_log_probs, sample_next
 from megatron_rlhf.generation.schedule import ScheduledStep, SlotSchedule
 from megatron_rlhf.generation.session import CacheSession
 from megatron_rlhf.generation.stage import PipelineStage
@@ -76,6 +76,9 @@ class Generated:
     response_lengths: torch.Tensor
     stats: EngineStats = dataclasses.field(default_factory=EngineStats)
     routes: Optional[torch.Tensor] = None  # [B, S, L, K] when recorded (models/routing.py)
+    # [B, S-1] per action when recorded: the log-prob the engine gave each response token it
+    # sampled (the behaviour policy's, sampling.chosen_log_probs), 0 elsewhere.
+    log_probs: Optional[torch.Tensor] = None
 
     @property
     def total_lengths(self) -> torch.Tensor:
@@ -127,10 +130,11 @@ def _any_peer_running(peers, running: bool, device: torch.device) -> bool:
 class _Responses:
     """The rows being generated, on the device: tokens [B, width + 1] (prompt, then response; the
     last column takes the tokens not kept), each row's response length so far, and per slot its
-    last token and whether its row is still going (no end token emitted)."""
+    last token and whether its row is still going (no end token emitted); with ``log_probs``,
+    the engine's log-prob of each token sampled, by position."""
 
     def __init__(self, prompts: torch.Tensor, lengths: list, slots: int, width: int, params: SamplingParams,
-                 device: torch.device):
+                 device: torch.device, log_probs: bool = False):
         rows = prompts.shape[0]
         self.width = width
         self.tokens = torch.full((rows, width + 1), params.pad_id, dtype=torch.long, device=device)
@@ -140,13 +144,18 @@ class _Responses:
         self.alive = torch.zeros(slots, dtype=torch.bool, device=device)
         self.last_token = torch.zeros(slots, dtype=torch.long, device=device)
         self.eos_ids = torch.tensor(params.eos_ids, dtype=torch.long, device=device) if params.eos_ids else None
+        self.log_probs = torch.zeros((rows, width + 1), device=device) if log_probs else None
 
-    def record(self, step: ScheduledStep, sampled: torch.Tensor, rows: torch.Tensor, counters: torch.Tensor) -> None:
-        """Each slot's token of ``step``: kept where its row is still going."""
+    def record(self, step: ScheduledStep, sampled: torch.Tensor, rows: torch.Tensor, counters: torch.Tensor,
+               log_probs: Optional[torch.Tensor] = None) -> None:
+        """Each slot's token of ``step`` (and its log-prob): kept where its row is still going."""
         slots = torch.tensor(step.slots, device=sampled.device)
         self.alive[slots[: len(step.admitted)]] = True
         kept = self.alive[slots]
-        self.tokens[rows, torch.where(kept, self.prompt_lengths[rows] + counters, self.width)] = sampled
+        where = torch.where(kept, self.prompt_lengths[rows] + counters, self.width)
+        self.tokens[rows, where] = sampled
+        if self.log_probs is not None:
+            self.log_probs[rows, where] = log_probs
         self.response_lengths.index_add_(0, rows, kept.long())
         if self.eos_ids is not None:
             self.alive[slots] = kept & ~torch.isin(sampled, self.eos_ids)
@@ -156,8 +165,10 @@ class _Responses:
         stats.useful = int(self.response_lengths.sum())
         total = self.prompt_lengths + self.response_lengths
         used = int(total.max())
+        # The token at position p is the action at p - 1's.
+        log_probs = None if self.log_probs is None else self.log_probs[:, 1:used]
         return Generated(self.tokens[:, :used], self.prompt_lengths, self.response_lengths, stats,
-                         None if routes is None else routes.result(total, used))
+                         None if routes is None else routes.result(total, used), log_probs)
 
 
 class _Routes:
@@ -202,6 +213,8 @@ def generate(
     max_new_tokens: Optional[Sequence[int]] = None,
     session: Optional[CacheSession] = None,
     keys: Optional[Sequence[Hashable]] = None,
+    start_counters: Optional[Sequence[int]] = None,
+    record_log_probs: bool = False,
 ) -> Generated:
     """Responses to a batch of prompts [B, P] (``prompt_lengths`` [B] real tokens each).
 
@@ -219,7 +232,9 @@ def generate(
     ``session``: a KV cache kept across calls (session.py; its slots and length replace
     ``batch_size`` and ``cache_length``, ``on_cache`` is the session's); ``keys`` [B]: each row's
     identity in it (a trajectory's id): a row whose earlier tokens the session holds feeds only
-    the rest.
+    the rest. ``start_counters`` [B]: the draws each row's stream has already given (a response
+    resumed after that many tokens draws on from there; default 0). ``record_log_probs``: the
+    result carries the engine's log-prob of each token it sampled (``Generated.log_probs``).
     """
     if prompts.dim() != 2 or prompt_lengths.shape != prompts.shape[:1]:
         raise ValueError(f"prompts must be [B, P] with prompt_lengths [B], got {tuple(prompts.shape)} and {tuple(prompt_lengths.shape)}")
@@ -248,11 +263,15 @@ def generate(
                      compat.rotary_angles(inner, cache_length).to(device), config, pad_to=tp if config.sequence_parallel else 1,
                      scratch_slot=slots)
     seeds = (torch.arange(rows) if seeds is None else seeds).to(device=device, dtype=torch.int64)
+    offsets = torch.tensor(list(start_counters) if start_counters is not None else [0] * rows, dtype=torch.int64,
+                           device=device)
+    if offsets.shape != (rows,) or (offsets < 0).any():
+        raise ValueError(f"start_counters needs one count >= 0 per row, got {start_counters}")
     homes, cached = None, None
     if session is not None:
         homes, cached = session.homes(keys, [p[:n] for p, n in zip(packer.prompts.tolist(), lengths)])
     schedule = SlotSchedule(lengths, slots, limits, PREFILL_TOKENS, homes, cached)
-    responses = _Responses(packer.prompts, lengths, slots, width, params, device)
+    responses = _Responses(packer.prompts, lengths, slots, width, params, device, record_log_probs)
     peers = _expert_parallel_peers(model)
 
     def new_cache() -> SlotKVCache:
@@ -288,11 +307,16 @@ def generate(
             if routes is not None:
                 routes.write(step, step_rows, layout)
             counters = torch.tensor(step.counters, device=device)
-            sampled = None
+            sampled = chosen = None
             if logits is not None:
-                sampled = _decided_once(sample_next(logits[:, :vocab_size], params, seeds[step_rows], counters), groups.tp)
+                sampled = _decided_once(sample_next(logits[:, :vocab_size], params, seeds[step_rows],
+                                                    counters + offsets[step_rows]), groups.tp)
+                if record_log_probs:
+                    chosen = _decided_once(chosen_log_probs(logits[:, :vocab_size], sampled, params.temperature), groups.tp)
+            if record_log_probs:
+                chosen = broadcast_from_last_stage(chosen, (len(step.rows),), torch.float32, device, groups.pp)
             responses.record(step, broadcast_from_last_stage(sampled, (len(step.rows),), torch.long, device, groups.pp),
-                             step_rows, counters)
+                             step_rows, counters, chosen)
             if params.eos_ids:
                 schedule.note_alive(lambda copied=platform.copy_to_host_async(responses.alive): copied().tolist())
             stats.count(step, tokens.shape[1], slots)

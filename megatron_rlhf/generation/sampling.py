@@ -88,6 +88,13 @@ def stream_uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor
     return ((high >> 5) * 67108864 + (low >> 6)).double() / 9007199254740992.0
 
 
+def chosen_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[B] float32: log softmax(logits / temperature) at ``tokens`` [B] (logits [B, V]): the
+    behaviour policy's log-probability of what it sampled, as training scores a token (the whole
+    vocabulary at the temperature, before top-k/top-p; rollout correction compares the two)."""
+    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
 def sample_next(logits: torch.Tensor, params: SamplingParams, seeds: Optional[torch.Tensor] = None,
                 counters: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Next token per row: [B, V] -> [B] (int64). Sampling (not greedy) takes row i's

@@ -1,5 +1,6 @@
 """RL math: pure tensor functions. core.py: masked reductions, KL, rewards, losses (POLICY_LOSSES,
 by name); advantages.py: the advantage estimators (ESTIMATORS, by name) and outcome shaping;
+correction.py: rollout correction of a behaviour policy's tokens (CORRECTIONS, by name);
 the name tables are checked against the config's names (config/names.py registry)."""
 
 from megatron_rlhf.ppo.advantages import (
@@ -14,6 +15,7 @@ from megatron_rlhf.ppo.advantages import (
     overlong_penalty,
     rloo_advantages,
 )
+from megatron_rlhf.ppo.correction import CORRECTIONS, Correction, mismatch_figures, rollout_correction
 from megatron_rlhf.ppo.core import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
@@ -42,6 +44,8 @@ from megatron_rlhf.ppo.core import (
 )
 
 __all__ = [
+    "CORRECTIONS",
+    "Correction",
     "ESTIMATORS",
     "Estimator",
     "EstimatorInputs",
@@ -68,10 +72,12 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "mismatch_figures",
     "overlong_penalty",
     "policy_loss",
     "policy_loss_terms",
     "rloo_advantages",
+    "rollout_correction",
     "token_rewards",
     "value_loss",
     "value_loss_terms",

@@ -2,7 +2,8 @@
 micro-batch and call the pure math of megatron_rlhf.ppo.
 
 A PPO micro-batch carries ``tokens`` [b, S] and, per action position [b, S-1]: ``action_mask``,
-``old_log_probs``, ``advantages`` (and ``ref_log_probs`` with the KL in the loss) for the policy,
+``old_log_probs``, ``advantages`` (and ``ref_log_probs`` with the KL in the loss, ``is_weights``
+with truncated rollout correction) for the policy,
 or ``old_values``, ``returns`` for the value.
 
 Each returns (loss sum, count, metrics) for megatron's per-token loss path (see models/pipeline.py):
@@ -44,6 +45,8 @@ def policy_loss_fn(vocab_size: int, temperature: float, ppo_config: PPOConfig, k
         logp = next_token_log_probs(output, mb["tokens"], vocab_size, temperature)
         mask = mb["action_mask"]
         per_token, terms = terms_of(logp, mb["old_log_probs"], mb["advantages"], low, high, mask, dual)
+        if "is_weights" in mb:  # rollout correction's importance weights (ppo/correction.py)
+            per_token = per_token * mb["is_weights"]
         stats = {"clipfrac": terms["clipped"], "approx_kl": terms["approx_kl"], "ratio_dev": terms["ratio_dev"],
                  "entropy": at_actions(token_entropy(output.detach(), vocab_size, temperature))}
         if kl_in_loss:

@@ -29,6 +29,10 @@ class PPOUpdate:
         """Train on the rollout ``r`` (rollout.record.Rollout, advantages filled); its metrics."""
         cfg = self.config
         policy_columns = dict(tokens=r.tokens, action_mask=r.action_mask, old_log_probs=r.old_log_probs, advantages=r.advantages)
+        if r.correction is not None:  # rollout correction: tokens masked out, and (truncate) weighed
+            policy_columns["action_mask"] = r.correction.keep.to(r.action_mask.dtype)
+            if cfg.algorithm.rollout_correction.mode == "truncate":
+                policy_columns["is_weights"] = r.correction.weights
         if cfg.ppo.kl_in_loss:
             policy_columns["ref_log_probs"] = r.ref_log_probs
         if r.routes is not None:

@@ -22,7 +22,8 @@ from megatron_rlhf.models.batches import action_mask
 from megatron_rlhf.models.routing import ROUTES
 from megatron_rlhf.roles import inference
 from megatron_rlhf.roles.role_set import RoleSet
-from megatron_rlhf.rollout.record import Collected, Prompts, Rollout, merged_metrics
+from megatron_rlhf.rollout.partial import PartialRollouts
+from megatron_rlhf.rollout.record import BEHAVIOUR, Collected, Prompts, Rollout, merged_metrics
 from megatron_rlhf.rollout.rows import SampleRows, cat_rows, trimmed
 from megatron_rlhf.rollout.scoring import Scorer
 from megatron_rlhf.runtime.platform import get_platform
@@ -44,6 +45,9 @@ class RolloutCollector:
         self.vocab_size = tokenizer.vocab_size
         self.device = get_platform().device
         self.sampling = SamplingParams.from_config(config.generation, tokenizer.eos_ids, tokenizer.pad_id)
+        # The engine's log-probs of its tokens, for rollout correction (partial rollouts record them anyway).
+        self.records_behaviour = config.algorithm.rollout_correction.mode != "off"
+        self.partial = PartialRollouts(config, self) if config.rollout.partial.enabled else None
 
     # -- an iteration's rollout ------------------------------------------------------------------
 
@@ -55,10 +59,16 @@ class RolloutCollector:
         rounds = 1 + (alg.dynamic_sampling_extra_rounds if alg.dynamic_sampling else 0)
         parts, kept, dropped = [], [], []  # the rounds' metrics (generation, scoring)
         for round_ in range(rounds):
-            batch = dataset.next_batch(cfg.ppo.rollout_batch_size, self.roles.cut.rank, self.roles.cut.size)
-            prompts = Prompts.expand(batch, n, cfg.seed, iteration, round_, self.device)
-            rows, generated = self.policy_rows(prompts, self.sampling, training=True)
-            rows["scores"], rewarded = self.scorer.score(prompts.texts, self.decode(rows), prompts.fields, rows, iteration)
+            if self.partial is not None:
+                rows, generated = self.partial.rows(dataset, iteration, round_)
+                rows["action_mask"] = action_mask(rows["tokens"].shape[1], rows["prompt_lengths"], rows["response_lengths"])
+                texts, fields = _prompt_columns(dataset, rows["prompt_index"])
+            else:
+                batch = dataset.next_batch(cfg.ppo.rollout_batch_size, self.roles.cut.rank, self.roles.cut.size)
+                prompts = Prompts.expand(batch, n, cfg.seed, iteration, round_, self.device)
+                rows, generated = self.policy_rows(prompts, self.sampling, training=True)
+                texts, fields = prompts.texts, prompts.fields
+            rows["scores"], rewarded = self.scorer.score(texts, self.decode(rows), fields, rows, iteration)
             parts += [generated, rewarded]
             if not alg.dynamic_sampling:
                 break
@@ -103,7 +113,7 @@ class RolloutCollector:
         return Rollout(
             tokens, rows["prompt_lengths"], rows["response_lengths"], rows["action_mask"], rows["old_log_probs"],
             ref_log_probs, rows["scores"], group_index=torch.arange(len(tokens), device=tokens.device) // self.config.generation.samples_per_prompt,
-            old_values=old_values, routes=rows.get(ROUTES),
+            old_values=old_values, routes=rows.get(ROUTES), behaviour_log_probs=rows.get(BEHAVIOUR),
         )
 
     # -- the policy's responses ----------------------------------------------------------------
@@ -119,7 +129,8 @@ class RolloutCollector:
         def run(mine: SampleRows) -> SampleRows:
             with self.roles.resident("policy", "inference"):
                 started = time.perf_counter()
-                rows, turn_metrics = self.generate(mine, prompts, sampling, record_routes=replay == "rollout")
+                rows, turn_metrics = self.generate(mine, prompts, sampling, record_routes=replay == "rollout",
+                                                   record_log_probs=training and self.records_behaviour)
                 out["time/generate_s"] = time.perf_counter() - started
                 out.update(turn_metrics)
                 if training:
@@ -131,18 +142,21 @@ class RolloutCollector:
             rows["action_mask"] = action_mask(rows["tokens"].shape[1], rows["prompt_lengths"], rows["response_lengths"])
         return rows, out
 
-    def generate(self, mine: SampleRows, prompts: Prompts, sampling: SamplingParams,
-                 record_routes: bool = False) -> Tuple[SampleRows, Dict[str, float]]:
+    def generate(self, mine: SampleRows, prompts: Prompts, sampling: SamplingParams, record_routes: bool = False,
+                 record_log_probs: bool = False) -> Tuple[SampleRows, Dict[str, float]]:
         """The (resident) policy's responses to the prompt rows ``mine`` (tokens, prompt_lengths,
         seeds, prompt_index: this rank's share in the policy's cut): one turn each, or with an
-        environment a trajectory of turns. Returns the sample rows and the turns' metrics."""
+        environment a trajectory of turns. Returns the sample rows (with ``record_log_probs`` the
+        engine's log-probs of its tokens, BEHAVIOUR) and the turns' metrics."""
         if self.turns is not None:
             return self.turns.run(self, mine, prompts, sampling)
-        gen = self.engine(mine, sampling, record_routes=record_routes)
+        gen = self.engine(mine, sampling, record_routes=record_routes, record_log_probs=record_log_probs)
         rows = {"tokens": gen.tokens, "prompt_lengths": gen.prompt_lengths, "response_lengths": gen.response_lengths,
                 "prompt_index": mine["prompt_index"]}
         if gen.routes is not None:
             rows[ROUTES] = gen.routes
+        if gen.log_probs is not None:
+            rows[BEHAVIOUR] = gen.log_probs
         return rows, {}
 
     def engine(self, mine: SampleRows, sampling: SamplingParams, record_routes: bool = False, **options):
@@ -207,6 +221,17 @@ class RolloutCollector:
         rows = cat_rows(kept + dropped, self.sampling.pad_id)  # kept groups first
         mine = trimmed(self.roles.cut.share({k: v[:need] for k, v in rows.items()}))  # to its own longest row
         return mine, short // self.config.generation.samples_per_prompt
+
+
+def _prompt_columns(dataset: PromptDataset, prompt_index: torch.Tensor) -> Tuple[List[str], List[Dict]]:
+    """Per row: the prompt as the reward sees it and the data row's other columns (as
+    PromptDataset.batch_of gives them)."""
+    texts, fields = [], []
+    for index in prompt_index.tolist():
+        prompt, row_fields = dataset.rows.prompt_and_fields(index)
+        texts.append(prompt_text(prompt))
+        fields.append(row_fields)
+    return texts, fields
 
 
 def _select_groups(rows: SampleRows, groups: torch.Tensor, samples: int) -> SampleRows:

@@ -11,6 +11,10 @@ import torch
 from megatron_rlhf.generation import stream_seeds
 
 
+# The sample rows' column of the engine's log-probs of the tokens it sampled (the behaviour policy's).
+BEHAVIOUR = "behaviour_log_probs"
+
+
 @dataclasses.dataclass
 class Prompts:
     """A batch of prompts, each repeated for its ``samples`` responses (adjacent rows): tokens
@@ -67,6 +71,9 @@ class Rollout:
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None  # GAE only
     routes: Optional[torch.Tensor] = None  # [B, S, L, K], routing replay's record (models/routing.py)
+    # [B, S-1]: the engine's log-probs of the tokens it sampled (rollout correction; ppo/correction.py)
+    behaviour_log_probs: Optional[torch.Tensor] = None
+    correction: Optional[Any] = None  # ppo.Correction: the policy loss's token weights and mask
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -78,7 +85,7 @@ class Rollout:
 # means; times are added over rounds).
 COUNTED_METRICS = ("reward/failures", "reward/timeouts", "rollout/env_calls", "rollout/env_failures",
                    "rollout/env_timeouts", "rollout/truncated_observations", "rollout/prefix_recomputed",
-                   "rollout/context_truncated")
+                   "rollout/context_truncated", "rollout/partial_dropped", "rollout/partial_resumed")
 
 
 # An environment's own counts (rollout/environment.py: info["counts"]) are counts too.
