@@ -323,12 +323,13 @@ class PartialRolloutConfig:
 
     enabled: bool = False
     over_sample: float = bounded(2.0, ge=1)
-    max_staleness: int = bounded(1, ge=0)
-    # Tokens each response generates between the checks for ended groups; None: max_new_tokens / 8.
+    max_staleness: int = bounded(2, ge=0)
+    # Tokens each response generates between the checks for ended groups (each check ends a
+    # generate() call: finer stops cost more calls); None: max_new_tokens / 4.
     chunk_tokens: Optional[int] = bounded(None, ge=1)
 
     def chunk(self, generation: "GenerationConfig") -> int:
-        return self.chunk_tokens or max(1, generation.max_new_tokens // 8)
+        return self.chunk_tokens or max(1, generation.max_new_tokens // 4)
 
     def pool_groups(self, rollout_batch_size: int) -> int:
         """Prompts in flight (held and new) each round."""
