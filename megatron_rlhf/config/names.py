@@ -20,6 +20,8 @@ POLICY_LOSSES = ("vanilla", "gspo")
 # algorithm.rollout_correction.mode and .level (ppo/correction.py CORRECTIONS)
 ROLLOUT_CORRECTIONS = ("off", "truncate", "mask")
 CORRECTION_LEVELS = ("token", "sequence")
+# <role>.lora.target_modules: megatron's linears an adapter may sit on (models/lora.py)
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # The roles of a chat message (data rows, environments' observations).
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # rollout.tool_parser (tools/parsers.py PARSERS)

@@ -11,7 +11,8 @@ from typing import Dict, List, Literal, Optional, Union
 
 from megatron_rlhf.config.errors import located
 from megatron_rlhf.config.names import (ADVANTAGE_ESTIMATORS, CORRECTION_LEVELS, CRITIC_ESTIMATORS, KL_ESTIMATORS,
-                                        LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS, TOOL_PARSERS)
+                                        LORA_TARGETS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS,
+                                        TOOL_PARSERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +181,24 @@ class RoleLayoutConfig:
     expert_model_parallel_size: Optional[int] = bounded(None, ge=1)  # a model with experts
 
 
+@dataclasses.dataclass
+class LoRAConfig:
+    """LoRA adapters (models/lora.py) on a trained role's linears: the base frozen, only the
+    adapters trained (megatron DDP, the optimizer and EMS hold only them). ``rank`` 0: off. The
+    serving role runs the same adapters (the policy ppo_policy's); with them on ppo_policy, the
+    reference is the base: it shares ppo_policy's base weights and has none of its own."""
+
+    rank: int = bounded(0, ge=0)
+    alpha: float = bounded(16.0, gt=0)
+    target_modules: List[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
+    # Accepted only to be refused with the reason: rollout and training must score alike.
+    dropout: float = bounded(0.0, ge=0, lt=1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 # The per-kind EMS switches of a role (RoleConfig fields; EMSSwitches carries the same names).
 EMS_SWITCHES = ("offload_weights", "free_grad_buffers", "offload_optimizer_state")
 
@@ -225,6 +244,7 @@ class RoleConfig:
     # Trainable roles: megatron defers the all-gather of updated weights to the role's next forward;
     # the serving role reads those weights first. Accepted only to be refused with the reason.
     overlap_param_gather: bool = False
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)  # ppo_policy and ppo_value only
 
     @property
     def token_budget(self) -> Optional[int]:
@@ -590,8 +610,21 @@ class RLHFConfig:
 
     @property
     def served_weights(self) -> Dict[str, str]:
-        """SERVED_WEIGHTS restricted to the roles the algorithm runs."""
-        return {s: t for s, t in SERVED_WEIGHTS.items() if s in self.roles}
+        """SERVED_WEIGHTS restricted to the roles the algorithm runs; with LoRA on ppo_policy, the
+        reference too, where it is the base (the same checkpoint, network, precision and layout):
+        it shares ppo_policy's base weights, which never change."""
+        served = {s: t for s, t in SERVED_WEIGHTS.items() if s in self.roles}
+        ref, trained = self.reference, self.ppo_policy
+        if trained.lora.enabled and "reference" in self.roles and ref.load == trained.load and \
+                ref.model == trained.model and ref.precision == trained.precision and \
+                self.layout_of("reference") == self.layout_of("ppo_policy"):
+            served["reference"] = "ppo_policy"
+        return served
+
+    def lora_of(self, role: str) -> LoRAConfig:
+        """The adapters ``role``'s network carries: a trained role's own, a serving role its trained
+        role's (the reference none: it is the base)."""
+        return self.role(SERVED_WEIGHTS.get(role, role)).lora if role != "reference" else LoRAConfig()
 
     @property
     def sequence_tokens(self) -> int:
@@ -615,7 +648,7 @@ class RLHFConfig:
         """The trained role whose weight storage ``role`` shares (same precision and layout), or
         None: then the role has weights of its own (a trained role, a frozen role, or a copy of
         another dtype or layout)."""
-        owner = SERVED_WEIGHTS.get(role)
+        owner = self.served_weights.get(role)
         same = owner and self.role(role).precision == self.role(owner).precision and self.layout_of(role) == self.layout_of(owner)
         return owner if same else None
 

@@ -12,7 +12,9 @@ How each weight is split across TP ranks:
 - linear_fc1 holds [gate; up] stacked: each rank holds [gate_r; up_r];
 - row-parallel (input columns split): linear_proj, linear_fc2;
 - replicated: norms (q/k norms included: they act on one head), a MoE layer's router and the
-  scalar head.
+  scalar head;
+- LoRA adapters: a column-parallel linear's ``lora_b`` as its weight, a row-parallel one's
+  ``lora_a`` as its weight; their other factor replicated.
 
 Experts (``decoder.layers.i.mlp.experts.local_experts.e.*``) are split over TP as the dense MLP
 is; full dicts and the (TP, PP) shards of a checkpoint hold every expert under its global number e,
@@ -35,10 +37,13 @@ StateDict = Dict[str, torch.Tensor]
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
-_COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
+# LoRA adapters (models/lora.py) follow their linear: a column-parallel one's B is split as its
+# weight, a row-parallel one's A as its weight; the other factor is replicated.
+_COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "self_attention.linear_qkv.lora_b")
 # The dense MLP's and each expert's (mlp.experts.local_experts.e.linear_fc1.weight) alike.
-_ROW = ("self_attention.linear_proj.weight", "linear_fc2.weight")
-_GATED = ("linear_fc1.weight",)
+_ROW = ("self_attention.linear_proj.weight", "linear_fc2.weight", "self_attention.linear_proj.lora_a",
+        "linear_fc2.lora_a")
+_GATED = ("linear_fc1.weight", "linear_fc1.lora_b")
 _EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 # transformer-engine fuses each norm into the following linear layer.

@@ -12,7 +12,8 @@ import torch
 from megatron_rlhf.config.schema import REPLAYING_ROLES, ROLE_HEADS, TRAINABLE_ROLES, RLHFConfig, RoleConfig
 from megatron_rlhf.memory.manager import WEIGHTS, EMSSwitches, RoleMemory
 from megatron_rlhf.models import routing
-from megatron_rlhf.models.decoder import build_model, groups_of, load_local_state_dict
+from megatron_rlhf.models.decoder import build_model, groups_of, load_local_state_dict, unwrap
+from megatron_rlhf.models.lora import add_adapters
 from megatron_rlhf.models.pipeline import LossFn, MicroBatch, Reduce, forward_backward
 from megatron_rlhf.models.training import train_step, wrap_for_training
 from megatron_rlhf.runtime.distributed import set_seed
@@ -105,6 +106,12 @@ def build_role(name: str, config: RLHFConfig) -> Role:
     )
     if role_config.load is not None:
         _load_weights(model, name, config)
+    lora = config.lora_of(name)
+    if lora.enabled:
+        add_adapters(model, lora.rank, lora.alpha, lora.target_modules, config.seed)
+        head = getattr(unwrap(model), "output_layer", None)  # the last pipeline stage's
+        if ROLE_HEADS[name] == "scalar" and head is not None:  # a value model's score head trains in full
+            head.requires_grad_(True)
     if config.moe.routing_replay != "off" and name in REPLAYING_ROLES:
         routing.enable(model)
     optimizer = None

@@ -17,6 +17,7 @@ import torch
 
 from megatron_rlhf.memory.manager import RESHARD_BUFFERS, WEIGHTS
 from megatron_rlhf.models.decoder import unwrap
+from megatron_rlhf.models.lora import has_adapters, is_adapter
 from megatron_rlhf.roles.base import Role
 
 
@@ -108,6 +109,8 @@ class WeightSync:
             return
         src = dict(unwrap(trained.model).named_parameters())
         dst = dict(unwrap(serving.model).named_parameters())
+        if not has_adapters(serving.model):  # the reference served by a LoRA policy: its base
+            src = {n: p for n, p in src.items() if not is_adapter(n)}
         mismatched = [n for n in src if n not in dst or dst[n].shape != src[n].shape]
         if mismatched or src.keys() != dst.keys():
             raise ValueError(
