@@ -535,3 +535,38 @@ def test_partial_rollouts_and_rollout_correction_are_refused_by_name_where_they_
     assert "algorithm.rollout_correction.mode: not supported with multi-turn rollouts yet" in text
     assert "algorithm.rollout_correction.threshold_low: only mask keeps a band" in text
     assert "1.01 x ppo.rollout_batch_size=4 = 5 prompts in flight, x samples_per_prompt=1 = 5 responses, do not split over DP=2" in text
+
+
+def _lora_setup(tmp_path: Path, top: str = "", **entries: str) -> Path:
+    """The tiny setup with extra keys (``role="key: value"`` lines) in some roles' entries."""
+    write(tmp_path / "models" / "tiny.yaml", "model:\n  preset: tiny\n")
+    roles = "".join(f"{r}:\n  model_config_file: models/tiny.yaml\n" + (f"  {entries[r]}\n" if r in entries else "")
+                    for r in ROLES)
+    return write(tmp_path / "rlhf.yaml", roles + top)
+
+
+def test_lora_goes_on_a_trained_role_and_the_reference_becomes_the_base(tmp_path):
+    config = load_config(str(_lora_setup(tmp_path, ppo_policy="lora: {rank: 8, alpha: 16}")), world_size=1)
+    assert config.lora_of("policy").rank == 8 and not config.lora_of("reference").enabled
+    assert config.served_weights["reference"] == "ppo_policy" and config.weight_owner("reference") == "ppo_policy"
+    # A reference of another checkpoint, or of another precision, is not the base: it keeps weights of its own.
+    config.reference.load = "another/checkpoint"
+    assert "reference" not in config.served_weights and config.weight_owner("reference") is None
+    config.reference.load, config.reference.precision = None, "bf16" if config.ppo_policy.precision == "fp32" else "fp32"
+    assert config.weight_owner("reference") is None
+    with pytest.raises(ConfigError) as err:
+        load_config(str(_lora_setup(tmp_path, policy="lora: {rank: 4}",
+                                    ppo_policy="lora: {rank: 8, dropout: 0.05, target_modules: [linear_qkv, q_proj]}",
+                                    ppo_value="lora: {alpha: 8}")), world_size=1)
+    text = str(err.value)
+    assert "policy.lora: policy is not trained; it runs ppo_policy's adapters: set ppo_policy.lora" in text
+    assert "ppo_policy.lora.dropout: 0.05, but RL needs the log-probs of the rollout and of training" in text
+    assert "ppo_policy.lora.target_modules: ['q_proj']; choose among linear_qkv, linear_proj, linear_fc1, linear_fc2" in text
+    assert "ppo_value.lora: set, but ppo_value.lora.rank is 0 (off)" in text
+    top = layouts_setup(tmp_path, "parallel: {tensor_model_parallel_size: 2}\n", policy="tensor_model_parallel_size: 1")
+    text = top.read_text().replace("ppo_policy:\n  model_config_file: models/tiny.yaml\n",
+                                   "ppo_policy:\n  model_config_file: models/tiny.yaml\n  lora: {rank: 4}\n")
+    top.write_text(text)
+    with pytest.raises(ConfigError, match="policy.parallel: policy runs ppo_policy's LoRA adapters, which are not "
+                                          "resharded to a layout of its own yet"):
+        load_config(str(top), world_size=2)

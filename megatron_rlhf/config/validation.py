@@ -10,7 +10,7 @@ from typing import List, Optional, Tuple
 
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
-from megatron_rlhf.config.names import GROUP_ESTIMATORS
+from megatron_rlhf.config.names import GROUP_ESTIMATORS, LORA_TARGETS
 from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, SERVED_WEIGHTS,
                                          SERVING_ROLES, TRAINABLE_ROLES, RLHFConfig)
 
@@ -601,6 +601,40 @@ def _partial_problems(config: RLHFConfig, layout: Layout) -> List[str]:
     return problems
 
 
+def _lora_problems(config: RLHFConfig) -> List[str]:
+    """LoRA goes on a trained role (its serving role runs the same adapters), with targets that
+    exist, no dropout, no experts' linears, and the serving role at the trained role's layout."""
+    problems = []
+    for role in config.model_roles:
+        lora = config.role(role).lora
+        if not lora.enabled:
+            if any(k.startswith(f"{role}.lora.") and k != f"{role}.lora.rank" for k in config.origin):
+                problems.append(f"{config.at(role + '.lora')}: set, but {role}.lora.rank is 0 (off); set a rank or remove it")
+            continue
+        at = config.at(f"{role}.lora")
+        if role not in TRAINABLE_ROLES:
+            trained = config.served_weights.get(role)
+            problems.append(f"{at}: {role} is not trained" + (f"; it runs {trained}'s adapters: set {trained}.lora"
+                                                               if trained else "; adapters go on ppo_policy or ppo_value"))
+            continue
+        if lora.dropout:
+            problems.append(f"{config.at(role + '.lora.dropout')}: {lora.dropout:g}, but RL needs the log-probs of "
+                            "the rollout and of training to be those of one network: adapter dropout must be 0")
+        unknown = sorted(set(lora.target_modules) - set(LORA_TARGETS))
+        if unknown or not lora.target_modules:
+            problems.append(f"{config.at(role + '.lora.target_modules')}: {unknown or 'empty'}; choose among "
+                            f"{', '.join(LORA_TARGETS)}")
+        mlp = sorted({"linear_fc1", "linear_fc2"} & set(lora.target_modules))
+        if config.role(role).model.num_experts and mlp:
+            problems.append(f"{config.at(role + '.lora.target_modules')}: {', '.join(mlp)} are the experts' linears in "
+                            "a model with experts, which adapters do not support yet; target linear_qkv, linear_proj")
+        for serving, trained in SERVED_WEIGHTS.items():
+            if trained == role and serving in config.model_roles and config.has_own_layout(serving):
+                problems.append(f"{config.at(serving + '.parallel')}: {serving} runs {role}'s LoRA adapters, which are "
+                                "not resharded to a layout of its own yet; remove it")
+    return problems
+
+
 # The checks across keys, in the order they report (layout_problems runs them once the networks are
 # complete); each takes the config and the Layout.
 CHECKS = (
@@ -612,6 +646,7 @@ CHECKS = (
     ("routing replay", lambda config, layout: _routing_replay_problems(config)),
     ("multi-turn rollouts and tools", lambda config, layout: _rollout_problems(config)),
     ("partial rollouts and rollout correction", _partial_problems),
+    ("LoRA", lambda config, layout: _lora_problems(config)),
     ("fixed device addresses", lambda config, layout: _fixed_address_problems(config)),
     ("served weights", _served_weight_problems),
 )

@@ -1,5 +1,6 @@
-"""One iteration of the PPO demo, the GRPO demo and the agent demo (multi-turn) at TP=1 over however
-many data-parallel ranks the world has (1 or 2 processes); each epoch has several optimizer steps
+"""One iteration of the PPO demo, the GRPO demo (also with LoRA; on 2 processes with EMS off and
+micro-batches of 4 rows besides) and the agent demo (multi-turn) at TP=1 over however many
+data-parallel ranks the world has (1 or 2 processes); each epoch has several optimizer steps
 (32 samples, steps of 8). On 2 processes also the agent demo at TP=2 (DP=1) from the TP=1 run's
 starting weights (written as checkpoints and loaded). Saves per rank each run's metrics (times
 left out) and a digest of ppo_policy's weights after the update (the sum of each full tensor)."""
@@ -45,10 +46,20 @@ def write_starting_weights(controller) -> None:
     dist.barrier()
 
 
-def iteration(config_file: str, tp: int, name: str, loaded: bool = False, before_step=None) -> dict:
+def cut_otherwise(config) -> None:
+    """On 2 processes: every role resident (EMS off) and ppo_policy's micro-batches of 4 rows."""
+    if WORLD == 2:
+        for role in config.model_roles:
+            config.role(role).free_memory = False
+        config.ppo_policy.micro_batch_size = 4
+
+
+def iteration(config_file: str, tp: int, name: str, loaded: bool = False, before_step=None, configure=None) -> dict:
     os.environ.update(TP=str(tp), ITERATIONS="1", PRECISION="fp32")
     prepared = prepare(parse_args(["--config", config_file, "--output-dir", os.path.join(OUT_DIR, name)]), WORLD)
     config = prepared.config
+    if configure is not None:
+        configure(config)
     # The value loss's clip fraction counts ties (new value == old value) in the first step: exact
     # at one layout, off by rounding at another. The clip is off so that every figure is continuous.
     config.ppo.value_clip = None
@@ -71,6 +82,7 @@ def iteration(config_file: str, tp: int, name: str, loaded: bool = False, before
 result = {
     "ppo": iteration("examples/tiny/rlhf.yaml", 1, "ppo"),
     "grpo": iteration("examples/tiny/grpo.yaml", 1, "grpo"),
+    "grpo_lora": iteration("examples/tiny/grpo_lora.yaml", 1, "grpo_lora", configure=cut_otherwise),
     "game": iteration("examples/tiny_agent/grpo.yaml", 1, "game",
                       before_step=write_starting_weights if WORLD == 2 else None),
 }
