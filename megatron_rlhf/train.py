@@ -177,11 +177,17 @@ def _environment(config: RLHFConfig, tokenizer) -> str:
 
 def _check_loaded_checkpoints(config: RLHFConfig) -> None:
     """Every ``<role>.load`` checkpoint with a manifest (the converter writes one) has its files
-    at their sizes: a truncated or missing shard stops the run here, not while roles are built."""
-    from megatron_rlhf.checkpoint.model_files import MANIFEST, CheckpointError, verify_checkpoint
+    at their sizes: a truncated or missing shard stops the run here, not while roles are built. A
+    LoRA run's checkpoint (base and adapters) is not a starting point: it is named with what is."""
+    from megatron_rlhf.checkpoint.model_files import (MANIFEST, META_FILE, CheckpointError, read_model_meta,
+                                                      verify_checkpoint)
 
     for role in config.model_roles:
         path = config.path_of(role + ".load")
+        if path and os.path.isfile(os.path.join(path, META_FILE)) and read_model_meta(path)[1].get("lora"):
+            raise ConfigError(f"{config.at(role + '.load')}: {path} holds LoRA adapters beside its base (a LoRA run's "
+                              "checkpoint); continue that run with --resume, or start from its weights with the "
+                              "adapters merged (tools/convert_megatron_to_hf.py --merge-lora, then convert_hf_to_megatron.py)")
         if path and os.path.isfile(os.path.join(path, MANIFEST)):
             try:
                 verify_checkpoint(path, checksums=False)

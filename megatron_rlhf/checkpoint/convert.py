@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -133,12 +133,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrite: bool = False,
-                   tokenizer: Optional[str] = None) -> None:
+                   tokenizer: Optional[str] = None, merge_lora: bool = False) -> None:
     """``tokenizer``: a Hugging Face directory whose TOKENIZER_FILES are copied in (refused before
-    anything is written if it holds none of them)."""
+    anything is written if it holds none of them). A checkpoint with LoRA adapters (a PPO run's)
+    needs ``merge_lora``: each adapted weight is written as W + alpha/rank B A."""
     import shutil
 
     from safetensors.torch import save_file
+
+    lora = read_model_meta(root)[1].get("lora")
+    if lora and not merge_lora:
+        raise CheckpointError(f"{root}: holds LoRA adapters (rank {lora['rank']}) beside its base; pass --merge-lora to "
+                              "write the weights with the adapters merged, or write them as a PEFT adapter "
+                              "(--peft-output)")
+    if merge_lora and not lora:
+        raise CheckpointError(f"{root}: --merge-lora, but the checkpoint holds no LoRA adapters")
 
     copied = [f for f in TOKENIZER_FILES if tokenizer and os.path.isfile(os.path.join(tokenizer, f))]
     if tokenizer and not copied:
@@ -162,7 +171,8 @@ def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrit
     def fill(tmp: str) -> None:
         bar = _progress(len(keys), "Megatron -> HF")
         weight_map, pending, current, total_bytes = {}, {}, None, 0
-        for key, tensor in full_tensors(root):
+        tensors = full_tensors(root)
+        for key, tensor in merged_adapters(tensors, lora) if lora else tensors:
             index = file_of(key)
             if current is not None and index != current:
                 save_file(pending, os.path.join(tmp, names[current]), metadata={"format": "pt"})
@@ -188,3 +198,72 @@ def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrit
     write_atomically(output, fill, overwrite, inputs=[root])
 
 
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA adapters (models/lora.py): merged into their weights, or as a PEFT adapter directory
+
+
+def merged_adapters(tensors, lora: dict):
+    """The full tensors of a LoRA checkpoint with each adapted linear's weight as W + alpha/rank B A
+    and no adapter tensors (a linear's weight is held back until its two adapters have come)."""
+    scale = lora["alpha"] / lora["rank"]
+    held: Dict[str, Dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors:
+        linear, leaf = key.rsplit(".", 1)
+        adapted = linear.rsplit(".", 1)[-1] in lora["target_modules"] and key.startswith("decoder.layers.")
+        if not adapted or leaf not in ("weight", "lora_a", "lora_b"):
+            yield key, tensor
+            continue
+        parts = held.setdefault(linear, {})
+        parts[leaf] = tensor
+        if len(parts) == 3:
+            del held[linear]
+            delta = scale * parts["lora_b"].double() @ parts["lora_a"].double()
+            yield linear + ".weight", (parts["weight"].double() + delta).to(parts["weight"].dtype)
+    if held:
+        raise CheckpointError(f"LoRA checkpoint: {sorted(held)[0]} lacks its weight or an adapter")
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def write_peft_adapter(root: str, output: str, overwrite: bool = False, base_model: Optional[str] = None) -> None:
+    """The LoRA adapters of checkpoint ``root`` as a PEFT adapter directory (adapter_config.json,
+    adapter_model.safetensors under PEFT's names) that peft loads onto the Hugging Face base. A
+    fused linear's adapter becomes one per Hugging Face projection: linear_qkv's B is cut into
+    q_proj's, k_proj's and v_proj's rows (and linear_fc1's into gate_proj's and up_proj's) as the
+    weight is, each with the same A: the products are those of the fused adapter."""
+    from safetensors.torch import save_file
+
+    arch, meta = read_model_meta(root)
+    lora, head = meta.get("lora"), meta["head"]
+    if not lora:
+        raise CheckpointError(f"{root}: holds no LoRA adapters (its run trained the whole network); convert it "
+                              "with tools/convert_megatron_to_hf.py without --peft-output")
+    if head != "lm":
+        raise CheckpointError(f"{root}: a value model's adapters come with its score head trained in full, which a "
+                              "PEFT adapter does not hold; use --merge-lora")
+
+    def fill(tmp: str) -> None:
+        adapters, held, modules = {}, {}, set()
+        for key, tensor in full_tensors(root):
+            linear, leaf = key.rsplit(".", 1)
+            if leaf == "lora_a":
+                held[linear] = tensor
+            elif leaf == "lora_b":
+                a = held.pop(linear)
+                for name, b in hf_decoder.hf_tensors(linear + ".weight", tensor, arch, head):
+                    module = PEFT_PREFIX + name[: -len(".weight")]
+                    adapters[module + ".lora_A.weight"] = a.clone()  # a file tensor of its own for each projection
+                    adapters[module + ".lora_B.weight"] = b.contiguous()
+                    modules.add(name.split(".")[-2])
+        save_file(adapters, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"],
+                  "lora_alpha": lora["alpha"], "lora_dropout": 0.0, "target_modules": sorted(modules), "bias": "none",
+                  "fan_in_fan_out": False, "base_model_name_or_path": base_model, "inference_mode": True,
+                  "init_lora_weights": True, "modules_to_save": None, "use_rslora": False, "use_dora": False}
+        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+
+    write_atomically(output, fill, overwrite, inputs=[root])

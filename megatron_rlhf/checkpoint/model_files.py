@@ -141,8 +141,12 @@ def shard_file(root: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return os.path.join(root, "release", name, "model_optim_rng.pt")
 
 
-def write_model_meta(root: str, arch: ModelArchConfig, head: str, dtype: torch.dtype, tp: int, pp: int) -> None:
+def write_model_meta(root: str, arch: ModelArchConfig, head: str, dtype: torch.dtype, tp: int, pp: int,
+                     lora: Optional[dict] = None) -> None:
+    """``lora``: the adapters the shards hold beside the base (rank, alpha, target_modules), if any."""
     meta = {"arch": dataclasses.asdict(arch), "head": head, "dtype": str(dtype).replace("torch.", ""), "tp": tp, "pp": pp}
+    if lora:
+        meta["lora"] = lora
     with open(os.path.join(root, META_FILE), "w") as f:
         json.dump(meta, f, indent=1)
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:

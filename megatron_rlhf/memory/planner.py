@@ -77,6 +77,20 @@ def expert_numels(arch: ModelArchConfig, tp: int, pp: int, pp_rank: int, ep: int
     return local * sum(_stage_layers(arch, pp, pp_rank))
 
 
+def lora_numels(arch: ModelArchConfig, lora, tp: int, pp: int, pp_rank: int) -> List[int]:
+    """Element counts of this rank's LoRA adapters (models/lora.py), in module order: per layer of
+    the stage, each target's A then B (linear_proj, linear_qkv, linear_fc1, linear_fc2, megatron's
+    order); a column-parallel linear's B and a row-parallel one's A are this rank's slice."""
+    h, hd, r = arch.hidden_size, arch.kv_channels, lora.rank
+    qkv = (arch.num_attention_heads + 2 * arch.kv_groups) * hd // tp
+    ffn = arch.ffn_hidden_size // tp
+    adapters = {"linear_proj": [r * arch.num_attention_heads * hd // tp, h * r], "linear_qkv": [r * h, qkv * r],
+                "linear_fc1": [r * h, 2 * ffn * r], "linear_fc2": [r * ffn, h * r]}
+    layer = [n for target in ("linear_proj", "linear_qkv", "linear_fc1", "linear_fc2")
+             if target in lora.target_modules for n in adapters[target]]
+    return layer * len(_stage_layers(arch, pp, pp_rank))
+
+
 def _buffer_ranges(numels: List[int]) -> List[Tuple[int, int]]:
     """[start, end) of each parameter in megatron DDP's contiguous buffer under the distributed
     optimizer (one bucket): filled in reverse module order, every parameter 64-aligned."""
@@ -98,9 +112,12 @@ def _ddp_buffer_numel(numels: List[int], dp: int, distributed_optimizer: bool) -
 
 
 def state_bytes(rc: RoleConfig, head: str, trainable: bool, tp: int, pp: int, dp: int, pp_rank: int,
-                dp_rank: int = 0, ep: int = 1, edp_rank: int = 0, padded_vocab: Optional[int] = None) -> Dict[str, int]:
+                dp_rank: int = 0, ep: int = 1, edp_rank: int = 0, padded_vocab: Optional[int] = None,
+                lora=None) -> Dict[str, int]:
     """Device bytes of each kind of one role's state on the rank (pp_rank, dp_rank; with experts
-    split over ``ep`` ranks, its expert-data-parallel rank ``edp_rank``)."""
+    split over ``ep`` ranks, its expert-data-parallel rank ``edp_rank``). ``lora``: the adapters the
+    role's network carries (RLHFConfig.lora_of): then only they (and a value model's score head)
+    are trained, the base frozen beside DDP's buffer."""
     arch = rc.model
     # Each group of parameters megatron DDP buffers apart, with the data-parallel group that
     # reduces (and with the distributed optimizer shards) it: dense over DP, experts over DP / EP.
@@ -110,13 +127,23 @@ def state_bytes(rc: RoleConfig, head: str, trainable: bool, tp: int, pp: int, dp
         groups.append((experts, dp // ep, edp_rank))
     width = BYTES[rc.precision]
     out = dict.fromkeys(KINDS, 0)
+    if lora is not None and lora.enabled:
+        frozen = sum(sum(numels) for numels, _, _ in groups)
+        adapters = lora_numels(arch, lora, tp, pp, pp_rank)
+        if head == "scalar" and pp_rank == pp - 1:  # the score head trains in full
+            adapters, frozen = adapters + [arch.hidden_size], frozen - arch.hidden_size
+        out[WEIGHTS] = frozen * width
+        groups = [(adapters, dp, dp_rank)]
+        if not trainable:
+            out[WEIGHTS] += sum(adapters) * width
+            return out
     # OTHER (module buffers) stays 0: the model registers none; megatron keeps the rotary
     # frequencies (head_dim / 2 floats) as a plain attribute.
     if not trainable:
         out[WEIGHTS] = sum(sum(numels) for numels, _, _ in groups) * width
         return out
     dist_opt = rc.use_distributed_optimizer
-    for numels, group, rank in groups:
+    for numels, group, rank in groups:  # the trained parameters
         buffer = _ddp_buffer_numel(numels, group, dist_opt)
         out[WEIGHTS] += (buffer if dist_opt else sum(numels)) * width
         out[GRADS] += buffer * 4  # grads reduced in fp32
@@ -251,6 +278,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
         rtp, rpp = own.tensor_model_parallel_size, own.pipeline_model_parallel_size
         rdp, vocab = world_size // (rtp * rpp), config.padded_vocab(rc.model)
         stages = [state_bytes(rc, ROLE_HEADS[name], trainable, rtp, rpp, rdp, r, ep=own.expert_model_parallel_size,
+                              lora=config.lora_of(name),
                               padded_vocab=vocab) for r in range(rpp)]
         roles[name] = max(stages, key=lambda s: sum(s.values()))
         # 1F1B: the first stage holds up to PP micro-batches' activations before its first backward.

@@ -2,13 +2,19 @@
 B = 0 give the base's logits exactly, and with random B the logits of the base with the adapters
 merged into its weights (W + alpha/rank B A); at TP=2 and PP=2 (the base loaded from the TP=1
 model's shards, B from the same full tensors) the same logits and, gathered, the same adapter
-gradients; A starts the same at every layout. Saves the differences."""
+gradients; A starts the same at every layout. Writes the base and each layout's base and adapters
+as model checkpoints (for the export tests against transformers and peft). Saves the differences
+and the TP=1 logits."""
+
+import os
+
 
 import torch
-from common import save, setup, tiny_arch
+from common import OUT_DIR, save, setup, tiny_arch
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.config.names import LORA_TARGETS
+from megatron_rlhf.checkpoint.model_files import save_shard, write_model_meta
 from megatron_rlhf.models.decoder import build_model, load_local_state_dict, local_state_dict
 from megatron_rlhf.models.lora import add_adapters, adapters_off, is_adapter
 from megatron_rlhf.models.pipeline import forward_backward, gather_vocab_parallel
@@ -45,12 +51,24 @@ def gathered(state: dict, tp: int, pp: int) -> dict:
     return merge_state_dicts(shards, arch.num_layers, arch.vocab_size, "lm")
 
 
+def write_checkpoint(model, name: str, tp: int, pp: int, lora: bool) -> None:
+    """Every rank's shard of ``model`` into OUT_DIR/name, as a model checkpoint."""
+    root = os.path.join(OUT_DIR, name)
+    state = {k: v.detach().cpu() for k, v in local_state_dict(model).items()}
+    save_shard(root, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), pp, state)
+    if torch.distributed.get_rank() == 0:
+        write_model_meta(root, arch, "lm", torch.float32, tp, pp,
+                         {"rank": RANK, "alpha": ALPHA, "target_modules": list(LORA_TARGETS)} if lora else None)
+    torch.distributed.barrier()
+
+
 result = {}
 parallel = setup(1, 1)
 model = build_model(arch, parallel, "lm")
 base = merge_state_dicts([[{k: v.detach().cpu().clone() for k, v in local_state_dict(model).items()}]],
                          arch.num_layers, arch.vocab_size, "lm")
 base_logits = logits(model)
+write_checkpoint(model, "base", 1, 1, lora=False)
 add_adapters(model, RANK, ALPHA, LORA_TARGETS, SEED)
 result["b0_equal"] = torch.equal(logits(model), base_logits)
 full = merge_state_dicts([[{k: v.detach().cpu().clone() for k, v in local_state_dict(model).items()}]],
@@ -61,6 +79,8 @@ for name in sorted(full):
         full[name] = torch.randn(full[name].shape, generator=b_gen) * 0.1
 load_local_state_dict(model, shard_state_dict(full, arch.num_layers, arch.padded_vocab_size(1), 1, 0))
 lora_logits = logits(model)
+result["lora_logits"] = lora_logits.cpu()
+result["tokens"] = torch.stack([mb["tokens"] for mb in micro_batches]).cpu()
 with adapters_off(model):
     result["off_equal"] = torch.equal(logits(model), base_logits)
 result["lora_moves"] = (lora_logits - base_logits).abs().max().item()
@@ -90,6 +110,7 @@ for tp, pp in ((2, 1), (1, 2)):
     key = f"tp{tp}_pp{pp}"
     result[f"{key}_a_init"] = all(torch.equal(start[k], full[k]) for k in start) and len(start) == 4 * arch.num_layers
     load_local_state_dict(model, shard_state_dict(full, arch.num_layers, arch.padded_vocab_size(tp), tp, tp_rank, pp, pp_rank))
+    write_checkpoint(model, f"lora_{key}", tp, pp, lora=True)
     got = logits(model)
     result[f"{key}_logits"] = None if got is None else (got - lora_logits).abs().max().item()
     forward_backward(model, micro_batches, loss_fn, forward_only=False)

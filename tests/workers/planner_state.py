@@ -38,12 +38,16 @@ MOE_LAYOUTS = [  # tp, pp, ep, distributed optimizer, precision, architecture fe
     (1, 1, 2, False, "bf16", {}),
     (1, 1, 2, True, "bf16", QWEN2_MOE),
 ]
+# LoRA (rank 4 on every target): only the adapters (and a value model's score head) in DDP's buffer.
+LORA_LAYOUTS = [(2, 1, True, "fp32"), (1, 2, True, "bf16"), (2, 2, True, "bf16"), (1, 1, False, "bf16")]
 tokens = torch.randint(3, 30, (4, 16), generator=torch.Generator().manual_seed(0))
 result = []
 cases = [("examples/tiny/rlhf.yaml", tp, pp, 1, dist_opt, precision, features, ("ppo_policy", "value"))
          for tp, pp, dist_opt, precision, features in LAYOUTS]
 cases += [("examples/tiny/moe.yaml", tp, pp, ep, dist_opt, precision, features, ("ppo_policy", "reference"))
           for tp, pp, ep, dist_opt, precision, features in MOE_LAYOUTS]
+cases += [("examples/tiny/rlhf.yaml", tp, pp, 1, dist_opt, precision, {"lora": 4}, ("ppo_policy", "ppo_value"))
+          for tp, pp, dist_opt, precision in LORA_LAYOUTS]
 for config_file, tp, pp, ep, dist_opt, precision, features, roles in cases:
     os.environ.update(TP=str(tp), PP=str(pp), EP=str(ep))
     config = load_config(config_file, world_size=int(os.environ["WORLD_SIZE"]))
@@ -54,7 +58,10 @@ for config_file, tp, pp, ep, dist_opt, precision, features, roles in cases:
         rc = config.role(name)
         rc.precision, rc.use_distributed_optimizer, rc.free_memory = precision, dist_opt, True
         for key, value in features.items():
-            setattr(rc.model, key, value)
+            if key == "lora":
+                rc.lora.rank = value
+            else:
+                setattr(rc.model, key, value)
         role = build_role(name, config)
         if role.trainable:
             with role.resident("training"):
@@ -63,7 +70,8 @@ for config_file, tp, pp, ep, dist_opt, precision, features, roles in cases:
         else:
             with role.resident("inference"):
                 measured = {k: v for k, v in role.memory.resident_bytes().items() if k in LEDGER_KINDS}
-        planned = state_bytes(rc, role.head, role.trainable, tp, pp, dp, pp_rank, dp_rank, ep, edp_rank)
+        planned = state_bytes(rc, role.head, role.trainable, tp, pp, dp, pp_rank, dp_rank, ep, edp_rank,
+                              lora=config.lora_of(name))
         # Idle with every switch on: nothing of any kind left on the device, counted from every
         # parameter, main_grad and optimizer tensor (the leak guard's count; experts included).
         idle = {k: v for k, v in role.memory.resident_bytes().items() if k in LEDGER_KINDS and v}
