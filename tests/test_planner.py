@@ -33,12 +33,20 @@ def test_planned_state_bytes_equal_the_ledger_under_several_layouts(workers):
     assert checked > 50 and experts_checked >= 5 * 4 * 2 + 3 * 4
 
 
+def _in_rows(config, training: int = 2, inference: int = 4):
+    """The tiny demo's roles on micro-batches of fixed rows (the demo packs them by tokens)."""
+    for role in config.model_roles:
+        rc = config.role(role)
+        rc.micro_batch_size, rc.max_tokens_per_micro_batch = (training if role.startswith("ppo_") else inference), None
+    return config
+
+
 def test_peak_phase_and_recommendation_for_a_budget(monkeypatch):
     for key in ("TP", "PP"):
         monkeypatch.delenv(key, raising=False)
     for role in ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value"):
         monkeypatch.setenv(f"free_memory_{role}", "False")
-    config = load_config(os.path.join("examples", "tiny", "rlhf.yaml"), world_size=2)
+    config = _in_rows(load_config(os.path.join("examples", "tiny", "rlhf.yaml"), world_size=2))
     everything = planner.plan(config, 2)
     # Without EMS every phase holds every role's state, plus its active role's transient memory.
     state = sum(sum(kinds.values()) for kinds in everything.roles.values())
@@ -73,8 +81,8 @@ def test_plan_command_prints_the_table_and_answers_a_budget():
         return subprocess.run([sys.executable, "-m", "megatron_rlhf.plan", "--config", "examples/tiny/rlhf.yaml", *args],
                               capture_output=True, text=True, env=env)
 
-    fits = plan("--gpu-memory", "2MiB")
-    assert fits.returncode == 0 and "<- peak" in fits.stdout and "fits in 2.00 MiB" in fits.stdout
+    fits = plan("--gpu-memory", "8MiB")  # the demo's micro-batches hold 32 rows of 48 tokens for inference
+    assert fits.returncode == 0 and "<- peak" in fits.stdout and "fits in 8.00 MiB" in fits.stdout
     assert "ppo_policy" in fits.stdout and "kv_cache" in fits.stdout
     too_small = plan("--gpu-memory", "100KiB")
     assert too_small.returncode == 1 and "does not fit in 100.00 KiB" in too_small.stdout and "over" in too_small.stdout
@@ -86,7 +94,7 @@ def test_pipeline_training_keeps_up_to_pp_micro_batches_of_activations(monkeypat
     """1F1B: the first stage runs PP forwards before its first backward."""
     monkeypatch.setenv("TP", "1")
     monkeypatch.setenv("PP", "2")
-    config = load_config(os.path.join("examples", "tiny", "rlhf.yaml"), world_size=2)
+    config = _in_rows(load_config(os.path.join("examples", "tiny", "rlhf.yaml"), world_size=2))
     p = planner.plan(config, 2)
     rc = config.ppo_policy
     one = planner.activation_bytes(rc.model, "lm", rc.micro_batch_size, p.layout["seq"], 1, 2, rc.precision,
