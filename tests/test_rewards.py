@@ -117,6 +117,14 @@ def test_a_call_that_raises_or_hangs_scores_the_failure_score_and_is_counted(rul
         scores, metrics = pool.score(["p"] * 3, ["a", "x", "b"], [{}] * 3)
         assert time.monotonic() - started < 2.0 + 5.0
         assert scores.tolist() == [1.0, -1.0, 1.0] and metrics["reward/timeouts"] == 1  # the worker was replaced
+        # A worker takes its calls in batches (6 of these 24): a call that hangs in the middle of one
+        # times out alone, and the rest of its batch is scored by the fresh worker.
+        responses = ["a"] * 24
+        responses[2] = "x"
+        started = time.monotonic()
+        scores, metrics = pool.score(["p"] * 24, responses, [{}] * 24)
+        assert time.monotonic() - started < 2.0 + 5.0
+        assert scores.tolist() == [1.0] * 2 + [-1.0] + [1.0] * 21 and metrics["reward/timeouts"] == 1
     finally:
         pool.close()
 

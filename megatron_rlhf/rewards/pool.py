@@ -1,5 +1,8 @@
 """Rule rewards scored in worker processes, one response per call, each call with a time-out.
 
+Each worker is handed a batch of calls at a time and answers each as it is scored (no round trip
+per call); a call's time-out runs from the answer before it, so a slow call is caught on its own.
+
 A verifier can hang on a pathological answer or a remote judge never reply; the run must not.
 Every rank keeps ``num_workers`` worker processes (plain interpreters running
 ``megatron_rlhf.rewards.worker``: they import the reward modules only, not torch or the training
@@ -49,7 +52,7 @@ class WorkerProcess:
 class _Worker(WorkerProcess):
     def __init__(self, specs: Sequence[str]):
         super().__init__("megatron_rlhf.rewards.worker", specs)
-        self.task: Optional[Tuple[int, int]] = None  # (response, function) being scored
+        self.batch: List[Tuple[int, int]] = []  # (response, function) of the calls sent, not yet answered
 
 
 class RewardPool:
@@ -99,25 +102,28 @@ class RewardPool:
         results: Dict[Tuple[int, int], Optional[Dict[str, float]]] = {}
         counts = {"failures": 0, "timeouts": 0}
         first_failure: Optional[str] = None
-        pending = list(reversed(tasks))
+        pending = list(tasks)
+        # Batches small enough that the workers finish together (a few per worker).
+        size = max(1, -(-len(tasks) // (4 * len(self.workers))))
         while len(results) < len(tasks):
             for worker in self.workers:
-                if worker.task is None and pending:
-                    row, f = worker.task = pending.pop()
+                if not worker.batch and pending:
+                    worker.batch, pending = pending[:size], pending[size:]
                     worker.deadline = time.monotonic() + self.timeout_s
-                    worker.conn.send((f, prompts[row], responses[row], fields[row]))
-            busy = [w for w in self.workers if w.task is not None]
+                    worker.conn.send([(f, prompts[row], responses[row], fields[row]) for row, f in worker.batch])
+            busy = [w for w in self.workers if w.batch]
             wait([w.conn for w in busy], timeout=max(0.0, min(w.deadline for w in busy) - time.monotonic()))
             for worker in busy:
-                row, f = worker.task
+                (row, f), rest = worker.batch[0], worker.batch[1:]
                 if worker.conn.poll():
                     outcome = self._collect(worker, row, f, prompts)
+                    worker.batch, worker.deadline = rest, time.monotonic() + self.timeout_s  # the next call's
                 elif time.monotonic() >= worker.deadline:
                     outcome = ("timeout", f"took over {self.timeout_s:g}s (reward.timeout_s)")
-                    self._replace(worker)
+                    self._replace(worker)  # a fresh worker, with no batch
+                    pending = rest + pending  # the rest of the batch, to whichever worker is free first
                 else:
                     continue
-                worker.task = None
                 kind, value = outcome
                 if kind == "ok":
                     results[row, f] = value

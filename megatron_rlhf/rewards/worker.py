@@ -1,7 +1,8 @@
 """A reward worker process (rewards/pool.py): ``python -m megatron_rlhf.rewards.worker FD SPEC...``
-(file specs absolute). Loads the reward functions, says "ready", then answers each request (function index,
-prompt, response, fields) with ("ok", named scores), ("raised", description), ("contract",
-message) or ("exit", message). Its standard output goes to standard error: the functions' prints
+(file specs absolute). Loads the reward functions, says "ready", then takes batches of calls (a list of (function index,
+prompt, response, fields)) and answers each call of a batch as soon as it is scored, in order, with
+("ok", named scores), ("raised", description), ("contract", message) or ("exit", message): one
+message to the worker per batch, no round trip per call. Its standard output goes to standard error: the functions' prints
 never reach the protocol's socket."""
 
 import os
@@ -23,18 +24,19 @@ def main(argv) -> None:
     conn.send(("ready", None))
     while True:
         try:
-            index, prompt, response, fields = conn.recv()
+            batch = conn.recv()
         except EOFError:
             return
-        try:
-            conn.send(("ok", call(functions[index], [prompt], [response], [fields])[0]))
-        except ContractError as e:
-            conn.send(("contract", str(e)))
-        except SystemExit as e:
-            conn.send(("exit", f"called sys.exit({e.code!r}); a reward must return its scores, not exit"))
-            return
-        except Exception as e:  # the function failed on this input: a counted failure
-            conn.send(("raised", f"raised {describe(e)}"))
+        for index, prompt, response, fields in batch:
+            try:
+                conn.send(("ok", call(functions[index], [prompt], [response], [fields])[0]))
+            except ContractError as e:
+                conn.send(("contract", str(e)))
+            except SystemExit as e:
+                conn.send(("exit", f"called sys.exit({e.code!r}); a reward must return its scores, not exit"))
+                return
+            except Exception as e:  # the function failed on this input: a counted failure
+                conn.send(("raised", f"raised {describe(e)}"))
 
 
 if __name__ == "__main__":
