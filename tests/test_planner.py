@@ -150,11 +150,18 @@ def test_free_memory_auto_chooses_what_the_plan_command_recommends(size, monkeyp
             assert chosen == listed, (size, gib)
 
 
-def test_the_plan_command_takes_the_launchers_model_size(capsys, launch_environment):
+def test_the_plan_command_takes_the_launchers_model_size(capsys, launch_environment, monkeypatch):
     from megatron_rlhf import plan as plan_command
 
-    assert plan_command.main(["--config", "examples/llama2/rlhf.yaml", "--model-size", "70b"]) == 0
+    # The recipe's default, free_memory: auto: the fewest switches that fit the GPU.
+    assert plan_command.main(["--config", "examples/llama2/rlhf.yaml", "--model-size", "70b", "--gpu-memory", "80GiB"]) == 0
     out = capsys.readouterr().out
-    assert "TP=8 PP=2 DP=2" in out and "52.13 GiB  <- peak" in out  # Llama-2-70B on 4 x 8 GPUs, as launched
+    assert "TP=8 PP=2 DP=2" in out  # Llama-2-70B on 4 x 8 GPUs, as launched
+    assert "fits in 80.00 GiB with peak 76.23 GiB (train_policy) when these leave the device while idle: reference: " \
+           "weights; reward: weights; ppo_policy: main_params, optimizer_state; ppo_value: main_params, optimizer_state" in out
+    for role in ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value"):
+        monkeypatch.setenv(f"free_memory_{role}", "True")  # every switch on
+    assert plan_command.main(["--config", "examples/llama2/rlhf.yaml", "--model-size", "70b"]) == 0
+    assert "52.13 GiB  <- peak" in capsys.readouterr().out
     assert plan_command.main(["--config", "examples/llama2/rlhf.yaml", "--model-size", "65b"]) == 2
     assert "MODEL_SIZE=65b: expected one of tiny, 7b" in capsys.readouterr().err

@@ -35,7 +35,8 @@
 #   ROLLOUT_TP, ROLLOUT_PP, ROLLOUT_EP  the policy's own layout for generation and old log-probs [the run's]
 #   free_memory_policy, free_memory_reference, free_memory_reward, free_memory_value,
 #   free_memory_ppo_policy, free_memory_ppo_value
-#                            EMS: True frees the role's device memory while it is idle [True]
+#                            EMS: True frees the role's device memory while it is idle; auto: at start-up,
+#                            the fewest switches that make the plan fit the GPU (nothing moves if all fits) [auto]
 #   ROLLOUT_BATCH_SIZE       * prompts per PPO iteration, over all data-parallel ranks
 #   TRAIN_GLOBAL_BATCH_SIZE  * samples per optimizer step;  TRAIN_MICRO_BATCH_SIZE *
 #   INFERENCE_MICRO_BATCH_SIZE * forward micro-batch of the inference roles
