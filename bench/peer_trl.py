@@ -5,8 +5,8 @@ prompts x 8 samples, 6 new tokens, gsm8k + 0.2 x answer_format, 8 optimizer step
 iteration, the KL to the reference in the loss at 0.001, lr 1e-3, Adam betas (0.9, 0.95), clip
 0.2, gradient clip 1.0). Both start from the same weights: a tiny Llama written by transformers,
 converted for us by tools/convert_hf_to_megatron.py's converter. Ours runs in several
-configurations (the demo as shipped, TP=1 on one process, TP=1 x DP=2, and the setting matched to
-TRL's: one process, every role resident, no distributed optimizer); TRL runs on one process.
+configurations (the demo as shipped: TP=1 x DP=2 over two processes; TP=2 over them; TP=1 on one
+process; and the setting matched to TRL's: one process, every role resident, no distributed optimizer); TRL runs on one process.
 Prints seconds per iteration (median of the steady iterations), start-up, the ratio to TRL, and
 the mean reward of the first and last 5 iterations of each.
 
@@ -33,9 +33,9 @@ TRL_VERSION = "1.16.0"
 
 # name -> (processes, environment): each our configuration of the same run.
 OURS = {
-    "demo as shipped (TP=2 over 2 processes, EMS on)": (2, {}),
+    "demo as shipped (TP=1 x DP=2 over 2 processes, EMS on)": (2, {}),
+    "TP=2 over 2 processes, EMS on": (2, {"TP": "2"}),
     "TP=1, one process, EMS on": (1, {"TP": "1"}),
-    "TP=1 x DP=2, EMS on": (2, {"TP": "1"}),
     "matched: TP=1, one process, every role resident, no distributed optimizer":
         (1, {"TP": "1", "USE_DISTRIBUTED_OPTIMIZER": "False", **{f"free_memory_{r}": "False" for r in
                                                                    ("policy", "reference", "ppo_policy")}}),
@@ -74,7 +74,7 @@ def ours(name: str, procs: int, env: dict, directory: str, args) -> dict:
         f.write(f"includes: {os.path.join(MATH, 'grpo.yaml')}\n"
                 f"data:\n  prompt_file: {os.path.join(MATH, 'train.jsonl')}\n  val_file: null\n"
                 f"  tokenizer:\n    path: {os.path.join(MATH, 'tokenizer')}\n"
-                "trainer:\n  val_before_train: false\n  val_interval: 0\n  tensorboard: false\n"
+                "trainer:\n  val_before_train: false\n  val_interval: 0\n  tensorboard: false\n  save_at_end: false\n"
                 + "".join(f"{role}:\n  load: {os.path.join(directory, 'mg')}\n" for role in ("reference", "ppo_policy")))
     out = os.path.join(directory, "out")
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", "-m", "megatron_rlhf.train",

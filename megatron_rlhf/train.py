@@ -597,8 +597,9 @@ def _run(prepared: Prepared) -> list:
     scorer = None
     if prepared.reward_functions and scores_here():
         rewards = config.reward
+        # The workers load the functions (checked to load at start-up) while the roles are built.
         scorer = RewardPool(prepared.reward_functions, num_workers=rewards.num_workers, timeout_s=rewards.timeout_s,
-                            failure_score=rewards.failure_score)
+                            failure_score=rewards.failure_score, wait=False)
     progress_dir = os.path.join(output_dir, ".progress")
     os.makedirs(progress_dir, exist_ok=True)
     turns = None

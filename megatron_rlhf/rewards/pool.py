@@ -60,16 +60,26 @@ class RewardPool:
     weighted sum of each function's ``score``."""
 
     def __init__(self, functions: Dict[str, float], num_workers: int = 2, timeout_s: float = 30.0,
-                 failure_score: float = 0.0):
+                 failure_score: float = 0.0, wait: bool = True):
+        """``wait``: return once every worker has loaded the functions (False: the first score()
+        waits, so that the workers load them while the caller builds its models)."""
         self.specs, self.weights = list(functions), list(functions.values())
         self.timeout_s, self.failure_score = timeout_s, failure_score
         self.workers = [_Worker(self.specs) for _ in range(num_workers)]  # they load the functions at once
+        self._ready = False
+        if wait:
+            self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        if self._ready:
+            return
         try:
             for worker in self.workers:
                 self._await_ready(worker, ValueError)  # a function that does not load: bad input
         except BaseException:
             self.close()
             raise
+        self._ready = True
 
     def _await_ready(self, worker: _Worker, error: type) -> None:
         """Wait until ``worker`` has loaded the functions; a load failure raises ``error``."""
@@ -98,6 +108,7 @@ class RewardPool:
     def score(self, prompts: List[str], responses: List[str], fields: List[Dict[str, Any]]) -> Tuple[torch.Tensor, Dict[str, float]]:
         """[B] float32 scores and their metrics (``reward/failures``, ``reward/timeouts``, and the
         mean of every function's score and named sub-score when there are several or any)."""
+        self._wait_ready()
         tasks = [(row, f) for row in range(len(responses)) for f in range(len(self.specs))]
         results: Dict[Tuple[int, int], Optional[Dict[str, float]]] = {}
         counts = {"failures": 0, "timeouts": 0}
