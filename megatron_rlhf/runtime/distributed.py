@@ -29,8 +29,6 @@ def init_distributed(layout: ParallelConfig, seed: int = 1234, timeout_s: float 
     """Start torch.distributed from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR, MASTER_PORT; a single process without them), then megatron's parallel state.
     Every collective, in every group, gives up after ``timeout_s`` (a rank that never arrives)."""
-    from megatron.core import parallel_state
-
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -48,9 +46,12 @@ def init_distributed(layout: ParallelConfig, seed: int = 1234, timeout_s: float 
         raise ValueError(f"expert_model_parallel_size {ep} does not divide the data-parallel size "
                          f"{world_size // model_parallel}")
 
+    platform = get_platform()
+    megatron_compat.import_megatron(platform.compiles_kernels)
+    from megatron.core import parallel_state
+
     megatron_compat.check()
     megatron_compat.bind_router_gemm()
-    platform = get_platform()
     platform.setup(local_rank)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -33,6 +33,8 @@ class DevicePlatform:
     # Steps the generation engine learns of EOS late, so that the host never waits for the step it
     # has just queued (0 where host and device are one).
     completion_lag: int = 0
+    # Whether megatron's fused kernels run (torch.compile'd): not without a GPU (megatron_compat.import_megatron).
+    compiles_kernels: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -111,6 +113,7 @@ class DevicePlatform:
 class CudaPlatform(DevicePlatform):
     name = "cuda"
     completion_lag = 2
+    compiles_kernels = True
     dist_backend = "nccl"
     use_cpu_initialization = False
 
