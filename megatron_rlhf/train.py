@@ -209,6 +209,10 @@ def _show_inputs(config: RLHFConfig, tokenizer, dataset) -> None:
     print(f"first prompt ({len(ids)} tokens): {text[:600]!r}{' ...' if len(text) > 600 else ''}", flush=True)
 
 
+# A ground truth longer than this is said at start-up (an answer is rarely longer than a line).
+LONG_GROUND_TRUTH = 10_000
+
+
 def _check_reward_columns(config: RLHFConfig, functions: Dict[str, float], dataset) -> None:
     """Every column a reward function needs is in every row of ``dataset``, and a built-in
     verifier's ground truths are answers it can compare (a string or number, or a list of them)."""
@@ -217,6 +221,7 @@ def _check_reward_columns(config: RLHFConfig, functions: Dict[str, float], datas
     key = "reward.function" if config.reward.functions is None else "reward.functions"
     needs = {spec: required_fields(load_reward_function(spec, "/")) for spec in functions}
     verifier = any(spec.startswith("megatron_rlhf.rewards.verifiers:") and "ground_truth" in n for spec, n in needs.items())
+    warned_long = False
     for index in range(len(dataset)):
         fields = dataset.rows.prompt_and_fields(index)[1]
         for spec, names in needs.items():
@@ -229,6 +234,13 @@ def _check_reward_columns(config: RLHFConfig, functions: Dict[str, float], datas
         if verifier and not _comparable_answer(truth):
             raise ConfigError(f"{dataset.rows.where(index)}: ground_truth {json.dumps(truth, default=str)[:80]} is not an "
                               "answer the verifiers compare: a string or a number, or a list of them (any is right)")
+        size = len(str(truth)) if verifier and truth is not None else 0
+        if size > LONG_GROUND_TRUTH and not warned_long:
+            warned_long = True
+            warnings.warn(f"{dataset.rows.where(index)}: ground_truth of {size} characters; the verifier parses it "
+                          "against every response to the prompt (a 1 MB one made an iteration 80x slower): is it an "
+                          "answer, or a whole solution in the wrong column?")
+
 
 
 def _comparable_answer(truth) -> bool:

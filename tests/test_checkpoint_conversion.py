@@ -13,11 +13,11 @@ from megatron_rlhf.checkpoint.model_files import CheckpointError  # noqa: E402
 from tests.hf_families import all_tensors, hf_outputs, make_hf_model  # noqa: E402
 
 
-def tiny_hf(path, head):
+def tiny_hf(path, head, labels: int = 1):
     config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
         num_hidden_layers=2, vocab_size=100, max_position_embeddings=256, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, num_labels=1, pad_token_id=0,
+        tie_word_embeddings=False, num_labels=labels, pad_token_id=0,
     )
     torch.manual_seed(0)
     cls = transformers.LlamaForCausalLM if head == "lm" else transformers.LlamaForSequenceClassification
@@ -165,3 +165,12 @@ def test_an_exported_model_carries_its_tokenizer_and_generation_config(tmp_path)
     with pytest.raises(CheckpointError, match="--tokenizer .*: none of tokenizer.json"):
         megatron_to_hf(str(tmp_path / "mg"), str(tmp_path / "out2"), tokenizer=str(tmp_path / "mg"))
     assert not (tmp_path / "out2").exists()
+
+
+def test_a_score_head_of_two_labels_is_refused_as_such(tmp_path):
+    # transformers writes neither id2label nor num_labels for its default of two labels.
+    tiny_hf(tmp_path / "hf", "scalar", labels=2)
+    assert not {"num_labels", "id2label"} & set(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    with pytest.raises(CheckpointError, match="a score head of 2 labels; only one label is supported"):
+        hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"))
+    assert not (tmp_path / "mg").exists()

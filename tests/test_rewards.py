@@ -233,3 +233,17 @@ def test_a_parquet_file_and_a_reward_that_blocks_on_one_rank(tmp_path):
     assert rows[0]["reward/timeouts"] == 1 and rows[0]["reward/failures"] == 1  # rank 1's first call, counted
     assert rows[1]["reward/timeouts"] == 0 and rows[1]["reward/check_truth/truth_matches"] == 1.0
     assert seconds < 60
+
+
+def test_a_very_long_ground_truth_is_said_at_start_up(tmp_path):
+    from megatron_rlhf.train import parse_args, prepare
+
+    rows = [json.loads(line) for line in Path("examples/tiny_math/train.jsonl").read_text().splitlines()]
+    rows[3]["ground_truth"] = "1" * 20_000  # a whole document in the answer's column
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    config = tmp_path / "grpo.yaml"
+    config.write_text(f"includes: {os.path.abspath('examples/tiny_math/grpo.yaml')}\n"
+                      f"data:\n  prompt_file: {tmp_path / 'train.jsonl'}\n  val_file: null\n"
+                      "trainer:\n  val_before_train: false\n  val_interval: 0\n")
+    with pytest.warns(UserWarning, match=r"train.jsonl.* ground_truth of 20000 characters; the verifier parses it"):
+        prepare(parse_args(["--config", str(config), "--output-dir", str(tmp_path / "out")]), 2)

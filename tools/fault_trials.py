@@ -444,6 +444,55 @@ def t_dry_run_without_files(w):
     return p.returncode == 0 and "not found on this machine" in p.stdout, p
 
 
+def t_lora_dropout(w):
+    p = train(w, config=include(w, "ppo_policy:\n  lora: {rank: 4, dropout: 0.1}\n"))
+    return one_line(p, "ppo_policy.lora.dropout: 0.1", "adapter dropout must be 0"), p
+
+
+def t_lora_on_the_policy(w):
+    p = train(w, config=include(w, "policy:\n  lora: {rank: 4}\n"))
+    return one_line(p, "policy.lora: policy is not trained", "set ppo_policy.lora"), p
+
+
+def t_lora_checkpoint_as_load(w):
+    from megatron_rlhf.checkpoint.model_files import write_model_meta
+    from megatron_rlhf.config.presets import PRESETS
+    from megatron_rlhf.config.schema import ModelArchConfig
+
+    import torch
+
+    (w / "ckpt").mkdir()
+    write_model_meta(str(w / "ckpt"), ModelArchConfig(**PRESETS["tiny"]), "lm", torch.float32, 1, 1,
+                     {"rank": 4, "alpha": 8.0, "target_modules": ["linear_qkv"]})
+    p = train(w, config=include(w, f"reference:\n  load: {w / 'ckpt'}\n"))
+    return one_line(p, "reference.load", "holds LoRA adapters beside its base", "--merge-lora"), p
+
+
+def t_partial_rollouts_with_an_environment(w):
+    agent = REPO / "examples" / "tiny_agent" / "grpo.yaml"
+    p = train(w, config=include(w, "rollout:\n  partial: {enabled: true}\n", base=agent))
+    return one_line(p, "rollout.partial.enabled: not supported with multi-turn rollouts yet"), p
+
+
+def t_partial_pool_not_splitting(w):
+    grpo = REPO / "examples" / "tiny" / "grpo.yaml"
+    p = train(w, config=include(w, "rollout:\n  partial: {enabled: true, over_sample: 1.05}\n", base=grpo),
+              env={"TP": "1", "SAMPLES_PER_PROMPT": "3"})
+    return one_line(p, "rollout.partial.over_sample: 1.05", "do not split over DP=2"), p
+
+
+def t_score_head_of_two_labels(w):
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                      num_hidden_layers=1, vocab_size=100, num_labels=2, pad_token_id=0)
+    transformers.LlamaForSequenceClassification(config).save_pretrained(w / "hf")
+    p = subprocess.run([PY, "tools/convert_hf_to_megatron.py", "--hf-dir", str(w / "hf"), "--output", str(w / "o")],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    return p.returncode == 2 and "a score head of 2 labels; only one label is supported" in p.stderr \
+        and not (w / "o").exists(), p
+
+
 TRIALS = {name[2:]: fn for name, fn in globals().items() if name.startswith("t_")}
 
 

@@ -85,8 +85,12 @@ def hf_to_megatron(
     head = head or detect_head(config)
     arch = arch_from_hf_config(config, os.path.join(hf_dir, "config.json"))
     arch.make_vocab_size_divisible_by = make_vocab_size_divisible_by
-    if head == "scalar" and config.get("num_labels", 1) != 1 and len(config.get("id2label", {0: 0})) != 1:
-        raise CheckpointError(f"{hf_dir}/config.json: a reward model needs one label (a scalar score)")
+    # transformers writes id2label (num_labels is a property of it), and neither when it is its
+    # default of two labels.
+    labels = len(config["id2label"]) if config.get("id2label") else config.get("num_labels", 2)
+    if head == "scalar" and labels != 1:
+        raise CheckpointError(f"{hf_dir}/config.json: a score head of {labels} labels; only one label is supported "
+                              "(a reward or value model gives one scalar score)")
     for size, what in ((arch.num_attention_heads, "num_attention_heads"), (arch.kv_groups, "num_key_value_heads"),
                        (arch.ffn_hidden_size, "intermediate_size")):
         if size % tp:
