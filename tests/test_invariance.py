@@ -64,13 +64,18 @@ def _close(got: dict, expected: dict, what: str) -> None:
 
 def test_a_whole_iteration_with_several_steps_per_epoch_does_not_depend_on_dp_or_tp(tmp_path):
     """The PPO, GRPO and agent (multi-turn) demos, one iteration of 4 optimizer steps at TP=1 on one
-    process (DP=1) and on two (DP=2): the same reported figures and the same weights after it; the
+    process (DP=1) and on two (DP=2), PPO and GRPO also on four (DP=4): the same reported figures and
+    the same weights after it; the
     agent demo also at TP=2 from the same starting weights (loaded); GRPO with LoRA also with EMS
     off and other micro-batches at DP=2 (the same adapters after the step)."""
     from tests.conftest import run_workers
 
     one = run_workers(tmp_path, 1, "dp_iteration")[0]
     two = run_workers(tmp_path, 2, "dp_iteration")
+    for rank in run_workers(tmp_path, 4, "dp_iteration"):
+        for run in ("ppo", "grpo"):
+            _close(rank[run]["metrics"], one[run]["metrics"], f"{run}: DP=4")
+            _close(rank[run]["weights"], one[run]["weights"], f"{run} weights: DP=4")
     for rank in two:
         for run in ("ppo", "grpo", "grpo_lora", "game"):
             _close(rank[run]["metrics"], one[run]["metrics"], f"{run}: DP=2")
