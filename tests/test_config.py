@@ -400,7 +400,7 @@ def test_a_policy_of_its_own_expert_layout_and_what_routing_replay_needs(monkeyp
     assert any("policy.parallel: EP 3 does not divide policy's data-parallel size 4" in p for p in layout_problems(config, 4))
     config.policy.parallel.expert_model_parallel_size = None
     config.policy.parallel.pipeline_model_parallel_size = 2  # the routing record is per stage: PP as training's
-    assert any("policy.parallel: PP 2, but moe.routing_replay: rollout records each pipeline stage's layers" in p
+    assert any("policy.parallel.pipeline_model_parallel_size: PP 2, but moe.routing_replay: rollout records each pipeline stage's layers" in p
                for p in layout_problems(config, 4))
     config.moe.routing_replay = "off"
     assert layout_problems(config, 4) == []
@@ -570,3 +570,12 @@ def test_lora_goes_on_a_trained_role_and_the_reference_becomes_the_base(tmp_path
     with pytest.raises(ConfigError, match="policy.parallel: policy runs ppo_policy's LoRA adapters, which are not "
                                           "resharded to a layout of its own yet"):
         load_config(str(top), world_size=2)
+
+
+def test_a_network_problem_names_the_file_that_set_the_field(monkeypatch):
+    # num_experts is set in moe.yaml; the roles' model mapping starts in base_model.yaml.
+    monkeypatch.setenv("EP", "3")
+    with pytest.raises(ConfigError) as err:
+        load_config(os.path.join("examples", "tiny", "moe.yaml"), world_size=6)
+    assert "3 does not divide policy, reference, ppo_policy's num_experts=4 (" in str(err.value)
+    assert "moe.yaml); valid EP: 1, 2, 4" in str(err.value) and "base_model.yaml" not in str(err.value)

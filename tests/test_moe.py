@@ -293,7 +293,10 @@ def test_a_resumed_moe_run_continues_exactly_as_an_uninterrupted_one(tmp_path, m
     assert without_times(metrics(tmp_path / "split")) == without_times(metrics(moe_demo / "True")[:4])
     refused = train(tmp_path / "split", "--iterations", "5", "--resume", config=moe["config"],
                     env={**MOE_DEMO_ENV, "EP": "1"}, check=False)
-    assert refused.returncode != 0 and "written at TP=1 PP=1 EP=2; resume with the same TP, PP and EP" in refused.stdout + refused.stderr
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "written at TP=1 PP=1 EP=2; resume with the same TP, PP and EP" in said
+    assert "parallel.expert_model_parallel_size (environment variable EP=1)" in said  # the key that changed
+    assert "tensor_model_parallel_size" not in said
 
 
 # MODEL_SIZE: (nodes of 8 GPUs, EP) by default; billions of parameters in all and active per token

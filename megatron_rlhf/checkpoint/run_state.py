@@ -103,8 +103,11 @@ def check_resume(path: str, config: RLHFConfig, now: Dict[str, Any], output_dir:
                   if older else "no older intact checkpoint exists; start again with --overwrite")
         raise CheckpointError(f"cannot resume from {path}: {e}; {advice}") from None
     par = config.parallel
+    sizes = {"tp": "tensor", "pp": "pipeline", "ep": "expert"}
+    changed = [f"parallel.{name}_model_parallel_size" for key, name in sizes.items()
+               if state["layout"].get(key, 1) != getattr(par, f"{name}_model_parallel_size")]
     check_layout(path, state, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                 par.expert_model_parallel_size, config.at("parallel.tensor_model_parallel_size"))
+                 par.expert_model_parallel_size, "; ".join(config.at(key) for key in changed))
     before = state.get("run")
     if before is None:
         return now, state["iteration"]

@@ -178,7 +178,9 @@ def _network_problems(config: RLHFConfig, layout: Layout) -> List[str]:
             continue
         role = ", ".join(users)
         at = f"{users[0]}.model"
-        file = config.source_of(at)
+
+        def file(field: str) -> str:  # the file that set this field of the network (or its model mapping)
+            return config.source_of(f"{at}.{field}")
         tp, pp = own_layout.tensor_model_parallel_size, own_layout.pipeline_model_parallel_size
         ep = own_layout.expert_model_parallel_size
         own = [r for r in users if config.has_own_layout(r)]
@@ -187,12 +189,12 @@ def _network_problems(config: RLHFConfig, layout: Layout) -> List[str]:
         heads, groups = m.num_attention_heads, m.kv_groups
         if heads % groups != 0:
             problems.append(
-                f"{file}: {at}.num_query_groups: {groups} does not divide num_attention_heads={heads}; "
+                f"{file('num_query_groups')}: {at}.num_query_groups: {groups} does not divide num_attention_heads={heads}; "
                 f"valid: {_divisors(heads)}"
             )
         if m.head_dim is None and m.hidden_size % heads != 0:
             problems.append(
-                f"{file}: {at}.hidden_size: {m.hidden_size} is not divisible by "
+                f"{file('hidden_size')}: {at}.hidden_size: {m.hidden_size} is not divisible by "
                 f"num_attention_heads={heads}; set head_dim for heads of another width"
             )
         problems.extend(f"{config.source_of(f'{at}.{keys[0]}')}: {at}.{', '.join(keys)}: {text}"
@@ -200,36 +202,36 @@ def _network_problems(config: RLHFConfig, layout: Layout) -> List[str]:
         if heads % tp != 0:
             problems.append(
                 f"{config.at(tp_key)}: {tp} does not divide {role}'s "
-                f"num_attention_heads={heads} ({file}); valid TP: {_divisors(heads)}"
+                f"num_attention_heads={heads} ({file('num_attention_heads')}); valid TP: {_divisors(heads)}"
             )
         elif groups % tp != 0:
             problems.append(
                 f"{config.at(tp_key)}: {tp} does not divide {role}'s "
-                f"num_query_groups={groups} (grouped-query attention, {file}); valid TP: "
+                f"num_query_groups={groups} (grouped-query attention, {file('num_query_groups')}); valid TP: "
                 f"{_divisors(groups)}"
             )
         if m.ffn_hidden_size % tp != 0:
             problems.append(
                 f"{config.at(tp_key)}: {tp} does not divide {role}'s "
-                f"ffn_hidden_size={m.ffn_hidden_size} ({file})"
+                f"ffn_hidden_size={m.ffn_hidden_size} ({file('ffn_hidden_size')})"
             )
         if m.num_layers % pp != 0:
             problems.append(
                 f"{config.at(pp_key)}: {pp} does not divide {role}'s "
-                f"num_layers={m.num_layers} ({file}); valid PP: {_divisors(m.num_layers)}"
+                f"num_layers={m.num_layers} ({file('num_layers')}); valid PP: {_divisors(m.num_layers)}"
             )
         if m.num_experts and m.moe_ffn_hidden_size:
             if m.num_experts % ep != 0:
                 problems.append(f"{config.at(ep_key)}: {ep} does not divide {role}'s num_experts={m.num_experts} "
-                                f"({file}); valid EP: {_divisors(m.num_experts)}")
+                                f"({file('num_experts')}); valid EP: {_divisors(m.num_experts)}")
             for width in ("moe_ffn_hidden_size", "moe_shared_expert_ffn_hidden_size"):
                 if (getattr(m, width) or 0) % tp != 0:
                     problems.append(f"{config.at(tp_key)}: {tp} does not divide {role}'s {width}={getattr(m, width)} "
-                                    f"({file}); each expert is split over TP")
+                                    f"({file(width)}); each expert is split over TP")
             trained = [r for r in users if r in TRAINABLE_ROLES]
             if trained and tp > 1:
                 problems.append(f"{config.at(tp_key)}: {tp}, but {', '.join(trained)} trains a model with experts "
-                                f"({file}): megatron-core trains MoE layers at TP > 1 only with sequence parallelism, "
+                                f"({file('num_experts')}): megatron-core trains MoE layers at TP > 1 only with sequence parallelism, "
                                 "which these runs do not use; split the model with expert_model_parallel_size and "
                                 "pipeline_model_parallel_size at tensor_model_parallel_size: 1")
     if par.expert_model_parallel_size > 1 and not any(n[1].num_experts for n in networks):
@@ -279,7 +281,7 @@ def _role_layout_problems(config: RLHFConfig, world_size: Optional[int]) -> List
                                 f"expert-parallel ranks from the data-parallel ones); valid EP: {_divisors(dp)}")
         if role == "policy" and config.moe.routing_replay != "off" and \
                 pp != config.parallel.pipeline_model_parallel_size:
-            problems.append(f"{at}: PP {pp}, but moe.routing_replay: {config.moe.routing_replay} records each "
+            problems.append(f"{config.at(role + '.parallel.pipeline_model_parallel_size')}: PP {pp}, but moe.routing_replay: {config.moe.routing_replay} records each "
                             "pipeline stage's layers: replay needs the policy at the trained layout's PP "
                             f"({config.parallel.pipeline_model_parallel_size}); set the PP alike or routing_replay: off")
         if arch.vocab_size and config.padded_vocab(arch) % tp:
