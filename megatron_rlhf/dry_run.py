@@ -6,7 +6,6 @@ fatal: the checkpoints usually live only on the cluster."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 import yaml
@@ -91,8 +90,7 @@ def rank_groups(tp: int, pp: int, dp: int, ep: int = 1) -> Dict[str, List[List[i
 
 
 def resolved_config_text(config: RLHFConfig) -> str:
-    tree = dataclasses.asdict(config)
-    tree.pop("origin")
+    tree = config.settings()
     for role in set(ROLE_NAMES) - set(config.roles):  # the algorithm does not run them
         tree.pop(role)
     return yaml.safe_dump(tree, sort_keys=False, default_flow_style=False).rstrip()

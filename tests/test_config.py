@@ -505,9 +505,10 @@ def test_micro_batches_by_tokens_need_their_budget_hold_the_longest_row_and_run_
 def test_a_system_prompt_without_a_template_and_a_weight_that_is_not_finite_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="data.system_prompt: set, but data.apply_chat_template is false"):
         load_config(str(tiny_setup(tmp_path, "data: {system_prompt: be brief}\n")), world_size=1)
-    for weight, words in ((".nan", "the weight of a.py:f is nan; a weight is a finite number"),
-                          (".inf", "the weight of a.py:f is inf"), ("'high'", "expected a mapping of str to float")):
-        with pytest.raises(ConfigError, match=f"reward.functions: {words}"):
+    for weight, words in ((".nan", "reward.functions: the weight of a.py:f is nan; a weight is a finite number"),
+                          (".inf", "reward.functions: the weight of a.py:f is inf"),
+                          ("'high'", "reward.functions.a.py:f: expected float, got str 'high'")):
+        with pytest.raises(ConfigError, match=words):
             load_config(str(tiny_setup(tmp_path, f"reward: {{type: function, functions: {{'a.py:f': {weight}}}}}\n")),
                         world_size=1)
 
@@ -579,3 +580,13 @@ def test_a_network_problem_names_the_file_that_set_the_field(monkeypatch):
         load_config(os.path.join("examples", "tiny", "moe.yaml"), world_size=6)
     assert "3 does not divide policy, reference, ppo_policy's num_experts=4 (" in str(err.value)
     assert "moe.yaml); valid EP: 1, 2, 4" in str(err.value) and "base_model.yaml" not in str(err.value)
+
+
+def test_a_wrong_entry_of_a_mapping_names_its_own_file_and_nothing_else_follows(tmp_path):
+    # The recipe's reward.functions are fine; the user's file adds a weight that is not a number.
+    top = write(tmp_path / "cfg.yaml", f"includes: {os.path.abspath('examples/tiny_math/grpo.yaml')}\n"
+                "reward:\n  functions:\n    megatron_rlhf.rewards.verifiers:gsm8k: abc\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(top), world_size=2)
+    lines = str(err.value).splitlines()[1:]
+    assert lines == [f"  {top}: reward.functions.megatron_rlhf.rewards.verifiers:gsm8k: expected float, got str 'abc'"]

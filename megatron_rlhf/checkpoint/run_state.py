@@ -6,7 +6,6 @@ train.prepare before any process group or model exists."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -64,8 +63,7 @@ _FREE_ON_RESUME = ("ppo.iterations", "trainer.", "generation.batch_size", ".micr
 
 def run_identity(config: RLHFConfig) -> Dict[str, Any]:
     """A new run's id, the fingerprint of the settings that shape its numbers, and those settings."""
-    tree = dataclasses.asdict(config)
-    tree.pop("origin")
+    tree = config.settings()
     values = {k: v for k, v in _flatten(tree).items() if not any(
         k.endswith(f) if f.startswith(".") else k.startswith(f) if f.endswith(".") else k == f for f in _FREE_ON_RESUME)}
     digest = hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]

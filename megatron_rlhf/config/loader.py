@@ -239,6 +239,19 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _bad_entries(value: Any, tp: Any) -> List[Tuple[Any, Any, Any]]:
+    """(key, value, expected type) of each entry of a mapping ``value`` that its (possibly
+    optional) mapping type ``tp`` refuses; [] when ``value`` is no mapping or its keys are wrong."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)] if typing.get_origin(tp) is typing.Union else [tp]
+    mapping = next((a for a in args if typing.get_origin(a) is dict), None)
+    if mapping is None or not isinstance(value, dict):
+        return []
+    key_type, value_type = typing.get_args(mapping)
+    if not all(_check_type(k, key_type)[0] for k in value):
+        return []
+    return [(k, v, value_type) for k, v in value.items() if not _check_type(v, value_type)[0]]
+
+
 def _check_type(value: Any, tp: Any) -> Tuple[bool, Any]:
     """Whether ``value`` is acceptable for ``tp``, and the value to store (ints widen to float)."""
     origin = typing.get_origin(tp)
@@ -277,9 +290,12 @@ def _check_type(value: Any, tp: Any) -> Tuple[bool, Any]:
     return isinstance(value, tp), value
 
 
-def build(cls: type, data: Any, sources: Sources, path: KeyPath, top_file: str, problems: List[str]) -> Any:
+def build(cls: type, data: Any, sources: Sources, path: KeyPath, top_file: str, problems: List[str],
+          refused: Optional[List[str]] = None) -> Any:
     """Build dataclass ``cls`` from ``data``. Unknown keys and wrong types are appended to
-    ``problems`` (all of them, each naming file, key and what is valid) and left at their defaults."""
+    ``problems`` (all of them, each naming file, key and what is valid) and left at their defaults;
+    their dotted keys to ``refused``."""
+    refused = [] if refused is None else refused
 
     def where(p: KeyPath) -> str:
         probe = p
@@ -302,12 +318,20 @@ def build(cls: type, data: Any, sources: Sources, path: KeyPath, top_file: str, 
                 f"{located(where(key_path), dotted(key_path))}: unknown key; {hint}valid keys here are: "
                 + ", ".join(sorted(fields))
             )
+            refused.append(dotted(key_path))
             continue
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = build(tp, value, sources, key_path, top_file, problems)
+            kwargs[key] = build(tp, value, sources, key_path, top_file, problems, refused)
             continue
         ok, converted = _check_type(value, tp)
+        if not ok:
+            refused.append(dotted(key_path))
+        entries = _bad_entries(value, tp) if not ok else []
+        if entries:  # each wrong entry of a mapping, named where it was set (an include's may be fine)
+            problems.extend(f"{located(where(key_path + (k,)), dotted(key_path + (k,)))}: expected {_type_name(inner)}, "
+                            f"got {type(v).__name__} {v!r}" for k, v, inner in entries)
+            continue
         if not ok:
             shown = "nothing (empty)" if value is None else f"{type(value).__name__} {value!r}"
             if isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?e\d+", value.strip(), re.I):
@@ -367,7 +391,9 @@ def read_config(file: str) -> Tuple[RLHFConfig, List[str]]:
                           "for example the rlhf.yaml that uses it")
     _attach_role_model_files(tree, sources)
     problems: List[str] = []
-    config = build(RLHFConfig, tree, sources, (), os.path.abspath(file), problems)
+    refused: List[str] = []
+    config = build(RLHFConfig, tree, sources, (), os.path.abspath(file), problems, refused)
+    config.refused = refused
     config.origin = {dotted(p): f for p, f in sources.items()}
     config.origin[""] = os.path.abspath(file)
     return config, problems

@@ -559,6 +559,9 @@ class RLHFConfig:
     origin: Dict[str, str] = dataclasses.field(
         default_factory=dict, repr=False, compare=False, metadata={"internal": True}
     )
+    # Dotted keys the loader refused (unknown, or of the wrong type: left at their defaults), so
+    # that the checks across keys do not report a consequence of the same mistake again.
+    refused: List[str] = dataclasses.field(default_factory=list, repr=False, compare=False, metadata={"internal": True})
 
     def source_of(self, key: str) -> str:
         """The file a dotted key came from (its nearest configured ancestor's, else the top file)."""
@@ -670,6 +673,14 @@ class RLHFConfig:
     def samples_per_step(self, role: str) -> int:
         """Samples per optimizer step of a trainable role, over all DP ranks (default: the rollout)."""
         return self.role(role).global_batch_size or self.rollout_samples
+
+    def settings(self) -> Dict:
+        """Every setting as a nested dict, without the loader's bookkeeping (origin, refused)."""
+        tree = dataclasses.asdict(self)
+        for field in dataclasses.fields(self):
+            if field.metadata.get("internal"):
+                tree.pop(field.name)
+        return tree
 
     def role(self, name: str) -> RoleConfig:
         if name not in ROLE_NAMES:

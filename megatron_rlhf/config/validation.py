@@ -369,6 +369,8 @@ def _reward_problems(config: RLHFConfig) -> List[str]:
         if reward.function is not None and reward.functions is not None:
             return [f"{config.at('reward.functions')}: set together with reward.function; name one function there, or "
                     "every function with its weight here"]
+        if "reward.functions" in config.refused:
+            return []  # given, but not a mapping of weights: the loader has said so
         specs = [reward.function] if reward.functions is None else list(reward.functions)
         key = "reward.function" if reward.functions is None else "reward.functions"
         for spec in specs:
