@@ -526,7 +526,7 @@ def test_partial_rollouts_and_rollout_correction_are_refused_by_name_where_they_
     text = str(err.value)
     assert "rollout.partial.over_sample: set, but rollout.partial.enabled is false" in text
     assert "algorithm.rollout_correction.threshold: set, but algorithm.rollout_correction.mode is off" in text
-    # Not modelled: with an environment, with routing replay of the rollout; a pool that does not split.
+    # Not modelled: with an environment; a band for truncate; a pool that does not split over DP.
     top = ("rollout: {environment: env.py:Game, max_trajectory_tokens: 200, partial: {enabled: true, over_sample: 1.01}}\n"
            "algorithm: {rollout_correction: {mode: truncate, threshold_low: 0.5}}\nppo: {rollout_batch_size: 4}\n")
     with pytest.raises(ConfigError) as err:

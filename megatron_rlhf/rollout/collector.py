@@ -134,7 +134,7 @@ class RolloutCollector:
                 out["time/generate_s"] = time.perf_counter() - started
                 out.update(turn_metrics)
                 if training:
-                    self._add_old_log_probs(rows, replay)
+                    self.add_old_log_probs(rows, replay)
             return rows
 
         rows = self.roles.at_layout("policy", run, prompts.columns())
@@ -178,7 +178,7 @@ class RolloutCollector:
     def _ledger_record(self, cache):
         return self.roles["policy"].memory.holding(KV_CACHE, [cache.storage], "generate")
 
-    def _add_old_log_probs(self, rows: SampleRows, replay: str) -> None:
+    def add_old_log_probs(self, rows: SampleRows, replay: str) -> None:
         """The policy's log-probs of ``rows`` ("old"); routing replay's record kept (generation's),
         or taken by this pass (models/routing.py)."""
         recorded = [] if replay == "old_logprob" else None

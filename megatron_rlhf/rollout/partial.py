@@ -75,7 +75,7 @@ class PartialRollouts:
                 everything = cut.gather(mine, self.collector.sampling.pad_id)
                 picked = self._hold_the_rest(everything)
                 selected = trimmed(cut.share({k: v[picked] for k, v in everything.items()}))
-                self.collector._add_old_log_probs(selected, self.config.moe.routing_replay)
+                self.collector.add_old_log_probs(selected, self.config.moe.routing_replay)
             out.update(self._figures(everything, picked, iteration, chunks))
             return selected
 
