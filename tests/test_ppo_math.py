@@ -103,8 +103,9 @@ def test_masked_statistics_and_whitening():
     mean = sum(vals) / len(vals)
     var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
     assert ppo.masked_mean(t(x), t(MASK)).item() == pytest.approx(mean, abs=1e-12)
-    assert ppo.masked_var(t(x), t(MASK)).item() == pytest.approx(var, abs=1e-12)
-    white = ppo.masked_whiten(t(x), t(MASK), eps=0.0)
+    total, total_sq, count = ppo.masked_moments(t(x), t(MASK)).tolist()
+    assert (total, total_sq, count) == pytest.approx((sum(vals), sum(v * v for v in vals), len(vals)), abs=1e-12)
+    white = ppo.whiten_with_moments(t(x), t(MASK), ppo.masked_moments(t(x), t(MASK)), eps=0.0)
     for i in range(5):
         for j in range(5):
             expected = (x[i][j] - mean) / math.sqrt(var) if MASK[i][j] else 0.0
@@ -117,7 +118,9 @@ def test_policy_loss_is_the_clipped_surrogate():
     logp, old, adv = rand(5, 5, 7), rand(5, 5, 8), rand(5, 5, 9)
     old = [[o * 0.3 + lp for o, lp in zip(orow, lrow)] for orow, lrow in zip(old, logp)]  # ratios near 1
     clip = 0.2
-    loss, metrics = ppo.policy_loss(t(logp), t(old), t(adv), t(MASK), clip)
+    per_token_loss, stats = ppo.policy_loss_terms(t(logp), t(old), t(adv), clip, clip)
+    total, count = ppo.aggregate_loss(per_token_loss, t(MASK))
+    loss, clipfrac = total / count, ppo.masked_mean(stats["clipped"], t(MASK))
     per_token, clipped_flags = [], []
     for i in range(5):
         lrow, crow = [], []
@@ -130,13 +133,19 @@ def test_policy_loss_is_the_clipped_surrogate():
         per_token.append(lrow)
         clipped_flags.append(crow)
     assert loss.item() == pytest.approx(ref_masked_mean(per_token, MASK), abs=1e-12)
-    assert metrics["clipfrac"].item() == pytest.approx(ref_masked_mean(clipped_flags, MASK), abs=1e-12)
-    assert 0 < metrics["clipfrac"].item() < 1
+    assert clipfrac.item() == pytest.approx(ref_masked_mean(clipped_flags, MASK), abs=1e-12)
+    assert 0 < clipfrac.item() < 1
 
 
 def test_value_loss_is_the_clipped_squared_error():
     v, old, ret = rand(5, 5, 10), rand(5, 5, 11), rand(5, 5, 12)
-    loss, metrics = ppo.value_loss(t(v), t(old), t(ret), t(MASK), 0.5)
+
+    def value_loss(clip_range):  # as roles/losses.py aggregates it (token-mean)
+        per_token, stats = ppo.value_loss_terms(t(v), t(old), t(ret), clip_range)
+        total, count = ppo.aggregate_loss(per_token, t(MASK))
+        return total / count, ppo.masked_mean(stats["clipped"], t(MASK))
+
+    loss, clipfrac = value_loss(0.5)
     per_token = []
     for i in range(5):
         row = []
@@ -145,19 +154,10 @@ def test_value_loss_is_the_clipped_squared_error():
             row.append(0.5 * max((v[i][j] - ret[i][j]) ** 2, (vc - ret[i][j]) ** 2))
         per_token.append(row)
     assert loss.item() == pytest.approx(ref_masked_mean(per_token, MASK), abs=1e-12)
-    unclipped_loss, _ = ppo.value_loss(t(v), t(old), t(ret), t(MASK), None)
+    unclipped_loss, _ = value_loss(None)
     expected = ref_masked_mean([[0.5 * (a - b) ** 2 for a, b in zip(vr, rr)] for vr, rr in zip(v, ret)], MASK)
     assert unclipped_loss.item() == pytest.approx(expected, abs=1e-12)
-    assert metrics["clipfrac"].item() > 0
-
-
-def test_entropy_from_logits():
-    logits = rand(6, 7, 13)
-    got = ppo.entropy_from_logits(t(logits).view(2, 3, 7))
-    for k, row in enumerate(logits):
-        z = sum(math.exp(v) for v in row)
-        probs = [math.exp(v) / z for v in row]
-        assert got.view(-1)[k].item() == pytest.approx(-sum(p * math.log(p) for p in probs), abs=1e-6)
+    assert clipfrac.item() > 0
 
 
 def test_adaptive_kl_controller_moves_toward_the_target_with_a_bounded_step():
@@ -184,7 +184,8 @@ def test_running_moments_equal_the_moments_of_everything_seen():
         assert moments.var == pytest.approx(sum((v - mean) ** 2 for v in seen) / len(seen), abs=1e-12)
     restored = ppo.RunningMoments()
     restored.load_state_dict(moments.state_dict())
-    assert restored.normalize(torch.tensor([5.0])).item() == pytest.approx((5.0 - moments.mean) / moments.std, abs=1e-6)
+    assert (restored.mean, restored.var, restored.count, restored.std) == (moments.mean, moments.var, moments.count,
+                                                                           moments.std)
 
 
 def test_clip_rewards():
@@ -231,7 +232,7 @@ def test_whitening_a_batch_in_parts_by_the_summed_moments_equals_whitening_it_wh
     from megatron_rlhf.ppo import masked_moments, whiten_with_moments
 
     x, mask = _aggregation_case()
-    whole = ppo.masked_whiten(x, mask)
+    whole = whiten_with_moments(x, mask, masked_moments(x, mask))
     moments = masked_moments(x[:2], mask[:2]) + masked_moments(x[2:], mask[2:])  # what an all-reduce over DP gives
     parts = torch.cat([whiten_with_moments(x[:2], mask[:2], moments), whiten_with_moments(x[2:], mask[2:], moments)])
     torch.testing.assert_close(parts, whole, rtol=1e-6, atol=1e-6)
@@ -242,8 +243,8 @@ def test_whitening_a_batch_in_parts_by_the_summed_moments_equals_whitening_it_wh
 
 def test_value_loss_without_clipping_stays_on_the_inputs_device():
     values = torch.zeros(2, 3, device="meta")
-    _, stats = ppo.value_loss(values, values, values, torch.ones(2, 3, device="meta"), None)
-    assert stats["clipfrac"].device.type == "meta"
+    _, stats = ppo.value_loss_terms(values, values, values, None)
+    assert ppo.masked_mean(stats["clipped"], torch.ones(2, 3, device="meta")).device.type == "meta"
 
 
 def test_policy_loss_terms_clip_low_and_high_separately():

@@ -31,22 +31,6 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) 
     return masked_sum(x, mask, dim) / count.clamp(min=1)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of ``x`` over the masked positions (Bessel-corrected when ``unbiased``)."""
-    mean = masked_mean(x, mask)
-    count = mask.sum()
-    var = masked_sum((x - mean) ** 2, mask) / count.clamp(min=1)
-    if unbiased and count > 1:
-        var = var * count / (count - 1)
-    return var
-
-
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the masked positions; ``shift_mean=False`` keeps the mean.
-    Masked-out positions come back as 0."""
-    return whiten_with_moments(x, mask, masked_moments(x, mask), shift_mean, eps)
-
-
 def masked_moments(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[sum, sum of squares, count] of ``x`` over the masked positions, in float64: [3]. Moments of
     a batch cut into parts are the sums of the parts' (all-reduce them over data-parallel ranks)."""
@@ -102,10 +86,6 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "tok
     else:
         raise ValueError(f"loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}, got {mode!r}")
     return (per_sequence * has_tokens).sum(), has_tokens.sum().to(torch.int64)
-
-
-def _ratio(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    return total / count.clamp(min=1).to(total.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,9 +181,6 @@ class RunningMoments:
         self.count = total
         return batch_mean, (x.std().item() if n > 1 else 0.0)
 
-    def normalize(self, x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-        return (x - self.mean) / (self.std + eps)
-
     def state_dict(self) -> Dict[str, float]:
         return {"mean": self.mean, "var": self.var, "count": self.count}
 
@@ -298,22 +275,6 @@ def gspo_loss_terms(
 POLICY_LOSSES = registry(POLICY_LOSS_NAMES, "ppo.policy_loss", {"vanilla": policy_loss_terms, "gspo": gspo_loss_terms})
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_ratio: float,
-    loss_agg_mode: str = "token-mean",
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """Clipped surrogate objective (as a loss to minimise). All inputs [B, T]; returns the loss
-    aggregated by ``loss_agg_mode`` and metrics: clip fraction and the approximate KL to the
-    rollout policy (token means)."""
-    per_token, stats = policy_loss_terms(logprobs, old_logprobs, advantages, clip_ratio, clip_ratio)
-    loss = _ratio(*aggregate_loss(per_token, mask, loss_agg_mode))
-    return loss, {"clipfrac": masked_mean(stats["clipped"], mask), "approx_kl": masked_mean(stats["approx_kl"], mask)}
-
-
 def value_loss_terms(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip_range: Optional[float]
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
@@ -330,20 +291,3 @@ def value_loss_terms(
     return 0.5 * torch.maximum(unclipped, clipped), stats
 
 
-def value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    mask: torch.Tensor,
-    clip_range: Optional[float],
-    loss_agg_mode: str = "token-mean",
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """The clipped value loss of value_loss_terms aggregated by ``loss_agg_mode``; [B, T] inputs."""
-    per_token, stats = value_loss_terms(values, old_values, returns, clip_range)
-    return _ratio(*aggregate_loss(per_token, mask, loss_agg_mode)), {"clipfrac": masked_mean(stats["clipped"], mask)}
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the categorical distribution at each position: [B, T, V] -> [B, T]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
