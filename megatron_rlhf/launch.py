@@ -27,22 +27,23 @@ from typing import Dict, List, Optional, Tuple
 from megatron_rlhf.config import ConfigError, input_problems, layout_problems
 from megatron_rlhf.config.loader import read_config
 
-_LLAMA2 = dict(NNODES=1, GPUS_PER_NODE=8, ROLLOUT_BATCH_SIZE=512, TRAIN_GLOBAL_BATCH_SIZE=128, TRAIN_MICRO_BATCH_SIZE=2,
-               INFERENCE_MICRO_BATCH_SIZE=8, GENERATION_BATCH_SIZE=32, ITERATIONS=1000, MAX_PROMPT_LENGTH=1024,
-               MAX_NEW_TOKENS=512, TOKENIZER_TYPE="hf", PRECISION="bf16")
+# The launch defaults every preset starts from (a cluster node of 8 GPUs, the recipe's batch sizes).
+_DEFAULTS = dict(NNODES=1, GPUS_PER_NODE=8, ROLLOUT_BATCH_SIZE=512, TRAIN_GLOBAL_BATCH_SIZE=128, TRAIN_MICRO_BATCH_SIZE=2,
+                 INFERENCE_MICRO_BATCH_SIZE=8, GENERATION_BATCH_SIZE=32, ITERATIONS=1000, MAX_PROMPT_LENGTH=1024,
+                 MAX_NEW_TOKENS=512, TOKENIZER_TYPE="hf", PRECISION="bf16")
 # The end of a turn of the instruction-tuned checkpoints (a bare tokenizer.json names no end token).
-_LLAMA3 = dict(_LLAMA2, EOS_TOKEN="<|eot_id|>")
-_QWEN = dict(_LLAMA2, EOS_TOKEN="<|im_end|>")
+_LLAMA3 = dict(_DEFAULTS, EOS_TOKEN="<|eot_id|>")
+_QWEN = dict(_DEFAULTS, EOS_TOKEN="<|im_end|>")
 # MODEL_SIZE -> (model preset, launch defaults). tiny: a random tiny model that checks a cluster's
 # set-up end to end without checkpoints (PROMPT_FILE relative to the config's directory).
 LAUNCH_PRESETS: Dict[str, Tuple[str, Dict[str, object]]] = {
-    "tiny": ("tiny", dict(_LLAMA2, TP=2, PP=1, GPUS_PER_NODE=2, ROLLOUT_BATCH_SIZE=16, TRAIN_GLOBAL_BATCH_SIZE=8,
+    "tiny": ("tiny", dict(_DEFAULTS, TP=2, PP=1, GPUS_PER_NODE=2, ROLLOUT_BATCH_SIZE=16, TRAIN_GLOBAL_BATCH_SIZE=8,
                           INFERENCE_MICRO_BATCH_SIZE=4, GENERATION_BATCH_SIZE=8, ITERATIONS=20, MAX_PROMPT_LENGTH=32,
                           MAX_NEW_TOKENS=16, TOKENIZER_TYPE="char", PRECISION="fp32",
                           PROMPT_FILE="../tiny/prompts.jsonl")),
-    "7b": ("llama2-7b", dict(_LLAMA2, TP=2, PP=1)),
-    "13b": ("llama2-13b", dict(_LLAMA2, TP=4, PP=1)),
-    "70b": ("llama2-70b", dict(_LLAMA2, TP=8, PP=2, NNODES=4)),
+    "7b": ("llama2-7b", dict(_DEFAULTS, TP=2, PP=1)),
+    "13b": ("llama2-13b", dict(_DEFAULTS, TP=4, PP=1)),
+    "70b": ("llama2-70b", dict(_DEFAULTS, TP=8, PP=2, NNODES=4)),
     "llama3.1-8b": ("llama3.1-8b", dict(_LLAMA3, TP=2, PP=1)),
     "llama3.1-70b": ("llama3.1-70b", dict(_LLAMA3, TP=8, PP=2, NNODES=4)),
     "qwen2.5-7b": ("qwen2.5-7b", dict(_QWEN, TP=2, PP=1)),
@@ -53,7 +54,7 @@ LAUNCH_PRESETS: Dict[str, Tuple[str, Dict[str, object]]] = {
     # Mixtures of experts: trained at TP=1 (megatron-core trains MoE layers at TP > 1 only with
     # sequence parallelism), the experts split over EP ranks of the data-parallel ones.
     "qwen3-30b-a3b": ("qwen3-30b-a3b", dict(_QWEN, TP=1, PP=1, EP=8)),
-    "mixtral-8x7b": ("mixtral-8x7b", dict(_LLAMA2, TP=1, PP=2, EP=8, NNODES=2)),
+    "mixtral-8x7b": ("mixtral-8x7b", dict(_DEFAULTS, TP=1, PP=2, EP=8, NNODES=2)),
     "qwen3-235b-a22b": ("qwen3-235b-a22b", dict(_QWEN, TP=1, PP=2, EP=32, NNODES=16)),  # planned, never run
 }
 PATH_VARIABLES = ("POLICY_LOAD", "REWARD_LOAD", "VALUE_LOAD", "TOKENIZER", "PROMPT_FILE", "VAL_FILE", "OUTPUT_DIR")

@@ -1,5 +1,6 @@
-"""Llama-2 style Megatron models: builders, heads, presets, sharding and the training wrapper.
+"""Megatron GPT models of every supported family (dense and mixtures of experts): builders, heads,
+sharding, pipelines, routing replay, LoRA adapters and the training wrapper.
 
 Submodules import megatron-core lazily so that config and planning tools work without building
-anything; import from the submodules (llama, sharding, pipeline, training, presets).
+anything; import from the submodules (decoder, sharding, pipeline, training, routing, lora).
 """
