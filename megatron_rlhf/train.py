@@ -348,7 +348,8 @@ class RunLog:
             from tqdm import tqdm
 
             # disable=None: no bar when stderr is not a terminal (logs, CI); the lines still print.
-            self.bar = tqdm(total=config.ppo.iterations, initial=resumed_at, desc="PPO", unit="it",
+            label = config.algorithm.advantage_estimator.upper().replace("_PLUS_PLUS", "++").replace("GAE", "PPO")
+            self.bar = tqdm(total=config.ppo.iterations, initial=resumed_at, desc=label, unit="it",
                             file=sys.stderr, dynamic_ncols=True, disable=None)
 
     def _record(self, metrics: dict) -> None:
