@@ -3,10 +3,12 @@ role brought onto the device only for its phase (EMS). Every rank runs this same
 
     iteration
       collect    the policy answers samples_per_prompt times per prompt (one turn, or turns with an
-                 environment) and scores its tokens ("old"); the reward scores each response
+                 environment; [partial rollouts: over-sampled, the groups not ended held for the
+                 next iteration]) and scores its tokens ("old"); the reward scores each response
                  [dynamic sampling: drop groups that all score the same, generate more];
                  the reference's log-probs, the value model's values (GAE only)   (rollout/)
-      advantages GAE, GRPO, RLOO or REINFORCE++ (megatron_rlhf.ppo)
+      advantages GAE, GRPO, RLOO or REINFORCE++, and [rollout correction] the weights of the
+                 behaviour policy's tokens (megatron_rlhf.ppo)
       train      ppo_policy (and ppo_value) for ppo_epochs passes of optimizer steps   (roles/update.py)
       sync       trained weights -> policy (and value)                              (roles/role_set.py)
 """
