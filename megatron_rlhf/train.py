@@ -242,7 +242,6 @@ def _check_reward_columns(config: RLHFConfig, functions: Dict[str, float], datas
                           "answer, or a whole solution in the wrong column?")
 
 
-
 def _comparable_answer(truth) -> bool:
     plain = (str, int, float)
     if isinstance(truth, bool):

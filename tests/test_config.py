@@ -563,7 +563,7 @@ def test_lora_goes_on_a_trained_role_and_the_reference_becomes_the_base(tmp_path
     assert "policy.lora: policy is not trained; it runs ppo_policy's adapters: set ppo_policy.lora" in text
     assert "ppo_policy.lora.dropout: 0.05, but RL needs the log-probs of the rollout and of training" in text
     assert "ppo_policy.lora.target_modules: ['q_proj']; choose among linear_qkv, linear_proj, linear_fc1, linear_fc2" in text
-    assert "ppo_value.lora: set, but ppo_value.lora.rank is 0 (off)" in text
+    assert "ppo_value.lora.alpha: set, but ppo_value.lora.rank is 0 (off); set a rank or remove it" in text
     top = layouts_setup(tmp_path, "parallel: {tensor_model_parallel_size: 2}\n", policy="tensor_model_parallel_size: 1")
     text = top.read_text().replace("ppo_policy:\n  model_config_file: models/tiny.yaml\n",
                                    "ppo_policy:\n  model_config_file: models/tiny.yaml\n  lora: {rank: 4}\n")

@@ -145,7 +145,8 @@ def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrit
 
     from safetensors.torch import save_file
 
-    lora = read_model_meta(root)[1].get("lora")
+    arch, meta = read_model_meta(root)
+    lora, head = meta.get("lora"), meta["head"]
     if lora and not merge_lora:
         raise CheckpointError(f"{root}: holds LoRA adapters (rank {lora['rank']}) beside its base; pass --merge-lora to "
                               "write the weights with the adapters merged, or write them as a PEFT adapter "
@@ -158,8 +159,6 @@ def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrit
         raise CheckpointError(f"--tokenizer {tokenizer}: none of {', '.join(TOKENIZER_FILES)} there; name the model's "
                               "Hugging Face directory")
 
-    arch, meta = read_model_meta(root)
-    head = meta["head"]
     torch_dtype = DTYPES[dtype] if dtype else getattr(torch, meta["dtype"])
     keys = hf_decoder.megatron_keys(arch, head)
 
@@ -200,8 +199,6 @@ def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrit
             shutil.copyfile(os.path.join(tokenizer, name), os.path.join(tmp, name))
 
     write_atomically(output, fill, overwrite, inputs=[root])
-
-
 
 
 # --------------------------------------------------------------------------------------------------

@@ -154,10 +154,8 @@ def _write_checkpoint(roles, trainer_state, root: str, name: str, tmp: str, fina
                 compat.save_dp_zero_state(role.optimizer, param_file)  # collective over DP; DP rank 0 writes
         if rank0:
             param = next(unwrap(role.model).parameters())
-            lora = role.config.lora
             write_model_meta(role_dir, role.config.model, ROLE_HEADS[role_name], param.dtype, layout["tp"], layout["pp"],
-                             lora={"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
-                             if lora.enabled else None)
+                             lora=role.config.lora.meta())
     dist.barrier()
     if rank0:
         torch.save({**trainer_state, "layout": {k: layout[k] for k in ("tp", "pp", "dp", "ep")}},

@@ -198,6 +198,10 @@ class LoRAConfig:
     def enabled(self) -> bool:
         return self.rank > 0
 
+    def meta(self) -> Optional[Dict]:
+        """What a checkpoint's megatron_rlhf_model.json says of the adapters beside its base (None: off)."""
+        return {"rank": self.rank, "alpha": self.alpha, "target_modules": list(self.target_modules)} if self.enabled else None
+
 
 # The per-kind EMS switches of a role (RoleConfig fields; EMSSwitches carries the same names).
 EMS_SWITCHES = ("offload_weights", "free_grad_buffers", "offload_optimizer_state")

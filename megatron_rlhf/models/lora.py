@@ -13,7 +13,8 @@ gains two parameters beside its ``weight``, sharded as the base is:
 
 A is drawn from a generator keyed by the run's seed and the parameter's (global) name, whole, then
 cut for the rank: the adapters start the same at every layout. ``adapters_off(model)`` runs the base
-alone (the reference's log-probs with LoRA are the policy's with its adapters off).
+alone, for comparing an adapted model with its base (the reference of a LoRA run is not this: it is
+a model of its own whose parameters are views of ppo_policy's base weights).
 """
 
 from __future__ import annotations

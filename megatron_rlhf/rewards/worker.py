@@ -1,9 +1,9 @@
 """A reward worker process (rewards/pool.py): ``python -m megatron_rlhf.rewards.worker FD SPEC...``
-(file specs absolute). Loads the reward functions, says "ready", then takes batches of calls (a list of (function index,
-prompt, response, fields)) and answers each call of a batch as soon as it is scored, in order, with
-("ok", named scores), ("raised", description), ("contract", message) or ("exit", message): one
-message to the worker per batch, no round trip per call. Its standard output goes to standard error: the functions' prints
-never reach the protocol's socket."""
+(file specs absolute). Loads the reward functions, says "ready", then takes batches of calls (a
+list of (function index, prompt, response, fields)) and answers each call of a batch as soon as it
+is scored, in order, with ("ok", named scores), ("raised", description), ("contract", message) or
+("exit", message): one message to the worker per batch, no round trip per call. Its standard
+output goes to standard error: the functions' prints never reach the protocol's socket."""
 
 import os
 import sys

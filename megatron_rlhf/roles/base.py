@@ -20,7 +20,6 @@ from megatron_rlhf.runtime.distributed import set_seed
 from megatron_rlhf.runtime.layouts import layout_groups
 
 
-
 @dataclasses.dataclass
 class Role:
     name: str

@@ -97,11 +97,11 @@ class RolloutCollector:
         and (when the data has one) ground truth."""
         shown = {k: v[:SAMPLES_SHOWN] for k, v in rows.items()}
         out = []
-        for index, response, score in zip(shown["prompt_index"].tolist(), self.decode(shown), shown["scores"].tolist()):
-            prompt, fields = dataset.rows.prompt_and_fields(index)
-            sample = {"prompt": prompt_text(prompt), "response": response, "score": score}
-            if "ground_truth" in fields:
-                sample["ground_truth"] = fields["ground_truth"]
+        texts, fields = _prompt_columns(dataset, shown["prompt_index"])
+        for text, row_fields, response, score in zip(texts, fields, self.decode(shown), shown["scores"].tolist()):
+            sample = {"prompt": text, "response": response, "score": score}
+            if "ground_truth" in row_fields:
+                sample["ground_truth"] = row_fields["ground_truth"]
             out.append(sample)
         return out
 

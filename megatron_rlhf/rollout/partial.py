@@ -117,14 +117,14 @@ class PartialRollouts:
         cfg, collector = self.config, self.collector
         samples, need = cfg.generation.samples_per_prompt, cfg.ppo.rollout_batch_size
         chunk, budget = cfg.rollout.partial.chunk(cfg.generation), cfg.generation.max_new_tokens
-        eos = torch.tensor(collector.sampling.eos_ids, dtype=torch.long)
+        eos = torch.tensor(collector.sampling.eos_ids, dtype=torch.long, device=mine["tokens"].device)
         keys = mine["seeds"].tolist()
         chunks = 0
         with collector.cache_session(len(keys)) as session:
             while True:
                 live = (mine["ended"] == 0).nonzero().flatten().tolist()
                 if live:
-                    self._chunk(mine, live, [keys[i] for i in live], min(chunk, budget), budget, eos, iteration, session)
+                    self._chunk(mine, live, [keys[i] for i in live], chunk, budget, eos, iteration, session)
                 chunks += 1
                 ended = cut.gather_tensor(mine["ended"])
                 if int(ended.view(-1, samples).all(dim=1).sum()) >= need or bool(ended.all()):
@@ -139,14 +139,15 @@ class PartialRollouts:
                "seeds": mine["seeds"][live]}
         gen = self.collector.engine(sub, self.collector.sampling, max_new_tokens=[min(chunk, budget - d) for d in done],
                                     session=session, keys=keys, start_counters=done, record_log_probs=True)
-        for row, (i, start) in enumerate(zip(live, starts)):
-            new = int(gen.response_lengths[row])
+        for row, (i, start, new) in enumerate(zip(live, starts, gen.response_lengths.tolist())):
             mine["tokens"][i, start : start + new] = gen.tokens[row, start : start + new]
             mine[BEHAVIOUR][i, start - 1 : start - 1 + new] = gen.log_probs[row, start - 1 : start - 1 + new]
             mine["versions"][i, start - 1 : start - 1 + new] = iteration
-            mine["response_lengths"][i] += new
-            last = gen.tokens[row, start + new - 1]
-            mine["ended"][i] = int(bool(torch.isin(last.cpu(), eos)) or int(mine["response_lengths"][i]) >= budget)
+        rows = torch.tensor(live, device=eos.device)
+        lengths = mine["response_lengths"][rows] + gen.response_lengths
+        last = gen.tokens[torch.arange(len(live), device=eos.device), gen.total_lengths - 1]
+        mine["response_lengths"][rows] = lengths
+        mine["ended"][rows] = (torch.isin(last, eos) | (lengths >= budget)).long()
 
     def _hold_the_rest(self, pool: SampleRows) -> torch.Tensor:
         """The rows of the round: the first rollout_batch_size groups of ``pool`` whose responses

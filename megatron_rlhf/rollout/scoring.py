@@ -17,6 +17,7 @@ from megatron_rlhf.roles import inference
 from megatron_rlhf.roles.role_set import RoleSet
 from megatron_rlhf.rollout.rows import SampleRows
 
+
 def scores_here() -> bool:
     """Whether this rank runs the rule rewards (and holds their pool): its model-parallel group's
     first rank, which sends the scores to the others."""
