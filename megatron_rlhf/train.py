@@ -181,18 +181,25 @@ def _check_loaded_checkpoints(config: RLHFConfig) -> None:
     LoRA run's checkpoint (base and adapters) is not a starting point: it is named with what is."""
     from megatron_rlhf.checkpoint.model_files import (MANIFEST, META_FILE, CheckpointError, read_model_meta,
                                                       verify_checkpoint)
+    from megatron_rlhf.checkpoint.peft import peft_adapters
 
     for role in config.model_roles:
         path = config.path_of(role + ".load")
         if path and os.path.isfile(os.path.join(path, META_FILE)) and read_model_meta(path)[1].get("lora"):
             raise ConfigError(f"{config.at(role + '.load')}: {path} holds LoRA adapters beside its base (a LoRA run's "
-                              "checkpoint); continue that run with --resume, or start from its weights with the "
-                              "adapters merged (tools/convert_megatron_to_hf.py --merge-lora, then convert_hf_to_megatron.py)")
+                              "checkpoint); continue that run with --resume, start from its adapters as a PEFT "
+                              "adapter (tools/convert_megatron_to_hf.py --peft-output, then load_lora), or from its "
+                              "weights with the adapters merged (--merge-lora, then convert_hf_to_megatron.py)")
         if path and os.path.isfile(os.path.join(path, MANIFEST)):
             try:
                 verify_checkpoint(path, checksums=False)
             except CheckpointError as e:
                 raise ConfigError(f"{config.at(role + '.load')}: {e}") from None
+    if config.ppo_policy.load_lora:
+        try:
+            peft_adapters(config.path_of("ppo_policy.load_lora"), config.ppo_policy.lora, config.ppo_policy.model)
+        except CheckpointError as e:
+            raise ConfigError(f"{config.at('ppo_policy.load_lora')}: {e}") from None
 
 
 def _show_inputs(config: RLHFConfig, tokenizer, dataset) -> None:
@@ -207,6 +214,9 @@ def _show_inputs(config: RLHFConfig, tokenizer, dataset) -> None:
     ids = first["tokens"][0, : int(first["lengths"][0])].tolist()
     text = tokenizer.show(ids)
     print(f"first prompt ({len(ids)} tokens): {text[:600]!r}{' ...' if len(text) > 600 else ''}", flush=True)
+    if config.ppo_policy.load_lora and config.served_weights.get("reference") == "ppo_policy":
+        print(f"reference: ppo_policy's base without the adapter of {config.at('ppo_policy.load_lora')} (verl's "
+              "ref_in_actor); for the KL to base + adapter, set reference.load to their merged checkpoint", flush=True)
 
 
 # A ground truth longer than this is said at start-up (an answer is rarely longer than a line).

@@ -558,8 +558,15 @@ def test_lora_goes_on_a_trained_role_and_the_reference_becomes_the_base(tmp_path
     with pytest.raises(ConfigError) as err:
         load_config(str(_lora_setup(tmp_path, policy="lora: {rank: 4}",
                                     ppo_policy="lora: {rank: 8, dropout: 0.05, target_modules: [linear_qkv, q_proj]}",
-                                    ppo_value="lora: {alpha: 8}")), world_size=1)
+                                    ppo_value="lora: {alpha: 8}\n  load_lora: adapter",
+                                    reference="load_lora: adapter")), world_size=1)
     text = str(err.value)
+    assert "reference.load_lora: a PEFT adapter starts ppo_policy's LoRA adapters (a language model's); reference " \
+           "takes none: remove it" in text
+    assert "ppo_value.load_lora: a PEFT adapter starts ppo_policy's LoRA adapters" in text
+    with pytest.raises(ConfigError, match=r"ppo_policy.load_lora: a PEFT adapter starts ppo_policy's LoRA adapters "
+                                          r"\(set its lora: rank, alpha and target_modules as the adapter's\)"):
+        load_config(str(_lora_setup(tmp_path, ppo_policy="load_lora: adapter")), world_size=1)
     assert "policy.lora: policy is not trained; it runs ppo_policy's adapters: set ppo_policy.lora" in text
     assert "ppo_policy.lora.dropout: 0.05, but RL needs the log-probs of the rollout and of training" in text
     assert "ppo_policy.lora.target_modules: ['q_proj']; choose among linear_qkv, linear_proj, linear_fc1, linear_fc2" in text

@@ -2,10 +2,13 @@
 do not depend on TP or PP; only the adapters train; the reference is the base and costs nothing;
 the adapters export merged into a Hugging Face checkpoint and as a PEFT adapter, both equal to ours."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from megatron_rlhf.checkpoint.model_files import CheckpointError
+from megatron_rlhf.config.schema import LoRAConfig
 from megatron_rlhf.models.lora import is_adapter
 
 TOLERANCE = 1e-4
@@ -35,7 +38,9 @@ def test_exported_merged_weights_and_peft_adapter_give_our_logits_in_transformer
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from megatron_rlhf.checkpoint.convert import megatron_to_hf, write_peft_adapter
+    from megatron_rlhf.checkpoint.convert import megatron_to_hf
+    from megatron_rlhf.checkpoint.model_files import full_tensors, read_model_meta
+    from megatron_rlhf.checkpoint.peft import peft_adapters, write_peft_adapter
 
     tmp, (r, _) = adapted
     tokens, ours = r["tokens"].flatten(0, 1), r["lora_logits"].flatten(0, 1)
@@ -57,6 +62,75 @@ def test_exported_merged_weights_and_peft_adapter_give_our_logits_in_transformer
         with torch.no_grad():
             theirs = with_adapter(tokens).logits[..., :100]
         assert (theirs - ours).abs().max().item() <= TOLERANCE, layout
+        # load_lora's reader gives back the checkpoint's adapters exactly.
+        arch, meta = read_model_meta(trained)
+        back = peft_adapters(str(tmp / f"peft_{layout}"), LoRAConfig(**meta["lora"]), arch)
+        saved = {k: v for k, v in full_tensors(trained) if is_adapter(k)}
+        assert back.keys() == saved.keys() and all(torch.equal(back[k], saved[k]) for k in saved), layout
+
+
+def test_an_adapter_made_by_peft_loads_as_peft_computes_it(adapted, tmp_path):
+    """A PEFT adapter of PEFT's own making (its q and v projections only, each with an A of its own,
+    B random) read by load_lora's reader and merged into the base in our layout gives peft's logits."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rlhf.checkpoint import hf_decoder
+    from megatron_rlhf.checkpoint.convert import megatron_to_hf, merged_adapters
+    from megatron_rlhf.checkpoint.model_files import full_tensors, read_model_meta
+    from megatron_rlhf.checkpoint.peft import peft_adapters
+
+    tmp, (r, _) = adapted
+    if not (tmp / "hf_base").exists():
+        megatron_to_hf(str(tmp / "base"), str(tmp / "hf_base"))
+    torch.manual_seed(3)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp / "hf_base", torch_dtype=torch.float32),
+                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+                                           init_lora_weights=False))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    tokens = r["tokens"].flatten(0, 1)
+    with torch.no_grad():
+        theirs = peft_model(tokens).logits[..., :100]
+    arch, _ = read_model_meta(str(tmp / "base"))
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=["linear_qkv", "linear_proj", "linear_fc2"])
+    adapters = peft_adapters(str(tmp_path / "adapter"), lora, arch)
+    k_rows = hf_decoder._qkv_to_hf(adapters["decoder.layers.0.self_attention.linear_qkv.lora_b"], arch)[1]
+    assert not k_rows.any() and not adapters["decoder.layers.0.self_attention.linear_qkv.lora_a"][4:8].any()
+    tensors = list(full_tensors(str(tmp / "base"))) + list(adapters.items())
+    merged = {name: t for key, tensor in merged_adapters(tensors, {"rank": 4, "alpha": 8.0, "target_modules":
+                                                                   lora.target_modules}, arch)
+              for name, t in hf_decoder.hf_tensors(key, tensor, arch, "lm")}
+    ours = AutoModelForCausalLM.from_pretrained(tmp / "hf_base", torch_dtype=torch.float32)
+    ours.load_state_dict(merged)
+    with torch.no_grad():
+        assert (ours(tokens).logits[..., :100] - theirs).abs().max().item() <= TOLERANCE
+
+
+def test_a_peft_adapter_that_does_not_fit_the_run_is_refused_by_what_differs(adapted, tmp_path):
+    import json
+
+    from megatron_rlhf.checkpoint.model_files import read_model_meta
+    from megatron_rlhf.checkpoint.peft import peft_adapters, write_peft_adapter
+
+    tmp, _ = adapted
+    arch, meta = read_model_meta(str(tmp / "lora_tp2_pp1"))
+    good = tmp_path / "peft"
+    write_peft_adapter(str(tmp / "lora_tp2_pp1"), str(good))
+    lora = LoRAConfig(**meta["lora"])
+    with pytest.raises(CheckpointError, match=r"rank 8, alpha 8: set lora: \{rank: 4, alpha: 8.0\}"):
+        peft_adapters(str(good), LoRAConfig(rank=8, alpha=8.0, target_modules=lora.target_modules), arch)
+    with pytest.raises(CheckpointError, match=r"are on \['linear_fc1', 'linear_fc2', 'linear_proj', 'linear_qkv'\], "
+                                              r"but the run's lora.target_modules are \['linear_qkv'\]"):
+        peft_adapters(str(good), LoRAConfig(rank=4, alpha=8.0, target_modules=["linear_qkv"]), arch)
+    config = json.loads((good / "adapter_config.json").read_text())
+    (good / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True, "modules_to_save": ["lm_head"]}))
+    with pytest.raises(CheckpointError, match=r"use_dora: True \(supported: False\); modules_to_save: \['lm_head'\]"):
+        peft_adapters(str(good), lora, arch)
+    (good / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="has shape .* an adapter of another base model"):
+        peft_adapters(str(good), lora, dataclasses.replace(arch, hidden_size=32, ffn_hidden_size=64))
+    with pytest.raises(CheckpointError, match="no adapter_config.json; name a PEFT adapter directory"):
+        peft_adapters(str(tmp_path), lora, arch)
 
 
 def test_only_the_adapters_train_the_reference_is_the_base_and_resume_is_exact(workers):
@@ -68,6 +142,7 @@ def test_only_the_adapters_train_the_reference_is_the_base_and_resume_is_exact(w
     # else (fp32: no main params).
     assert r["optimizer_numel"] == 2 * r["adapter_numel"] + r["adapter_tensors"] and r["adapter_numel"] < r["base_numel"] / 5
     assert r["resumed"] == r["whole"][1:]
+    assert r["load_lora_equal"]  # exported as PEFT, started from with load_lora: ppo_policy as it was
 
 
 def test_adapter_names():

@@ -17,7 +17,8 @@ adapter directory (peft's PeftModel.from_pretrained(base, DIR) loads it onto the
 import argparse
 import sys
 
-from megatron_rlhf.checkpoint.convert import DTYPES, megatron_to_hf, write_peft_adapter
+from megatron_rlhf.checkpoint.convert import DTYPES, megatron_to_hf
+from megatron_rlhf.checkpoint.peft import write_peft_adapter
 from megatron_rlhf.checkpoint.model_files import CheckpointError
 
 

@@ -468,6 +468,16 @@ def t_lora_checkpoint_as_load(w):
     return one_line(p, "reference.load", "holds LoRA adapters beside its base", "--merge-lora"), p
 
 
+def t_peft_adapter_of_another_rank(w):
+    (w / "adapter").mkdir()
+    (w / "adapter" / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 16, "lora_alpha": 32, '
+                                                        '"target_modules": ["q_proj", "v_proj"]}')
+    (w / "adapter" / "adapter_model.safetensors").write_bytes(b"")
+    p = train(w, config=include(w, f"ppo_policy:\n  lora: {{rank: 4}}\n  load_lora: {w / 'adapter'}\n"))
+    return one_line(p, "ppo_policy.load_lora", "r 16, lora_alpha 32, but the run's lora has rank 4",
+                    "target_modules: ['linear_qkv']"), p
+
+
 def t_partial_rollouts_with_an_environment(w):
     agent = REPO / "examples" / "tiny_agent" / "grpo.yaml"
     p = train(w, config=include(w, "rollout:\n  partial: {enabled: true}\n", base=agent))

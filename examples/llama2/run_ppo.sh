@@ -52,6 +52,7 @@
 #   ROUTING_REPLAY           off, rollout or old_logprob (README, "Mixtures of experts") [off]
 #   LORA_RANK                LoRA adapters of this rank on ppo_policy instead of full training; the
 #                            reference is then the base (README, "LoRA"); set POLICY_LR for them [0: off]
+#   LOAD_LORA                a PEFT adapter directory the adapters start from (its rank: LORA_RANK)
 # Anything else rlhf.yaml reads (KL_COEF, POLICY_LR, VALUE_LR, SAVE_INTERVAL, ...) passes through.
 set -euo pipefail
 

@@ -27,6 +27,7 @@ from megatron_rlhf.checkpoint.model_files import (
     write_manifest,
     write_model_meta,
 )
+from megatron_rlhf.models.lora import arch_blocks, delta_weight
 from megatron_rlhf.models.sharding import shard_state_dict, stages_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -175,7 +176,7 @@ def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrit
         bar = _progress(len(keys), "Megatron -> HF")
         weight_map, pending, current, total_bytes = {}, {}, None, 0
         tensors = full_tensors(root)
-        for key, tensor in merged_adapters(tensors, lora) if lora else tensors:
+        for key, tensor in merged_adapters(tensors, lora, arch) if lora else tensors:
             index = file_of(key)
             if current is not None and index != current:
                 save_file(pending, os.path.join(tmp, names[current]), metadata={"format": "pt"})
@@ -202,69 +203,27 @@ def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrit
 
 
 # --------------------------------------------------------------------------------------------------
-# LoRA adapters (models/lora.py): merged into their weights, or as a PEFT adapter directory
+# LoRA adapters (models/lora.py) merged into their weights (PEFT adapter directories: checkpoint/peft.py)
 
 
-def merged_adapters(tensors, lora: dict):
+def merged_adapters(tensors, lora: dict, arch):
     """The full tensors of a LoRA checkpoint with each adapted linear's weight as W + alpha/rank B A
-    and no adapter tensors (a linear's weight is held back until its two adapters have come)."""
+    (by projection, models/lora.py) and no adapter tensors (a linear's weight is held back until its
+    two adapters have come)."""
     scale = lora["alpha"] / lora["rank"]
     held: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, tensor in tensors:
         linear, leaf = key.rsplit(".", 1)
-        adapted = linear.rsplit(".", 1)[-1] in lora["target_modules"] and key.startswith("decoder.layers.")
-        if not adapted or leaf not in ("weight", "lora_a", "lora_b"):
+        target = linear.rsplit(".", 1)[-1]
+        if not (target in lora["target_modules"] and key.startswith("decoder.layers.")) or \
+                leaf not in ("weight", "lora_a", "lora_b"):
             yield key, tensor
             continue
         parts = held.setdefault(linear, {})
         parts[leaf] = tensor
         if len(parts) == 3:
             del held[linear]
-            delta = scale * parts["lora_b"].double() @ parts["lora_a"].double()
+            delta = scale * delta_weight(parts["lora_a"].double(), parts["lora_b"].double(), *arch_blocks(target, arch))
             yield linear + ".weight", (parts["weight"].double() + delta).to(parts["weight"].dtype)
     if held:
         raise CheckpointError(f"LoRA checkpoint: {sorted(held)[0]} lacks its weight or an adapter")
-
-
-PEFT_PREFIX = "base_model.model."
-
-
-def write_peft_adapter(root: str, output: str, overwrite: bool = False, base_model: Optional[str] = None) -> None:
-    """The LoRA adapters of checkpoint ``root`` as a PEFT adapter directory (adapter_config.json,
-    adapter_model.safetensors under PEFT's names) that peft loads onto the Hugging Face base. A
-    fused linear's adapter becomes one per Hugging Face projection: linear_qkv's B is cut into
-    q_proj's, k_proj's and v_proj's rows (and linear_fc1's into gate_proj's and up_proj's) as the
-    weight is, each with the same A: the products are those of the fused adapter."""
-    from safetensors.torch import save_file
-
-    arch, meta = read_model_meta(root)
-    lora, head = meta.get("lora"), meta["head"]
-    if not lora:
-        raise CheckpointError(f"{root}: holds no LoRA adapters (its run trained the whole network); convert it "
-                              "with tools/convert_megatron_to_hf.py without --peft-output")
-    if head != "lm":
-        raise CheckpointError(f"{root}: a value model's adapters come with its score head trained in full, which a "
-                              "PEFT adapter does not hold; use --merge-lora")
-
-    def fill(tmp: str) -> None:
-        adapters, held, modules = {}, {}, set()
-        for key, tensor in full_tensors(root):
-            linear, leaf = key.rsplit(".", 1)
-            if leaf == "lora_a":
-                held[linear] = tensor
-            elif leaf == "lora_b":
-                a = held.pop(linear)
-                for name, b in hf_decoder.hf_tensors(linear + ".weight", tensor, arch, head):
-                    module = PEFT_PREFIX + name[: -len(".weight")]
-                    adapters[module + ".lora_A.weight"] = a.clone()  # a file tensor of its own for each projection
-                    adapters[module + ".lora_B.weight"] = b.contiguous()
-                    modules.add(name.split(".")[-2])
-        save_file(adapters, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora["rank"],
-                  "lora_alpha": lora["alpha"], "lora_dropout": 0.0, "target_modules": sorted(modules), "bias": "none",
-                  "fan_in_fan_out": False, "base_model_name_or_path": base_model, "inference_mode": True,
-                  "init_lora_weights": True, "modules_to_save": None, "use_rslora": False, "use_dora": False}
-        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-            json.dump(config, f, indent=1)
-
-    write_atomically(output, fill, overwrite, inputs=[root])

@@ -216,6 +216,8 @@ class RoleConfig:
     model: ModelArchConfig = dataclasses.field(default_factory=ModelArchConfig)
     precision: Literal["fp32", "bf16"] = "bf16"
     load: Optional[str] = None  # checkpoint directory to load weights from
+    # A PEFT adapter directory to start the LoRA adapters from (ppo_policy with lora; checkpoint/peft.py).
+    load_lora: Optional[str] = None
     parallel: RoleLayoutConfig = dataclasses.field(default_factory=RoleLayoutConfig)
     # EMS: ``free_memory`` turns on every switch that applies to the role; each switch can also be
     # set on its own (None: follow free_memory). ``auto``: at start-up, the fewest switches that make

@@ -618,6 +618,11 @@ def _lora_problems(config: RLHFConfig) -> List[str]:
     problems = []
     for role in config.model_roles:
         lora = config.role(role).lora
+        load_lora = config.role(role).load_lora
+        if load_lora and (role != "ppo_policy" or not lora.enabled):
+            problems.append(f"{config.at(role + '.load_lora')}: a PEFT adapter starts ppo_policy's LoRA adapters "
+                            + ("(set its lora: rank, alpha and target_modules as the adapter's)" if role == "ppo_policy"
+                               else f"(a language model's); {role} takes none: remove it"))
         if not lora.enabled:
             problems += _set_while_off(config, f"{role}.lora", f"{role}.lora.rank", "0 (off)", "set a rank or remove it")
             continue

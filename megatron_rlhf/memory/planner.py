@@ -84,8 +84,8 @@ def lora_numels(arch: ModelArchConfig, lora, tp: int, pp: int, pp_rank: int) -> 
     h, hd, r = arch.hidden_size, arch.kv_channels, lora.rank
     qkv = (arch.num_attention_heads + 2 * arch.kv_groups) * hd // tp
     ffn = arch.ffn_hidden_size // tp
-    adapters = {"linear_proj": [r * arch.num_attention_heads * hd // tp, h * r], "linear_qkv": [r * h, qkv * r],
-                "linear_fc1": [r * h, 2 * ffn * r], "linear_fc2": [r * ffn, h * r]}
+    adapters = {"linear_proj": [r * arch.num_attention_heads * hd // tp, h * r], "linear_qkv": [3 * r * h, qkv * r],
+                "linear_fc1": [2 * r * h, 2 * ffn * r], "linear_fc2": [r * ffn, h * r]}  # an A per projection
     layer = [n for target in ("linear_proj", "linear_qkv", "linear_fc1", "linear_fc2")
              if target in lora.target_modules for n in adapters[target]]
     return layer * len(_stage_layers(arch, pp, pp_rank))

@@ -1,12 +1,18 @@
 """LoRA adapters on megatron-core's tensor-parallel linears (linear_qkv, linear_proj, linear_fc1,
 linear_fc2): out = base(x) + (alpha / rank) x B(A(x)), the base frozen, B zero at the start.
 
+A fused linear carries one adapter per projection it fuses, as PEFT puts them on a Hugging Face
+model (linear_qkv: q, k, v; linear_fc1: gate, up): rank r means rank r per projection, and a PEFT
+adapter loads and exports exactly. Its A's are stacked ([projections x rank, in]); its B holds the
+weight's output rows in megatron's order (linear_qkv's by query group), each row multiplying the
+slice of A(x) of its projection (``blocks``).
+
 Each adapted linear keeps its class's forward and its own parameters under their names (a
 checkpoint of the base loads as before; a model without adapters shares the base's storage), and
 gains two parameters beside its ``weight``, sharded as the base is:
 
-- column-parallel base (output rows split: linear_qkv, linear_fc1): ``lora_a`` [rank, in]
-  replicated, ``lora_b`` [out / TP, rank] split by rows as the weight is (linear_fc1's [gate; up]
+- column-parallel base (output rows split: linear_qkv, linear_fc1): ``lora_a`` [projections x rank,
+  in] replicated, ``lora_b`` [out / TP, rank] split by rows as the weight is (linear_fc1's [gate; up]
   halves each split); A(x) enters the TP region by megatron's copy (its gradient is all-reduced);
 - row-parallel base (input columns split: linear_proj, linear_fc2): ``lora_a`` [rank, in / TP]
   split by columns, its partial products all-reduced, ``lora_b`` [out, rank] replicated.
@@ -48,7 +54,51 @@ class _Adapted:
             down = copy_to_tensor_model_parallel_region(down, group=self.tp_group)
         else:
             down = reduce_from_tensor_model_parallel_region(down, group=self.tp_group)
-        return output + self.lora_scale * torch.nn.functional.linear(down, self.lora_b), bias
+        return output + self.lora_scale * _up(down, self.lora_b, *self.lora_blocks), bias
+
+
+def _up(down: torch.Tensor, b: torch.Tensor, groups: int, sizes) -> torch.Tensor:
+    """B applied to A(x) by projection. down: [..., len(sizes) x rank]; b: [groups x sum(sizes), rank]
+    (the rows of each group: sizes[0] of the first projection, then the next's); -> [..., b rows]."""
+    if len(sizes) == 1:
+        return torch.nn.functional.linear(down, b)
+    rank = b.shape[1]
+    by_group = b.view(groups, sum(sizes), rank)
+    pieces, start = [], 0
+    for j, size in enumerate(sizes):
+        rows = by_group[:, start:start + size].reshape(groups * size, rank)
+        pieces.append(torch.nn.functional.linear(down[..., j * rank:(j + 1) * rank], rows).unflatten(-1, (groups, size)))
+        start += size
+    return torch.cat(pieces, -1).flatten(-2)
+
+
+def delta_weight(a: torch.Tensor, b: torch.Tensor, groups: int, sizes) -> torch.Tensor:
+    """B A by projection (unscaled): the [out, in] an adapter adds to its weight (blocks as _up)."""
+    if len(sizes) == 1:
+        return b @ a
+    rank = b.shape[1]
+    by_group = b.view(groups, sum(sizes), rank)
+    parts, start = [], 0
+    for j, size in enumerate(sizes):
+        parts.append(by_group[:, start:start + size] @ a[j * rank:(j + 1) * rank])
+        start += size
+    return torch.cat(parts, 1).reshape(-1, a.shape[1])
+
+
+def blocks(target: str, heads: int, query_groups: int, kv_channels: int, ffn_hidden_size: int, tp: int = 1):
+    """(groups, sizes): how the output rows of ``target``'s weight (one TP rank's of ``tp``) fall to
+    its projections: linear_qkv per query group [its query heads, its key head, its value head],
+    linear_fc1 [gate; up] (each half split over TP), a row-parallel linear one projection."""
+    if target == "linear_qkv":
+        return query_groups // tp, (heads // query_groups * kv_channels, kv_channels, kv_channels)
+    if target == "linear_fc1":
+        return 1, (ffn_hidden_size // tp, ffn_hidden_size // tp)
+    return 1, (None,)
+
+
+def arch_blocks(target: str, arch) -> tuple:
+    """blocks() of a full (unsharded) weight of the model ``arch`` (a ModelArchConfig)."""
+    return blocks(target, arch.num_attention_heads, arch.kv_groups, arch.kv_channels, arch.ffn_hidden_size)
 
 
 _CLASSES = {}
@@ -100,11 +150,12 @@ def add_adapters(model: torch.nn.Module, rank: int, alpha: float, targets, seed:
         if hasattr(module, "layer_norm_weight"):
             raise ValueError(f"LoRA on transformer-engine's norm-fused {name} is not supported yet (the adapter "
                              "must see the normalised input); run with megatron's local layers")
-        weight = module.weight
+        weight, c = module.weight, module.config
         column = target in COLUMN_PARALLEL
         tp, tp_rank = module.tp_group.size(), module.tp_group.rank()
         full_in = weight.shape[1] * (1 if column else tp)
-        a = _full_a(_global_name(inner, name) + ".lora_a", (rank, full_in), seed)
+        groups, sizes = blocks(target, c.num_attention_heads, c.num_query_groups, c.kv_channels, c.ffn_hidden_size, tp)
+        a = _full_a(_global_name(inner, name) + ".lora_a", (len(sizes) * rank, full_in), seed)
         if not column:
             a = a.chunk(tp, dim=1)[tp_rank]
         module.lora_a = torch.nn.Parameter(a.to(weight.device, weight.dtype))
@@ -113,6 +164,7 @@ def add_adapters(model: torch.nn.Module, rank: int, alpha: float, targets, seed:
         # megatron's view of which one is split over TP (grad norms count a replicated one once).
         set_tensor_model_parallel_attributes(module.lora_b if column else module.lora_a, True, 0 if column else 1, 1)
         module.lora_column, module.lora_scale, module.lora_on = column, alpha / rank, True
+        module.lora_blocks = (groups, sizes)
         module.__class__ = _adapted_class(type(module))
         adapted.append(name)
     if not adapted:
@@ -144,3 +196,16 @@ def adapters_off(model: torch.nn.Module):
 def is_adapter(name: str) -> bool:
     """Whether the parameter ``name`` is an adapter's."""
     return name.rsplit(".", 1)[-1] in ADAPTER_NAMES
+
+
+def load_adapters(model: torch.nn.Module, state: dict) -> None:
+    """Copy ``state`` (local names, this rank's shards) into the adapters; every adapter given."""
+    params = {n: p for n, p in unwrap(model).named_parameters() if is_adapter(n)}
+    if set(state) != set(params):
+        raise ValueError(f"adapters do not fit the model: missing {sorted(set(params) - set(state))[:3]}, "
+                         f"unexpected {sorted(set(state) - set(params))[:3]}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if tensor.shape != params[name].shape:
+                raise ValueError(f"adapter {name}: shape {tuple(tensor.shape)}, the model's {tuple(params[name].shape)}")
+            params[name].copy_(tensor)

@@ -13,8 +13,9 @@ from megatron_rlhf.config.schema import REPLAYING_ROLES, ROLE_HEADS, TRAINABLE_R
 from megatron_rlhf.memory.manager import WEIGHTS, EMSSwitches, RoleMemory
 from megatron_rlhf.models import routing
 from megatron_rlhf.models.decoder import build_model, groups_of, load_local_state_dict, unwrap
-from megatron_rlhf.models.lora import add_adapters
+from megatron_rlhf.models.lora import add_adapters, load_adapters
 from megatron_rlhf.models.pipeline import LossFn, MicroBatch, Reduce, forward_backward
+from megatron_rlhf.models.sharding import shard_state_dict
 from megatron_rlhf.models.training import train_step, wrap_for_training
 from megatron_rlhf.runtime.distributed import set_seed
 from megatron_rlhf.runtime.layouts import layout_groups
@@ -82,6 +83,17 @@ def _load_weights(model: torch.nn.Module, name: str, config: RLHFConfig) -> None
     load_local_state_dict(model, shard)
 
 
+def _load_adapters(model: torch.nn.Module, name: str, config: RLHFConfig) -> None:
+    """This rank's shard of the role's ``load_lora`` PEFT adapter into its adapters."""
+    from megatron_rlhf.checkpoint.peft import peft_adapters
+
+    groups, role_config = groups_of(model), config.role(name)
+    arch = role_config.model
+    full = peft_adapters(config.path_of(name + ".load_lora"), role_config.lora, arch)
+    load_adapters(model, shard_state_dict(full, arch.num_layers, config.padded_vocab(arch), groups.tp.size(),
+                                          groups.tp.rank(), groups.pp.size(), groups.pp.rank(), head=ROLE_HEADS[name]))
+
+
 def build_role(name: str, config: RLHFConfig) -> Role:
     """Build role ``name`` on this rank (needs init_distributed first).
 
@@ -108,6 +120,8 @@ def build_role(name: str, config: RLHFConfig) -> Role:
     lora = config.lora_of(name)
     if lora.enabled:
         add_adapters(model, lora.rank, lora.alpha, lora.target_modules, config.seed)
+        if role_config.load_lora:
+            _load_adapters(model, name, config)
         head = getattr(unwrap(model), "output_layer", None)  # the last pipeline stage's
         if ROLE_HEADS[name] == "scalar" and head is not None:  # a value model's score head trains in full
             head.requires_grad_(True)

@@ -1,6 +1,6 @@
 """LoRA adapters (models/lora.py) on the tiny model, run with 2 processes: at TP=1 the adapters with
 B = 0 give the base's logits exactly, and with random B the logits of the base with the adapters
-merged into its weights (W + alpha/rank B A); at TP=2 and PP=2 (the base loaded from the TP=1
+merged into its weights (W + alpha/rank B A, each projection's); at TP=2 and PP=2 (the base loaded from the TP=1
 model's shards, B from the same full tensors) the same logits and, gathered, the same adapter
 gradients; A starts the same at every layout. Writes the base and each layout's base and adapters
 as model checkpoints (for the export tests against transformers and peft). Saves the differences
@@ -14,6 +14,7 @@ from common import OUT_DIR, save, setup, tiny_arch
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.config.names import LORA_TARGETS
+from megatron_rlhf.checkpoint.hf_decoder import _qkv_from_hf, _qkv_to_hf
 from megatron_rlhf.checkpoint.model_files import save_shard, write_model_meta
 from megatron_rlhf.models.decoder import build_model, load_local_state_dict, local_state_dict
 from megatron_rlhf.models.lora import add_adapters, adapters_off, is_adapter
@@ -84,12 +85,20 @@ result["tokens"] = torch.stack([mb["tokens"] for mb in micro_batches]).cpu()
 with adapters_off(model):
     result["off_equal"] = torch.equal(logits(model), base_logits)
 result["lora_moves"] = (lora_logits - base_logits).abs().max().item()
-# The adapters merged into the base: W + alpha/rank x B A.
+# The adapters merged into the base: W + alpha/rank x B A, projection by projection as Hugging Face
+# names them (a fused linear's A stacks its projections' A's; its B has the weight's rows).
 merged = {k: v.clone() for k, v in base.items()}
 for name in full:
     if name.endswith("lora_a"):
         linear = name[: -len(".lora_a")]
-        merged[linear + ".weight"] += ALPHA / RANK * full[linear + ".lora_b"] @ full[name]
+        a, b = full[name], full[linear + ".lora_b"]
+        if linear.endswith("linear_qkv"):
+            delta = _qkv_from_hf(*(bp @ ap for bp, ap in zip(_qkv_to_hf(b, arch), a.chunk(3))), arch)
+        elif linear.endswith("linear_fc1"):
+            delta = torch.cat([bp @ ap for bp, ap in zip(b.chunk(2), a.chunk(2))])
+        else:
+            delta = b @ a
+        merged[linear + ".weight"] += ALPHA / RANK * delta
 plain = build_model(arch, parallel, "lm")
 load_local_state_dict(plain, shard_state_dict(merged, arch.num_layers, arch.padded_vocab_size(1), 1, 0))
 result["merged"] = (logits(plain) - lora_logits).abs().max().item()

@@ -4,7 +4,8 @@
   weights of its own, and its log-probs equal those of a reference built separately (exact);
 - ppo_policy's base weights are bit-identical after training, its adapters moved, and the
   optimizer holds state for the adapters only (counted);
-- a checkpoint after iteration 1, loaded by a new controller: iteration 2 as uninterrupted.
+- a checkpoint after iteration 1, loaded by a new controller: iteration 2 as uninterrupted;
+- its ppo_policy exported as a PEFT adapter and named as load_lora: the same ppo_policy (exact).
 Saves the findings."""
 
 import copy
@@ -13,6 +14,7 @@ import os
 import torch
 from common import OUT_DIR, capture_rollouts, reward_pool, save, setup
 
+from megatron_rlhf.checkpoint.peft import write_peft_adapter
 from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint, save_ppo_checkpoint
 from megatron_rlhf.controller import PPOController
 from megatron_rlhf.memory import MemoryLedger
@@ -57,6 +59,7 @@ captured = capture_rollouts(whole)
 steps = [figures(whole.step())]
 rollout = captured["rollout"]
 checkpoint = save_ppo_checkpoint(roles, {**whole.state_dict(), "run": prepared.run}, prepared.output_dir)
+at_checkpoint = params(trained)
 steps.append(figures(whole.step()))
 after = params(trained)
 result["base_unchanged"] = all(torch.equal(after[n], before[n]) for n in before if not is_adapter(n))
@@ -75,6 +78,16 @@ lengths = rollout.prompt_lengths + rollout.response_lengths
 with separate.resident("inference"):
     theirs = inference.log_probs(separate, rollout.tokens, lengths, prepared.tokenizer.vocab_size)
 result["reference_log_probs_equal"] = torch.equal(theirs, rollout.ref_log_probs)
+
+# Its adapters exported as a PEFT adapter and started from (load_lora): ppo_policy as at the checkpoint.
+write_peft_adapter(os.path.join(checkpoint, "ppo_policy"), os.path.join(OUT_DIR, "peft"))
+os.environ["LOAD_LORA"] = os.path.join(OUT_DIR, "peft")
+_, from_peft = controller_for("from_peft")
+del os.environ["LOAD_LORA"]
+loaded = params(from_peft.roles["ppo_policy"])
+result["load_lora_equal"] = loaded.keys() == at_checkpoint.keys() and all(torch.equal(loaded[n], at_checkpoint[n])
+                                                                          for n in loaded)
+del from_peft
 
 _, resumed = controller_for("resumed")
 resumed.load_state_dict(load_ppo_checkpoint(resumed.roles, checkpoint))
