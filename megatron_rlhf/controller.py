@@ -133,7 +133,7 @@ class PPOController:
         """Continue from ``state`` (after checkpoint.ppo_state.load_ppo_checkpoint restored the
         trained roles): the serving roles that copy or reshard their weights are served the
         restored ones (those sharing storage already run on them)."""
-        self.role_set.sync()
+        self.role_set.sync(whole=True)
         self.iteration = self.ledger.iteration = state["iteration"]
         self.kl_controller.value = state["kl_coef"]
         self.score_moments.load_state_dict(state["score_moments"])

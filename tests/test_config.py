@@ -575,9 +575,8 @@ def test_lora_goes_on_a_trained_role_and_the_reference_becomes_the_base(tmp_path
     text = top.read_text().replace("ppo_policy:\n  model_config_file: models/tiny.yaml\n",
                                    "ppo_policy:\n  model_config_file: models/tiny.yaml\n  lora: {rank: 4}\n")
     top.write_text(text)
-    with pytest.raises(ConfigError, match="policy.parallel: policy runs ppo_policy's LoRA adapters, which are not "
-                                          "resharded to a layout of its own yet"):
-        load_config(str(top), world_size=2)
+    config = load_config(str(top), world_size=2)  # the policy at its own layout runs the adapters resharded
+    assert config.has_own_layout("policy") and config.lora_of("policy").rank == 4
 
 
 def test_a_network_problem_names_the_file_that_set_the_field(monkeypatch):

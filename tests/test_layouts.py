@@ -59,6 +59,19 @@ def test_serving_roles_at_their_own_layouts_give_the_same_iteration(workers):
                 if not key.startswith(("time/", "weight_sync/")):  # the bytes synced depend on the layout
                     assert abs(value - mixed["metrics"][key]) <= 1e-5, (mode, key, value, mixed["metrics"][key])
         assert r["resume/resumed"] == r["resume/whole"]  # the resumed policy runs the restored weights
+        # LoRA, the policy at TP=1: the second iteration's greedy rollout (after an update of the
+        # adapters) as at TP=2; after the first sync (the base and the adapters) each moves the adapters alone.
+        same, mixed = r["lora/same"], r["lora/mixed"]
+        assert mixed["layouts"]["policy"] == (1, 1, 1) and same["layouts"]["policy"] == (2, 1, 1)
+        assert torch.equal(same["tokens"], mixed["tokens"])
+        mask = same["action_mask"].bool()
+        assert (same["old_log_probs"] - mixed["old_log_probs"])[mask].abs().max().item() <= 1e-5
+        for before, after in zip(same["metrics"], mixed["metrics"]):
+            for key, value in before.items():
+                if not key.startswith("weight_sync/"):
+                    assert abs(value - after[key]) <= 1e-5, (key, value, after[key])
+        synced = [m["weight_sync/bytes"] for m in mixed["metrics"]]
+        assert synced == [mixed["bytes"]["adapters"]] * 2 and synced[0] < mixed["bytes"]["base"] / 3, synced
         ems_off, ems_on = r["mixed/sampled/ems_off"], r["mixed/sampled"]
         for key, column in ems_on["columns"].items():
             assert torch.equal(column, ems_off["columns"][key]), key

@@ -643,10 +643,6 @@ def _lora_problems(config: RLHFConfig) -> List[str]:
         if config.role(role).model.num_experts and mlp:
             problems.append(f"{config.at(role + '.lora.target_modules')}: {', '.join(mlp)} are the experts' linears in "
                             "a model with experts, which adapters do not support yet; target linear_qkv, linear_proj")
-        for serving, trained in SERVED_WEIGHTS.items():
-            if trained == role and serving in config.model_roles and config.has_own_layout(serving):
-                problems.append(f"{config.at(serving + '.parallel')}: {serving} runs {role}'s LoRA adapters, which are "
-                                "not resharded to a layout of its own yet; remove it")
     return problems
 
 

@@ -161,8 +161,12 @@ def add_adapters(model: torch.nn.Module, rank: int, alpha: float, targets, seed:
         module.lora_a = torch.nn.Parameter(a.to(weight.device, weight.dtype))
         # B has the weight's output rows: this rank's (column) or all of them (row).
         module.lora_b = torch.nn.Parameter(torch.zeros(weight.shape[0], rank, device=weight.device, dtype=weight.dtype))
-        # megatron's view of which one is split over TP (grad norms count a replicated one once).
-        set_tensor_model_parallel_attributes(module.lora_b if column else module.lora_a, True, 0 if column else 1, 1)
+        # megatron's view of which one is split over TP (grad norms count a replicated one once;
+        # resharding cuts it as the weight: linear_fc1's B with the weight's stride of 2, gate and up).
+        if column:
+            set_tensor_model_parallel_attributes(module.lora_b, True, 0, getattr(weight, "partition_stride", 1))
+        else:
+            set_tensor_model_parallel_attributes(module.lora_a, True, 1, 1)
         module.lora_column, module.lora_scale, module.lora_on = column, alpha / rank, True
         module.lora_blocks = (groups, sizes)
         module.__class__ = _adapted_class(type(module))

@@ -107,6 +107,7 @@ class RoleSet:
         out = recut(run(recut(rows, self.cut, cut, self.pad_id)), cut, self.cut, self.pad_id)
         return trimmed(out, width)
 
-    def sync(self) -> int:
-        """The trained weights to the roles that serve them; the bytes this rank received."""
-        return sum(sync() for sync in self.syncs)
+    def sync(self, whole: bool = False) -> int:
+        """The trained weights to the roles that serve them; the bytes this rank received.
+        ``whole``: a LoRA network's frozen base too (after a checkpoint was loaded)."""
+        return sum(sync(whole) for sync in self.syncs)

@@ -21,15 +21,16 @@ from megatron_rlhf.models.lora import has_adapters, is_adapter
 from megatron_rlhf.roles.base import Role
 
 
-def reshard_weights(trained: torch.nn.Module, serving: torch.nn.Module, holding=None) -> None:
+def reshard_weights(trained: torch.nn.Module, serving: torch.nn.Module, holding=None, adapters_only: bool = False) -> None:
     """Copy ``trained``'s weights into ``serving``, a model of the same network at another TP/PP
     (built on its own process groups, with the same padded vocabulary), by megatron-core's
     resharding over the platform's collective backend (gloo on CPU, NCCL on CUDA). Collective over
     the world; the plan is made on the first call and reused. ``holding(tensors)``: a context
-    manager around the transfer, given the buffers megatron allocated for it (the ledger's record)."""
+    manager around the transfer, given the buffers megatron allocated for it (the ledger's record).
+    ``adapters_only``: the LoRA adapters alone (a later call: the frozen base is there already)."""
     from megatron.core.resharding.refit import get_or_create_service, swap_model_weights
 
-    from megatron_rlhf.runtime.megatron_compat import sequential_experts_resharded
+    from megatron_rlhf.runtime.megatron_compat import reshard_part, sequential_experts_resharded
     from megatron_rlhf.runtime.platform import get_platform
 
     service = get_or_create_service(get_platform().dist_backend)
@@ -37,7 +38,10 @@ def reshard_weights(trained: torch.nn.Module, serving: torch.nn.Module, holding=
         models = (unwrap(trained), unwrap(serving))
         service = _buffer_recorder(service, {p.untyped_storage().data_ptr() for m in models for p in m.parameters()}, holding)
     with torch.no_grad(), sequential_experts_resharded():
-        swap_model_weights(unwrap(trained), unwrap(serving), service)
+        if adapters_only:
+            reshard_part(unwrap(trained), unwrap(serving), service, is_adapter)
+        else:
+            swap_model_weights(unwrap(trained), unwrap(serving), service)
 
 
 def _buffer_recorder(service, parameter_storages, holding):
@@ -83,25 +87,28 @@ class _BufferRecorder:
         self.buffers = []
 
 
-def received_bytes(serving: torch.nn.Module) -> int:
+def received_bytes(serving: torch.nn.Module, adapters_only: bool = False) -> int:
     """The bytes this rank receives in each resharding into ``serving`` (from megatron's cached plan:
-    its receive buffers, one per slice, live until the copy is done)."""
+    its receive buffers, one per slice, live until the copy is done); of the adapters alone if asked."""
     from megatron_rlhf.runtime.megatron_compat import reshard_receives
 
     params = dict(unwrap(serving).named_parameters())
     return sum(params[name].data[where].numel() * params[name].element_size()
-               for name, where in reshard_receives(unwrap(serving)) if name in params)
+               for name, where in reshard_receives(unwrap(serving))
+               if name in params and (is_adapter(name) or not adapters_only))
 
 
 class WeightSync:
     """``share``: the serving role's parameters become views of the trained role's storage (the
     config's rule, RLHFConfig.weight_owner: same precision and layout); ``reshard``: the serving
     role runs at a layout of its own and gets the weights by megatron's resharding; otherwise
-    weights are copied name by name."""
+    weights are copied name by name. Under LoRA the frozen base goes once (and again when asked:
+    after a checkpoint's weights were loaded); later syncs move the adapters alone."""
 
     def __init__(self, trained: Role, serving: Role, share: bool, reshard: bool = False):
         self.trained, self.serving = trained, serving
         self.shared, self.resharded = share, reshard
+        self.base_served = False
         if reshard:
             if share:
                 raise ValueError(f"weight sync {trained.name} -> {serving.name}: roles of two layouts cannot share storage")
@@ -118,6 +125,7 @@ class WeightSync:
                 f"(first mismatching parameters: {(mismatched or sorted(set(dst) ^ set(src)))[:3]})"
             )
         self.pairs = [(src[n], dst[n]) for n in src]
+        self.adapter_pairs = [(src[n], dst[n]) for n in src if is_adapter(n)]
         if share and any(s.dtype != d.dtype for s, d in self.pairs):
             raise ValueError(f"weight sync {trained.name} -> {serving.name}: storage sharing needs one dtype")
         if self.shared:
@@ -128,19 +136,22 @@ class WeightSync:
         else:
             self()  # serve the trained role's starting weights: only it needs a `load` checkpoint
 
-    def __call__(self) -> int:
+    def __call__(self, whole: bool = False) -> int:
         """Bring the serving role up to date (nothing to do when it shares the storage); returns
-        the bytes this rank's serving shard received."""
+        the bytes this rank's serving shard received. ``whole``: the frozen base of a LoRA network too."""
         if self.shared:
             return 0
+        adapters_only = self.base_served and not whole and has_adapters(self.serving.model)
+        self.base_served = True
         with self._both_onloaded(), torch.no_grad():
             if self.resharded:
                 holding = lambda buffers: self.serving.memory.holding(RESHARD_BUFFERS, buffers, "weight sync")  # noqa: E731
-                reshard_weights(self.trained.model, self.serving.model, holding)
-                return received_bytes(self.serving.model)
-            for s, d in self.pairs:
+                reshard_weights(self.trained.model, self.serving.model, holding, adapters_only)
+                return received_bytes(self.serving.model, adapters_only)
+            pairs = self.adapter_pairs if adapters_only else self.pairs
+            for s, d in pairs:
                 d.copy_(s)
-        return sum(d.numel() * d.element_size() for _, d in self.pairs)
+        return sum(d.numel() * d.element_size() for _, d in pairs)
 
     @contextlib.contextmanager
     def _both_onloaded(self):

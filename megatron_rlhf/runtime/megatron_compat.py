@@ -103,6 +103,8 @@ ANCHORS: Dict[str, Tuple[Site, ...]] = {
     "reshard_plan": (  # the plan megatron's resharding caches on the target model (its transfers)
         Site("resharding/refit.py", 'setattr(tgt_core, "_cached_reshard_plan", plan)'),
         Site("resharding/utils.py", "my_slice: tuple[slice, ...]"),
+        Site("resharding/utils.py", "@dataclass\nclass ReshardPlan:"),
+        Site("resharding/refit.py", "execute_reshard_plan(plan, src_core, tgt_core, service=service)"),
     ),
     "reshard_sequential_experts": (  # resharding names experts globally for TEGroupedMLP's weightK only
         Site("resharding/utils.py", "def assign_ep_resolved_name_inplace("),
@@ -343,6 +345,17 @@ def reshard_receives(gpt_model: torch.nn.Module) -> List[Tuple[str, tuple]]:
     ``gpt_model`` (from the plan it cached on the model's first resharding; [] before)."""
     plan = getattr(gpt_model, "_cached_reshard_plan", None)
     return [] if plan is None else [(op.param_name, op.my_slice) for op in plan.recv_ops]
+
+
+def reshard_part(src: torch.nn.Module, dst: torch.nn.Module, service, keep: Callable[[str], bool]) -> None:
+    """Run only the transfers of the parameters ``keep`` names, from the plan megatron's resharding
+    cached on ``dst`` at its first (whole) resharding; collective as that is."""
+    from megatron.core.resharding import execute_reshard_plan
+
+    plan = dst._cached_reshard_plan
+    part = dataclasses.replace(plan, send_ops=[op for op in plan.send_ops if keep(op.param_name)],
+                               recv_ops=[op for op in plan.recv_ops if keep(op.param_name)])
+    execute_reshard_plan(part, src, dst, service=service)
 
 
 def sequential_experts_resharded():

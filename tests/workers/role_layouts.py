@@ -2,7 +2,8 @@
 processes at the run's TP=2, once with every role at TP=2 and once with the policy and the value at
 TP=1 (DP=2, served by resharding from ppo_policy and ppo_value) and the reference at PP=2 (loaded
 from a TP=2 checkpoint of its own starting weights). Greedy and sampled (the same streams), and the
-mixed layouts with EMS on and off. Saves per rank each run's rollout columns and metrics."""
+mixed layouts with EMS on and off; the LoRA demo with its policy at TP=1 (the adapters resharded
+after each update). Saves per rank each run's rollout columns and metrics."""
 
 import copy
 import os
@@ -17,7 +18,8 @@ from megatron_rlhf.checkpoint.model_files import save_shard, write_model_meta
 from megatron_rlhf.config.validation import validate
 from megatron_rlhf.controller import PPOController
 from megatron_rlhf.memory import MemoryLedger
-from megatron_rlhf.models.decoder import groups_of, local_state_dict
+from megatron_rlhf.models.decoder import groups_of, local_state_dict, unwrap
+from megatron_rlhf.models.lora import is_adapter
 from megatron_rlhf.rewards.pool import RewardPool
 from megatron_rlhf.runtime import init_distributed
 from megatron_rlhf.train import parse_args, prepare
@@ -89,6 +91,26 @@ resumed = PPOController(mixed(base), copy.deepcopy(prepared.dataset), prepared.t
                         MemoryLedger(None))
 resumed.load_state_dict(ppo_state.load_ppo_checkpoint(resumed.roles, path))
 result["resume/resumed"] = without_times(resumed.step())
+
+# LoRA (the GRPO LoRA demo): the policy at TP=1 (DP=2), served ppo_policy's frozen base once and its
+# adapters after each update by resharding, against every role at TP=2; two iterations, greedy.
+lora = prepare(parse_args(["--config", "examples/tiny/grpo_lora.yaml", "--output-dir", os.path.join(OUT_DIR, "lora")]),
+               int(os.environ["WORLD_SIZE"]))
+lora_mixed = copy.deepcopy(lora.config)
+lora_mixed.policy.parallel.tensor_model_parallel_size = 1
+validate(lora_mixed, dist.get_world_size())
+for name, config in (("same", lora.config), ("mixed", lora_mixed)):
+    controller, first = iteration(config, greedy=True, source=lora)
+    captured = capture_rollouts(controller)
+    second = without_times(controller.step())
+    rollout = captured["rollout"]
+    policy = dict(unwrap(controller.roles["policy"].model).named_parameters())
+    result[f"lora/{name}"] = {"tokens": rollout.tokens.cpu(), "old_log_probs": rollout.old_log_probs.cpu(),
+                              "action_mask": rollout.action_mask.cpu(), "layouts": first["layouts"],
+                              "metrics": [without_times(first["metrics"]), second],
+                              "bytes": {kind: sum(p.numel() * p.element_size() for n, p in policy.items()
+                                                  if is_adapter(n) == (kind == "adapters")) for kind in ("adapters", "base")}}
+    del controller
 
 # A mixture of experts (the MoE demo: GRPO, routing replayed from the rollout): the run at TP=1 x EP=2
 # (DP=2), the policy at EP=1 (every expert on every rank), served by resharding.
