@@ -38,6 +38,7 @@ def test_the_internals_used_on_every_platform_match_and_a_moved_one_is_refused(m
         megatron_compat.check()
     assert "dp_zero_optimizer_checkpoint: expected 'def save_parameter_state_renamed(' in " \
         "megatron/core/optimizer/distrib_optimizer.py" in str(raised.value)
+    assert "Re-verify each in megatron_rlhf/runtime/megatron_compat/optimizer.py" in str(raised.value)
 
 
 def test_the_device_variable_chooses_the_platform_and_a_bad_value_is_named(monkeypatch):

@@ -90,3 +90,27 @@ def test_config_imports_nothing_above_it_and_the_rl_math_no_megatron():
     for path in (PACKAGE / "ppo").rglob("*.py"):
         text = path.read_text()
         assert "megatron.core" not in text and "import megatron\n" not in text, path
+
+
+LONG_FUNCTION = 80  # lines
+
+
+def test_a_function_longer_than_a_screen_says_why_and_the_controller_stays_small():
+    """A function of more than LONG_FUNCTION lines opens (after its docstring) with a comment
+    saying why it is one piece; PPOController (the iteration) stays under 200 lines."""
+    unexplained = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines), str(path))):
+            if isinstance(node, ast.ClassDef) and node.name == "PPOController":
+                assert node.end_lineno - node.lineno < 200, f"{path}: PPOController has {node.end_lineno - node.lineno} lines"
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if node.end_lineno - node.lineno + 1 <= LONG_FUNCTION:
+                continue
+            first = node.body[0]
+            after_docstring = first.end_lineno if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                else node.body[0].lineno - 1
+            if not lines[after_docstring].lstrip().startswith("#"):
+                unexplained.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}")
+    assert not unexplained, unexplained

@@ -196,6 +196,25 @@ class _Routes:
         return table.masked_fill(beyond[:, :, None, None], -1)
 
 
+def _checked_request(prompts, prompt_lengths, params, max_new_tokens, session, keys, record_routes, start_counters):
+    """generate()'s arguments checked: each row's prompt length, token limit and start counter."""
+    if prompts.dim() != 2 or prompt_lengths.shape != prompts.shape[:1]:
+        raise ValueError(f"prompts must be [B, P] with prompt_lengths [B], got {tuple(prompts.shape)} and {tuple(prompt_lengths.shape)}")
+    rows = prompts.shape[0]
+    lengths = [int(n) for n in prompt_lengths.tolist()]
+    if rows == 0 or min(lengths) < 1:
+        raise ValueError("every prompt needs at least one token")
+    limits = [params.max_new_tokens] * rows if max_new_tokens is None else [int(n) for n in max_new_tokens]
+    if len(limits) != rows or min(limits) < 1:
+        raise ValueError(f"max_new_tokens needs one limit >= 1 per row, got {limits}")
+    if session is not None and (keys is None or len(keys) != rows or record_routes):
+        raise ValueError("a cache session needs one key per row and cannot record routes")
+    offsets = [0] * rows if start_counters is None else [int(n) for n in start_counters]
+    if len(offsets) != rows or min(offsets) < 0:
+        raise ValueError(f"start_counters needs one count >= 0 per row, got {start_counters}")
+    return lengths, limits, offsets
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -236,17 +255,11 @@ def generate(
     resumed after that many tokens draws on from there; default 0). ``record_log_probs``: the
     result carries the engine's log-prob of each token it sampled (``Generated.log_probs``).
     """
-    if prompts.dim() != 2 or prompt_lengths.shape != prompts.shape[:1]:
-        raise ValueError(f"prompts must be [B, P] with prompt_lengths [B], got {tuple(prompts.shape)} and {tuple(prompt_lengths.shape)}")
-    rows = prompts.shape[0]
-    lengths = [int(n) for n in prompt_lengths.tolist()]
-    if rows == 0 or min(lengths) < 1:
-        raise ValueError("every prompt needs at least one token")
-    limits = [params.max_new_tokens] * rows if max_new_tokens is None else [int(n) for n in max_new_tokens]
-    if len(limits) != rows or min(limits) < 1:
-        raise ValueError(f"max_new_tokens needs one limit >= 1 per row, got {limits}")
-    if session is not None and (keys is None or len(keys) != rows or record_routes):
-        raise ValueError("a cache session needs one key per row and cannot record routes")
+    # One call reads top to bottom: the request checked, the engine set up, the step loop, the
+    # session's bookkeeping; its parts are the classes it drives (schedule, packer, responses).
+    lengths, limits, offsets = _checked_request(prompts, prompt_lengths, params, max_new_tokens, session, keys,
+                                                record_routes, start_counters)
+    rows = len(lengths)
     inner = unwrap(model)
     config = inner.config
     device = next(inner.parameters()).device
@@ -263,10 +276,7 @@ def generate(
                      compat.rotary_angles(inner, cache_length).to(device), config, pad_to=tp if config.sequence_parallel else 1,
                      scratch_slot=slots)
     seeds = (torch.arange(rows) if seeds is None else seeds).to(device=device, dtype=torch.int64)
-    offsets = torch.tensor(list(start_counters) if start_counters is not None else [0] * rows, dtype=torch.int64,
-                           device=device)
-    if offsets.shape != (rows,) or (offsets < 0).any():
-        raise ValueError(f"start_counters needs one count >= 0 per row, got {start_counters}")
+    offsets = torch.tensor(offsets, dtype=torch.int64, device=device)
     homes, cached = None, None
     if session is not None:
         homes, cached = session.homes(keys, [p[:n] for p, n in zip(packer.prompts.tolist(), lengths)])

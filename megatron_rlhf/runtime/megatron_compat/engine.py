@@ -1,0 +1,50 @@
+"""The generation engine's seam: megatron's attention layers, replaced for the steps of an engine,
+and the RoPE angles and frequencies it reads."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+from megatron_rlhf.runtime.megatron_compat.sites import Site, methods_replaced
+
+# What each function here relies on (name -> sites), checked at start-up (megatron_compat.check).
+ANCHORS: Dict[str, Tuple[Site, ...]] = {
+    "engine_attention": (
+        Site("transformer/transformer_layer.py", "attention_output_with_bias = self.self_attention("),
+        Site("transformer/attention.py", "def get_query_key_value_tensors("),
+        Site("transformer/attention.py", "output, bias = self.linear_proj(core_attn_out)"),
+        Site("transformer/transformer_block.py", "self.layers = torch.nn.ModuleList("),
+        Site("models/gpt/gpt_model.py", "self.rotary_pos_emb = RotaryEmbedding("),
+        Site("models/gpt/gpt_model.py", "hidden_states = self.decoder("),
+    ),
+    "rope_frequencies": (  # megatron's llama3 scaling fixes its bounds; scaled models set their own
+        Site("models/common/embeddings/rotary_pos_embedding.py", "self.inv_freq = 1.0 / ("),
+        Site("models/common/embeddings/rotary_pos_embedding.py", "freqs = torch.outer(seq, self.inv_freq)"),
+        Site("models/common/embeddings/rotary_pos_embedding.py", "@lru_cache(maxsize=32)"),
+    ),
+}
+
+
+def attention_layers(gpt_model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The SelfAttention module of each transformer layer of this stage, in order."""
+    return [layer.self_attention for layer in gpt_model.decoder.layers]
+
+
+def attention_replaced(gpt_model: torch.nn.Module, make_forward: Callable[[int, torch.nn.Module], Callable]):
+    """Within the block, layer i's attention runs ``make_forward(i, attention)(hidden_states,
+    **megatron's arguments)`` instead of its own forward (which must return (output, bias))."""
+    return methods_replaced(attention_layers(gpt_model), "forward", make_forward)
+
+
+def rotary_angles(gpt_model: torch.nn.Module, length: int) -> torch.Tensor:
+    """The model's RoPE angles for positions 0..length-1: [length, 1, 1, rotary dim]."""
+    return gpt_model.rotary_pos_emb(length)
+
+
+def set_rope_inv_freq(gpt_model: torch.nn.Module, inv_freq: torch.Tensor) -> None:
+    """Replace the RoPE frequencies of a model not yet run (its embedding caches by length)."""
+    rope = gpt_model.rotary_pos_emb
+    rope.inv_freq = inv_freq.to(rope.inv_freq.device)
+    rope.forward.cache_clear()

@@ -1,0 +1,57 @@
+"""megatron's tensor-parallel layers: each parallel linear's local product (replaced on CPU for
+the engine) and the vocab-parallel cross entropy over a TP group other than the run's."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from megatron_rlhf.runtime.megatron_compat.sites import Site, names_replaced, methods_replaced
+
+# What each function here relies on (name -> sites), checked at start-up (megatron_compat.check).
+ANCHORS: Dict[str, Tuple[Site, ...]] = {
+    "linear_matmul": (  # each parallel linear's local product, looked up on the module at call time
+        Site("tensor_parallel/layers.py", "def _forward_impl(self, input, weight, *args, **kwargs):"),
+        Site("tensor_parallel/layers.py", "output_parallel = self._forward_impl(\n            input=input_parallel,"),
+    ),
+    "cross_entropy_tp_group": (  # reads the global TP group; a model of its own layout passes its own
+        Site("tensor_parallel/cross_entropy.py", "group=get_tensor_model_parallel_group()"),
+        Site("tensor_parallel/cross_entropy.py", "rank = get_tensor_model_parallel_rank()"),
+        Site("tensor_parallel/cross_entropy.py", "world_size = get_tensor_model_parallel_world_size()"),
+    ),
+}
+
+
+def linear_matmuls_replaced(model: torch.nn.Module, matmul: Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]):
+    """Within the block, every column- and row-parallel linear of ``model`` computes its local
+    product as ``matmul(input, weight, bias)`` (megatron still does the TP communication around
+    it), except where megatron gathers a sequence-parallel input inside the product: there its own."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    def local_product(_, linear):
+        megatron_own = linear._forward_impl
+
+        def forward_impl(input, weight, bias, sequence_parallel=False, **rest):
+            if sequence_parallel:
+                return megatron_own(input=input, weight=weight, bias=bias, sequence_parallel=True, **rest)
+            return matmul(input, weight, bias)
+        return forward_impl
+
+    linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    return methods_replaced(linears, "_forward_impl", local_product)
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """megatron's vocab-parallel cross entropy over ``tp_group`` (default: the run's TP group).
+    megatron's reads the global TP group, its rank and size in its forward (the backward needs
+    none): for another group they are pointed at it for the call."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import cross_entropy
+
+    if tp_group is None or tp_group is parallel_state.get_tensor_model_parallel_group():
+        return cross_entropy.vocab_parallel_cross_entropy(logits, target)
+    with names_replaced(cross_entropy, get_tensor_model_parallel_group=lambda *a, **k: tp_group,
+                                get_tensor_model_parallel_rank=lambda *a, **k: tp_group.rank(),
+                                get_tensor_model_parallel_world_size=lambda *a, **k: tp_group.size()):
+        return cross_entropy.vocab_parallel_cross_entropy(logits, target)
