@@ -54,7 +54,7 @@ demo-agent: $(STAMP) examples/tiny/prompts.jsonl
 		--config examples/tiny_agent/grpo.yaml --overwrite
 
 test: $(STAMP)
-	bash tests/setup_slurm.sh
+	bash tests/helpers/setup_slurm.sh
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider tests
 
 clean:

@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from megatron_rlhf.checkpoint.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
 from megatron_rlhf.checkpoint.model_files import CheckpointError  # noqa: E402
-from tests.hf_families import all_tensors, hf_outputs, make_hf_model  # noqa: E402
+from tests.helpers.hf_families import all_tensors, hf_outputs, make_hf_model  # noqa: E402
 
 
 def tiny_hf(path, head, labels: int = 1):
@@ -154,7 +154,7 @@ def test_a_converted_checkpoint_carries_a_manifest_and_a_damaged_one_is_refused_
 
 
 def test_an_exported_model_carries_its_tokenizer_and_generation_config(tmp_path):
-    from tests.hf_tokenizer import make_tokenizer_dir
+    from tests.helpers.hf_tokenizer import make_tokenizer_dir
 
     tiny_hf(tmp_path / "hf", "lm")
     hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"))

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_rlhf.config.schema import DataConfig, TokenizerConfig
 from megatron_rlhf.data import CharTokenizer, PromptDataset, build_tokenizer, open_rows
-from tests.hf_tokenizer import CHAT_TEMPLATE, make_tokenizer_dir
+from tests.helpers.hf_tokenizer import CHAT_TEMPLATE, make_tokenizer_dir
 
 
 def write_jsonl(path, rows):

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from megatron_rlhf.checkpoint.convert import hf_to_megatron  # noqa: E402
 from megatron_rlhf.checkpoint.model_files import CheckpointError  # noqa: E402
-from tests.hf_families import (FAMILY_MODELS, assert_outputs_match, assert_round_trip, converted_for_equivalence,  # noqa: E402
+from tests.helpers.hf_families import (FAMILY_MODELS, assert_outputs_match, assert_round_trip, converted_for_equivalence,  # noqa: E402
                                 greedy_cases, make_hf_model)
 
 # The families (and heads) the equivalence worker runs: each family's LM and score head.

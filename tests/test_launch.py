@@ -220,7 +220,7 @@ def test_rank_groups_are_megatrons_numbering():
 
 @pytest.fixture
 def slurm(tmp_path):
-    from tests.slurm_cluster import LocalSlurm, unavailable_reason
+    from tests.helpers.slurm_cluster import LocalSlurm, unavailable_reason
 
     reason = unavailable_reason()
     if reason:

@@ -91,3 +91,20 @@ def test_micro_batches_packed_by_tokens_hold_as_many_rows_as_fit_and_a_row_too_l
     # and keep the longest (9) within the budget: 7 x 9 = 63 <= 70, one micro-batch; 20: one row each.
     assert [mb["tokens"].shape[0] for mb in token_packed(70, lengths, equal_rows=True, tokens=tokens)[0]] == [7]
     assert [mb["tokens"].shape[0] for mb in token_packed(20, lengths, equal_rows=True, tokens=tokens)[0]] == [1] * 7
+
+
+def test_length_grouped_micro_batches_are_trimmed_and_come_back_in_row_order():
+    from megatron_rlhf.models.batches import length_grouped, ungrouped
+
+    lengths = torch.tensor([3, 9, 2, 9, 5, 1])
+    tokens = torch.arange(6 * 10).view(6, 10)
+    per_action = torch.randn(6, 9)
+    batches, order = length_grouped(2, lengths, tokens=tokens, per_action=per_action, row=torch.arange(6))
+    assert order.tolist() == [1, 3, 4, 0, 2, 5]  # longest first, ties in row order
+    assert [tuple(mb["tokens"].shape) for mb in batches] == [(2, 9), (2, 5), (2, 2)]
+    assert [tuple(mb["per_action"].shape) for mb in batches] == [(2, 8), (2, 4), (2, 1)]
+    assert torch.equal(batches[1]["tokens"], tokens[[4, 0], :5]) and batches[2]["row"].tolist() == [2, 5]
+    back = ungrouped([mb["per_action"] for mb in batches], order, 9)
+    kept = torch.arange(9) < (lengths - 1).clamp(min=1)[:, None]  # each row's real action positions survive
+    assert torch.equal(back[kept], per_action[kept]) and (back[0, 4:] == 0).all() and (back[5, 1:] == 0).all()
+    assert torch.equal(ungrouped([mb["row"] for mb in batches], order, 0), torch.arange(6))

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from megatron_rlhf.config.families import arch_from_hf_config  # noqa: E402
-from tests.hf_families import assert_outputs_match, assert_round_trip, converted_for_equivalence, greedy_cases  # noqa: E402
+from tests.helpers.hf_families import assert_outputs_match, assert_round_trip, converted_for_equivalence, greedy_cases  # noqa: E402
 
 # Qwen3-MoE with renormalised top-2 and a dense first layer; Mixtral (every layer experts); Qwen3-MoE
 # without renormalisation (softmax before the top-3) and experts every second layer, as a reward model;

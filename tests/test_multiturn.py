@@ -13,7 +13,7 @@ from megatron_rlhf.data.tokenizer import CharTokenizer, HFTokenizer
 from megatron_rlhf.rollout.env_pool import EnvironmentPool
 from megatron_rlhf.rollout.environment import ProtocolError, StepResult, checked_step
 from megatron_rlhf.rollout.trajectory import ObservationEncoder, Trajectory
-from tests.hf_tokenizer import byte_level_tokenizer_dir, make_tokenizer_dir
+from tests.helpers.hf_tokenizer import byte_level_tokenizer_dir, make_tokenizer_dir
 
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"

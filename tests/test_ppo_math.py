@@ -431,23 +431,6 @@ def test_informative_groups_and_the_overlong_penalty():
     assert ppo.overlong_penalty(lengths, 16, 0, 0.5).tolist() == [0.0] * 5
 
 
-def test_length_grouped_micro_batches_are_trimmed_and_come_back_in_row_order():
-    from megatron_rlhf.models.batches import length_grouped, ungrouped
-
-    lengths = torch.tensor([3, 9, 2, 9, 5, 1])
-    tokens = torch.arange(6 * 10).view(6, 10)
-    per_action = torch.randn(6, 9)
-    batches, order = length_grouped(2, lengths, tokens=tokens, per_action=per_action, row=torch.arange(6))
-    assert order.tolist() == [1, 3, 4, 0, 2, 5]  # longest first, ties in row order
-    assert [tuple(mb["tokens"].shape) for mb in batches] == [(2, 9), (2, 5), (2, 2)]
-    assert [tuple(mb["per_action"].shape) for mb in batches] == [(2, 8), (2, 4), (2, 1)]
-    assert torch.equal(batches[1]["tokens"], tokens[[4, 0], :5]) and batches[2]["row"].tolist() == [2, 5]
-    back = ungrouped([mb["per_action"] for mb in batches], order, 9)
-    kept = torch.arange(9) < (lengths - 1).clamp(min=1)[:, None]  # each row's real action positions survive
-    assert torch.equal(back[kept], per_action[kept]) and (back[0, 4:] == 0).all() and (back[5, 1:] == 0).all()
-    assert torch.equal(ungrouped([mb["row"] for mb in batches], order, 0), torch.arange(6))
-
-
 def test_the_estimator_registry_is_the_configs_domain_and_dispatches_to_the_formulas():
     from megatron_rlhf.config.names import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS
 

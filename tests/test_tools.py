@@ -15,7 +15,7 @@ from megatron_rlhf.rollout.environment import Turn
 from megatron_rlhf.tools.function import ToolError, argument_problem, function_tool, load_tools
 from megatron_rlhf.tools.parsers import ToolCall, make_parser
 from megatron_rlhf.tools.sandbox import SandboxLimits, run_python
-from tests.hf_tokenizer import byte_level_tokenizer_dir
+from tests.helpers.hf_tokenizer import byte_level_tokenizer_dir
 from tests.test_multiturn import _ScriptedCollector
 
 # ChatML with Qwen2.5's tool block and tool responses, and a Llama-3.1-style template with tools in

@@ -1,6 +1,6 @@
 """A real single-node Slurm cluster for tests: munged, slurmctld and slurmd on localhost, with every
 file (key, sockets, state, logs, config) under one temporary directory. Needs Debian's slurm-wlm
-and munge (tests/setup_slurm.sh installs them) and root (slurmd starts job steps as their user)."""
+and munge (tests/helpers/setup_slurm.sh installs them) and root (slurmd starts job steps as their user)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def unavailable_reason() -> Optional[str]:
     """Why a cluster cannot start here, or None."""
     missing = [d for d in DAEMONS if _which(d) is None]
     if missing:
-        return (f"Slurm is not installed ({', '.join(missing)} not found); tests/setup_slurm.sh installs "
+        return (f"Slurm is not installed ({', '.join(missing)} not found); tests/helpers/setup_slurm.sh installs "
                 "Debian's slurm-wlm and munge, which needs root and apt-get")
     if os.geteuid() != 0:
         return "a local Slurm cluster needs root (slurmd runs job steps as the submitting user)"

@@ -5,7 +5,7 @@ import importlib.util
 from pathlib import Path
 
 _spec = importlib.util.spec_from_file_location(
-    "tiny_math_make_data", Path(__file__).resolve().parent.parent / "examples" / "tiny_math" / "make_data.py")
+    "tiny_math_make_data", Path(__file__).resolve().parents[2] / "examples" / "tiny_math" / "make_data.py")
 _make_data = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_make_data)
 
