@@ -1,6 +1,10 @@
 """Faults a run reports as one line, without a traceback (train.main catches them): the user's
 input or the run's numbers went wrong, not the program. ConfigError (config/errors.py) and
-CheckpointError (checkpoint/model_files.py) are the others."""
+CheckpointError (checkpoint/model_files.py) are the others. Also what else a front end shows:
+``hide_internal_warnings``."""
+
+import os
+import warnings
 
 
 class RunError(RuntimeError):
@@ -18,3 +22,15 @@ class NonFiniteError(RunError):
 
 class RewardFunctionError(RunError):
     """A reward function that failed or broke its contract (one finite number per response)."""
+
+
+def hide_internal_warnings() -> None:
+    """megatron-core and torch warn about fallbacks in their own internals (transformer-engine or
+    Apex not installed, ...): hidden unless MEGATRON_RLHF_WARNINGS=1; the project's own always show."""
+    if os.environ.get("MEGATRON_RLHF_WARNINGS"):
+        return
+    for module in ("megatron", "torch", "transformer_engine", "apex"):  # a regex: not megatron_rlhf
+        warnings.filterwarnings("ignore", module=rf"{module}(\.|$)")
+    # Warnings of torch's and megatron's internals raised where their calls pass the CPU adaptation's
+    # function mode (it warns nothing of its own).
+    warnings.filterwarnings("ignore", module=r"megatron_rlhf\.runtime\.megatron_cpu$")

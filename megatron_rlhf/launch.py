@@ -182,6 +182,9 @@ def main(argv=None) -> int:
     os.environ.update(env)
     if dry:
         from megatron_rlhf.dry_run import dry_run
+        from megatron_rlhf.errors import hide_internal_warnings
+
+        hide_internal_warnings()
         from megatron_rlhf.units import parse_bytes
 
         return dry_run(config_file, world, per_node, parse_bytes(env.get("GPU_MEMORY", "80GiB")))

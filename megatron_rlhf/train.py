@@ -30,6 +30,7 @@ from megatron_rlhf.checkpoint.run_state import (
 from megatron_rlhf.config import ConfigError, input_problems, load_config
 from megatron_rlhf.config.schema import ROLE_HEADS, RLHFConfig
 from megatron_rlhf.dry_run import host_text
+from megatron_rlhf.errors import hide_internal_warnings
 from megatron_rlhf.units import human, parse_bytes, positive_int
 
 
@@ -490,14 +491,7 @@ def _end_with_the_launcher() -> None:
 def main(argv=None) -> Optional[list]:
     _end_with_the_launcher()
     args = parse_args(argv)
-    # megatron-core and torch warn about fallbacks in their own internals (=1 shows them); the
-    # project's own warnings always show.
-    if not os.environ.get("MEGATRON_RLHF_WARNINGS"):
-        for module in ("megatron", "torch", "transformer_engine", "apex"):  # a regex: not megatron_rlhf
-            warnings.filterwarnings("ignore", module=rf"{module}(\.|$)")
-        # Warnings of torch's and megatron's internals raised where their calls pass the CPU adaptation's
-        # function mode (it warns nothing of its own).
-        warnings.filterwarnings("ignore", module=r"megatron_rlhf\.runtime\.megatron_cpu$")
+    hide_internal_warnings()
     if args.dry_run:
         sys.exit(_dry_run(args))
     try:
