@@ -557,21 +557,39 @@ def _run_iterations(controller, log, prepared: Prepared, validations: list, hist
 
 
 def _ranks_elsewhere(progress_dir: str, iteration: int, phase: str) -> str:
-    """The ranks whose last recorded (iteration, phase) is not this rank's: who did not arrive."""
+    """The ranks whose last recorded (iteration, phase) is not this rank's (who did not arrive), and
+    those of this host whose process is gone (killed or crashed without a word)."""
+    import socket
+
     import torch.distributed as dist
 
-    behind = []
+    behind, gone = [], []
     for rank in range(dist.get_world_size()):
         try:
             with open(os.path.join(progress_dir, f"rank{rank}"), encoding="utf-8") as f:
-                their_iteration, their_phase, since = f.read().split("\t")
+                their_iteration, their_phase, since, host, pid = f.read().split("\t")
         except (OSError, ValueError):
             behind.append(f"rank {rank} (no record)")
             continue
-        if (int(their_iteration), their_phase) != (iteration, phase):
+        if host == socket.gethostname() and not _alive(int(pid)):
+            gone.append(f"rank {rank} (pid {pid}) ended in iteration {their_iteration}, {their_phase}, without a "
+                        "word: killed (the kernel's out-of-memory killer says so in dmesg) or crashed")
+        elif (int(their_iteration), their_phase) != (iteration, phase):
             behind.append(f"rank {rank} in iteration {their_iteration}, {their_phase} for "
                           f"{time.time() - float(since):.0f}s")
-    return ("elsewhere: " + "; ".join(behind)) if behind else "every rank recorded this phase (its own output says why)"
+    if gone or behind:
+        return "; ".join(gone + (["elsewhere: " + "; ".join(behind)] if behind else []))
+    return "every rank recorded this phase (one that stopped says why in its output, or torchrun names its exit code)"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process of that number
+        return True
+    return True
 
 
 def _peer_problem(error: RuntimeError, timeout_s: float) -> Optional[str]:

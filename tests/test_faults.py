@@ -303,6 +303,26 @@ def test_a_rank_that_does_not_arrive_ends_the_run_with_a_line_naming_the_phase(t
     assert "elsewhere: rank 1 in iteration 1, policy (inference) for " in errors[0]  # the rank that did not arrive
 
 
+def test_a_rank_gone_without_a_word_is_named_as_such(tmp_path, monkeypatch):
+    """kill -9 of a rank (or the OOM killer): the survivor's line names the rank whose process is gone,
+    not "its own output says why" (it printed nothing)."""
+    import socket
+
+    from megatron_rlhf.train import _ranks_elsewhere
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    host, now = socket.gethostname(), time.time()
+    (tmp_path / "rank0").write_text(f"3\tppo_policy (training)\t{now:.0f}\t{host}\t{os.getpid()}")
+    (tmp_path / "rank1").write_text(f"3\tppo_policy (training)\t{now:.0f}\t{host}\t{ended.pid}")
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    said = _ranks_elsewhere(str(tmp_path), 3, "ppo_policy (training)")
+    assert said.startswith(f"rank 1 (pid {ended.pid}) ended in iteration 3, ppo_policy (training), without a word: "
+                           "killed (the kernel's out-of-memory killer says so in dmesg) or crashed"), said
+    (tmp_path / "rank1").write_text(f"3\tppo_policy (training)\t{now:.0f}\t{host}\t{os.getpid()}")
+    assert _ranks_elsewhere(str(tmp_path), 3, "ppo_policy (training)").startswith("every rank recorded this phase")
+
+
 def test_overwrite_puts_the_old_run_back_when_the_launch_fails_before_its_first_iteration(tmp_path):
     out = tmp_path / "out"
     (out / "checkpoints" / "iter_0000003").mkdir(parents=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from typing import Callable, Dict, Optional
 
@@ -22,8 +23,8 @@ from megatron_rlhf.rollout.rows import RowCut, SampleRows, recut, trimmed
 
 
 class Progress:
-    """Where this rank is (iteration, phase): one small file per rank under ``directory`` when
-    given, read by train.py when a collective times out."""
+    """Where this rank is (iteration, phase, since when; its host and pid): one small file per rank
+    under ``directory`` when given, read by train.py when a collective fails."""
 
     def __init__(self, directory: Optional[str] = None):
         self.directory = directory
@@ -35,7 +36,7 @@ class Progress:
         self.phase = phase
         if self.directory is not None:
             with open(os.path.join(self.directory, f"rank{dist.get_rank()}"), "w", encoding="utf-8") as f:
-                f.write(f"{self.iteration}\t{phase}\t{time.time():.0f}")
+                f.write(f"{self.iteration}\t{phase}\t{time.time():.0f}\t{socket.gethostname()}\t{os.getpid()}")
 
 
 class RoleSet:
