@@ -596,3 +596,18 @@ def test_a_wrong_entry_of_a_mapping_names_its_own_file_and_nothing_else_follows(
         load_config(str(top), world_size=2)
     lines = str(err.value).splitlines()[1:]
     assert lines == [f"  {top}: reward.functions.megatron_rlhf.rewards.verifiers:gsm8k: expected float, got str 'abc'"]
+
+
+def test_an_including_file_switches_the_recipes_verifier_with_null(tmp_path):
+    recipe = os.path.abspath("examples/tiny_math/grpo.yaml")
+    top = write(tmp_path / "cfg.yaml", f"includes: {recipe}\nreward:\n  functions:\n"
+                "    megatron_rlhf.rewards.verifiers:gsm8k: null\n    megatron_rlhf.rewards.verifiers:math: 1.0\n")
+    config = load_config(str(top), world_size=2)
+    assert config.reward.functions == {"megatron_rlhf.rewards.verifiers:answer_format": 0.2,
+                                       "megatron_rlhf.rewards.verifiers:math": 1.0}
+    assert config.source_of("reward.functions.megatron_rlhf.rewards.verifiers:math") == str(top)
+    wrong = write(tmp_path / "wrong.yaml", f"includes: {recipe}\nreward:\n  functions:\n"
+                  "    megatron_rlhf.rewards.verifiers:gsm9k: null\n")
+    with pytest.raises(ConfigError, match=rf"{wrong}: reward.functions.megatron_rlhf.rewards.verifiers:gsm9k: null "
+                                          "removes an entry an included file sets, but none sets"):
+        load_config(str(wrong), world_size=2)

@@ -157,10 +157,24 @@ def _first_non_utf8_line(file: str) -> int:
     return 0
 
 
+# Mappings whose entries an including file may remove with ``null`` (an included recipe's reward
+# functions: switching a verifier by include).
+REMOVABLE_ENTRIES = (("reward", "functions"),)
+
+
 def _merge(base: Dict, base_sources: Sources, over: Dict, over_sources: Sources, at: KeyPath) -> None:
-    """Deep-merge ``over`` into ``base`` (over wins), keeping each leaf's source file."""
+    """Deep-merge ``over`` into ``base`` (over wins), keeping each leaf's source file; ``null`` on
+    an entry of a REMOVABLE_ENTRIES mapping removes the entry."""
     for key, value in over.items():
         path = at + (key,)
+        if value is None and at in REMOVABLE_ENTRIES and at and isinstance(over_sources.get(path), str):
+            if key not in base:
+                raise ConfigError(f"{over_sources[path]}: {'.'.join(path)}: null removes an entry an included file "
+                                  f"sets, but none sets {key!r} (set: {', '.join(map(str, base)) or 'nothing'})")
+            del base[key]
+            for src_path in [p for p in base_sources if p[: len(path)] == path]:
+                del base_sources[src_path]
+            continue
         if isinstance(value, dict) and isinstance(base.get(key), dict):
             _merge(base[key], base_sources, value, over_sources, path)
             base_sources.setdefault(path, over_sources[path])
