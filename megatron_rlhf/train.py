@@ -594,7 +594,11 @@ def _alive(pid: int) -> bool:
 
 def _peer_problem(error: RuntimeError, timeout_s: float) -> Optional[str]:
     """What a collective's failure says of the other ranks (gloo and NCCL in their own words), or
-    None for an error of this rank's own."""
+    None for an error of this rank's own (every RunError: its words may say "timed out" of a reward)."""
+    from megatron_rlhf.errors import RunError
+
+    if isinstance(error, RunError):
+        return None
     text = str(error).lower()
     if "timed out" in text or "timeout" in text:
         return f"a collective waited longer than trainer.collective_timeout_s={timeout_s:g}s: another rank did not arrive"

@@ -303,6 +303,15 @@ def test_a_rank_that_does_not_arrive_ends_the_run_with_a_line_naming_the_phase(t
     assert "elsewhere: rank 1 in iteration 1, policy (inference) for " in errors[0]  # the rank that did not arrive
 
 
+def test_a_reward_error_that_says_timed_out_is_not_taken_for_a_collectives():
+    from megatron_rlhf.errors import RewardFunctionError
+    from megatron_rlhf.train import _peer_problem
+
+    said = "the first 4 reward calls of the batch all timed out; ... took over 3s (reward.timeout_s)"
+    assert _peer_problem(RewardFunctionError(said), 1800) is None
+    assert _peer_problem(RuntimeError("[gloo] Timed out waiting 1800000ms"), 1800).startswith("a collective waited")
+
+
 def test_a_rank_gone_without_a_word_is_named_as_such(tmp_path, monkeypatch):
     """kill -9 of a rank (or the OOM killer): the survivor's line names the rank whose process is gone,
     not "its own output says why" (it printed nothing)."""

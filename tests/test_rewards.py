@@ -129,6 +129,19 @@ def test_a_call_that_raises_or_hangs_scores_the_failure_score_and_is_counted(rul
         pool.close()
 
 
+def test_a_reward_that_blocks_on_every_call_ends_the_batch_after_two_time_outs_per_worker(rules):
+    pool = RewardPool({rules("sleeps_on_x"): 1.0}, num_workers=2, timeout_s=1.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RewardFunctionError, match=r"the first 4 reward calls of the batch all timed out \(nothing "
+                                                      r"answered\); the first: reward function .*rules.py:sleeps_on_x took "
+                                                      r"over 1s \(reward.timeout_s\)"):
+            pool.score(["p"] * 16, ["x"] * 16, [{}] * 16)
+        assert time.monotonic() - started < 2 * 1.0 + 8.0  # not 16 time-outs: 2 rounds of the 2 workers
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("name,message", [
     ("strings", r"rules.py:strings returned str '0.5'; expected a list of 1 numbers.* on response 0 \(prompt 'p0'\)"),
     ("scalar", r"rules.py:scalar returned float 0.5; expected a list of 1 numbers"),

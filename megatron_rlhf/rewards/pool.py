@@ -9,7 +9,8 @@ Every rank keeps ``num_workers`` worker processes (plain interpreters running
 program). A call that raises, or outlives ``timeout_s`` (its worker is killed and replaced),
 scores ``failure_score`` and is counted. What is a bug rather than a hard input ends the run with
 one line naming the function: a result that breaks the contract, a call that exits its worker
-(``sys.exit``, ``os._exit``, a crash), or an iteration in which every call failed.
+(``sys.exit``, ``os._exit``, a crash), an iteration in which every call failed, or one whose first
+calls all time out, twice per worker (a reward that blocks ends the run in 2 x timeout_s).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import torch
 from megatron_rlhf.errors import NonFiniteError, RewardFunctionError
 
 FAILED = None  # a call that raised or timed out
+# Time-outs per worker, with nothing answered yet, after which a batch stops: the reward blocks.
+BLOCKED_AFTER = 2
 
 
 class WorkerProcess:
@@ -113,6 +116,7 @@ class RewardPool:
         results: Dict[Tuple[int, int], Optional[Dict[str, float]]] = {}
         counts = {"failures": 0, "timeouts": 0}
         first_failure: Optional[str] = None
+        timeouts_in_a_row = 0  # with no call answered in between
         pending = list(tasks)
         # Batches small enough that the workers finish together (a few per worker).
         size = max(1, -(-len(tasks) // (4 * len(self.workers))))
@@ -136,6 +140,7 @@ class RewardPool:
                 else:
                     continue
                 kind, value = outcome
+                timeouts_in_a_row = timeouts_in_a_row + 1 if kind == "timeout" else 0
                 if kind == "ok":
                     results[row, f] = value
                     continue
@@ -145,6 +150,10 @@ class RewardPool:
                 if first_failure is None:
                     name, where = self._call(f, row, prompts)
                     first_failure = f"{name} {value} {where}"
+                if timeouts_in_a_row >= BLOCKED_AFTER * len(self.workers) and len(results) == timeouts_in_a_row:
+                    # Nothing answered yet and every worker timed out twice: a reward that blocks, not a slow row.
+                    raise RewardFunctionError(f"the first {timeouts_in_a_row} reward calls of the batch all timed out "
+                                              f"(nothing answered); the first: {first_failure}")
         if tasks and counts["failures"] == len(tasks):
             raise RewardFunctionError(f"every reward call of the batch failed; the first: {first_failure}")
         if counts["failures"]:  # scored as failure_score and counted; the reason said, not only the count
