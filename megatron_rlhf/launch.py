@@ -190,7 +190,14 @@ def main(argv=None) -> int:
         return dry_run(config_file, world, per_node, parse_bytes(env.get("GPU_MEMORY", "80GiB")))
     what = (f"{env['MODEL_SIZE']}, {world} GPUs (TP={tp} PP={pp} DP={dp}{f' EP={ep}' if ep > 1 else ''}), output {env['OUTPUT_DIR']}, "
             f"PYTORCH_CUDA_ALLOC_CONF={env['PYTORCH_CUDA_ALLOC_CONF']}")
-    if env.get("CHECK_ONLY") == "1":
+    if env.get("CHECK_ONLY") == "1":  # the inputs too, as a launch reads them (tokenizer, data, rewards)
+        import subprocess
+
+        checked = subprocess.run([sys.executable, "-m", "megatron_rlhf.train", "--config", config_file, "--check-only",
+                                  "--world-size", str(world), *args.train_args], env=env)
+        if checked.returncode != 0:
+            print(f"{args.name}: nothing was launched", file=sys.stderr)
+            return 2
         print(f"{args.name}: inputs checked: {what}")
         return 0
     print(f"{args.name}: launching {what} on {os.uname().nodename}", flush=True)

@@ -47,12 +47,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="resume a checkpoint written with other settings (they are listed when refused)")
     dry = parser.add_argument_group("dry run (no torchrun, no GPU: print the resolved config, the layout and memory per role)")
     dry.add_argument("--dry-run", action="store_true", help="print what a launch would do and exit")
+    dry.add_argument("--check-only", action="store_true",
+                     help="check every input a launch reads (config, tokenizer, data, rewards, checkpoints) and exit; "
+                          "nothing is written")
     dry.add_argument("--world-size", type=positive_int, help="processes of the planned launch (default: $WORLD_SIZE, else TP*PP)")
     dry.add_argument("--nproc-per-node", type=positive_int, help="processes per node (default: $LOCAL_WORLD_SIZE, else the world size)")
     dry.add_argument("--gpu-memory", type=parse_bytes, help="device memory per GPU, e.g. 80GiB: check that the plan fits")
     args = parser.parse_args(argv)
-    if not args.dry_run and (args.world_size or args.nproc_per_node or args.gpu_memory):
-        parser.error("--world-size, --nproc-per-node and --gpu-memory go with --dry-run (a launch takes them from torchrun)")
+    if not args.dry_run and (args.nproc_per_node or args.gpu_memory):
+        parser.error("--nproc-per-node and --gpu-memory go with --dry-run (a launch takes them from torchrun)")
+    if not (args.dry_run or args.check_only) and args.world_size:
+        parser.error("--world-size goes with --dry-run or --check-only (a launch takes it from torchrun)")
     return args
 
 
@@ -66,6 +71,19 @@ def _dry_run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _check_only(args: argparse.Namespace) -> int:
+    """prepare() on its own (one process, nothing written): every input a launch reads, checked."""
+    world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or 1
+    try:
+        prepared = prepare(args, world_size)
+    except (ConfigError, ValueError, FileNotFoundError) as e:  # what a launch's prepare() reports
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"inputs checked for {world_size} processes: {len(prepared.dataset)} prompts"
+          + (f", {len(prepared.val_dataset)} validation prompts" if prepared.val_dataset is not None else ""), flush=True)
+    return 0
 
 
 @dataclasses.dataclass
@@ -87,7 +105,9 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     """Everything that can fail on bad input, before any process group or model exists: the
     config, the output directory (writable; an earlier run in it is neither mixed in nor lost by
     accident), the checkpoint to resume (complete, same layout, same run), the tokenizer, the
-    prompt file, the reward function and the generation engine's CPU kernel (MEGATRON_RLHF_CPU_LINEARS)."""
+    prompt file, the reward function and the generation engine's CPU kernel (MEGATRON_RLHF_CPU_LINEARS).
+    With ``args.check_only`` nothing is written (no lock, nothing set aside)."""
+    writes = not getattr(args, "check_only", False)
     from megatron_rlhf.checkpoint.ppo_state import latest_checkpoint
     from megatron_rlhf.data import build_tokenizer
     from megatron_rlhf.rewards.contract import reward_functions
@@ -105,8 +125,8 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
         config.ppo.iterations = args.iterations
     _check_host_memory(config, world_size)
     output_dir = args.output_dir or config.trainer.output_dir
-    _check_writable(output_dir)
-    if _launch_rank0():
+    _check_writable(output_dir, create=writes)
+    if _launch_rank0() and writes:
         lock_output_dir(output_dir)
         if restore_set_aside(output_dir):  # a launch that --overwrite'd it died before its first iteration
             warnings.warn(f"{output_dir}: put back the run an --overwrite launch set aside and never replaced")
@@ -154,7 +174,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     environment = _environment(config, tokenizer) if config.rollout.multi_turn else None
     if _launch_rank0():
         _show_inputs(config, tokenizer, dataset)
-    if args.overwrite and _launch_rank0():
+    if args.overwrite and _launch_rank0() and writes:
         set_aside_run(output_dir)  # dropped after the first iteration, put back if the launch fails before
     return Prepared(config, output_dir, tokenizer, dataset, val_dataset, functions, resume_from, run, environment)
 
@@ -303,7 +323,17 @@ def _dataset(config: RLHFConfig, key: str, tokenizer, shuffle: Optional[bool] = 
     return dataset
 
 
-def _check_writable(output_dir: str) -> None:
+def _check_writable(output_dir: str, create: bool = True) -> None:
+    """``output_dir`` can be written (made if missing; without ``create``: the nearest existing
+    directory on its path is writable, nothing made)."""
+    if not create:
+        existing = os.path.abspath(output_dir)
+        while not os.path.isdir(existing):
+            existing = os.path.dirname(existing)
+        if not os.access(existing, os.W_OK):
+            raise ConfigError(f"output directory {output_dir}: not writable ({existing}); choose another "
+                              "--output-dir (or trainer.output_dir)")
+        return
     try:
         os.makedirs(output_dir, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=output_dir):
@@ -494,6 +524,8 @@ def main(argv=None) -> Optional[list]:
     hide_internal_warnings()
     if args.dry_run:
         sys.exit(_dry_run(args))
+    if args.check_only:
+        sys.exit(_check_only(args))
     try:
         return _main(args)
     except KeyboardInterrupt:  # Ctrl-C: every rank gets it; one says so, none prints a traceback

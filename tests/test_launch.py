@@ -106,6 +106,13 @@ def test_run_ppo_refuses_bad_inputs_before_launching(tmp_path):
     mine = _run_ppo(tmp_path, MODEL_SIZE="tiny", PROMPT_FILE="prompts.jsonl", CHECK_ONLY="1",
                     PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512")
     assert "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512" in mine.stdout, mine.stderr
+    # CHECK_ONLY reads the inputs as the run would (the first rendered prompt shown), writing nothing;
+    # a row without a prompt is found there, not at start-up.
+    assert "first prompt (" in ok.stdout and not (tmp_path / "outputs").exists()
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "hi"}\n{"question": "hi"}\n')
+    bad = _run_ppo(tmp_path, MODEL_SIZE="tiny", PROMPT_FILE="bad.jsonl", CHECK_ONLY="1")
+    assert bad.returncode == 2 and "bad.jsonl:2: no 'prompt' (a string) or 'messages'" in bad.stderr, bad.stderr
+    assert "run_ppo.sh: nothing was launched" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_run_ppo_finds_the_repository_venv_and_says_when_the_package_is_missing(tmp_path):
