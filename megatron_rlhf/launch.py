@@ -10,7 +10,8 @@ here. All problems are listed at once, before anything starts.
 
     MODEL_SIZE         tiny, 7b, 13b, 70b (Llama-2), llama3.1-8b, llama3.1-70b, qwen2.5-7b, qwen2.5-32b,
                        qwen2.5-72b, qwen3-8b, qwen3-32b, and the mixtures of experts qwen3-30b-a3b,
-                       mixtral-8x7b, qwen3-235b-a22b [7b];  REWARD_MODEL_SIZE [MODEL_SIZE]
+                       mixtral-8x7b, qwen3-235b-a22b, or auto (the architecture and layout of the converted
+                       POLICY_LOAD) [7b];  REWARD_MODEL_SIZE [MODEL_SIZE]
     NNODES, GPUS_PER_NODE, MASTER_ADDR, MASTER_PORT [29500], RDZV_ID
     GPU_MEMORY         the device memory the dry run checks the plan against [80GiB]
     DRY_RUN=1          print the plan (missing files are warnings) and exit
@@ -20,12 +21,14 @@ here. All problems are listed at once, before anything starts.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Dict, List, Optional, Tuple
 
 from megatron_rlhf.config import ConfigError, input_problems, layout_problems
 from megatron_rlhf.config.loader import read_config
+from megatron_rlhf.config.presets import AUTO, CHECKPOINT_META_FILE
 
 # The launch defaults every preset starts from (a cluster node of 8 GPUs, the recipe's batch sizes).
 _DEFAULTS = dict(NNODES=1, GPUS_PER_NODE=8, ROLLOUT_BATCH_SIZE=512, TRAIN_GLOBAL_BATCH_SIZE=128, TRAIN_MICRO_BATCH_SIZE=2,
@@ -68,6 +71,18 @@ def _positive(env: Dict[str, str], name: str, problems: List[str]) -> Optional[i
     return None
 
 
+def _auto_defaults(env: Dict[str, str], cwd: str) -> Dict[str, object]:
+    """MODEL_SIZE=auto's launch defaults: the layout the converted POLICY_LOAD was written at (any
+    other loads too); the rest as every preset's."""
+    meta = os.path.join(cwd, env.get("POLICY_LOAD") or "", CHECKPOINT_META_FILE)
+    try:
+        with open(meta, encoding="utf-8") as f:
+            written = json.load(f)
+        return dict(_DEFAULTS, TP=written["tp"], PP=written["pp"])
+    except (OSError, ValueError, KeyError):  # the config check names the missing checkpoint
+        return dict(_DEFAULTS, TP=1, PP=1)
+
+
 def resolve_environment(env: Dict[str, str], config_dir: str, cwd: str, algorithm: str = "ppo") -> List[str]:
     """Fill ``env`` in place with MODEL_SIZE's defaults for what the user did not export, and pin
     relative paths to ``cwd`` (the config reads a relative path relative to itself). ``algorithm``
@@ -76,18 +91,20 @@ def resolve_environment(env: Dict[str, str], config_dir: str, cwd: str, algorith
     size = env.setdefault("MODEL_SIZE", "7b")
     reward_size = env.setdefault("REWARD_MODEL_SIZE", size)
     for name, value in (("MODEL_SIZE", size), ("REWARD_MODEL_SIZE", reward_size)):
-        if value not in LAUNCH_PRESETS and not (name == "REWARD_MODEL_SIZE" and value == size):
-            problems.append(f"{name}={value}: expected one of {', '.join(LAUNCH_PRESETS)}")
+        if value not in LAUNCH_PRESETS and value != AUTO and not (name == "REWARD_MODEL_SIZE" and value == size):
+            problems.append(f"{name}={value}: expected one of {', '.join(LAUNCH_PRESETS)}, or {AUTO} (the "
+                            "architecture of the converted POLICY_LOAD / REWARD_LOAD)")
     if problems:
         return problems
-    policy_preset, defaults = LAUNCH_PRESETS[size]
+    policy_preset, defaults = LAUNCH_PRESETS[size] if size != AUTO else (AUTO, _auto_defaults(env, cwd))
     env.setdefault("POLICY_PRESET", policy_preset)
-    env.setdefault("REWARD_PRESET", LAUNCH_PRESETS[reward_size][0])
+    env.setdefault("REWARD_PRESET", AUTO if reward_size == AUTO else LAUNCH_PRESETS[reward_size][0])
     for name, value in defaults.items():
         if name == "PROMPT_FILE" and name not in env:
             env[name] = os.path.normpath(os.path.join(config_dir, str(value)))
         env.setdefault(name, str(value))
-    env.setdefault("OUTPUT_DIR", f"outputs/{policy_preset}-{algorithm}")
+    named = os.path.basename(os.path.normpath(env["POLICY_LOAD"])) if size == AUTO and env.get("POLICY_LOAD") else policy_preset
+    env.setdefault("OUTPUT_DIR", f"outputs/{named}-{algorithm}")
     if env.get("REWARD_LOAD") and "VALUE_LOAD" not in env:
         env["VALUE_LOAD"] = env["REWARD_LOAD"]
     for name in PATH_VARIABLES:

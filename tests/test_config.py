@@ -611,3 +611,35 @@ def test_an_including_file_switches_the_recipes_verifier_with_null(tmp_path):
     with pytest.raises(ConfigError, match=rf"{wrong}: reward.functions.megatron_rlhf.rewards.verifiers:gsm9k: null "
                                           "removes an entry an included file sets, but none sets"):
         load_config(str(wrong), world_size=2)
+
+
+def test_preset_auto_takes_the_architecture_of_the_checkpoint_a_role_starts_from(tmp_path):
+    import torch
+
+    from megatron_rlhf.checkpoint.model_files import write_model_meta
+    from megatron_rlhf.config.presets import PRESETS
+    from megatron_rlhf.config.schema import ModelArchConfig
+
+    arch = ModelArchConfig(**{**PRESETS["tiny"], "family": "qwen2", "num_layers": 3, "hidden_size": 96,
+                              "num_attention_heads": 6, "num_query_groups": 2, "tie_word_embeddings": True})
+    for name, head in (("policy_ckpt", "lm"), ("reward_ckpt", "scalar")):
+        (tmp_path / name).mkdir()
+        write_model_meta(str(tmp_path / name), arch, head, torch.float32, 1, 1)
+    write(tmp_path / "models" / "auto.yaml", "model:\n  preset: auto\n  init_method_std: 0.05\n")
+    loads = {"reference": "policy_ckpt", "ppo_policy": "policy_ckpt", "reward": "reward_ckpt", "value": "reward_ckpt",
+             "ppo_value": "reward_ckpt"}
+    roles = "".join(f"{r}:\n  model_config_file: models/auto.yaml\n" + (f"  load: {loads[r]}\n" if r in loads else "")
+                    for r in ROLES)
+    config = load_config(str(write(tmp_path / "rlhf.yaml", roles)), world_size=1, check_inputs=False)
+    for role in ROLES:  # the policy's from ppo_policy's checkpoint (the weights it serves)
+        model = config.role(role).model
+        assert (model.family, model.num_layers, model.hidden_size, model.num_query_groups) == ("qwen2", 3, 96, 2), role
+        assert model.qkv_bias and model.init_method_std == 0.05  # the family's features; a key set in a file wins
+    del loads["ppo_policy"]
+    roles = "".join(f"{r}:\n  model_config_file: models/auto.yaml\n" + (f"  load: {loads[r]}\n" if r in loads else "")
+                    for r in ROLES)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(write(tmp_path / "rlhf.yaml", roles)), world_size=1, check_inputs=False)
+    assert "policy.model.preset: auto takes the architecture from ppo_policy.load's converted checkpoint, but " \
+           "ppo_policy.load is not set; convert it (tools/convert_hf_to_megatron.py) or name a preset" in str(err.value)
+    assert "missing num_layers" not in str(err.value)  # said once, by its cause

@@ -193,6 +193,29 @@ def test_dry_run_of_llama2_70b_on_4_nodes_of_8_gpus_matches_the_formulas(tmp_pat
     assert table["policy"]["kv_cache"] > 0 and "<- peak" in out and "fits in 80.00 GiB" in out
 
 
+def test_model_size_auto_plans_the_converted_checkpoints_own_architecture_and_layout(tmp_path):
+    import torch
+
+    from megatron_rlhf.checkpoint.model_files import write_model_meta
+    from megatron_rlhf.config.presets import PRESETS
+    from megatron_rlhf.config.schema import ModelArchConfig
+
+    # A Qwen2.5-0.5B-shaped checkpoint (no preset of that size), converted at TP=2.
+    arch = ModelArchConfig(**{**PRESETS["qwen2.5-7b"], "num_layers": 24, "hidden_size": 896, "num_attention_heads": 14,
+                              "num_query_groups": 2, "ffn_hidden_size": 4864, "vocab_size": 151936,
+                              "tie_word_embeddings": True})
+    (tmp_path / "qwen-small").mkdir()
+    write_model_meta(str(tmp_path / "qwen-small"), arch, "lm", torch.bfloat16, 2, 1)
+    plan = subprocess.run(["bash", str(RUN_PPO)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=_env(DRY_RUN="1", MODEL_SIZE="auto", POLICY_LOAD="qwen-small", GPUS_PER_NODE="2",
+                                   CONFIG=str(REPO / "examples" / "qwen2.5" / "grpo_gsm8k.yaml"), VAL_INTERVAL="0",
+                                   VAL_BEFORE_TRAIN="false"))
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    assert "2 processes = 1 node(s) x 2; TP=2 PP=1 DP=1" in plan.stdout  # the checkpoint's own TP
+    assert re.search(r"^ppo_policy +auto +494\.03M +lm", plan.stdout, re.M)  # Qwen2.5-0.5B's 494M parameters
+    assert f"output_dir: {tmp_path}/outputs/qwen-small-grpo_gsm8k" in plan.stdout
+
+
 def test_train_dry_run_resolves_the_environment_and_checks_the_layout(tmp_path):
     def dry(*args, **env):
         return subprocess.run([sys.executable, "-m", "megatron_rlhf.train", "--config", "examples/llama2/rlhf.yaml",
@@ -210,7 +233,7 @@ def test_train_dry_run_resolves_the_environment_and_checks_the_layout(tmp_path):
     assert too_small.returncode == 1 and "does not fit in 10.00 GiB" in too_small.stdout
     misuse = subprocess.run([sys.executable, "-m", "megatron_rlhf.train", "--config", "examples/tiny/rlhf.yaml",
                              "--world-size", "2"], cwd=REPO, env=_env(), capture_output=True, text=True)
-    assert misuse.returncode == 2 and "go with --dry-run" in misuse.stderr
+    assert misuse.returncode == 2 and "--world-size goes with --dry-run or --check-only" in misuse.stderr
 
 
 def test_rank_groups_are_megatrons_numbering():

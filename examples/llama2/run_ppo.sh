@@ -18,7 +18,8 @@
 #   MODEL_SIZE               policy preset: 7b, 13b, 70b (Llama-2), llama3.1-8b, llama3.1-70b, qwen2.5-7b,
 #                            qwen2.5-32b, qwen2.5-72b, qwen3-8b, qwen3-32b, the mixtures of experts
 #                            qwen3-30b-a3b, mixtral-8x7b, qwen3-235b-a22b (planned only), or tiny (a random
-#                            tiny model, to check a cluster's set-up end to end; needs no checkpoint or tokenizer) [7b]
+#                            tiny model, to check a cluster's set-up end to end; needs no checkpoint or tokenizer),
+#                            or auto: the architecture (and TP/PP) of the converted POLICY_LOAD, any size [7b]
 #   REWARD_MODEL_SIZE        reward/value size [MODEL_SIZE]
 #   POLICY_LOAD              converted SFT checkpoint (tools/convert_hf_to_megatron.py): reference, ppo_policy
 #   REWARD_LOAD              converted reward model (score head): reward

@@ -19,10 +19,11 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_rlhf.config.presets import CHECKPOINT_META_FILE
 from megatron_rlhf.config.schema import TRAINING_ONLY_ARCH_FIELDS, ModelArchConfig
 from megatron_rlhf.models.sharding import StateDict, experts_of_rank, merge_tensor, shard_state_dict
 
-META_FILE = "megatron_rlhf_model.json"
+META_FILE = CHECKPOINT_META_FILE
 
 
 class CheckpointError(ValueError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import re
 import typing
@@ -18,8 +19,9 @@ import yaml
 
 from megatron_rlhf.config.errors import ConfigError, located
 from megatron_rlhf.config.families import FAMILIES, feature_conflicts
-from megatron_rlhf.config.presets import PRESETS
-from megatron_rlhf.config.schema import REQUIRED_ARCH_FIELDS, ROLE_NAMES, ModelArchConfig, RewardRoleConfig, RLHFConfig
+from megatron_rlhf.config.presets import AUTO, CHECKPOINT_META_FILE, PRESETS
+from megatron_rlhf.config.schema import (REQUIRED_ARCH_FIELDS, ROLE_NAMES, SERVED_WEIGHTS, ModelArchConfig, RewardRoleConfig,
+                                         RLHFConfig)
 from megatron_rlhf.config.validation import layout_problems, validate
 
 KeyPath = Tuple[str, ...]
@@ -363,15 +365,24 @@ def _apply_preset(model: ModelArchConfig, explicit: set, where: Callable[[KeyPat
     """The preset's values for every key not given explicitly, then the family's fixed features;
     a given key that contradicts its family is an error."""
     file = where(path + ("preset",))
+    if model.preset == AUTO:
+        return []  # once the config is read: the role's checkpoint (_models_from_checkpoints)
     if model.preset is not None:
         if model.preset not in PRESETS:
             return [
                 f"{file}: {dotted(path + ('preset',))}: unknown preset {model.preset!r}; "
-                f"valid presets are: {', '.join(PRESETS)}"
+                f"valid presets are: {', '.join(PRESETS)}, or {AUTO} (the architecture of the role's checkpoint)"
             ]
         for key, value in PRESETS[model.preset].items():
             if key not in explicit:
                 setattr(model, key, value)
+    return _family_problems(model, explicit, where, path)
+
+
+def _family_problems(model: ModelArchConfig, explicit: set, where: Callable[[KeyPath], str], path: KeyPath) -> List[str]:
+    """The family's fixed features set (a given key that contradicts them is an error) and every
+    required field there."""
+    file = where(path + ("preset",))
     if model.family not in FAMILIES:
         return [f"{located(where(path + ('family',)), dotted(path + ('family',)))}: unknown family "
                 f"{model.family!r}; supported: {', '.join(FAMILIES)}"]
@@ -393,6 +404,43 @@ def _apply_preset(model: ModelArchConfig, explicit: set, where: Callable[[KeyPat
 _ROLE_KEYS = {f.name for f in dataclasses.fields(RewardRoleConfig)} - {"model_config_file"}
 
 
+def _models_from_checkpoints(config: RLHFConfig) -> List[str]:
+    """Each role's ``model: {preset: auto}``: the architecture written with the checkpoint it
+    starts from (its ``load``, else that of the trained role whose weights it serves), for every
+    key its files do not set."""
+    problems = []
+    for role in config.model_roles:  # a function reward, a critic-free run's value roles: nothing to build
+        model = config.role(role).model
+        if model.preset != AUTO:
+            continue
+        config.refused.append(f"{role}.model")  # until its architecture is complete: no second report
+        owner = role if config.role(role).load else SERVED_WEIGHTS.get(role, role)
+        path, at = config.path_of(owner + ".load"), config.at(f"{role}.model.preset")
+        meta = os.path.join(path or "", CHECKPOINT_META_FILE)
+        if path is None or not os.path.isfile(meta):
+            problems.append(f"{at}: {AUTO} takes the architecture from {owner}.load's converted checkpoint, "
+                            + (f"but {owner}.load is not set" if path is None else f"but {path} has no {CHECKPOINT_META_FILE}")
+                            + f"; convert it (tools/convert_hf_to_megatron.py) or name a preset ({', '.join(PRESETS)})")
+            continue
+        try:
+            with open(meta, encoding="utf-8") as f:
+                arch = json.load(f)["arch"]
+        except (OSError, ValueError, KeyError) as e:
+            problems.append(f"{at}: {AUTO}: {meta} cannot be read ({e})")
+            continue
+        prefix = f"{role}.model."
+        explicit = {k[len(prefix):] for k in config.origin if k.startswith(prefix)} - {"preset"}
+        fields = {f.name for f in dataclasses.fields(ModelArchConfig)}
+        for key, value in arch.items():
+            if key in fields and key not in explicit and key != "preset":
+                setattr(model, key, value)
+        found = _family_problems(model, explicit, lambda p: config.source_of(dotted(p)), (role, "model"))
+        problems += found
+        if not found:
+            config.refused.remove(f"{role}.model")
+    return problems
+
+
 def read_config(file: str) -> Tuple[RLHFConfig, List[str]]:
     """The top config file as typed objects, without the cross-key checks, and the problems found
     building it (unknown keys, wrong types; such keys keep their defaults). Raises ConfigError only
@@ -410,6 +458,7 @@ def read_config(file: str) -> Tuple[RLHFConfig, List[str]]:
     config.refused = refused
     config.origin = {dotted(p): f for p, f in sources.items()}
     config.origin[""] = os.path.abspath(file)
+    problems += _models_from_checkpoints(config)
     return config, problems
 
 

@@ -3,8 +3,14 @@ mixtures of experts Qwen3-30B-A3B, Qwen3-235B-A22B and Mixtral-8x7B, and a tiny 
 and the demo.
 
 Pure data: a role's ``model: {preset: NAME}`` takes these values for every key it does not set;
-the family (config/families.py) then fixes the features its models always have.
+the family (config/families.py) then fixes the features its models always have. ``preset: auto``
+takes them from the converted checkpoint the role starts from (its CHECKPOINT_META_FILE): any model
+of a supported family, presets or not.
 """
+
+AUTO = "auto"
+# A converted checkpoint's own description (architecture, head, layout): checkpoint/model_files.py writes it.
+CHECKPOINT_META_FILE = "megatron_rlhf_model.json"
 
 _LLAMA31_ROPE = dict(rotary_base=500000.0, rope_scaling="llama3", rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
                      rope_high_freq_factor=4.0, rope_original_max_position_embeddings=8192)

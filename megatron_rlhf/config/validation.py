@@ -111,11 +111,11 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
         return problems
     problems += world
     problems += _reward_problems(config) + _algorithm_problems(config)
-    incomplete = [(r, [k for k in REQUIRED_ARCH_FIELDS if getattr(config.role(r).model, k) is None])
-                  for r in config.model_roles]
+    missing = [(r, [k for k in REQUIRED_ARCH_FIELDS if getattr(config.role(r).model, k) is None])
+               for r in config.model_roles]
     incomplete = [f"{config.source_of(r + '.model')}: {r}.model: missing {', '.join(m)}; set them or name a "
-                  "preset (model: {preset: ...})" for r, m in incomplete if m]
-    if incomplete:  # nothing below can be checked without the networks
+                  "preset (model: {preset: ...})" for r, m in missing if m and f"{r}.model" not in config.refused]
+    if any(m for _, m in missing):  # nothing below can be checked without the networks (a refused one said why)
         return problems + incomplete
     for _, check in CHECKS:
         problems += check(config, layout)
