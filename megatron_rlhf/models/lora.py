@@ -73,16 +73,9 @@ def _up(down: torch.Tensor, b: torch.Tensor, groups: int, sizes) -> torch.Tensor
 
 
 def delta_weight(a: torch.Tensor, b: torch.Tensor, groups: int, sizes) -> torch.Tensor:
-    """B A by projection (unscaled): the [out, in] an adapter adds to its weight (blocks as _up)."""
-    if len(sizes) == 1:
-        return b @ a
-    rank = b.shape[1]
-    by_group = b.view(groups, sum(sizes), rank)
-    parts, start = [], 0
-    for j, size in enumerate(sizes):
-        parts.append(by_group[:, start:start + size] @ a[j * rank:(j + 1) * rank])
-        start += size
-    return torch.cat(parts, 1).reshape(-1, a.shape[1])
+    """B A by projection (unscaled): the [out, in] an adapter adds to its weight (the adapter
+    applied to every unit input: A's columns)."""
+    return _up(a.t(), b, groups, sizes).t()
 
 
 def blocks(target: str, heads: int, query_groups: int, kv_channels: int, ffn_hidden_size: int, tp: int = 1):
