@@ -72,8 +72,8 @@ def _positive(env: Dict[str, str], name: str, problems: List[str]) -> Optional[i
 
 
 def _auto_defaults(env: Dict[str, str], cwd: str) -> Dict[str, object]:
-    """MODEL_SIZE=auto's launch defaults: the layout the converted POLICY_LOAD was written at (any
-    other loads too); the rest as every preset's."""
+    """MODEL_SIZE=auto's launch defaults: TP x PP as the converted POLICY_LOAD was written (it loads
+    at any other too); the rest as every preset's."""
     meta = os.path.join(cwd, env.get("POLICY_LOAD") or "", CHECKPOINT_META_FILE)
     try:
         with open(meta, encoding="utf-8") as f:

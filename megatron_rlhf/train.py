@@ -107,11 +107,12 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     accident), the checkpoint to resume (complete, same layout, same run), the tokenizer, the
     prompt file, the reward function and the generation engine's CPU kernel (MEGATRON_RLHF_CPU_LINEARS).
     With ``args.check_only`` nothing is written (no lock, nothing set aside)."""
-    writes = not getattr(args, "check_only", False)
     from megatron_rlhf.checkpoint.ppo_state import latest_checkpoint
     from megatron_rlhf.data import build_tokenizer
     from megatron_rlhf.rewards.contract import reward_functions
     from megatron_rlhf.runtime.cpu_linears import chosen_kernel
+
+    writes = not args.check_only
 
     chosen_kernel()  # read again by every generation: a bad value is refused here, not at the first one
     config = load_config(args.config, world_size=world_size, check_inputs=False)

@@ -169,9 +169,9 @@ def _merge(base: Dict, base_sources: Sources, over: Dict, over_sources: Sources,
     an entry of a REMOVABLE_ENTRIES mapping removes the entry."""
     for key, value in over.items():
         path = at + (key,)
-        if value is None and at in REMOVABLE_ENTRIES and at and isinstance(over_sources.get(path), str):
+        if value is None and at in REMOVABLE_ENTRIES:
             if key not in base:
-                raise ConfigError(f"{over_sources[path]}: {'.'.join(path)}: null removes an entry an included file "
+                raise ConfigError(f"{over_sources.get(path, '<config>')}: {'.'.join(path)}: null removes an entry an included file "
                                   f"sets, but none sets {key!r} (set: {', '.join(map(str, base)) or 'nothing'})")
             del base[key]
             for src_path in [p for p in base_sources if p[: len(path)] == path]:
@@ -408,7 +408,7 @@ def _models_from_checkpoints(config: RLHFConfig) -> List[str]:
     """Each role's ``model: {preset: auto}``: the architecture written with the checkpoint it
     starts from (its ``load``, else that of the trained role whose weights it serves), for every
     key its files do not set."""
-    problems = []
+    problems, fields = [], {f.name for f in dataclasses.fields(ModelArchConfig)} - {"preset"}
     for role in config.model_roles:  # a function reward, a critic-free run's value roles: nothing to build
         model = config.role(role).model
         if model.preset != AUTO:
@@ -430,9 +430,8 @@ def _models_from_checkpoints(config: RLHFConfig) -> List[str]:
             continue
         prefix = f"{role}.model."
         explicit = {k[len(prefix):] for k in config.origin if k.startswith(prefix)} - {"preset"}
-        fields = {f.name for f in dataclasses.fields(ModelArchConfig)}
         for key, value in arch.items():
-            if key in fields and key not in explicit and key != "preset":
+            if key in fields and key not in explicit:
                 setattr(model, key, value)
         found = _family_problems(model, explicit, lambda p: config.source_of(dotted(p)), (role, "model"))
         problems += found
