@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Tuple
 import yaml
 
 from megatron_rlhf.config import input_problems, load_config, validate
+from megatron_rlhf.config.presets import AUTO
 from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, TRAINABLE_ROLES, RLHFConfig
 from megatron_rlhf.config.validation import weight_sharing_notes
 from megatron_rlhf.memory.manager import EMSSwitches
@@ -160,7 +161,7 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
         arch = rc.model
         experts = sum(expert_numels(arch, 1, 1, 0, 1))
         params = sum(param_numels(arch, ROLE_HEADS[role], 1, 1, 0)) + experts
-        network = arch.preset or f"h{arch.hidden_size}x{arch.num_layers}"
+        network = arch.preset if arch.preset not in (None, AUTO) else f"{arch.family}-h{arch.hidden_size}x{arch.num_layers}"
         if role in TRAINABLE_ROLES:
             global_batch, accum = str(config.samples_per_step(role)), str(micro_batches_per_step(config, role, dp))
             optimizer = "Adam, dist" if rc.use_distributed_optimizer else "Adam"

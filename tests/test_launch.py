@@ -212,7 +212,7 @@ def test_model_size_auto_plans_the_converted_checkpoints_own_architecture_and_la
                                    VAL_BEFORE_TRAIN="false"))
     assert plan.returncode == 0, plan.stdout + plan.stderr
     assert "2 processes = 1 node(s) x 2; TP=2 PP=1 DP=1" in plan.stdout  # the checkpoint's own TP
-    assert re.search(r"^ppo_policy +auto +494\.03M +lm", plan.stdout, re.M)  # Qwen2.5-0.5B's 494M parameters
+    assert re.search(r"^ppo_policy +qwen2-h896x24 +494\.03M +lm", plan.stdout, re.M)  # Qwen2.5-0.5B's 494M parameters
     assert f"output_dir: {tmp_path}/outputs/qwen-small-grpo_gsm8k" in plan.stdout
 
 
