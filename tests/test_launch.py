@@ -270,11 +270,13 @@ def test_sbatch_on_a_single_node_slurm_runs_ppo(slurm, tmp_path):
     env = _env(**{k: v for k, v in slurm.env.items() if k == "SLURM_CONF"},
                MODEL_SIZE="tiny", GPUS_PER_NODE="2", ITERATIONS="2", OUTPUT_DIR=str(out), MASTER_PORT=str(_free_port()))
     # --gpus-per-node=0: this cluster has CPUs only (the script asks for 8 GPUs per node).
-    job = subprocess.run(["sbatch", "--wait", "--parsable", "--nodes=1", "--gpus-per-node=0",
+    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0",
                           f"--output={tmp_path}/job-%j.out", str(SBATCH)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert job.returncode == 0, f"sbatch: {job.stdout}{job.stderr}\n{slurm.logs()}"
+    state = slurm.wait_for_job(job.stdout.strip().split(";")[0], timeout=600)  # not sbatch --wait: it polls slowly
     log = "\n".join(p.read_text() for p in tmp_path.glob("job-*.out"))
-    assert job.returncode == 0, f"sbatch: {job.stdout}{job.stderr}\njob output:\n{log}\n{slurm.logs()}"
+    assert state == ("COMPLETED", "0:0"), f"job {state}; output:\n{log}\n{slurm.logs()}"
     assert "inputs checked: tiny, 2 GPUs (TP=2 PP=1 DP=1)" in log
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2]

@@ -87,6 +87,18 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
             time.sleep(0.5)
         raise RuntimeError(f"the local Slurm node did not become idle in {timeout:.0f}s:\n{self.logs()}")
 
+    def wait_for_job(self, job_id: str, timeout: float) -> tuple:
+        """(JobState, ExitCode) of ``job_id`` once it has ended, polled every half second."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            shown = subprocess.run([_which("scontrol"), "show", "job", "-o", job_id], capture_output=True, text=True,
+                                   env=self.env).stdout
+            fields = dict(f.split("=", 1) for f in shown.split() if "=" in f)
+            if fields.get("JobState") not in (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+                return fields["JobState"], fields.get("ExitCode")
+            time.sleep(0.5)
+        raise RuntimeError(f"job {job_id} did not end in {timeout:.0f}s:\n{self.logs()}")
+
     def logs(self) -> str:
         parts = []
         for name in ("slurmctld.log", "slurmd.log"):
