@@ -21,14 +21,13 @@ here. All problems are listed at once, before anything starts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Dict, List, Optional, Tuple
 
 from megatron_rlhf.config import ConfigError, input_problems, layout_problems
-from megatron_rlhf.config.loader import read_config
-from megatron_rlhf.config.presets import AUTO, CHECKPOINT_META_FILE
+from megatron_rlhf.config.loader import read_checkpoint_meta, read_config
+from megatron_rlhf.config.presets import AUTO
 
 # The launch defaults every preset starts from (a cluster node of 8 GPUs, the recipe's batch sizes).
 _DEFAULTS = dict(NNODES=1, GPUS_PER_NODE=8, ROLLOUT_BATCH_SIZE=512, TRAIN_GLOBAL_BATCH_SIZE=128, TRAIN_MICRO_BATCH_SIZE=2,
@@ -74,10 +73,8 @@ def _positive(env: Dict[str, str], name: str, problems: List[str]) -> Optional[i
 def _auto_defaults(env: Dict[str, str], cwd: str) -> Dict[str, object]:
     """MODEL_SIZE=auto's launch defaults: TP x PP as the converted POLICY_LOAD was written (it loads
     at any other too); the rest as every preset's."""
-    meta = os.path.join(cwd, env.get("POLICY_LOAD") or "", CHECKPOINT_META_FILE)
     try:
-        with open(meta, encoding="utf-8") as f:
-            written = json.load(f)
+        written = read_checkpoint_meta(os.path.join(cwd, env.get("POLICY_LOAD") or ""))
         return dict(_DEFAULTS, TP=written["tp"], PP=written["pp"])
     except (OSError, ValueError, KeyError):  # the config check names the missing checkpoint
         return dict(_DEFAULTS, TP=1, PP=1)

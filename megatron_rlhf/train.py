@@ -219,7 +219,8 @@ def _check_loaded_checkpoints(config: RLHFConfig) -> None:
                 raise ConfigError(f"{config.at(role + '.load')}: {e}") from None
     if config.ppo_policy.load_lora:
         try:
-            peft_adapters(config.path_of("ppo_policy.load_lora"), config.ppo_policy.lora, config.ppo_policy.model)
+            peft_adapters(config.path_of("ppo_policy.load_lora"), config.ppo_policy.lora, config.ppo_policy.model,
+                          read=False)  # the header's shapes: the roles read the tensors once, when built
         except CheckpointError as e:
             raise ConfigError(f"{config.at('ppo_policy.load_lora')}: {e}") from None
 
@@ -594,6 +595,7 @@ def _ranks_elsewhere(progress_dir: str, iteration: int, phase: str) -> str:
     those of this host whose process is gone (killed or crashed without a word)."""
     import socket
 
+    import psutil
     import torch.distributed as dist
 
     behind, gone = [], []
@@ -604,7 +606,7 @@ def _ranks_elsewhere(progress_dir: str, iteration: int, phase: str) -> str:
         except (OSError, ValueError):
             behind.append(f"rank {rank} (no record)")
             continue
-        if host == socket.gethostname() and not _alive(int(pid)):
+        if host == socket.gethostname() and not psutil.pid_exists(int(pid)):
             gone.append(f"rank {rank} (pid {pid}) ended in iteration {their_iteration}, {their_phase}, without a "
                         "word: killed (the kernel's out-of-memory killer says so in dmesg) or crashed")
         elif (int(their_iteration), their_phase) != (iteration, phase):
@@ -614,15 +616,6 @@ def _ranks_elsewhere(progress_dir: str, iteration: int, phase: str) -> str:
         return "; ".join(gone + (["elsewhere: " + "; ".join(behind)] if behind else []))
     return "every rank recorded this phase (one that stopped says why in its output, or torchrun names its exit code)"
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process of that number
-        return True
-    return True
 
 
 def _peer_problem(error: RuntimeError, timeout_s: float) -> Optional[str]:

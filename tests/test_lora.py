@@ -127,8 +127,10 @@ def test_a_peft_adapter_that_does_not_fit_the_run_is_refused_by_what_differs(ada
     with pytest.raises(CheckpointError, match=r"use_dora: True \(supported: False\); modules_to_save: \['lm_head'\]"):
         peft_adapters(str(good), lora, arch)
     (good / "adapter_config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="has shape .* an adapter of another base model"):
-        peft_adapters(str(good), lora, dataclasses.replace(arch, hidden_size=32, ffn_hidden_size=64))
+    for read in (True, False):  # False: start-up's check, from the file's header
+        with pytest.raises(CheckpointError, match="has shape .* an adapter of another base model"):
+            peft_adapters(str(good), lora, dataclasses.replace(arch, hidden_size=32, ffn_hidden_size=64), read=read)
+    assert peft_adapters(str(good), lora, arch, read=False) == {}
     with pytest.raises(CheckpointError, match="no adapter_config.json; name a PEFT adapter directory"):
         peft_adapters(str(tmp_path), lora, arch)
 

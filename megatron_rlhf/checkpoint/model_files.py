@@ -19,6 +19,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron_rlhf.config.loader import read_checkpoint_meta
 from megatron_rlhf.config.presets import CHECKPOINT_META_FILE
 from megatron_rlhf.config.schema import TRAINING_ONLY_ARCH_FIELDS, ModelArchConfig
 from megatron_rlhf.models.sharding import StateDict, experts_of_rank, merge_tensor, shard_state_dict
@@ -161,14 +162,12 @@ def save_shard(root: str, tp_rank: int, pp_rank: int, pp_size: int, state: State
 
 
 def read_model_meta(root: str) -> Tuple[ModelArchConfig, dict]:
-    path = os.path.join(root, META_FILE)
     try:
-        with open(path) as f:
-            meta = json.load(f)
+        meta = read_checkpoint_meta(root)
     except FileNotFoundError:
         raise CheckpointError(f"{root}: not a megatron-rlhf model checkpoint (no {META_FILE})") from None
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e.msg})") from None
+        raise CheckpointError(f"{os.path.join(root, META_FILE)}: not valid JSON ({e.msg})") from None
     return ModelArchConfig(**meta["arch"]), meta
 
 

@@ -80,38 +80,46 @@ def read_peft_config(directory: str, lora) -> dict:
     return config
 
 
-def peft_adapters(directory: str, lora, arch) -> Dict[str, torch.Tensor]:
+def peft_adapters(directory: str, lora, arch, read: bool = True) -> Dict[str, torch.Tensor]:
     """The full (unsharded) lora_a / lora_b tensors of every layer of the model ``arch`` from the
-    PEFT adapter in ``directory`` (read_peft_config first), each shape checked."""
-    from safetensors.torch import load_file
+    PEFT adapter in ``directory`` (read_peft_config first), each shape checked. ``read`` False:
+    the same checks from the file's header alone (start-up), nothing loaded: {}."""
+    from safetensors import safe_open
 
     config = read_peft_config(directory, lora)
-    file = load_file(os.path.join(directory, ADAPTER_WEIGHTS))
     shapes, rank = hf_decoder.expected_hf_shapes(arch, "lm"), lora.rank
     used, out = set(), {}
+    with safe_open(os.path.join(directory, ADAPTER_WEIGHTS), framework="pt") as file:
+        names = set(file.keys())
 
-    def factor(layer: int, projection: str, kind: str) -> torch.Tensor:
-        hf = f"model.layers.{layer}.{projection}"
-        out_rows, in_cols = shapes[hf + ".weight"]
-        shape = (rank, in_cols) if kind == "A" else (out_rows, rank)
-        if _leaf(projection) not in config["target_modules"]:
-            return torch.zeros(shape)
-        key = f"{PEFT_PREFIX}{hf}.lora_{kind}.weight"
-        if key not in file:
-            raise CheckpointError(f"{directory}/{ADAPTER_WEIGHTS}: no {key} (its config targets {_leaf(projection)})")
-        if tuple(file[key].shape) != shape:
-            raise CheckpointError(f"{directory}/{ADAPTER_WEIGHTS}: {key} has shape {tuple(file[key].shape)}, the "
-                                  f"model's needs {shape}: an adapter of another base model?")
-        used.add(key)
-        return file[key].float()
+        def factor(layer: int, projection: str, kind: str) -> Optional[torch.Tensor]:
+            hf = f"model.layers.{layer}.{projection}"
+            out_rows, in_cols = shapes[hf + ".weight"]
+            shape = (rank, in_cols) if kind == "A" else (out_rows, rank)
+            if _leaf(projection) not in config["target_modules"]:
+                return torch.zeros(shape) if read else None
+            key = f"{PEFT_PREFIX}{hf}.lora_{kind}.weight"
+            if key not in names:
+                raise CheckpointError(f"{directory}/{ADAPTER_WEIGHTS}: no {key} (its config targets {_leaf(projection)})")
+            if tuple(file.get_slice(key).get_shape()) != shape:
+                raise CheckpointError(f"{directory}/{ADAPTER_WEIGHTS}: {key} has shape "
+                                      f"{tuple(file.get_slice(key).get_shape())}, the model's needs {shape}: an adapter "
+                                      "of another base model?")
+            used.add(key)
+            return file.get_tensor(key).float() if read else None
 
-    for layer in range(arch.num_layers):
-        for target in lora.target_modules:
-            module = f"decoder.layers.{layer}.{_MODULE[target]}"
-            out[module + ".lora_a"] = torch.cat([factor(layer, p, "A") for p in PROJECTIONS[target]])
-            lora_b = lambda name: factor(layer, name[len(f"model.layers.{layer}."):-len(".weight")], "B")  # noqa: E731
-            out[module + ".lora_b"] = hf_decoder.megatron_tensor(module + ".weight", lora_b, arch, "lm")
-    unused = sorted(set(file) - used)
+        for layer in range(arch.num_layers):
+            for target in lora.target_modules:
+                module = f"decoder.layers.{layer}.{_MODULE[target]}"
+                a_parts = [factor(layer, p, "A") for p in PROJECTIONS[target]]
+                if not read:
+                    for p in PROJECTIONS[target]:
+                        factor(layer, p, "B")
+                    continue
+                out[module + ".lora_a"] = torch.cat(a_parts)
+                lora_b = lambda name: factor(layer, name[len(f"model.layers.{layer}."):-len(".weight")], "B")  # noqa: E731
+                out[module + ".lora_b"] = hf_decoder.megatron_tensor(module + ".weight", lora_b, arch, "lm")
+    unused = sorted(names - used)
     if unused:
         raise CheckpointError(f"{directory}/{ADAPTER_WEIGHTS}: tensors the model has no place for, e.g. "
                               f"{unused[:3]} (a model of {arch.num_layers} layers)")

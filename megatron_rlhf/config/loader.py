@@ -404,6 +404,13 @@ def _family_problems(model: ModelArchConfig, explicit: set, where: Callable[[Key
 _ROLE_KEYS = {f.name for f in dataclasses.fields(RewardRoleConfig)} - {"model_config_file"}
 
 
+def read_checkpoint_meta(directory: str) -> Dict:
+    """A converted checkpoint's CHECKPOINT_META_FILE, parsed (OSError or ValueError as open and
+    json raise them): the one reader, for the config, the launcher and checkpoint/model_files.py."""
+    with open(os.path.join(directory, CHECKPOINT_META_FILE), encoding="utf-8") as f:
+        return json.load(f)
+
+
 def _models_from_checkpoints(config: RLHFConfig) -> List[str]:
     """Each role's ``model: {preset: auto}``: the architecture written with the checkpoint it
     starts from (its ``load``, else that of the trained role whose weights it serves), for every
@@ -416,17 +423,17 @@ def _models_from_checkpoints(config: RLHFConfig) -> List[str]:
         config.refused.append(f"{role}.model")  # until its architecture is complete: no second report
         owner = role if config.role(role).load else SERVED_WEIGHTS.get(role, role)
         path, at = config.path_of(owner + ".load"), config.at(f"{role}.model.preset")
-        meta = os.path.join(path or "", CHECKPOINT_META_FILE)
-        if path is None or not os.path.isfile(meta):
-            problems.append(f"{at}: {AUTO} takes the architecture from {owner}.load's converted checkpoint, "
-                            + (f"but {owner}.load is not set" if path is None else f"but {path} has no {CHECKPOINT_META_FILE}")
-                            + f"; convert it (tools/convert_hf_to_megatron.py) or name a preset ({', '.join(PRESETS)})")
-            continue
+        missing = f"{owner}.load is not set" if path is None else f"{path} has no {CHECKPOINT_META_FILE}"
         try:
-            with open(meta, encoding="utf-8") as f:
-                arch = json.load(f)["arch"]
+            arch = read_checkpoint_meta(path)["arch"] if path is not None else None
+        except FileNotFoundError:
+            arch = None
         except (OSError, ValueError, KeyError) as e:
-            problems.append(f"{at}: {AUTO}: {meta} cannot be read ({e})")
+            problems.append(f"{at}: {AUTO}: {path}/{CHECKPOINT_META_FILE} cannot be read ({e})")
+            continue
+        if arch is None:
+            problems.append(f"{at}: {AUTO} takes the architecture from {owner}.load's converted checkpoint, but "
+                            f"{missing}; convert it (tools/convert_hf_to_megatron.py) or name a preset ({', '.join(PRESETS)})")
             continue
         prefix = f"{role}.model."
         explicit = {k[len(prefix):] for k in config.origin if k.startswith(prefix)} - {"preset"}

@@ -614,7 +614,7 @@ def _partial_problems(config: RLHFConfig, layout: Layout) -> List[str]:
 
 def _lora_problems(config: RLHFConfig) -> List[str]:
     """LoRA goes on a trained role (its serving role runs the same adapters), with targets that
-    exist, no dropout, no experts' linears, and the serving role at the trained role's layout."""
+    exist, no dropout and no experts' linears; a PEFT adapter (load_lora) on ppo_policy's."""
     problems = []
     for role in config.model_roles:
         lora = config.role(role).lora
