@@ -35,8 +35,10 @@ def _free_port() -> int:
 
 
 def run_workers(tmp_path: Path, nprocs: int, case: str, *args: str, timeout: int = 300, env=None):
-    """Run ``tests/workers/<case>.py`` under torchrun with ``nprocs`` processes; return the result
-    each rank saved (``torch.save`` of a dict to ``$OUT/rank<r>.pt``), indexed by rank."""
+    """Run ``tests/workers/<case>.py`` under torchrun with ``nprocs`` processes; return the record
+    each rank saved (its type declared in tests/workers/findings.py), indexed by rank."""
+    from tests.workers.findings import FINDINGS
+
     out = tmp_path / f"{case}_{nprocs}"
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -49,7 +51,9 @@ def run_workers(tmp_path: Path, nprocs: int, case: str, *args: str, timeout: int
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
+    found = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
+    assert all(type(f) is FINDINGS[case] for f in found), f"{case}: saved {type(found[0]).__name__}, not {FINDINGS[case].__name__}"
+    return found
 
 
 _NOT_THE_CHECKOUT = {".git", ".venv", ".pytest_cache", "__pycache__"}

@@ -36,8 +36,8 @@ def test_hf_to_tp2_pp2_matches_transformers_and_converts_back_exactly(tmp_path, 
     model = tiny_hf(hf_dir, head) if family == "llama2" else make_hf_model(family, hf_dir, head)
     hf_to_megatron(str(hf_dir), str(mg_dir), tp=2, pp=2)
     results = workers(4, "checkpoint_forward", str(mg_dir), "2", "2")
-    expected = hf_outputs(model, results[0]["tokens"], head)
-    got = [r["output"] for r in results if r["output"] is not None]
+    expected = hf_outputs(model, results[0].tokens, head)
+    got = [r.output for r in results if r.output is not None]
     assert len(got) == 2  # the two TP ranks of the last stage
     for g in got:
         assert (g - expected).abs().max().item() <= 1e-4
@@ -48,7 +48,7 @@ def test_hf_to_tp2_pp2_matches_transformers_and_converts_back_exactly(tmp_path, 
     config = json.loads((back_dir / "config.json").read_text())
     reloaded = type(model).from_pretrained(back_dir)
     assert config["num_key_value_heads"] == 2
-    tokens = results[0]["tokens"]
+    tokens = results[0].tokens
     assert torch.allclose(hf_outputs(reloaded.eval(), tokens, head), expected, atol=1e-6)
 
 
@@ -57,9 +57,9 @@ def test_a_checkpoint_written_at_one_layout_loads_at_another(tmp_path, workers):
     model = tiny_hf(hf_dir, "lm")
     hf_to_megatron(str(hf_dir), str(mg_dir), tp=1, pp=2)
     results = workers(2, "checkpoint_forward", str(mg_dir), "2", "1")  # resharded on load
-    expected = hf_outputs(model, results[0]["tokens"], "lm")
+    expected = hf_outputs(model, results[0].tokens, "lm")
     for r in results:
-        assert (r["output"] - expected).abs().max().item() <= 1e-4
+        assert (r.output - expected).abs().max().item() <= 1e-4
 
 
 def test_truncated_or_mismatched_input_is_refused_before_writing(tmp_path):

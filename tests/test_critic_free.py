@@ -42,18 +42,18 @@ def test_grpo_ems_changes_no_number(grpo_runs):
 
 def test_dynamic_sampling_drops_groups_without_signal_and_refills(tmp_path):
     ranks = run_workers(tmp_path, 2, "dynamic_sampling")
-    served = ranks[0]["served"]  # every prompt drawn this iteration, in order (8 per round)
+    served = ranks[0].served  # every prompt drawn this iteration, in order (8 per round)
     n, prompts_per_iteration = 4, 8
     informative = [p for p in served if p >= "n"]
     assert len(informative) >= prompts_per_iteration, "too few informative prompts for the test"
-    m = ranks[0]["metrics"]
+    m = ranks[0].metrics
     rounds = len(served) // prompts_per_iteration
     assert m["sampling/rounds"] == rounds >= 2 and m["sampling/short_groups"] == 0
     assert m["sampling/dropped_groups"] == sum(p < "n" for p in served) > 0
     # Each DP rank holds its half of the first 8 informative groups, in the order drawn.
     for rank, result in enumerate(ranks):
         expected = informative[rank * 4 : (rank + 1) * 4]
-        assert result["prompts"] == [p for p in expected for _ in range(n)]
-        groups = result["scores"].reshape(-1, n)
+        assert result.prompts == [p for p in expected for _ in range(n)]
+        groups = result.scores.reshape(-1, n)
         assert (groups.max(dim=1).values > groups.min(dim=1).values).all()
-        assert result["advantages"].abs().sum() > 0
+        assert result.advantages.abs().sum() > 0

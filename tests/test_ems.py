@@ -18,19 +18,19 @@ def assert_same(a: dict, b: dict, what: str):
 
 def assert_full_offload_is_bit_identical(results, layouts: int):
     for rank_result in results:
-        assert len(rank_result) == layouts * 4
-        for key, runs in rank_result.items():
-            off, on = runs["off"], runs["on"]
-            assert off["losses"] == on["losses"], key
-            assert_same(off["params"], on["params"], f"{key} params")
-            assert_same(off["state"], on["state"], f"{key} optimizer state")
-            assert off["state"], f"{key}: optimizer state is empty; nothing was compared"
+        assert len(rank_result.runs) == layouts * 4
+        for key, runs in rank_result.runs.items():
+            off, on = runs.off, runs.on
+            assert off.losses == on.losses, key
+            assert_same(off.params, on.params, f"{key} params")
+            assert_same(off.state, on.state, f"{key} optimizer state")
+            assert off.state, f"{key}: optimizer state is empty; nothing was compared"
             # Between steps every kind really was off the device.
-            for moved in on["moved"]:
+            for moved in on.moved:
                 assert moved == {GRADS: 0, MAIN_PARAMS: 0, OPTIMIZER_STATE: 0, WEIGHTS: 0}, key
             bf16 = "bf16" in key
-            assert (on["resident"][MAIN_PARAMS] > 0) == bf16, key
-            assert on["resident"][OPTIMIZER_STATE] > 0 and on["resident"][GRADS] > 0
+            assert (on.resident[MAIN_PARAMS] > 0) == bf16, key
+            assert on.resident[OPTIMIZER_STATE] > 0 and on.resident[GRADS] > 0
 
 
 def test_training_with_full_offload_between_steps_is_bit_identical(workers):
@@ -39,46 +39,46 @@ def test_training_with_full_offload_between_steps_is_bit_identical(workers):
 
 def test_moves_are_idempotent_reuse_host_buffers_and_protect_gradients(ems_units):
     r = ems_units
-    before, after = r["idempotent_offload_host_bytes"]
+    before, after = r.idempotent_offload_host_bytes
     assert before == after > 0
-    offloaded, host = r["offloaded_and_host_bytes"]  # bf16, distributed optimizer
+    offloaded, host = r.offloaded_and_host_bytes  # bf16, distributed optimizer
     assert offloaded <= host <= 1.01 * offloaded and offloaded > 0
-    assert r["copied_by_inference_offload"] == 0
-    assert r["copied_after_plain_onload"] == r["inference_resident"][WEIGHTS] > 0
-    assert r["onload_twice_same"]
-    assert r["host_buffers_reused"]
-    inference = r["inference_resident"]
+    assert r.copied_by_inference_offload == 0
+    assert r.copied_after_plain_onload == r.inference_resident[WEIGHTS] > 0
+    assert r.onload_twice_same
+    assert r.host_buffers_reused
+    inference = r.inference_resident
     assert inference[WEIGHTS] > 0
     assert inference[GRADS] == inference[MAIN_PARAMS] == inference[OPTIMIZER_STATE] == 0
-    assert "backward ran since the last optimizer step" in r["grads_in_use"], r["grads_in_use"]
-    assert r["grads_kept"] > 0
-    assert r["grads_freed_after_step"] == 0
-    assert r["fixed_addresses"] == ("ppo_policy: built with overlap_param_gather=True, which needs its device storages "
-                                    "never to move, but its EMS switches move weights; build it without those settings "
-                                    "or turn EMS off for it"), r["fixed_addresses"]
-    assert r["fixed_addresses_without_ems"] == ()
+    assert "backward ran since the last optimizer step" in r.grads_in_use, r.grads_in_use
+    assert r.grads_kept > 0
+    assert r.grads_freed_after_step == 0
+    assert r.fixed_addresses == ("ppo_policy: built with overlap_param_gather=True, which needs its device storages "
+                                 "never to move, but its EMS switches move weights; build it without those settings "
+                                 "or turn EMS off for it"), r.fixed_addresses
+    assert r.fixed_addresses_without_ems == ()
 
 
 def test_the_leak_guard_reports_a_tensor_kept_on_the_device_across_an_offload(ems_units):
     r = ems_units
-    assert r["clean_offload_reports"] == []
-    expected = f"ppo_policy: weights: {r['planted_bytes']:,} bytes still on the device after its offload (inference)"
-    assert r["leak_warning"] == [f"EMS leak guard: {expected}"] and r["planted_bytes"] > 0
-    assert r["leak_error"] == (f"iteration 0: EMS leak guard (trainer.memory_guard: error): {expected}; "
-                               "set trainer.memory_guard: warn to go on regardless")
+    assert r.clean_offload_reports == []
+    expected = f"ppo_policy: weights: {r.planted_bytes:,} bytes still on the device after its offload (inference)"
+    assert r.leak_warning == [f"EMS leak guard: {expected}"] and r.planted_bytes > 0
+    assert r.leak_error == (f"iteration 0: EMS leak guard (trainer.memory_guard: error): {expected}; "
+                            "set trainer.memory_guard: warn to go on regardless")
 
 
 def test_freeing_grads_and_optimizer_state_lowers_rss_on_cpu(ems_units):
-    r = ems_units["rss"]
-    print(f"RSS {r['before'] / 2**20:.1f} -> {r['after'] / 2**20:.1f} MiB; freed state "
-          f"{r['freed_state_bytes'] / 2**20:.1f} MiB {r['by_kind']}")
-    drop = r["before"] - r["after"]
-    assert r["freed_state_bytes"] > 100 * 2**20, r
-    assert drop >= 0.8 * r["freed_state_bytes"], (
+    r = ems_units.rss
+    print(f"RSS {r.before / 2**20:.1f} -> {r.after / 2**20:.1f} MiB; freed state "
+          f"{r.freed_state_bytes / 2**20:.1f} MiB {r.by_kind}")
+    drop = r.before - r.after
+    assert r.freed_state_bytes > 100 * 2**20, r
+    assert drop >= 0.8 * r.freed_state_bytes, (
         f"RSS fell by {drop / 2**20:.1f} MiB, less than 80% of the "
-        f"{r['freed_state_bytes'] / 2**20:.1f} MiB of grads and optimizer state freed"
+        f"{r.freed_state_bytes / 2**20:.1f} MiB of grads and optimizer state freed"
     )
-    assert r["after_kinds"][GRADS] == r["after_kinds"][OPTIMIZER_STATE] == 0
+    assert r.after_kinds[GRADS] == r.after_kinds[OPTIMIZER_STATE] == 0
 
 
 STATE_KINDS = (WEIGHTS, GRADS, MAIN_PARAMS, OPTIMIZER_STATE)
@@ -103,10 +103,10 @@ def test_with_free_memory_only_the_active_role_is_resident(workers):
     import json
 
     for rank_result in workers(2, "ems_six_roles", "on"):
-        records = rank_result["records"]
-        with open(rank_result["path"]) as f:
+        records = rank_result.records
+        with open(rank_result.path) as f:
             assert [json.loads(line) for line in f] == records
-        full = rank_result["full_bytes"]
+        full = rank_result.full_bytes
         assert {r["role"] for r in records} == set(full) and len(full) == 6
         for moment in moments(records):
             assert len(moment) == 6
@@ -126,7 +126,7 @@ def test_with_free_memory_only_the_active_role_is_resident(workers):
             if event == "onload" and moment[0]["iteration"] == 1:
                 assert total == state_bytes({"bytes": full[active]})
         peak = max(sum(state_bytes(r) + r["bytes"]["other"] for r in m) for m in moments(records))
-        assert rank_result["peak"] == peak == max(state_bytes({"bytes": b}) for b in full.values()) + \
+        assert rank_result.peak == peak == max(state_bytes({"bytes": b}) for b in full.values()) + \
             sum(r["bytes"]["other"] for r in moments(records)[0])
         # Roles that only run inference copied their weights to the host once, when built (offloaded
         # at birth): every later offload only freed them.
@@ -140,9 +140,9 @@ def test_with_free_memory_only_the_active_role_is_resident(workers):
 
 def test_without_free_memory_every_role_stays_resident(workers):
     for rank_result in workers(2, "ems_six_roles", "off"):
-        full = rank_result["full_bytes"]
+        full = rank_result.full_bytes
         expected_total = sum(state_bytes({"bytes": b}) for b in full.values())
-        after_training = [m for m in moments(rank_result["records"]) if m[0]["iteration"] == 1]
+        after_training = [m for m in moments(rank_result.records) if m[0]["iteration"] == 1]
         for moment in after_training:
             assert sum(state_bytes(r) for r in moment) == expected_total
             for r in moment:

@@ -38,13 +38,13 @@ def test_each_family_gives_transformers_outputs_at_tp2_and_pp2(converted, layout
 @pytest.mark.parametrize("layout", ["tp2_pp1", "tp1_pp2"])
 def test_greedy_generation_equals_transformers_row_by_row(converted, layout):
     _, models, ranks = converted
-    lengths = ranks[0]["lengths"]
+    lengths = ranks[0].lengths
     for case, model, eos, expected in greedy_cases(models, ranks):
         assert {r[-1] for r in expected if len(r) < 10} == set(eos), case  # each end token ends some row
         if case.startswith("mistral"):
             assert max(lengths) + 10 > 2 * model.config.sliding_window  # the window is crossed
         for r in ranks:
-            assert r[f"{case}/{layout}/generated"] == expected, case
+            assert r.generated[(case, layout)] == expected, case
 
 
 def test_each_family_converts_back_to_the_same_tensors_and_model(converted):
@@ -166,17 +166,17 @@ def test_one_rl_iteration_per_family_at_tp2_is_the_same_with_ems_on_and_off(tmp_
 
     ranks = run_workers(tmp_path, 2, "family_iteration")
     for rank in ranks:
-        assert sorted(rank) == ["llama3.1", "mistral", "qwen2.5", "qwen3"]
-        for family, runs in rank.items():
-            assert runs["on"]["metrics"] == runs["off"]["metrics"], family
-            assert runs["on"]["metrics"]["reward/mean"] > 0, family
-            for role, weights in runs["off"]["weights"].items():
-                moved = runs["on"]["weights"][role]
+        assert sorted(rank.families) == ["llama3.1", "mistral", "qwen2.5", "qwen3"]
+        for family, runs in rank.families.items():
+            assert runs.on.metrics == runs.off.metrics, family
+            assert runs.on.metrics["reward/mean"] > 0, family
+            for role, weights in runs.off.weights.items():
+                moved = runs.on.weights[role]
                 assert sorted(moved) == sorted(weights)
                 assert all(torch.equal(moved[k], weights[k]) for k in weights), (family, role)
-    qwen = ranks[0]["qwen2.5"]["off"]["weights"]["ppo_policy"]
+    qwen = ranks[0].families["qwen2.5"].off.weights["ppo_policy"]
     assert "output_layer.weight" not in qwen and any(k.endswith("linear_qkv.bias") for k in qwen)  # tied, biased
-    assert any(k.endswith("q_layernorm.weight") for k in ranks[0]["qwen3"]["off"]["weights"]["ppo_policy"])
+    assert any(k.endswith("q_layernorm.weight") for k in ranks[0].families["qwen3"].off.weights["ppo_policy"])
 
 
 NEW_PRESETS = {  # MODEL_SIZE: (parameters of the policy in billions, nodes of 8 GPUs by default)

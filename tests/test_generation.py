@@ -13,39 +13,41 @@ def generated(tmp_path_factory):
 
 def test_cached_greedy_equals_argmax_of_the_full_forward(generated):
     r = generated[0]
-    assert torch.equal(r["tp1"][0], r["nocache"][0]) and torch.equal(r["tp1"][1], r["nocache"][1])
-    assert r["tp1"][1].tolist() == [6, 6, 6, 6]  # no EOS: every row runs to max_new_tokens
-    assert torch.equal(r["tp1_left"][0], r["tp1"][0])
-    assert torch.equal(r["tp1_wide"][0], r["tp1"][0])  # prompt tensors of any width
+    tp1 = r.greedy["tp1"]
+    assert torch.equal(tp1.tokens, r.nocache.tokens) and torch.equal(tp1.response_lengths, r.nocache.response_lengths)
+    assert tp1.response_lengths.tolist() == [6, 6, 6, 6]  # no EOS: every row runs to max_new_tokens
+    assert torch.equal(r.tp1_left.tokens, tp1.tokens)
+    assert torch.equal(r.tp1_wide.tokens, tp1.tokens)  # prompt tensors of any width
 
 
 def test_a_kept_cache_across_turns_gives_the_tokens_of_prefilling_every_turn_and_feeds_less(generated):
     """Four turns with replies between them: the cache kept (every row in its slot; two slots for
     four rows, where rows take each other's slots; TP2 x PP2) against every prefix prefilled again."""
-    prefilled, fed_again = generated[0]["turns_prefilled"]
-    kept, fed_kept = generated[0]["turns_kept"]
+    prefilled, fed_again = generated[0].turns_prefilled
+    kept, fed_kept = generated[0].turns_kept
     assert kept == prefilled and len(prefilled[1]) > 7 + 4 * 3
     assert fed_kept < fed_again / 2  # each turn feeds its reply and its own tokens only
-    shared, fed_shared = generated[0]["turns_kept_2_slots"]
+    shared, fed_shared = generated[0].turns_kept_2_slots
     assert shared == prefilled and fed_kept < fed_shared < fed_again
     for rank_result in generated:
-        assert rank_result["tp2_pp2_turns_kept"][0] == prefilled
+        assert rank_result.tp2_pp2_turns_kept[0] == prefilled
 
 
 @pytest.mark.parametrize("layout", ["tp2_pp1", "tp1_pp2", "tp2_pp2"])
 def test_greedy_under_tp_and_pp_equals_tp1(generated, layout):
     for rank_result in generated:
-        assert torch.equal(rank_result[layout][0], rank_result["tp1"][0]), layout
-        assert torch.equal(rank_result[layout][1], rank_result["tp1"][1])
+        got, tp1 = rank_result.greedy[layout], rank_result.greedy["tp1"]
+        assert torch.equal(got.tokens, tp1.tokens), layout
+        assert torch.equal(got.response_lengths, tp1.response_lengths)
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2_pp1", "tp2_pp2"])
 def test_vocab_parallel_log_probs_and_entropy_equal_the_full_softmax(generated, layout):
     """Over the tokenizer's vocabulary only (the padded rows of the output layer excluded)."""
-    ref_logp, ref_entropy = generated[0]["stats_reference"]
+    ref_logp, ref_entropy = generated[0].stats_reference
     checked = 0
     for rank_result in generated:
-        got = rank_result[f"stats_{layout}"]
+        got = rank_result.stats[layout]
         if got is None:  # not the last pipeline stage
             continue
         assert torch.allclose(got[0], ref_logp, atol=1e-5) and torch.allclose(got[1], ref_entropy, atol=1e-5)
@@ -55,34 +57,34 @@ def test_vocab_parallel_log_probs_and_entropy_equal_the_full_softmax(generated, 
 
 def test_rows_end_at_eos_and_are_padded_after(generated):
     r = generated[0]
-    tokens, produced = r["tp1_eos"]
-    assert torch.equal(tokens, r["nocache_eos"][0]) and torch.equal(produced, r["nocache_eos"][1])
-    assert produced[0] == 3 and tokens[0, 3 + 2] == r["eos"]
+    tokens, produced = r.tp1_eos.tokens, r.tp1_eos.response_lengths
+    assert torch.equal(tokens, r.nocache_eos.tokens) and torch.equal(produced, r.nocache_eos.response_lengths)
+    assert produced[0] == 3 and tokens[0, 3 + 2] == r.eos
     for row, n in enumerate([3, 7, 5, 1]):
         response = tokens[row, n : n + produced[row]]
-        assert (response[:-1] != r["eos"]).all()  # the first EOS ends the row
-        assert produced[row] == 6 or response[-1] == r["eos"]
+        assert (response[:-1] != r.eos).all()  # the first EOS ends the row
+        assert produced[row] == 6 or response[-1] == r.eos
         assert (tokens[row, n + produced[row] :] == 0).all()
     for rank_result in generated:
-        assert torch.equal(rank_result["tp2_pp2_eos"][0], tokens)
+        assert torch.equal(rank_result.tp2_pp2_eos.tokens, tokens)
         # Decoded 3 rows at a time (generation.batch_size): the same rows, padded to one width.
-        assert torch.equal(rank_result["tp2_pp2_eos_by_3"][0], tokens)
-        assert torch.equal(rank_result["tp2_pp2_eos_by_3"][1], produced)
+        assert torch.equal(rank_result.tp2_pp2_eos_by_3.tokens, tokens)
+        assert torch.equal(rank_result.tp2_pp2_eos_by_3.response_lengths, produced)
 
 
 def test_the_engine_s_packed_linears_give_the_tokens_of_torch_s_and_are_megatron_s_again_after(generated):
     for rank_result in generated:
-        assert torch.equal(rank_result["tp2_pp2_eos_packed"][0], rank_result["tp2_pp2_eos"][0])
-        assert torch.equal(rank_result["tp2_pp2_eos_torch_linears"][0], rank_result["tp2_pp2_eos"][0])
-        assert rank_result["megatron_products_restored"]
+        assert torch.equal(rank_result.tp2_pp2_eos_packed.tokens, rank_result.tp2_pp2_eos.tokens)
+        assert torch.equal(rank_result.tp2_pp2_eos_torch_linears.tokens, rank_result.tp2_pp2_eos.tokens)
+        assert rank_result.megatron_products_restored
     # Per stage and step: 2 layers x (QKV, output projection, FC1, FC2), and the output layer on the last stage.
-    assert all(r["packed_products"] > 0 for r in generated) and generated[-1]["packed_products"] > generated[0]["packed_products"]
+    assert all(r.packed_products > 0 for r in generated) and generated[-1].packed_products > generated[0].packed_products
 
 
 def test_sampling_agrees_on_every_rank_and_stays_in_the_vocabulary(generated):
-    tokens, produced = generated[0]["sampled"]
+    tokens, produced = generated[0].sampled.tokens, generated[0].sampled.response_lengths
     for rank_result in generated[1:]:
-        assert torch.equal(rank_result["sampled"][0], tokens)
+        assert torch.equal(rank_result.sampled.tokens, tokens)
     assert tokens.max() < 100 and produced.tolist() == [8, 8, 8, 8]
 
 
@@ -140,13 +142,13 @@ def test_greedy_equals_transformers_on_every_row_at_every_layout(tmp_path, worke
     assert len({len(r) for r in expected}) > 2  # response lengths are spread
     results = workers(4, "generation_vs_hf", str(tmp_path / "mg"), str(eos))
     for r in results:
-        assert r["prompts"][:, :30].masked_fill(torch.arange(30) >= torch.tensor(lengths)[:, None], 0).equal(
+        assert r.prompts[:, :30].masked_fill(torch.arange(30) >= torch.tensor(lengths)[:, None], 0).equal(
             prompts.masked_fill(torch.arange(30) >= torch.tensor(lengths)[:, None], 0))
         for layout in ("tp1_pp1", "tp2_pp1", "tp1_pp2", "tp2_pp2", "tp2_pp2_lag2"):
-            tokens, response_lengths, stats = r[layout]
-            got = [tokens[row, n : n + int(response_lengths[row])].tolist() for row, n in enumerate(lengths)]
+            g = r.greedy[layout]
+            got = [g.tokens[row, n : n + int(g.response_lengths[row])].tolist() for row, n in enumerate(lengths)]
             assert got == expected, layout
-            assert stats.useful == sum(len(e) for e in expected)
+            assert g.stats.useful == sum(len(e) for e in expected)
             # One forward per step; a prompt is fed once, then one token per decode step.
-            assert stats.computed_tokens == sum(lengths) + stats.sampled - len(lengths)
-        assert r["tp2_pp2_lag2"][2].sampled > r["tp2_pp2"][2].sampled  # ended rows ran on, unkept
+            assert g.stats.computed_tokens == sum(lengths) + g.stats.sampled - len(lengths)
+        assert r.greedy["tp2_pp2_lag2"].stats.sampled > r.greedy["tp2_pp2"].stats.sampled  # ended rows ran on, unkept

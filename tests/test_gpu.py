@@ -22,19 +22,19 @@ TIE_MARGIN = 0.03
 def test_bf16_training_and_generation_on_cuda_agree_with_fp32_on_cpu(workers, tmp_path):
     cpu = workers(1, "gpu_vs_cpu", env={"MEGATRON_RLHF_DEVICE": "cpu"})[0]
     gpu = workers(1, "gpu_vs_cpu", str(tmp_path / "gpu_vs_cpu_1" / "rank0.pt"), env=ON_GPU)[0]
-    assert (cpu["device"], cpu["precision"], gpu["device"], gpu["precision"]) == ("cpu", "fp32", "cuda", "bf16")
-    gap = (gpu["token_log_probs"] - cpu["token_log_probs"]).abs()
-    print(f"log-prob gap: max {gap.max():.4f}, mean {gap.mean():.5f}; losses cpu {cpu['losses']} gpu {gpu['losses']}")
+    assert (cpu.device, cpu.precision, gpu.device, gpu.precision) == ("cpu", "fp32", "cuda", "bf16")
+    gap = (gpu.token_log_probs - cpu.token_log_probs).abs()
+    print(f"log-prob gap: max {gap.max():.4f}, mean {gap.mean():.5f}; losses cpu {cpu.losses} gpu {gpu.losses}")
     assert gap.max() <= LOG_PROB_TOLERANCE
-    for a, b in zip(cpu["losses"], gpu["losses"]):
+    for a, b in zip(cpu.losses, gpu.losses):
         assert abs(a - b) <= LOSS_RTOL * abs(a)
-    for row, (ours, theirs) in enumerate(zip(gpu["greedy"], cpu["greedy"])):
+    for row, (ours, theirs) in enumerate(zip(gpu.greedy, cpu.greedy)):
         differs = (ours != theirs).nonzero()
         if len(differs):
             first = differs[0].item()
-            assert cpu["margins"][row, first] <= TIE_MARGIN, (
+            assert cpu.margins[row, first] <= TIE_MARGIN, (
                 f"row {row}: bf16 left fp32's greedy path at token {first}, where fp32's choice led by "
-                f"{cpu['margins'][row, first]:.4f} (more than a tie)")
+                f"{cpu.margins[row, first]:.4f} (more than a tie)")
 
 
 @pytest.mark.gpu
@@ -45,32 +45,32 @@ def test_ems_round_trips_are_bit_exact_on_cuda(workers):
 @pytest.mark.gpu
 def test_after_every_offload_allocated_and_reserved_bytes_return_to_their_level(workers):
     r = workers(1, "ems_gpu", env=ON_GPU)[0]
-    assert r["pinned"] and all(r["pinned"])
-    for i, rnd in enumerate(r["rounds"]):
-        (alloc0, reserved0), (alloc1, _), (alloc2, reserved2) = rnd["before"], rnd["during"], rnd["after"]
+    assert r.pinned and all(r.pinned)
+    for i, rnd in enumerate(r.rounds):
+        (alloc0, reserved0), (alloc1, _), (alloc2, reserved2) = rnd.before, rnd.during, rnd.after
         print(f"round {i}: allocated {alloc0 / MiB:.1f} -> {alloc1 / MiB:.1f} -> {alloc2 / MiB:.1f} MiB, "
-              f"reserved {reserved0 / MiB:.1f} -> {reserved2 / MiB:.1f} MiB (state {rnd['state'] / MiB:.1f} MiB)")
-        assert alloc1 - alloc0 >= rnd["state"] > 100 * MiB
+              f"reserved {reserved0 / MiB:.1f} -> {reserved2 / MiB:.1f} MiB (state {rnd.state / MiB:.1f} MiB)")
+        assert alloc1 - alloc0 >= rnd.state > 100 * MiB
         # A first round may leave megatron's small lazily built tensors (under 1 MiB); the allocator
         # keeps at most one 2 MiB small-block segment for them.
         assert alloc2 - alloc0 <= MiB and reserved2 - reserved0 <= 2 * MiB, rnd
     # From the second round on, nothing at all grows.
-    assert r["rounds"][1]["after"] == r["rounds"][2]["after"] == r["rounds"][2]["before"]
+    assert r.rounds[1].after == r.rounds[2].after == r.rounds[2].before
 
 
 @pytest.mark.gpu
 def test_six_roles_peak_is_the_largest_phase_not_the_sum(workers):
     r = workers(1, "ems_six_roles_gpu", env=ON_GPU)[0]
-    on, off = r["on"], r["off"]
-    total_state = sum(off["full_state"].values())
-    transient = {p["role"]: p["peak"] - p["onloaded"] for p in off["phases"]}
-    for p in on["phases"]:
-        print(f"{p['role']:<11} before onload {p['start'] / MiB:7.1f}  state {p['state'] / MiB:7.1f}  "
-              f"onloaded {p['onloaded'] / MiB:7.1f}  peak {p['peak'] / MiB:7.1f} MiB (transient {transient[p['role']] / MiB:.1f})")
-        assert p["start"] <= MiB, p  # every role off the device before each phase
-        assert abs(p["onloaded"] - p["start"] - p["state"]) <= MiB, p  # the onload brought exactly its state
-    peak_on, peak_off = (max(p["peak"] for p in run["phases"]) for run in (on, off))
-    largest_phase = max(p["state"] + transient[p["role"]] for p in on["phases"])
+    on, off = r.on, r.off
+    total_state = sum(off.full_state.values())
+    transient = {p.role: p.peak - p.onloaded for p in off.phases}
+    for p in on.phases:
+        print(f"{p.role:<11} before onload {p.start / MiB:7.1f}  state {p.state / MiB:7.1f}  "
+              f"onloaded {p.onloaded / MiB:7.1f}  peak {p.peak / MiB:7.1f} MiB (transient {transient[p.role] / MiB:.1f})")
+        assert p.start <= MiB, p  # every role off the device before each phase
+        assert abs(p.onloaded - p.start - p.state) <= MiB, p  # the onload brought exactly its state
+    peak_on, peak_off = (max(p.peak for p in run.phases) for run in (on, off))
+    largest_phase = max(p.state + transient[p.role] for p in on.phases)
     print(f"peak with EMS {peak_on / MiB:.1f} MiB (largest state + transient {largest_phase / MiB:.1f}); "
           f"without {peak_off / MiB:.1f} MiB (sum of states {total_state / MiB:.1f})")
     assert peak_on <= largest_phase + 2 * MiB

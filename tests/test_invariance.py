@@ -29,30 +29,30 @@ def updates(tmp_path_factory):
                          + [("lm", "gspo+dual-clip")])
 def test_micro_batch_size_changes_neither_gradients_nor_reported_loss(updates, head, mode):
     single, _ = updates
-    uncut = single[(head, mode, "mb8")]
+    uncut = single.steps[(head, mode, "mb8")]
     # Rows per micro-batch, and (token-mean) micro-batches packed by a budget of 40 tokens.
     for micro in ("mb1", "mb4") + (("tokens40",) if mode == "token-mean" else ()):
-        cut = single[(head, mode, micro)]
-        assert relative_difference(cut["grads"], uncut["grads"]) <= TOLERANCE, micro
-        assert cut["loss"] == pytest.approx(uncut["loss"], rel=TOLERANCE), micro
+        cut = single.steps[(head, mode, micro)]
+        assert relative_difference(cut.grads, uncut.grads) <= TOLERANCE, micro
+        assert cut.loss == pytest.approx(uncut.loss, rel=TOLERANCE), micro
 
 
 @pytest.mark.parametrize("head", ["lm", "scalar"])
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2", "pp2_tokens40"])  # the last: packed by tokens, equal rows
 def test_dp_tp_and_pp_give_the_uncut_update(updates, head, layout):
     single, layouts = updates
-    uncut = single[(head, "token-mean", "mb8")]
+    uncut = single.steps[(head, "token-mean", "mb8")]
     for rank in layouts:
-        got = rank[(head, "token-mean", layout)]
-        assert relative_difference(got["grads"], uncut["grads"]) <= TOLERANCE
-        assert got["loss"] == pytest.approx(uncut["loss"], rel=TOLERANCE)
+        got = rank.steps[(head, "token-mean", layout)]
+        assert relative_difference(got.grads, uncut.grads) <= TOLERANCE
+        assert got.loss == pytest.approx(uncut.loss, rel=TOLERANCE)
 
 
 def test_tp_ranks_sample_the_same_tokens_and_clip_grad_0_reports_the_norm(workers):
     results = workers(2, "ppo_edge_cases")
     for r in results:
-        assert r["tp_ranks_agree"]
-        norms = r["grad_norms"]
+        assert r.tp_ranks_agree
+        norms = r.grad_norms
         assert norms[0.0] > 0 and norms[0.0] == pytest.approx(norms[1e9], rel=1e-6)
 
 
@@ -60,6 +60,13 @@ def _close(got: dict, expected: dict, what: str) -> None:
     assert sorted(got) == sorted(expected), what
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, rel=TOLERANCE, abs=TOLERANCE), (what, key, got[key], value)
+
+
+def _same_iterations(pairs: dict, cut: str) -> None:
+    """Each (iteration, the uncut one) pair: the same metrics and weights."""
+    for run, (got, expected) in pairs.items():
+        _close(got.metrics, expected.metrics, f"{run}: {cut}")
+        _close(got.weights, expected.weights, f"{run} weights: {cut}")
 
 
 def test_a_whole_iteration_with_several_steps_per_epoch_does_not_depend_on_dp_or_tp(tmp_path):
@@ -73,13 +80,9 @@ def test_a_whole_iteration_with_several_steps_per_epoch_does_not_depend_on_dp_or
     one = run_workers(tmp_path, 1, "dp_iteration")[0]
     two = run_workers(tmp_path, 2, "dp_iteration")
     for rank in run_workers(tmp_path, 4, "dp_iteration"):
-        for run in ("ppo", "grpo"):
-            _close(rank[run]["metrics"], one[run]["metrics"], f"{run}: DP=4")
-            _close(rank[run]["weights"], one[run]["weights"], f"{run} weights: DP=4")
+        _same_iterations({"ppo": (rank.ppo, one.ppo), "grpo": (rank.grpo, one.grpo)}, "DP=4")
     for rank in two:
-        for run in ("ppo", "grpo", "grpo_lora", "game"):
-            _close(rank[run]["metrics"], one[run]["metrics"], f"{run}: DP=2")
-            _close(rank[run]["weights"], one[run]["weights"], f"{run} weights: DP=2")
-        _close(rank["game_tp2"]["metrics"], one["game"]["metrics"], "game: TP=2")
-        _close(rank["game_tp2"]["weights"], one["game"]["weights"], "game weights: TP=2")
-    assert one["game"]["metrics"]["rollout/turns_mean"] == 4 and 0 < one["game"]["metrics"]["rollout/model_token_share"] < 1
+        _same_iterations({"ppo": (rank.ppo, one.ppo), "grpo": (rank.grpo, one.grpo),
+                          "grpo_lora": (rank.grpo_lora, one.grpo_lora), "game": (rank.game, one.game)}, "DP=2")
+        _same_iterations({"game": (rank.game_tp2, one.game)}, "TP=2")
+    assert one.game.metrics["rollout/turns_mean"] == 4 and 0 < one.game.metrics["rollout/model_token_share"] < 1

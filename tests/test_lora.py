@@ -25,13 +25,13 @@ def adapted(tmp_path_factory):
 
 def test_adapters_equal_the_merged_base_and_do_not_depend_on_tp_or_pp(adapted):
     for r in adapted[1]:
-        assert r["b0_equal"] and r["off_equal"]  # B = 0, and adapters off: the base's logits exactly
-        assert r["lora_moves"] > 0.1 and r["merged"] <= 1e-5  # W + alpha/rank B A
-        assert r["base_without_grads"]
+        assert r.b0_equal and r.off_equal  # B = 0, and adapters off: the base's logits exactly
+        assert r.lora_moves > 0.1 and r.merged <= 1e-5  # W + alpha/rank B A
+        assert r.base_without_grads
         for layout in ("tp2_pp1", "tp1_pp2"):
-            assert r[f"{layout}_a_init"], layout  # A starts the same at every layout
-            assert r[f"{layout}_logits"] is None or r[f"{layout}_logits"] <= 1e-5, layout  # None: not the last stage
-            assert r[f"{layout}_grads"] <= 1e-5, layout
+            assert r.a_init[layout], layout  # A starts the same at every layout
+            assert r.logits[layout] is None or r.logits[layout] <= 1e-5, layout  # None: not the last stage
+            assert r.grads[layout] <= 1e-5, layout
 
 
 def test_exported_merged_weights_and_peft_adapter_give_our_logits_in_transformers(adapted):
@@ -43,7 +43,7 @@ def test_exported_merged_weights_and_peft_adapter_give_our_logits_in_transformer
     from megatron_rlhf.checkpoint.peft import peft_adapters, write_peft_adapter
 
     tmp, (r, _) = adapted
-    tokens, ours = r["tokens"].flatten(0, 1), r["lora_logits"].flatten(0, 1)
+    tokens, ours = r.tokens.flatten(0, 1), r.lora_logits.flatten(0, 1)
     megatron_to_hf(str(tmp / "base"), str(tmp / "hf_base"))
     with pytest.raises(CheckpointError, match="holds no LoRA adapters"):
         write_peft_adapter(str(tmp / "base"), str(tmp / "not_written"))
@@ -88,7 +88,7 @@ def test_an_adapter_made_by_peft_loads_as_peft_computes_it(adapted, tmp_path):
                                 LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
                                            init_lora_weights=False))
     peft_model.save_pretrained(tmp_path / "adapter")
-    tokens = r["tokens"].flatten(0, 1)
+    tokens = r.tokens.flatten(0, 1)
     with torch.no_grad():
         theirs = peft_model(tokens).logits[..., :100]
     arch, _ = read_model_meta(str(tmp / "base"))
@@ -137,14 +137,14 @@ def test_a_peft_adapter_that_does_not_fit_the_run_is_refused_by_what_differs(ada
 
 def test_only_the_adapters_train_the_reference_is_the_base_and_resume_is_exact(workers):
     (r,) = workers(1, "lora_run")
-    assert r["reference_views"] and r["reference_owner"] and r["reference_weight_bytes"] == 0
-    assert r["reference_log_probs_equal"]
-    assert r["base_unchanged"] and r["adapters_moved"]
+    assert r.reference_views and r.reference_owner and r.reference_weight_bytes == 0
+    assert r.reference_log_probs_equal
+    assert r.base_unchanged and r.adapters_moved
     # Adam's two moments for every adapter element, and its step count per adapter tensor; nothing
     # else (fp32: no main params).
-    assert r["optimizer_numel"] == 2 * r["adapter_numel"] + r["adapter_tensors"] and r["adapter_numel"] < r["base_numel"] / 5
-    assert r["resumed"] == r["whole"][1:]
-    assert r["load_lora_equal"]  # exported as PEFT, started from with load_lora: ppo_policy as it was
+    assert r.optimizer_numel == 2 * r.adapter_numel + r.adapter_tensors and r.adapter_numel < r.base_numel / 5
+    assert r.resumed == r.whole[1:]
+    assert r.load_lora_equal  # exported as PEFT, started from with load_lora: ppo_policy as it was
 
 
 def test_adapter_names():

@@ -11,20 +11,20 @@ TOL = 1e-5
 def check_equivalence(results, layouts):
     for head in ("lm", "scalar"):
         for layout in layouts:
-            key = f"{head}_{layout}"
-            diffs = [r[key] for r in results if r[key] is not None]
+            key = (head, layout)
+            diffs = [r.errors[key] for r in results if r.errors[key] is not None]
             assert diffs, f"{key}: no rank held the last pipeline stage"
             assert max(diffs) <= TOL, f"{key}: max abs diff {max(diffs)} > {TOL}"
-            assert all(r[key + "_roundtrip"] for r in results), f"{key}: shards do not merge back"
+            assert all(r.round_trips[key] for r in results), f"{key}: shards do not merge back"
 
 
 def test_tp_pp_models_equal_the_tp1_model_and_bf16_trains(workers):
     results = workers(4, "models_equivalence")
     check_equivalence(results, ("tp2_pp1", "tp1_pp2", "tp2_pp2"))
-    losses = [r["bf16_losses"] for r in results if r["bf16_losses"]]
+    losses = [r.bf16_losses for r in results if r.bf16_losses]
     assert losses and all(math.isfinite(x) for x in losses[0])
     assert losses[0][-1] < losses[0][0] - 0.1, f"bf16 loss did not fall: {losses[0]}"
-    assert results[0]["bf16_param_dtype"] == "torch.bfloat16"
+    assert results[0].bf16_param_dtype == "torch.bfloat16"
 
 
 @pytest.mark.gpu(4)
@@ -39,13 +39,13 @@ def test_dp2_training_step_equals_dp1_on_the_same_global_batch(workers, optimize
 
     dp1 = workers(1, "dp_step", optimizer)[0]
     dp2 = workers(2, "dp_step", optimizer)
-    assert dp1["dp"] == 1 and dp2[0]["dp"] == 2
+    assert dp1.dp == 1 and dp2[0].dp == 2
     for rank_result in dp2:
-        for name, expected in dp1["params"].items():
-            got = rank_result["params"][name]
+        for name, expected in dp1.params.items():
+            got = rank_result.params[name]
             torch.testing.assert_close(got, expected, rtol=0, atol=1e-6, msg=f"{optimizer}: {name}")
     # The steps really moved the weights (not a comparison of untouched initial values).
-    assert dp1["moved"] > 1e-4
+    assert dp1.moved > 1e-4
 
 
 def test_activation_recompute_trains_as_without(workers):
@@ -54,10 +54,10 @@ def test_activation_recompute_trains_as_without(workers):
 
     plain = workers(1, "dp_step", "dist", "fp32")[0]
     recomputed = workers(1, "dp_step", "dist", "fp32", "recompute")[0]
-    assert plain["recompute"] is None and recomputed["recompute"] == "full"
-    for name, expected in plain["params"].items():
-        torch.testing.assert_close(recomputed["params"][name], expected, rtol=0, atol=1e-6, msg=name)
-    assert recomputed["moved"] > 1e-4
+    assert plain.recompute is None and recomputed.recompute == "full"
+    for name, expected in plain.params.items():
+        torch.testing.assert_close(recomputed.params[name], expected, rtol=0, atol=1e-6, msg=name)
+    assert recomputed.moved > 1e-4
 
 
 def test_the_scalar_head_computes_in_fp32_from_bf16_weights():

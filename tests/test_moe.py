@@ -51,11 +51,12 @@ def test_greedy_generation_equals_transformers_row_by_row(converted, layout):
     _, models, ranks = converted
     for name, _, _, expected in greedy_cases(models, ranks):
         for r in ranks:
-            assert r[f"{name}/{layout}/generated"] == expected, name
+            assert r.generated[(name, layout)] == expected, name
         if layout == "tp1_pp1_ep2":  # rank 1 had 2 rows, rank 0 all 8: each still got transformers' rows
-            assert [len(r[f"{name}/{layout}/generated_unequal"]) for r in ranks] == [8, 2]
-            for r in ranks:
-                assert r[f"{name}/{layout}/generated_unequal"] == expected[: len(r[f"{name}/{layout}/generated_unequal"])]
+            unequal = [r.generated_unequal[(name, layout)] for r in ranks]
+            assert [len(rows) for rows in unequal] == [8, 2]
+            for rows in unequal:
+                assert rows == expected[: len(rows)]
 
 
 def test_each_moe_family_converts_back_to_the_same_tensors_and_model(converted):
@@ -142,12 +143,13 @@ def relative_difference(got, expected):
 
 def test_without_the_load_balancing_loss_the_update_does_not_depend_on_the_cut(moe_updates):
     single, layouts = moe_updates
-    uncut = single[(0.0, "mb8")]
-    assert uncut["moe"] == {}  # nothing switched on, nothing reported
-    cuts = [single[(0.0, "mb1")], single[(0.0, "mb4")]] + [r[(0.0, name)] for r in layouts for name in ("dp2", "ep2", "pp2")]
+    uncut = single.steps[(0.0, "mb8")]
+    assert uncut.moe == {}  # nothing switched on, nothing reported
+    cuts = [single.steps[(0.0, "mb1")], single.steps[(0.0, "mb4")]] + [r.steps[(0.0, name)] for r in layouts
+                                                                       for name in ("dp2", "ep2", "pp2")]
     for cut in cuts:
-        assert relative_difference(cut["grads"], uncut["grads"]) <= 1e-5
-        assert cut["loss"] == pytest.approx(uncut["loss"], rel=1e-5)
+        assert relative_difference(cut.grads, uncut.grads) <= 1e-5
+        assert cut.loss == pytest.approx(uncut.loss, rel=1e-5)
 
 
 def test_the_load_balancing_loss_depends_on_the_micro_batches_but_not_on_where_experts_live(moe_updates):
@@ -155,15 +157,16 @@ def test_the_load_balancing_loss_depends_on_the_micro_batches_but_not_on_where_e
     it adds to the gradient changes with the micro-batches (measured, documented in the README), never
     with the expert layout: DP=2 and DP=2 x EP=2 cut the same micro-batches and agree."""
     single, layouts = moe_updates
-    uncut = single[(0.1, "mb8")]
-    assert set(uncut["moe"]) == {"moe/load_balancing_loss", "moe/z_loss"}
-    assert all(v > 0 for v in uncut["moe"].values())
+    uncut = single.steps[(0.1, "mb8")]
+    assert set(uncut.moe) == {"moe/load_balancing_loss", "moe/z_loss"}
+    assert all(v > 0 for v in uncut.moe.values())
     for r in layouts:
-        assert relative_difference(r[(0.1, "ep2")]["grads"], r[(0.1, "dp2")]["grads"]) <= 1e-5
-        assert r[(0.1, "ep2")]["moe"] == pytest.approx(r[(0.1, "dp2")]["moe"], rel=1e-5)
-    for cut in (single[(0.1, "mb1")], single[(0.1, "mb4")], layouts[0][(0.1, "pp2")]):
-        assert relative_difference(cut["grads"], uncut["grads"]) > 1e-3  # the dependence, as documented
-        assert cut["loss"] == pytest.approx(uncut["loss"], rel=1e-5)  # the policy loss itself is not affected
+        ep2, dp2 = r.steps[(0.1, "ep2")], r.steps[(0.1, "dp2")]
+        assert relative_difference(ep2.grads, dp2.grads) <= 1e-5
+        assert ep2.moe == pytest.approx(dp2.moe, rel=1e-5)
+    for cut in (single.steps[(0.1, "mb1")], single.steps[(0.1, "mb4")], layouts[0].steps[(0.1, "pp2")]):
+        assert relative_difference(cut.grads, uncut.grads) > 1e-3  # the dependence, as documented
+        assert cut.loss == pytest.approx(uncut.loss, rel=1e-5)  # the policy loss itself is not affected
 
 
 @pytest.mark.parametrize("model,setting,message", [
@@ -194,11 +197,10 @@ def _with_experts(ranks):
     """Each rank's result at EP=2 and at PP=2 where its stage has experts (PP=2: the last only),
     after checking that a stage without them records and replays nothing."""
     for rank in ranks:
-        assert rank["experts"] == EXPERTS
-        for layout in ("ep2", "pp2"):
-            r = rank[layout]
-            if r["layers"] == 0:
-                assert r["record"].shape[2] == r["engine"].shape[2] == 0
+        assert rank.experts == EXPERTS
+        for r in (rank.ep2, rank.pp2):
+            if r.layers == 0:
+                assert r.record.shape[2] == r.engine.shape[2] == 0
                 continue
             yield r
 
@@ -214,12 +216,12 @@ def test_generation_records_the_experts_the_old_log_prob_pass_routes_to(replayed
     """The engine's record (rollout) equals the routing of the full-sequence pass over the same rows
     (fp32, same weights), and holds every fed token: all but each row's last."""
     for r in _with_experts(replayed):
-        engine, record, lengths = r["engine"], r["record"], r["lengths"]
+        engine, record, lengths = r.engine, r.record, r.lengths
         fed = torch.arange(engine.shape[1])[None, :] < (lengths - 1)[:, None]
         assert ((engine[..., 0, 0] >= 0) == fed).all()
         assert (engine[fed] == record[fed]).all()
         known = record[..., 0, 0] >= 0
-        assert (r["recorded/inference"][known] == _experts(record, EXPERTS)[known]).all()  # what the hooks saw
+        assert (r.recorded_inference[known] == _experts(record, EXPERTS)[known]).all()  # what the hooks saw
 
 
 def test_replayed_forwards_route_every_token_to_the_recorded_experts_after_the_router_moved(replayed):
@@ -227,12 +229,12 @@ def test_replayed_forwards_route_every_token_to_the_recorded_experts_after_the_r
     routes each recorded token to exactly its recorded experts, as the routers' own outputs show;
     without replay the same forwards send many of them elsewhere."""
     for r in _with_experts(replayed):
-        record = r["record"]
+        record = r.record
         known = record[..., 0, 0] >= 0
         expected = _experts(record, EXPERTS)[known]
         for kind in ("inference", "training"):
-            assert (r[f"replayed/{kind}"][known] == expected).all(), kind
-            moved = (r[f"free/{kind}"][known] != expected).any(-1).float().mean().item()
+            assert (r.routed[("replayed", kind)][known] == expected).all(), kind
+            moved = (r.routed[("free", kind)][known] != expected).any(-1).float().mean().item()
             assert moved > 0.1, (kind, moved)
 
 

@@ -229,37 +229,36 @@ def test_multi_turn_rollouts_through_the_engine(tmp_path):
     ranks = run_workers(tmp_path, 2, "multiturn", timeout=400)
     r = ranks[0]
     # An environment that never answers: the single-turn run's iteration, figure for figure.
-    single, silent = _numbers(r["single"]), _numbers(r["silent"])
+    single, silent = _numbers(r.single), _numbers(r.silent)
     assert {k: silent[k] for k in single} == single
     assert silent["rollout/turns_mean"] == 1 and silent["rollout/env_failures"] == 0
     assert silent["rollout/env_calls"] == 2 * 32  # a start and a step per trajectory, over both DP ranks
     # The tool environment through the config and the workers: every tool metric reported (a random
     # tiny model writes no call: every trajectory answers at its first turn).
-    tools = r["tools"]
+    tools = r.tools
     assert tools["rollout/env_calls"] == 2 * 64 and tools["rollout/env_failures"] == 0  # a start and a step each
     assert tools["rollout/turns_mean"] == 1 and tools["rollout/tool_calls"] == tools["rollout/tool_errors"] == 0
     assert "rollout/tool_timeouts" in tools and "time/tool_s" in tools
     # One DP rank's trajectories all fail: counted, the run goes on; every trajectory fails: both
     # ranks end with the error naming the environment (decided together).
-    assert r["fails_on_rank_1"]["rollout/env_failures"] == 16 and r["fails_on_rank_1"]["rollout/env_calls"] == 64
+    assert r.fails_on_rank_1["rollout/env_failures"] == 16 and r.fails_on_rank_1["rollout/env_calls"] == 64
     for rank in ranks:
-        message, collective = rank["fails_everywhere"]
+        message, collective = rank.fails_everywhere
         assert collective and "environments_for_tests.py:RaisesAlways: every trajectory of the batch failed" in message
         assert "the game is broken" in message or "another rank" in message
     # The game: the same rollout and update with EMS off and at micro-batch 1.
-    base = r["game"]
-    assert base["metrics"]["rollout/turns_mean"] == 4 and base["metrics"]["rollout/env_failures"] == 0
-    assert base["metrics"]["rollout/prefix_recomputed"] == 0  # every trajectory kept its cache across turns
-    mask, tokens = base["rollout"]["mask"], base["rollout"]["tokens"]
-    assert 0 < base["metrics"]["rollout/model_token_share"] < 1 and mask.sum() < (tokens[:, 1:] > 0).sum()
+    base = r.game
+    assert base.metrics["rollout/turns_mean"] == 4 and base.metrics["rollout/env_failures"] == 0
+    assert base.metrics["rollout/prefix_recomputed"] == 0  # every trajectory kept its cache across turns
+    mask, tokens = base.rollout["mask"], base.rollout["tokens"]
+    assert 0 < base.metrics["rollout/model_token_share"] < 1 and mask.sum() < (tokens[:, 1:] > 0).sum()
     width = int((tokens != 0).sum(dim=1).max())  # the pad id is 0: each run's rows padded to its widest
-    for name in ("game_ems_off", "game_mbs1"):
-        other = r[name]
-        assert torch.equal(other["rollout"]["tokens"][:, :width], tokens[:, :width])
-        assert torch.equal(other["rollout"]["mask"][:, : width - 1], mask[:, : width - 1])
-        assert torch.allclose(other["rollout"]["advantages"][:, : width - 1], base["rollout"]["advantages"][:, : width - 1], atol=1e-5)
-        for key, value in _numbers(base["metrics"]).items():
-            assert other["metrics"][key] == pytest.approx(value, abs=1e-5), (name, key)
+    for name, other in (("EMS off", r.game_ems_off), ("micro-batch 1", r.game_mbs1)):
+        assert torch.equal(other.rollout["tokens"][:, :width], tokens[:, :width])
+        assert torch.equal(other.rollout["mask"][:, : width - 1], mask[:, : width - 1])
+        assert torch.allclose(other.rollout["advantages"][:, : width - 1], base.rollout["advantages"][:, : width - 1], atol=1e-5)
+        for key, value in _numbers(base.metrics).items():
+            assert other.metrics[key] == pytest.approx(value, abs=1e-5), (name, key)
 
 
 # -- the turn loop with a scripted engine ------------------------------------------------------

@@ -27,23 +27,23 @@ def _close(got: dict, expected: dict, what: str) -> None:
 
 def test_resumed_responses_equal_one_go_when_the_weights_do_not_change(runs):
     single, _ = runs
-    lr0 = single["lr0"]
-    assert sum(m["rollout/partial_resumed"] for m in lr0["metrics"]) > 0  # some responses ran over iterations
-    assert max(m["rollout/staleness_mean"] for m in lr0["metrics"]) > 0
-    for rows, one_go in zip(lr0["rows"], lr0["one_go"]):
+    lr0 = single.lr0
+    assert sum(m["rollout/partial_resumed"] for m in lr0.metrics) > 0  # some responses ran over iterations
+    assert max(m["rollout/staleness_mean"] for m in lr0.metrics) > 0
+    for rows, one_go in zip(lr0.rows, lr0.one_go):
         assert torch.equal(rows["response_lengths"], one_go["response_lengths"])
         for i, (p, r) in enumerate(zip(rows["prompt_lengths"].tolist(), rows["response_lengths"].tolist())):
             assert torch.equal(rows["tokens"][i, : p + r], one_go["tokens"][i, : p + r])
             # The engine's log-probs recorded chunk by chunk are those of one go.
             got, want = rows["behaviour_log_probs"][i, p - 1 : p + r - 1], one_go["log_probs"][i, p - 1 : p + r - 1]
             assert (got - want).abs().max() <= TOLERANCE
-    for m in lr0["metrics"]:  # the weights that sampled every token are the weights that score it
+    for m in lr0.metrics:  # the weights that sampled every token are the weights that score it
         assert m["rollout/behaviour_kl"] <= 1e-6 and m["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
 
 
 def test_groups_stay_whole_and_every_trained_response_has_ended(runs):
     single, _ = runs
-    for rows in single["lr0"]["rows"]:
+    for rows in single.lr0.rows:
         assert len(rows["seeds"]) == 8 * SAMPLES
         index = rows["prompt_index"].view(-1, SAMPLES)
         assert (index == index[:, :1]).all()  # a group's responses are adjacent rows
@@ -54,21 +54,21 @@ def test_groups_stay_whole_and_every_trained_response_has_ended(runs):
 
 def test_a_checkpoint_holding_unfinished_responses_resumes_exactly(runs):
     single, _ = runs
-    resume = single["resume"]
-    assert resume["held_unfinished"] > 0  # the checkpoint held responses in the middle of their tokens
-    assert resume["resumed"] == resume["whole"][2:]
+    resume = single.resume
+    assert resume.held_unfinished > 0  # the checkpoint held responses in the middle of their tokens
+    assert resume.resumed == resume.whole[2:]
 
 
 def test_dp_the_policys_tp_micro_batches_and_ems_change_nothing(runs):
     single, pair = runs
     for rank in pair:
-        for got, want in zip(rank["lr0"]["metrics"], single["lr0"]["metrics"]):
+        for got, want in zip(rank.lr0.metrics, single.lr0.metrics):
             _close(got, want, "lr0")
-        for got, want in zip(rank["resume"]["whole"], single["resume"]["whole"]):
+        for got, want in zip(rank.resume.whole, single.resume.whole):
             _close(got, want, "trained")
-        for got, want in zip(rank["lr0"]["rows"], single["lr0"]["rows"]):
+        for got, want in zip(rank.lr0.rows, single.lr0.rows):
             assert torch.equal(got["tokens"], want["tokens"]) and torch.equal(got["seeds"], want["seeds"])
-        assert rank["resume"]["resumed"] == rank["resume"]["whole"][2:]
+        assert rank.resume.resumed == rank.resume.whole[2:]
 
 
 class _Config:

@@ -13,22 +13,22 @@ def test_planned_state_bytes_equal_the_ledger_under_several_layouts(workers):
     # Resharding's buffers (weight sync into a role of its own layout): receive-only exactly as planned;
     # with copies of sent slices the plan is the most loaded rank's (within 0.2% of it), none above it.
     for layouts in ((2, 1, 1), (1, 2, 2)):
-        syncs = [next(s for s in r["syncs"] if s["layouts"] == layouts) for r in ranks]
-        planned = syncs[0]["planned"]
-        assert all(s["recorded"] <= planned for s in syncs), syncs
-        assert max(s["recorded"] for s in syncs) >= 0.998 * planned, syncs
+        syncs = [next(s for s in r.syncs if s.layouts == layouts) for r in ranks]
+        planned = syncs[0].planned
+        assert all(s.recorded <= planned for s in syncs), syncs
+        assert max(s.recorded for s in syncs) >= 0.998 * planned, syncs
         if layouts == (2, 1, 1):
-            assert all(s["recorded"] == planned for s in syncs), syncs
+            assert all(s.recorded == planned for s in syncs), syncs
     for rank_result in ranks:
-        for row in rank_result["result"]:
-            assert row["idle"] == {}, (row["layout"], row["role"])  # EMS left nothing on the device
-            for kind, measured in row["measured"].items():
-                planned = row["planned"][kind]
-                assert abs(planned - measured) <= 0.01 * max(measured, 1), (row["layout"], row["role"], kind, planned, measured)
+        for row in rank_result.roles:
+            assert row.idle == {}, (row.layout, row.role)  # EMS left nothing on the device
+            for kind, measured in row.measured.items():
+                planned = row.planned[kind]
+                assert abs(planned - measured) <= 0.01 * max(measured, 1), (row.layout, row.role, kind, planned, measured)
                 checked += measured > 0
-                if row["layout"][2] > 1 or {"own layout", "lora"} & set(row["layout"][5]):  # to the byte: experts
+                if row.layout[2] > 1 or {"own layout", "lora"} & set(row.layout[5]):  # to the byte: experts
                     # over EP ranks, their optimizer over expert DP; roles at layouts of their own; LoRA
-                    assert planned == measured, (row["layout"], row["role"], kind, planned, measured)
+                    assert planned == measured, (row.layout, row.role, kind, planned, measured)
                     experts_checked += measured > 0
     assert checked > 50 and experts_checked >= 5 * 4 * 2 + 3 * 4
 

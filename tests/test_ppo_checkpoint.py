@@ -34,13 +34,13 @@ def test_resume_at_another_data_parallel_size(tmp_path):
 
 def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(workers):
     (r,) = workers(1, "ppo_checkpoint_crash")
-    assert r["error"].startswith("iteration 2: writing the checkpoint ") and "iter_0000002 failed: disk full (simulated)" \
-        in r["error"] and r["error"].endswith(f"the partial checkpoint was removed; the last complete one, {r['first']}, is kept")
-    assert r["latest"] == r["first"] and r["latest"].endswith("iter_0000001")
-    assert r["resumed_iteration"] == 1
-    assert r["listing"] == ["iter_0000001", "latest"]  # no partial .iter_0000002.tmp-* left filling the disk
+    assert r.error.startswith("iteration 2: writing the checkpoint ") and "iter_0000002 failed: disk full (simulated)" \
+        in r.error and r.error.endswith(f"the partial checkpoint was removed; the last complete one, {r.first}, is kept")
+    assert r.latest == r.first and r.latest.endswith("iter_0000001")
+    assert r.resumed_iteration == 1
+    assert r.listing == ["iter_0000001", "latest"]  # no partial .iter_0000002.tmp-* left filling the disk
     # Every file of a resume is read to the CPU first (a GPU run's tensors never land on one device).
-    assert r["map_locations"] and set(r["map_locations"]) == {"cpu"}
+    assert r.map_locations and set(r.map_locations) == {"cpu"}
 
 
 def test_dp2_resume_with_reward_normalisation_continues_the_uninterrupted_run(tmp_path):

@@ -66,8 +66,8 @@ def assert_outputs_match(models, ranks, layout, last_stage_ranks):
     """Each converted model's outputs at ``layout`` (on the ``last_stage_ranks`` ranks that hold the
     last pipeline stage) within 1e-4 of its transformers model's."""
     for case, (model, head, _) in models.items():
-        expected = hf_outputs(model, ranks[0]["tokens"], head)
-        got = [r[f"{case}/{layout}"] for r in ranks if f"{case}/{layout}" in r]
+        expected = hf_outputs(model, ranks[0].tokens, head)
+        got = [r.outputs[(case, layout)] for r in ranks if (case, layout) in r.outputs]
         assert len(got) == last_stage_ranks, case
         for g in got:
             assert (g - expected).abs().max().item() <= 1e-4, case
@@ -76,7 +76,7 @@ def assert_outputs_match(models, ranks, layout, last_stage_ranks):
 def greedy_cases(models, ranks):
     """(case, its transformers model, its end tokens, transformers' greedy rows for the workers'
     prompts) for each LM case, the rows checked to end at spread lengths."""
-    prompts, lengths = ranks[0]["prompts"], ranks[0]["lengths"]
+    prompts, lengths = ranks[0].prompts, ranks[0].lengths
     for case, (model, head, eos) in models.items():
         if head != "lm":
             continue
@@ -102,7 +102,7 @@ def assert_round_trip(root, models, ranks):
         assert config["architectures"] == [type(model).__name__]
         reloaded = type(model).from_pretrained(back).eval()
         assert reloaded.config.tie_word_embeddings == model.config.tie_word_embeddings
-        tokens = ranks[0]["tokens"]
+        tokens = ranks[0].tokens
         assert torch.equal(hf_outputs(reloaded, tokens, head), hf_outputs(model, tokens, head)), case
 
 

@@ -3,6 +3,7 @@ fixed tokens. Args: CHECKPOINT_DIR TP PP."""
 
 import torch
 from common import ARGS, save, setup
+from tests.workers.findings import CheckpointForward
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.checkpoint import load_model_shard
@@ -17,8 +18,7 @@ model = build_model(arch, parallel, meta["head"])
 load_local_state_dict(model, load_model_shard(root, arch, meta["head"], tp, ps.get_tensor_model_parallel_rank(), pp, ps.get_pipeline_model_parallel_rank()))
 tokens = torch.randint(0, arch.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
 out = forward_backward(model, [{"tokens": tokens}])
-result = {"tokens": tokens, "output": None}
-if out:
-    output = out[0]["output"]
-    result["output"] = gather_vocab_parallel(output)[..., : arch.vocab_size] if meta["head"] == "lm" else output
-save(result)
+output = out[0]["output"] if out else None
+if output is not None and meta["head"] == "lm":
+    output = gather_vocab_parallel(output)[..., : arch.vocab_size]
+save(CheckpointForward(tokens=tokens, output=output))

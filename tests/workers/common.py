@@ -6,6 +6,10 @@ import sys
 import torch
 import torch.distributed as dist
 
+# The records in tests/workers/findings.py are pickled under their package's name (the test that
+# loads them imports tests.workers.findings): the checkout's root on the path, as pytest has it.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
 from megatron_rlhf.config.schema import ModelArchConfig, ParallelConfig
 from megatron_rlhf.config.presets import PRESETS
 from megatron_rlhf.runtime import init_distributed
@@ -33,8 +37,12 @@ def rank() -> int:
     return dist.get_rank()
 
 
-def save(result: dict) -> None:
-    torch.save(result, os.path.join(OUT_DIR, f"rank{rank()}.pt"))
+def save(findings) -> None:
+    """This rank's findings (the worker's record in tests/workers/findings.py), for its test."""
+    unset = findings.unset()
+    if unset:
+        raise AssertionError(f"{type(findings).__name__}: fields left unset: {', '.join(unset)}")
+    torch.save(findings, os.path.join(OUT_DIR, f"rank{rank()}.pt"))
     dist.barrier()
 
 

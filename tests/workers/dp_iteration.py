@@ -11,6 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 from common import OUT_DIR, reward_pool, save, setup
+from tests.workers.findings import DPIteration, Iteration
 
 from megatron_rlhf.checkpoint.model_files import save_shard, write_model_meta
 from megatron_rlhf.controller import PPOController
@@ -54,7 +55,7 @@ def cut_otherwise(config) -> None:
         config.ppo_policy.micro_batch_size = 4
 
 
-def iteration(config_file: str, tp: int, name: str, loaded: bool = False, before_step=None, configure=None) -> dict:
+def iteration(config_file: str, tp: int, name: str, loaded: bool = False, before_step=None, configure=None) -> Iteration:
     os.environ.update(TP=str(tp), ITERATIONS="1", PRECISION="fp32")
     prepared = prepare(parse_args(["--config", config_file, "--output-dir", os.path.join(OUT_DIR, name)]), WORLD)
     config = prepared.config
@@ -76,17 +77,16 @@ def iteration(config_file: str, tp: int, name: str, loaded: bool = False, before
     if turns is not None:
         turns.close()
     digest = {k: float(v.double().sum()) for k, v in full_weights(controller.roles["ppo_policy"]).items()}
-    return {"metrics": {k: v for k, v in metrics.items() if not k.startswith("time/")}, "weights": digest}
+    return Iteration(metrics={k: v for k, v in metrics.items() if not k.startswith("time/")}, weights=digest)
 
 
-result = {
-    "ppo": iteration("examples/tiny/rlhf.yaml", 1, "ppo"),
-    "grpo": iteration("examples/tiny/grpo.yaml", 1, "grpo"),
-}
+result = DPIteration.to_fill()
+result.ppo = iteration("examples/tiny/rlhf.yaml", 1, "ppo")
+result.grpo = iteration("examples/tiny/grpo.yaml", 1, "grpo")
 if WORLD <= 2:  # DP=4 (4 processes): the PPO and GRPO demos only
-    result["grpo_lora"] = iteration("examples/tiny/grpo_lora.yaml", 1, "grpo_lora", configure=cut_otherwise)
-    result["game"] = iteration("examples/tiny_agent/grpo.yaml", 1, "game",
-                               before_step=write_starting_weights if WORLD == 2 else None)
+    result.grpo_lora = iteration("examples/tiny/grpo_lora.yaml", 1, "grpo_lora", configure=cut_otherwise)
+    result.game = iteration("examples/tiny_agent/grpo.yaml", 1, "game",
+                            before_step=write_starting_weights if WORLD == 2 else None)
 if WORLD == 2:
-    result["game_tp2"] = iteration("examples/tiny_agent/grpo.yaml", 2, "game_tp2", loaded=True)
+    result.game_tp2 = iteration("examples/tiny_agent/grpo.yaml", 2, "game_tp2", loaded=True)
 save(result)

@@ -4,6 +4,7 @@ and optionally "recompute" (full activation recomputation)."""
 
 import torch
 from common import ARGS, save, setup, tiny_arch
+from tests.workers.findings import DPStep
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.config.schema import RoleConfig
@@ -36,4 +37,4 @@ for _ in range(3):
     train_step(ddp, optimizer, micro_batches, next_token_loss)
 params = snapshot()
 moved = max((params[k] - initial[k]).abs().max().item() for k in params)
-save({"params": params, "dp": dp, "moved": moved, "recompute": unwrap(ddp).config.recompute_granularity})
+save(DPStep(params=params, dp=dp, moved=moved, recompute=unwrap(ddp).config.recompute_granularity))

@@ -7,6 +7,7 @@ import copy
 import os
 
 from common import OUT_DIR, REWARDS_FOR_TESTS, capture_rollouts, reward_pool, save
+from tests.workers.findings import DynamicSampling
 
 from megatron_rlhf.controller import PPOController
 from megatron_rlhf.memory import MemoryLedger
@@ -30,5 +31,5 @@ served = []
 while untouched.consumed < dataset.consumed:
     served += untouched.next_batch(config.ppo.rollout_batch_size, 0, 1)["texts"]
 rollout = captured["rollout"]
-save({"prompts": [s["prompt"] for s in controller.last_samples], "scores": rollout.scores.cpu(), "metrics": metrics,
-      "served": served, "advantages": rollout.advantages.cpu(), "mask": rollout.action_mask.cpu()})
+save(DynamicSampling(prompts=[s["prompt"] for s in controller.last_samples], scores=rollout.scores.cpu(), metrics=metrics,
+                     served=served, advantages=rollout.advantages.cpu(), mask=rollout.action_mask.cpu()))

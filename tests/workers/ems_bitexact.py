@@ -6,6 +6,7 @@ import os
 
 import torch
 from common import save, setup, tiny_arch
+from tests.workers.findings import EMSBitExact, EMSOnAndOff, EMSTrained
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.config.schema import RoleConfig
@@ -55,14 +56,14 @@ def run(precision, dist_opt, ems):
         params = {n: p.detach().clone() for n, p in role.model.named_parameters()}
         state = optimizer_tensors(optimizer)
         resident = role.memory.resident_bytes()
-    return {"losses": losses, "params": params, "state": state, "moved": moved, "resident": resident}
+    return EMSTrained(losses=losses, params=params, state=state, moved=moved, resident=resident)
 
 
-result = {}
+result = EMSBitExact(runs={})
 for tp in ((2, 1) if int(os.environ["WORLD_SIZE"]) == 2 else (1,)):  # TP=2 (DP=1), then DP=2
     parallel = setup(tp, 1)
     for precision in ("fp32", "bf16"):
         for dist_opt in (True, False):
             key = f"tp{tp}_dp{ps.get_data_parallel_world_size()}_{precision}_{'dist' if dist_opt else 'local'}"
-            result[key] = {"off": run(precision, dist_opt, False), "on": run(precision, dist_opt, True)}
+            result.runs[key] = EMSOnAndOff(off=run(precision, dist_opt, False), on=run(precision, dist_opt, True))
 save(result)

@@ -3,6 +3,7 @@ allocated AND reserved bytes return to their level before the onload (empty_cach
 
 import torch
 from common import save, setup, tiny_arch
+from tests.workers.findings import EMSGPU, GPURound
 
 from megatron_rlhf.config.schema import RoleConfig
 from megatron_rlhf.models.decoder import build_model
@@ -34,7 +35,6 @@ for _ in range(3):
     with role.resident("training"):
         role.train_step([{"tokens": tokens}], next_token_loss)
         during = levels()
-    rounds.append({"before": before, "during": during, "after": levels(),
-                   "state": sum(role.memory.resident_bytes().values())})
+    rounds.append(GPURound(before=before, during=during, after=levels(), state=sum(role.memory.resident_bytes().values())))
 pinned = [m._arena.is_pinned() for m in role.memory._movers.values() if m._arena is not None]
-save({"rounds": rounds, "pinned": pinned})
+save(EMSGPU(rounds=rounds, pinned=pinned))

@@ -7,6 +7,7 @@ import os
 import torch
 import torch.distributed as dist
 from common import ARGS, OUT_DIR, save, setup
+from tests.workers.findings import EMSSixRoles
 
 from megatron_rlhf.config import ROLE_NAMES, load_config
 from megatron_rlhf.memory import MemoryLedger
@@ -41,4 +42,4 @@ for iteration in range(2):
             roles[name].train_step([{"tokens": t} for t in tokens.split(2)], loss)
             full_bytes[name] = roles[name].memory.resident_bytes()
     ledger.record("phase_end", "iteration")
-save({"records": ledger.records, "full_bytes": full_bytes, "path": path, "peak": ledger.peak_resident_bytes()})
+save(EMSSixRoles(records=ledger.records, full_bytes=full_bytes, path=path, peak=ledger.peak_resident_bytes()))

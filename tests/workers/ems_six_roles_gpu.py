@@ -7,6 +7,7 @@ import gc
 
 import torch
 from common import save, setup, tiny_arch
+from tests.workers.findings import Colocated, ColocatedPhase, EMSSixRolesGPU
 
 from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, TRAINABLE_ROLES, RoleConfig
 from megatron_rlhf.memory import LEDGER_KINDS
@@ -25,7 +26,7 @@ def allocated() -> int:
     return torch.cuda.memory_allocated()
 
 
-def colocate(free_memory: bool) -> dict:
+def colocate(free_memory: bool) -> Colocated:
     gc.collect()
     torch.cuda.empty_cache()
     baseline = allocated()
@@ -51,8 +52,8 @@ def colocate(free_memory: bool) -> dict:
                 else:
                     role.forward([{"tokens": tokens}])
                 torch.cuda.synchronize()
-            phases.append({"role": name, "start": start - baseline, "onloaded": onloaded - baseline, "state": state,
-                           "peak": torch.cuda.max_memory_allocated() - baseline})
+            phases.append(ColocatedPhase(role=name, start=start - baseline, onloaded=onloaded - baseline, state=state,
+                                         peak=torch.cuda.max_memory_allocated() - baseline))
     with_all = {}
     for name, role in roles.items():
         role.memory.onload()
@@ -60,7 +61,7 @@ def colocate(free_memory: bool) -> dict:
     del roles, role
     gc.collect()
     torch.cuda.empty_cache()
-    return {"phases": phases, "full_state": with_all}
+    return Colocated(phases=phases, full_state=with_all)
 
 
-save({"on": colocate(True), "off": colocate(False)})
+save(EMSSixRolesGPU(on=colocate(True), off=colocate(False)))

@@ -3,6 +3,7 @@ refusal to free gradients mid-accumulation, phase needs, and RSS actually releas
 
 import torch
 from common import save, setup, tiny_arch
+from tests.workers.findings import EMSUnits, RSSDrop
 
 from megatron_rlhf.config.schema import RoleConfig
 from megatron_rlhf.memory import GRADS, MAIN_PARAMS, OPTIMIZER_STATE, WEIGHTS, GradientsInUse
@@ -13,7 +14,7 @@ from megatron_rlhf.roles.base import assemble_role
 from megatron_rlhf.runtime import get_platform
 
 parallel = setup(1, 1)
-result = {}
+result = EMSUnits.to_fill()
 
 
 
@@ -36,27 +37,27 @@ memory = role.memory
 memory.onload()
 moved = sum(memory.resident_bytes()[k] for k in (WEIGHTS, MAIN_PARAMS, OPTIMIZER_STATE))
 memory.offload()
-result["offloaded_and_host_bytes"] = (moved, memory.host_bytes())
+result.offloaded_and_host_bytes = (moved, memory.host_bytes())
 host_ptrs = memory._movers[OPTIMIZER_STATE]._arena.data_ptr()
 host_bytes = memory.host_bytes()
 memory.offload()
-result["idempotent_offload_host_bytes"] = (host_bytes, memory.host_bytes())
+result.idempotent_offload_host_bytes = (host_bytes, memory.host_bytes())
 with role.resident("training"):
     weights = {n: p.detach().clone() for n, p in role.model.named_parameters()}
     memory.onload()  # onloading what is resident is a no-op
-    result["onload_twice_same"] = all(torch.equal(weights[n], p) for n, p in role.model.named_parameters())
-result["host_buffers_reused"] = host_ptrs == memory._movers[OPTIMIZER_STATE]._arena.data_ptr() \
+    result.onload_twice_same = all(torch.equal(weights[n], p) for n, p in role.model.named_parameters())
+result.host_buffers_reused = host_ptrs == memory._movers[OPTIMIZER_STATE]._arena.data_ptr() \
     and memory.host_bytes() == host_bytes
 
 # An inference phase brings back the weights alone, and only reads them: its offload copies nothing.
 # A phase that may write them (training, or a plain onload) makes the next offload copy again.
 copied = memory.copied_bytes()
 with role.resident("inference"):
-    result["inference_resident"] = memory.resident_bytes()
-result["copied_by_inference_offload"] = memory.copied_bytes() - copied
+    result.inference_resident = memory.resident_bytes()
+result.copied_by_inference_offload = memory.copied_bytes() - copied
 memory.onload([WEIGHTS])
 memory.offload()
-result["copied_after_plain_onload"] = memory.copied_bytes() - copied
+result.copied_after_plain_onload = memory.copied_bytes() - copied
 
 # Gradients mid-accumulation are never silently discarded.
 with role.resident("training"):
@@ -64,13 +65,13 @@ with role.resident("training"):
     forward_backward(role.model, mbs, next_token_loss, forward_only=False)  # backward, no step yet
     try:
         memory.offload([GRADS])
-        result["grads_in_use"] = "offloaded"
+        result.grads_in_use = "offloaded"
     except GradientsInUse as e:
-        result["grads_in_use"] = str(e)
-    result["grads_kept"] = memory.resident_bytes()[GRADS]
+        result.grads_in_use = str(e)
+    result.grads_kept = memory.resident_bytes()[GRADS]
     role.train_step(mbs, next_token_loss)  # a completed step consumes them: freeing is allowed again
 memory.offload([GRADS])
-result["grads_freed_after_step"] = memory.resident_bytes()[GRADS]
+result.grads_freed_after_step = memory.resident_bytes()[GRADS]
 
 # The leak guard: a parameter re-pointed to a storage of its own while the role is on the device
 # (a tensor kept on the device across an offload) is reported after the offload, as a warning or an
@@ -86,19 +87,19 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     with leaky.resident("training"):
         leaky.train_step(mbs, next_token_loss)
-    result["clean_offload_reports"] = list(ledger.leaks)
+    result.clean_offload_reports = list(ledger.leaks)
     with leaky.resident("inference"):
         planted = next(p for p in leaky.model.parameters() if p.dim() == 2)
         planted.data = planted.data.clone()
-result["leak_warning"] = [str(w.message) for w in caught if issubclass(w.category, MemoryLeakWarning)]
-result["planted_bytes"] = planted.untyped_storage().nbytes()
+result.leak_warning = [str(w.message) for w in caught if issubclass(w.category, MemoryLeakWarning)]
+result.planted_bytes = planted.untyped_storage().nbytes()
 ledger.guard = "error"
 try:
     with leaky.resident("inference"):
         pass
-    result["leak_error"] = "nothing raised"
+    result.leak_error = "nothing raised"
 except MemoryLeak as e:
-    result["leak_error"] = str(e)
+    result.leak_error = str(e)
 
 # A model built with settings that need fixed device addresses is refused by EMS, not by EMS off.
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
@@ -110,10 +111,10 @@ gathering = DistributedDataParallel(plain.config, DistributedDataParallelConfig(
     use_distributed_optimizer=True, overlap_param_gather=True), plain)
 try:
     RoleMemory("ppo_policy", gathering, None, EMSSwitches(offload_weights=True))
-    result["fixed_addresses"] = "accepted"
+    result.fixed_addresses = "accepted"
 except FixedAddressesNeeded as e:
-    result["fixed_addresses"] = str(e)
-result["fixed_addresses_without_ems"] = RoleMemory("ppo_policy", gathering, None, EMSSwitches()).switches.kinds()
+    result.fixed_addresses = str(e)
+result.fixed_addresses_without_ems = RoleMemory("ppo_policy", gathering, None, EMSSwitches()).switches.kinds()
 
 # RSS: freeing grad buffers and optimizer state (host buffers already allocated by a first round
 # trip) gives their bytes back to the OS.
@@ -136,6 +137,6 @@ gc.collect()
 platform.empty_cache()
 rss_after = platform.memory_stats()["rss"]
 freed = sum(before_bytes[k] for k in (GRADS, MAIN_PARAMS, OPTIMIZER_STATE))
-result["rss"] = {"before": rss_before, "after": rss_after, "freed_state_bytes": freed,
-                 "by_kind": before_bytes, "after_kinds": role.memory.resident_bytes()}
+result.rss = RSSDrop(before=rss_before, after=rss_after, freed_state_bytes=freed, by_kind=before_bytes,
+                     after_kinds=role.memory.resident_bytes())
 save(result)

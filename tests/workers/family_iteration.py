@@ -6,6 +6,7 @@ import copy
 import os
 
 from common import OUT_DIR, reward_pool, save
+from tests.workers.findings import EMSOnAndOff, FamilyIteration, Iteration
 
 from megatron_rlhf.config.families import FAMILIES
 from megatron_rlhf.config.schema import EMS_SWITCHES
@@ -28,7 +29,7 @@ init_distributed(prepared.config.parallel, seed=prepared.config.seed)
 scorer = reward_pool(prepared.reward_functions)
 
 
-def run(features: dict, ems: bool) -> dict:
+def run(features: dict, ems: bool) -> Iteration:
     config = copy.deepcopy(prepared.config)
     for name in config.model_roles:
         role = config.role(name)
@@ -44,7 +45,8 @@ def run(features: dict, ems: bool) -> dict:
         role = controller.roles[name]
         with role.resident("training"):
             weights[name] = {k: v.detach().clone() for k, v in local_state_dict(role.model).items()}
-    return {"metrics": metrics, "weights": weights}
+    return Iteration(metrics=metrics, weights=weights)
 
 
-save({family: {"on": run(features, True), "off": run(features, False)} for family, features in FEATURES.items()})
+save(FamilyIteration(families={family: EMSOnAndOff(on=run(features, True), off=run(features, False))
+                               for family, features in FEATURES.items()}))

@@ -7,6 +7,7 @@ from unittest import mock
 
 import torch
 from common import save, setup, tiny_arch
+from tests.workers.findings import Generated, GenerationEquivalence
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.generation import CacheSession, SamplingParams, generate
@@ -51,7 +52,7 @@ def argmax_without_cache(model, params):
         if done.all():
             break
     used = int((lengths + produced).max())
-    return tokens[:, :used], produced
+    return Generated(tokens=tokens[:, :used], response_lengths=produced)
 
 
 def stats(model):
@@ -86,8 +87,8 @@ def turns(model, session_slots=None):
     return rows, fed
 
 
-def as_tuple(g):
-    return g.tokens.cpu(), g.response_lengths.cpu()
+def as_record(g) -> Generated:
+    return Generated(tokens=g.tokens.cpu(), response_lengths=g.response_lengths.cpu())
 
 
 def counting_packed_products():
@@ -101,29 +102,30 @@ def counting_packed_products():
     return counted, mock.patch.object(cpu_linears.PackedWeights, "matmul", counting)
 
 
-result = {}
+result = GenerationEquivalence.to_fill()
+result.stats, result.greedy = {}, {}
 parallel = setup(1, 1)
 model = build_model(arch, parallel, "lm")
 full = merge_state_dicts([[{k: v.detach().clone() for k, v in local_state_dict(model).items()}]], arch.num_layers, VOCAB, "lm")
-result["nocache"] = argmax_without_cache(model, GREEDY)
+result.nocache = argmax_without_cache(model, GREEDY)
 full_logits = forward_backward(model, [{"tokens": prompts}])[0]["output"][..., :VOCAB] / 0.7
 logp = torch.log_softmax(full_logits, -1)
-result["stats_reference"] = (logp.gather(-1, torch.roll(prompts, -1, 1).unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1))
-result["stats_tp1"] = stats(model)
-result["tp1"] = as_tuple(generate(model, prompts, lengths, GREEDY, VOCAB))
-result["tp1_left"] = as_tuple(generate(model, left, lengths, GREEDY, VOCAB, padding_side="left"))
+result.stats_reference = (logp.gather(-1, torch.roll(prompts, -1, 1).unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1))
+result.stats["tp1"] = stats(model)
+result.greedy["tp1"] = as_record(generate(model, prompts, lengths, GREEDY, VOCAB))
+result.tp1_left = as_record(generate(model, left, lengths, GREEDY, VOCAB, padding_side="left"))
 # Prompts padded far wider than the longest prompt + max_new_tokens (a batch's width from elsewhere).
-result["tp1_wide"] = as_tuple(generate(model, torch.cat([prompts, torch.zeros(4, 300, dtype=torch.long)], 1), lengths,
+result.tp1_wide = as_record(generate(model, torch.cat([prompts, torch.zeros(4, 300, dtype=torch.long)], 1), lengths,
                                        GREEDY, VOCAB))
 # EOS: the token row 0 emits third becomes the end token; every row stops at its first one.
-eos = int(result["nocache"][0][0, 3 + 2])
+eos = int(result.nocache.tokens[0, 3 + 2])
 with_eos = SamplingParams(max_new_tokens=6, greedy=True, eos_ids=(eos,), pad_id=0)
-result["eos"] = eos
-result["tp1_eos"] = as_tuple(generate(model, prompts, lengths, with_eos, VOCAB))
-result["nocache_eos"] = argmax_without_cache(model, with_eos)
-result["turns_prefilled"] = turns(model)
-result["turns_kept"] = turns(model, session_slots=4)
-result["turns_kept_2_slots"] = turns(model, session_slots=2)  # rows take each other's slots: some prefixes again
+result.eos = eos
+result.tp1_eos = as_record(generate(model, prompts, lengths, with_eos, VOCAB))
+result.nocache_eos = argmax_without_cache(model, with_eos)
+result.turns_prefilled = turns(model)
+result.turns_kept = turns(model, session_slots=4)
+result.turns_kept_2_slots = turns(model, session_slots=2)  # rows take each other's slots: some prefixes again
 del model
 
 for tp, pp in ((2, 1), (1, 2), (2, 2)):
@@ -134,21 +136,21 @@ for tp, pp in ((2, 1), (1, 2), (2, 2)):
         pp, ps.get_pipeline_model_parallel_rank(), head="lm",
     )
     load_local_state_dict(model, shard)
-    result[f"tp{tp}_pp{pp}"] = as_tuple(generate(model, prompts, lengths, GREEDY, VOCAB))
-    result[f"stats_tp{tp}_pp{pp}"] = stats(model)
+    result.greedy[f"tp{tp}_pp{pp}"] = as_record(generate(model, prompts, lengths, GREEDY, VOCAB))
+    result.stats[f"tp{tp}_pp{pp}"] = stats(model)
     if (tp, pp) == (2, 2):
-        result["tp2_pp2_turns_kept"] = turns(model, session_slots=4)
-        result["tp2_pp2_eos"] = as_tuple(generate(model, prompts, lengths, with_eos, VOCAB))
-        result["tp2_pp2_eos_by_3"] = as_tuple(generate(model, prompts, lengths, with_eos, VOCAB, batch_size=3))
+        result.tp2_pp2_turns_kept = turns(model, session_slots=4)
+        result.tp2_pp2_eos = as_record(generate(model, prompts, lengths, with_eos, VOCAB))
+        result.tp2_pp2_eos_by_3 = as_record(generate(model, prompts, lengths, with_eos, VOCAB, batch_size=3))
         # The engine's linears: oneDNN on packed weights by default (here every weight, however
         # small), torch's F.linear when asked.
         counted, counting = counting_packed_products()
         with counting, mock.patch.object(cpu_linears, "SMALLEST_PACKED_WEIGHT", 0):
-            result["tp2_pp2_eos_packed"] = as_tuple(generate(model, prompts, lengths, with_eos, VOCAB))
+            result.tp2_pp2_eos_packed = as_record(generate(model, prompts, lengths, with_eos, VOCAB))
             with mock.patch.dict(os.environ, {cpu_linears.KERNEL_VARIABLE: "torch"}):
-                result["tp2_pp2_eos_torch_linears"] = as_tuple(generate(model, prompts, lengths, with_eos, VOCAB))
-        result["packed_products"] = counted[0]
-        result["megatron_products_restored"] = not any("_forward_impl" in m.__dict__ for m in model.modules())
+                result.tp2_pp2_eos_torch_linears = as_record(generate(model, prompts, lengths, with_eos, VOCAB))
+        result.packed_products = counted[0]
+        result.megatron_products_restored = not any("_forward_impl" in m.__dict__ for m in model.modules())
         sampling = SamplingParams(max_new_tokens=8, temperature=0.8, top_k=20, top_p=0.9, pad_id=0)
-        result["sampled"] = as_tuple(generate(model, prompts, lengths, sampling, VOCAB, seeds=torch.arange(4) + 7))
+        result.sampled = as_record(generate(model, prompts, lengths, sampling, VOCAB, seeds=torch.arange(4) + 7))
 save(result)

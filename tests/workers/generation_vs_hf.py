@@ -4,6 +4,7 @@ token; also with the EOS learnt 2 steps late. Args: CHECKPOINT_DIR EOS. Run with
 
 import torch
 from common import ARGS, save, setup
+from tests.workers.findings import Generated, GenerationVsHF
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.checkpoint import load_model_shard
@@ -18,16 +19,16 @@ prompts = torch.randint(3, arch.vocab_size, (len(LENGTHS), max(LENGTHS)), genera
 for row, n in enumerate(LENGTHS):
     prompts[row, n:] = 0
 params = SamplingParams(max_new_tokens=10, greedy=True, eos_ids=(eos,), pad_id=0)
-result = {"prompts": prompts, "lengths": LENGTHS}
+result = GenerationVsHF(prompts=prompts, lengths=LENGTHS, greedy={})
 for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
     parallel = setup(tp, pp)
     model = build_model(arch, parallel, "lm")
     load_local_state_dict(model, load_model_shard(root, arch, "lm", tp, ps.get_tensor_model_parallel_rank(), pp,
                                                   ps.get_pipeline_model_parallel_rank()))
     gen = generate(model, prompts, torch.tensor(LENGTHS), params, arch.vocab_size, batch_size=3)
-    result[f"tp{tp}_pp{pp}"] = (gen.tokens, gen.response_lengths, gen.stats)
+    result.greedy[f"tp{tp}_pp{pp}"] = Generated(tokens=gen.tokens, response_lengths=gen.response_lengths, stats=gen.stats)
     if (tp, pp) == (2, 2):
         late = generate(model, prompts, torch.tensor(LENGTHS), params, arch.vocab_size, batch_size=3, completion_lag=2)
-        result["tp2_pp2_lag2"] = (late.tokens, late.response_lengths, late.stats)
+        result.greedy["tp2_pp2_lag2"] = Generated(tokens=late.tokens, response_lengths=late.response_lengths, stats=late.stats)
     del model
 save(result)

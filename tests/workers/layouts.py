@@ -6,6 +6,7 @@ model's weights after a sync, before and after the trained model changed, and lo
 import torch
 import torch.distributed as dist
 from common import save, setup, tiny_arch
+from tests.workers.findings import Layouts
 
 from megatron_rlhf.config.schema import ParallelConfig
 from megatron_rlhf.models.decoder import build_model, local_state_dict
@@ -29,23 +30,24 @@ def full_weights(model):
 
 setup(2, 1, seed=5)
 trained = build_model(ARCH, ParallelConfig(2, 1), "lm")
-result = {"rank": dist.get_rank()}
+result = Layouts.to_fill()
+result.rank, result.stages, result.full, result.served = dist.get_rank(), {}, {}, {}
 servings = {}
 for name, (tp, pp) in {"tp1": (1, 1), "pp2": (1, 2)}.items():
     groups = layout_groups(tp, pp)
     servings[name] = build_model(ARCH, ParallelConfig(tp, pp), "lm", pg_collection=groups, padded_vocab=VOCAB)
-    result[f"{name}/stage"] = groups.pp.rank()
+    result.stages[name] = groups.pp.rank()
 
 for when in ("start", "changed"):
     if when == "changed":  # the trained weights move (as an optimizer step moves them); sync again
         with torch.no_grad():
             for p in trained.parameters():
                 p.add_(torch.randn_like(p) * 0.01)
-    result[f"{when}/full"] = full_weights(trained)
+    result.full[when] = full_weights(trained)
     for name, serving in servings.items():
         reshard_weights(trained, serving)
-        result[f"{when}/{name}"] = {k: v.detach().clone() for k, v in local_state_dict(serving).items()}
+        result.served[(when, name)] = {k: v.detach().clone() for k, v in local_state_dict(serving).items()}
 with torch.no_grad():
-    result["logits/trained"] = gather_vocab_parallel(trained(tokens, positions, None))
-    result["logits/tp1"] = servings["tp1"](tokens, positions, None)
+    result.logits_trained = gather_vocab_parallel(trained(tokens, positions, None))
+    result.logits_tp1 = servings["tp1"](tokens, positions, None)
 save(result)

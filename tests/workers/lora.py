@@ -11,6 +11,7 @@ import os
 
 import torch
 from common import OUT_DIR, save, setup, tiny_arch
+from tests.workers.findings import LoRA
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.config.names import LORA_TARGETS
@@ -63,7 +64,8 @@ def write_checkpoint(model, name: str, tp: int, pp: int, lora: bool) -> None:
     torch.distributed.barrier()
 
 
-result = {}
+result = LoRA.to_fill()
+result.a_init, result.logits, result.grads = {}, {}, {}
 parallel = setup(1, 1)
 model = build_model(arch, parallel, "lm")
 base = merge_state_dicts([[{k: v.detach().cpu().clone() for k, v in local_state_dict(model).items()}]],
@@ -71,7 +73,7 @@ base = merge_state_dicts([[{k: v.detach().cpu().clone() for k, v in local_state_
 base_logits = logits(model)
 write_checkpoint(model, "base", 1, 1, lora=False)
 add_adapters(model, RANK, ALPHA, LORA_TARGETS, SEED)
-result["b0_equal"] = torch.equal(logits(model), base_logits)
+result.b0_equal = torch.equal(logits(model), base_logits)
 full = merge_state_dicts([[{k: v.detach().cpu().clone() for k, v in local_state_dict(model).items()}]],
                          arch.num_layers, arch.vocab_size, "lm")
 b_gen = torch.Generator().manual_seed(1)
@@ -80,11 +82,11 @@ for name in sorted(full):
         full[name] = torch.randn(full[name].shape, generator=b_gen) * 0.1
 load_local_state_dict(model, shard_state_dict(full, arch.num_layers, arch.padded_vocab_size(1), 1, 0))
 lora_logits = logits(model)
-result["lora_logits"] = lora_logits.cpu()
-result["tokens"] = torch.stack([mb["tokens"] for mb in micro_batches]).cpu()
+result.lora_logits = lora_logits.cpu()
+result.tokens = torch.stack([mb["tokens"] for mb in micro_batches]).cpu()
 with adapters_off(model):
-    result["off_equal"] = torch.equal(logits(model), base_logits)
-result["lora_moves"] = (lora_logits - base_logits).abs().max().item()
+    result.off_equal = torch.equal(logits(model), base_logits)
+result.lora_moves = (lora_logits - base_logits).abs().max().item()
 # The adapters merged into the base: W + alpha/rank x B A, projection by projection as Hugging Face
 # names them (a fused linear's A stacks its projections' A's; its B has the weight's rows).
 merged = {k: v.clone() for k, v in base.items()}
@@ -101,11 +103,11 @@ for name in full:
         merged[linear + ".weight"] += ALPHA / RANK * delta
 plain = build_model(arch, parallel, "lm")
 load_local_state_dict(plain, shard_state_dict(merged, arch.num_layers, arch.padded_vocab_size(1), 1, 0))
-result["merged"] = (logits(plain) - lora_logits).abs().max().item()
+result.merged = (logits(plain) - lora_logits).abs().max().item()
 del plain
 forward_backward(model, micro_batches, loss_fn, forward_only=False)
 grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if is_adapter(n)}
-result["base_without_grads"] = all(p.grad is None for n, p in model.named_parameters() if not is_adapter(n))
+result.base_without_grads = all(p.grad is None for n, p in model.named_parameters() if not is_adapter(n))
 reference_grads = merge_state_dicts([[grads]], arch.num_layers, arch.vocab_size, "lm")
 del model
 
@@ -117,14 +119,14 @@ for tp, pp in ((2, 1), (1, 2)):
     add_adapters(model, RANK, ALPHA, LORA_TARGETS, SEED)
     start = gathered({k: v for k, v in local_state_dict(model).items() if k.endswith("lora_a")}, tp, pp)
     key = f"tp{tp}_pp{pp}"
-    result[f"{key}_a_init"] = all(torch.equal(start[k], full[k]) for k in start) and len(start) == 4 * arch.num_layers
+    result.a_init[key] = all(torch.equal(start[k], full[k]) for k in start) and len(start) == 4 * arch.num_layers
     load_local_state_dict(model, shard_state_dict(full, arch.num_layers, arch.padded_vocab_size(tp), tp, tp_rank, pp, pp_rank))
     write_checkpoint(model, f"lora_{key}", tp, pp, lora=True)
     got = logits(model)
-    result[f"{key}_logits"] = None if got is None else (got - lora_logits).abs().max().item()
+    result.logits[key] = None if got is None else (got - lora_logits).abs().max().item()
     forward_backward(model, micro_batches, loss_fn, forward_only=False)
     mine = gathered({n: p.grad for n, p in model.named_parameters() if is_adapter(n)}, tp, pp)
-    result[f"{key}_grads"] = max(((mine[k] - reference_grads[k]).abs().max() / reference_grads[k].abs().max()).item()
-                                 for k in reference_grads)
+    result.grads[key] = max(((mine[k] - reference_grads[k]).abs().max() / reference_grads[k].abs().max()).item()
+                            for k in reference_grads)
     del model
 save(result)

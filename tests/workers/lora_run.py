@@ -13,6 +13,7 @@ import os
 
 import torch
 from common import OUT_DIR, capture_rollouts, reward_pool, save, setup
+from tests.workers.findings import LoRARun
 
 from megatron_rlhf.checkpoint.peft import write_peft_adapter
 from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint, save_ppo_checkpoint
@@ -45,15 +46,15 @@ def params(role) -> dict:
         return {n: p.detach().clone() for n, p in unwrap(role.model).named_parameters()}
 
 
-result = {}
+result = LoRARun.to_fill()
 prepared, whole = controller_for("whole")
 roles = whole.roles
 reference, trained = roles["reference"], roles["ppo_policy"]
 with trained.resident("inference"):
     storages = {p.untyped_storage().data_ptr() for p in unwrap(trained.model).parameters()}
-    result["reference_views"] = all(p.untyped_storage().data_ptr() in storages for p in unwrap(reference.model).parameters())
-result["reference_owner"] = reference.memory.weights_owner is trained.memory
-result["reference_weight_bytes"] = reference.memory.resident_bytes()[WEIGHTS] + reference.memory.host_bytes()
+    result.reference_views = all(p.untyped_storage().data_ptr() in storages for p in unwrap(reference.model).parameters())
+result.reference_owner = reference.memory.weights_owner is trained.memory
+result.reference_weight_bytes = reference.memory.resident_bytes()[WEIGHTS] + reference.memory.host_bytes()
 before = params(trained)
 captured = capture_rollouts(whole)
 steps = [figures(whole.step())]
@@ -62,13 +63,13 @@ checkpoint = save_ppo_checkpoint(roles, {**whole.state_dict(), "run": prepared.r
 at_checkpoint = params(trained)
 steps.append(figures(whole.step()))
 after = params(trained)
-result["base_unchanged"] = all(torch.equal(after[n], before[n]) for n in before if not is_adapter(n))
-result["adapters_moved"] = all(not torch.equal(after[n], before[n]) for n in before if n.endswith("lora_b"))
+result.base_unchanged = all(torch.equal(after[n], before[n]) for n in before if not is_adapter(n))
+result.adapters_moved = all(not torch.equal(after[n], before[n]) for n in before if n.endswith("lora_b"))
 adapter_numel = sum(p.numel() for n, p in after.items() if is_adapter(n))
-result["adapter_tensors"] = sum(1 for n in after if is_adapter(n))
-result["adapter_numel"], result["base_numel"] = adapter_numel, sum(p.numel() for n, p in after.items() if not is_adapter(n))
+result.adapter_tensors = sum(1 for n in after if is_adapter(n))
+result.adapter_numel, result.base_numel = adapter_numel, sum(p.numel() for n, p in after.items() if not is_adapter(n))
 with trained.resident("training"):
-    result["optimizer_numel"] = sum(t.numel() for t in trained.memory.tensors(OPTIMIZER_STATE))
+    result.optimizer_numel = sum(t.numel() for t in trained.memory.tensors(OPTIMIZER_STATE))
 
 # The reference's log-probs of iteration 1's rows against a reference built on its own (no LoRA anywhere).
 plain = copy.deepcopy(prepared.config)
@@ -77,7 +78,7 @@ separate = build_role("reference", plain)
 lengths = rollout.prompt_lengths + rollout.response_lengths
 with separate.resident("inference"):
     theirs = inference.log_probs(separate, rollout.tokens, lengths, prepared.tokenizer.vocab_size)
-result["reference_log_probs_equal"] = torch.equal(theirs, rollout.ref_log_probs)
+result.reference_log_probs_equal = torch.equal(theirs, rollout.ref_log_probs)
 
 # Its adapters exported as a PEFT adapter and started from (load_lora): ppo_policy as at the checkpoint.
 write_peft_adapter(os.path.join(checkpoint, "ppo_policy"), os.path.join(OUT_DIR, "peft"))
@@ -85,11 +86,11 @@ os.environ["LOAD_LORA"] = os.path.join(OUT_DIR, "peft")
 _, from_peft = controller_for("from_peft")
 del os.environ["LOAD_LORA"]
 loaded = params(from_peft.roles["ppo_policy"])
-result["load_lora_equal"] = loaded.keys() == at_checkpoint.keys() and all(torch.equal(loaded[n], at_checkpoint[n])
-                                                                          for n in loaded)
+result.load_lora_equal = loaded.keys() == at_checkpoint.keys() and all(torch.equal(loaded[n], at_checkpoint[n])
+                                                                       for n in loaded)
 del from_peft
 
 _, resumed = controller_for("resumed")
 resumed.load_state_dict(load_ppo_checkpoint(resumed.roles, checkpoint))
-result["whole"], result["resumed"] = steps, [figures(resumed.step())]
+result.whole, result.resumed = steps, [figures(resumed.step())]
 save(result)

@@ -3,6 +3,7 @@ for both heads; and a bf16 TP2xPP2 model trains (loss falls). Run with 4 process
 
 import torch
 from common import ARGS, save, setup, tiny_arch
+from tests.workers.findings import ModelsEquivalence
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.config.schema import RoleConfig
@@ -35,7 +36,8 @@ def local_state(model):
     return {k: v.detach().cpu().clone() for k, v in local_state_dict(model).items()}
 
 
-result = {}
+result = ModelsEquivalence.to_fill()
+result.errors, result.round_trips = {}, {}
 for head in ("lm", "scalar"):
     parallel = setup(1, 1)
     reference_model = build_model(arch, parallel, head)
@@ -52,8 +54,8 @@ for head in ("lm", "scalar"):
         )
         load_local_state_dict(model, shard)
         got = outputs(model, head)
-        key = f"{head}_tp{tp}_pp{pp}" + ("_sp" if sp else "")
-        result[key] = None if got is None else (got - reference).abs().max().item()
+        key = (head, f"tp{tp}_pp{pp}" + ("_sp" if sp else ""))
+        result.errors[key] = None if got is None else (got - reference).abs().max().item()
         # Shards gathered back from every rank rebuild the full state dict exactly.
         mine = local_state(model)
         gathered = [None] * torch.distributed.get_world_size()
@@ -62,7 +64,7 @@ for head in ("lm", "scalar"):
         for p, t, sd in gathered:
             grid[p][t] = sd
         merged = merge_state_dicts(grid, arch.num_layers, arch.vocab_size, head)
-        result[key + "_roundtrip"] = sorted(merged) == sorted(full) and all(torch.equal(merged[k], full[k]) for k in full)
+        result.round_trips[key] = sorted(merged) == sorted(full) and all(torch.equal(merged[k], full[k]) for k in full)
 
 # bf16 forward/backward under TP2xPP2 with the distributed optimizer: the loss must fall.
 parallel = setup(2, 2)
@@ -77,6 +79,6 @@ for _ in range(4):
     step = train_step(ddp, optimizer, micro_batches, next_token_loss)
     if step["metrics"]:
         losses.append(torch.stack([m["loss"] for m in step["metrics"]]).mean().item())
-result["bf16_losses"] = losses
-result["bf16_param_dtype"] = str(next(ddp.parameters()).dtype)
+result.bf16_losses = losses
+result.bf16_param_dtype = str(next(ddp.parameters()).dtype)
 save(result)

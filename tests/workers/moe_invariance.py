@@ -7,6 +7,7 @@ and the reported loss and load-balancing loss."""
 
 import torch
 from common import ARGS, save, setup, tiny_arch
+from tests.workers.findings import MoEInvariance, UpdateStep
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.config.schema import PPOConfig, RoleConfig
@@ -70,17 +71,17 @@ def one_step(arch, weights, pp, ep, micro):
     metrics = forward_backward(ddp, micro_batches, policy_loss_fn(arch.vocab_size, 1.0, config, kl_coef=0.1),
                                forward_only=False)
     reported = reported_metrics([metrics], "policy", policy_stats(config), torch.device("cpu"), ps.get_data_parallel_group())
-    return {"grads": full_grads(ddp, arch, pp), "loss": reported["loss/policy"], "moe": moe_losses(ddp, len(micro_batches))}
+    return UpdateStep(grads=full_grads(ddp, arch, pp), loss=reported["loss/policy"], moe=moe_losses(ddp, len(micro_batches)))
 
 
-result = {}
+result = MoEInvariance(steps={})
 for coeff in (0.0, 0.1):
     arch = tiny_arch(**{**ARCH.__dict__, "moe_aux_loss_coeff": coeff, "moe_z_loss_coeff": coeff / 10})
     weights = full_weights(arch)
     if ARGS[0] == "single":
         for micro in (8, 1, 4):
-            result[(coeff, f"mb{micro}")] = one_step(arch, weights, 1, 1, micro)
+            result.steps[(coeff, f"mb{micro}")] = one_step(arch, weights, 1, 1, micro)
     else:
         for name, pp, ep, micro in (("dp2", 1, 1, 2), ("ep2", 1, 2, 2), ("pp2", 2, 1, 2)):
-            result[(coeff, name)] = one_step(arch, weights, pp, ep, micro)
+            result.steps[(coeff, name)] = one_step(arch, weights, pp, ep, micro)
 save(result)

@@ -9,6 +9,7 @@ import copy
 import os
 
 from common import OUT_DIR, capture_rollouts, reward_pool, save, setup
+from tests.workers.findings import GameRun, MultiTurn as MultiTurnFindings
 
 from megatron_rlhf.controller import PPOController
 from megatron_rlhf.memory import MemoryLedger
@@ -44,8 +45,7 @@ def iteration(config_file: str, tp: int, name: str, environment=None, ems: bool 
     cut = controller.role_set.cut
     rows = cut.gather({"tokens": r.tokens, "mask": r.action_mask, "scores": r.scores, "advantages": r.advantages},
                       prepared.tokenizer.pad_id)
-    rollout = {k: v.cpu() for k, v in rows.items()}
-    return metrics, rollout
+    return GameRun(metrics=metrics, rollout={k: v.cpu() for k, v in rows.items()})
 
 
 TOOLS_CONFIG = """includes: {repo}/examples/tiny_agent/grpo.yaml
@@ -58,21 +58,21 @@ rollout:
   tool_parser: tags
 """
 
-result = {}
-result["single"], _ = iteration("examples/tiny/grpo.yaml", 1, "single")
-result["silent"], _ = iteration("examples/tiny/grpo.yaml", 1, "silent", environment=SILENT, max_turns=1)
-result["fails_on_rank_1"], _ = iteration("examples/tiny/grpo.yaml", 1, "fails_on_rank_1",
-                                         environment=ENVIRONMENTS + ":RaisesOnRankOne", max_turns=1)
+result = MultiTurnFindings.to_fill()
+result.single = iteration("examples/tiny/grpo.yaml", 1, "single").metrics
+result.silent = iteration("examples/tiny/grpo.yaml", 1, "silent", environment=SILENT, max_turns=1).metrics
+result.fails_on_rank_1 = iteration("examples/tiny/grpo.yaml", 1, "fails_on_rank_1",
+                                   environment=ENVIRONMENTS + ":RaisesOnRankOne", max_turns=1).metrics
 try:
     iteration("examples/tiny/grpo.yaml", 1, "fails_everywhere", environment=ENVIRONMENTS + ":RaisesAlways", max_turns=1)
 except EnvironmentFailure as e:  # on every rank: none waits for the others in a collective
-    result["fails_everywhere"] = (str(e), e.collective)
+    result.fails_everywhere = (str(e), e.collective)
 # The sandboxed Python tool in the tags format, wired through the config, the prompts and the workers.
 tools_config = os.path.join(OUT_DIR, f"tools_{os.environ['RANK']}.yaml")  # one per rank: no rank reads another's half-written file
 with open(tools_config, "w") as f:
     f.write(TOOLS_CONFIG.format(repo=os.getcwd()))
-result["tools"], _ = iteration(tools_config, 1, "tools")
-for name, ems, mbs in (("game", True, None), ("game_ems_off", False, None), ("game_mbs1", True, 1)):
-    metrics, rollout = iteration("examples/tiny_agent/grpo.yaml", 2, name, ems=ems, micro_batch_size=mbs)
-    result[name] = {"metrics": metrics, "rollout": rollout}
+result.tools = iteration(tools_config, 1, "tools").metrics
+result.game = iteration("examples/tiny_agent/grpo.yaml", 2, "game")
+result.game_ems_off = iteration("examples/tiny_agent/grpo.yaml", 2, "game_ems_off", ems=False)
+result.game_mbs1 = iteration("examples/tiny_agent/grpo.yaml", 2, "game_mbs1", micro_batch_size=1)
 save(result)

@@ -17,6 +17,7 @@ import os
 
 import torch
 from common import OUT_DIR, reward_pool, save, setup
+from tests.workers.findings import FrozenRun, PartialRollouts, ResumedRun
 
 from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint, save_ppo_checkpoint
 from megatron_rlhf.controller import PPOController
@@ -73,13 +74,11 @@ def in_one_go(controller, rows: dict) -> dict:
     return {"tokens": gen.tokens.cpu(), "response_lengths": gen.response_lengths.cpu(), "log_probs": gen.log_probs.cpu()}
 
 
-result = {}
-
 # lr 0: resumed responses against one go.
 _, frozen = controller_for("lr0", lr=0.0)
 trained = capture_rows(frozen)
-result["lr0"] = {"metrics": [figures(frozen.step()) for _ in range(3)], "rows": trained,
-                 "one_go": [in_one_go(frozen, rows) for rows in trained]}
+lr0 = FrozenRun(metrics=[figures(frozen.step()) for _ in range(3)], rows=trained,
+                one_go=[in_one_go(frozen, rows) for rows in trained])
 
 # Resume from a checkpoint holding unfinished groups.
 prepared, whole = controller_for("whole")
@@ -89,7 +88,6 @@ held = whole.collector.partial.held
 steps.append(figures(whole.step()))
 _, resumed = controller_for("resumed")
 resumed.load_state_dict(load_ppo_checkpoint(resumed.roles, checkpoint))
-result["resume"] = {"whole": steps, "resumed": [figures(resumed.step())],
-                    "held_groups": 0 if held is None else len(held["seeds"]) // 4,
-                    "held_unfinished": 0 if held is None else int((held["ended"] == 0).sum())}
-save(result)
+save(PartialRollouts(lr0=lr0, resume=ResumedRun(whole=steps, resumed=[figures(resumed.step())],
+                                                held_groups=0 if held is None else len(held["seeds"]) // 4,
+                                                held_unfinished=0 if held is None else int((held["ended"] == 0).sum()))))

@@ -5,6 +5,7 @@ import os
 
 import torch
 from common import save, setup
+from tests.workers.findings import PlannedRole, PlannedSync, PlannerState
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.config import load_config
@@ -41,7 +42,7 @@ MOE_LAYOUTS = [  # tp, pp, ep, distributed optimizer, precision, architecture fe
 # LoRA (rank 4 on every target): only the adapters (and a value model's score head) in DDP's buffer.
 LORA_LAYOUTS = [(2, 1, True, "fp32"), (1, 2, True, "bf16"), (2, 2, True, "bf16"), (1, 1, False, "bf16")]
 tokens = torch.randint(3, 30, (4, 16), generator=torch.Generator().manual_seed(0))
-result = []
+result = PlannerState(roles=[], syncs=[])
 cases = [("examples/tiny/rlhf.yaml", tp, pp, 1, dist_opt, precision, features, ("ppo_policy", "value"))
          for tp, pp, dist_opt, precision, features in LAYOUTS]
 cases += [("examples/tiny/moe.yaml", tp, pp, ep, dist_opt, precision, features, ("ppo_policy", "reference"))
@@ -75,8 +76,8 @@ for config_file, tp, pp, ep, dist_opt, precision, features, roles in cases:
         # Idle with every switch on: nothing of any kind left on the device, counted from every
         # parameter, main_grad and optimizer tensor (the leak guard's count; experts included).
         idle = {k: v for k, v in role.memory.resident_bytes().items() if k in LEDGER_KINDS and v}
-        result.append({"layout": (tp, pp, ep, dist_opt, precision, sorted(features)), "role": name, "measured": measured,
-                       "planned": planned, "idle": {**idle, **role.memory.leftovers()}})
+        result.roles.append(PlannedRole(layout=(tp, pp, ep, dist_opt, precision, sorted(features)), role=name,
+                                        measured=measured, planned=planned, idle={**idle, **role.memory.leftovers()}))
         del role
 # Serving roles at layouts of their own (the run at TP=2): built on their own groups, planned at their
 # layout with the run's padded vocabulary.
@@ -94,14 +95,13 @@ for name, (tp, pp) in {"policy": (1, 2), "reference": (1, 1), "value": (2, 2)}.i
     planned = state_bytes(rc, role.head, False, tp, pp, groups.dp.size(), groups.pp.rank(),
                           padded_vocab=config.padded_vocab(rc.model))
     idle = {k: v for k, v in role.memory.resident_bytes().items() if k in LEDGER_KINDS and v}
-    result.append({"layout": (tp, pp, 1, False, rc.precision, ["own layout"]), "role": name, "measured": measured,
-                   "planned": planned, "idle": {**idle, **role.memory.leftovers()}})
+    result.roles.append(PlannedRole(layout=(tp, pp, 1, False, rc.precision, ["own layout"]), role=name, measured=measured,
+                                    planned=planned, idle={**idle, **role.memory.leftovers()}))
     del role
 
 # Weight sync into a role of its own layout: the buffers megatron's resharding allocates, as the
 # ledger counts them, against the planner's. From TP=2 into TP=1 (receives only) and from TP=1 into
 # TP=2 x PP=2 (the row-parallel slices are copied before they are sent).
-syncs = []
 for run_tp, (tp, pp) in ((2, (1, 1)), (1, (2, 2))):
     os.environ.update(TP=str(run_tp), PP="1", EP="1")
     setup(run_tp, 1)
@@ -113,8 +113,8 @@ for run_tp, (tp, pp) in ((2, (1, 1)), (1, (2, 2))):
         ledger.track(role.memory)
     WeightSync(roles["ppo_policy"], roles["policy"], share=False, reshard=True)
     recorded = max(r["bytes"][RESHARD_BUFFERS] for r in ledger.records if r["role"] == "policy")
-    syncs.append({"layouts": (run_tp, tp, pp), "recorded": recorded,
-                  "planned": reshard_buffer_bytes(config, "policy", int(os.environ["WORLD_SIZE"])),
-                  "stage": groups_of(roles["policy"].model).pp.rank()})
+    result.syncs.append(PlannedSync(layouts=(run_tp, tp, pp), recorded=recorded,
+                                    planned=reshard_buffer_bytes(config, "policy", int(os.environ["WORLD_SIZE"])),
+                                    stage=groups_of(roles["policy"].model).pp.rank()))
     del roles
-save({"result": result, "syncs": syncs})
+save(result)

@@ -5,6 +5,7 @@ import os
 
 import torch
 from common import OUT_DIR, reward_pool, save
+from tests.workers.findings import PPOCheckpointCrash
 
 from megatron_rlhf.checkpoint import ppo_state
 from megatron_rlhf.controller import PPOController
@@ -53,7 +54,5 @@ def recording_load(*args, **kwargs):
 ppo_state.torch.load = recording_load
 fresh.load_state_dict(ppo_state.load_ppo_checkpoint(fresh.roles, latest))
 ppo_state.torch.load = real_load
-save({
-    "error": error, "first": first, "latest": latest, "resumed_iteration": fresh.iteration,
-    "listing": sorted(os.listdir(os.path.join(OUT_DIR, "checkpoints"))), "map_locations": map_locations,
-})
+save(PPOCheckpointCrash(error=error, first=first, latest=latest, resumed_iteration=fresh.iteration,
+                        listing=sorted(os.listdir(os.path.join(OUT_DIR, "checkpoints"))), map_locations=map_locations))

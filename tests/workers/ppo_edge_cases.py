@@ -4,6 +4,7 @@ clip_grad 0 reports the real grad norm (that of the same step with a clip that n
 
 import torch
 from common import save, setup, tiny_arch
+from tests.workers.findings import PPOEdgeCases
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.config.schema import RoleConfig
@@ -13,7 +14,6 @@ from megatron_rlhf.models.training import next_token_loss, train_step, wrap_for_
 
 arch = tiny_arch()
 parallel = setup(2, 1, seed=3)
-result = {}
 
 model = build_model(arch, parallel, "lm")
 prompts = torch.randint(3, arch.vocab_size, (4, 6), generator=torch.Generator().manual_seed(0))
@@ -22,7 +22,7 @@ params = SamplingParams(max_new_tokens=12, temperature=1.0, pad_id=0)
 tokens = generate(model, prompts, torch.tensor([6, 4, 5, 2]), params, arch.vocab_size, diverged).tokens
 everyone = [torch.empty_like(tokens) for _ in range(2)]
 torch.distributed.all_gather(everyone, tokens, group=ps.get_tensor_model_parallel_group())
-result["tp_ranks_agree"] = torch.equal(everyone[0], everyone[1])
+tp_ranks_agree = torch.equal(everyone[0], everyone[1])
 
 batch = [{"tokens": torch.randint(0, arch.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))}]
 norms = {}
@@ -30,5 +30,4 @@ for clip in (0.0, 1e9):
     setup(2, 1, seed=3)
     ddp, optimizer = wrap_for_training(build_model(arch, parallel, "lm"), RoleConfig(precision="fp32", clip_grad=clip))
     norms[clip] = float(train_step(ddp, optimizer, batch, next_token_loss)["grad_norm"])
-result["grad_norms"] = norms
-save(result)
+save(PPOEdgeCases(tp_ranks_agree=tp_ranks_agree, grad_norms=norms))

@@ -7,6 +7,7 @@ the full gradients of ppo_policy (LM head) and ppo_value (scalar head) after the
 
 import torch
 from common import ARGS, save, setup, tiny_arch
+from tests.workers.findings import PPOInvariance, UpdateStep
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf import ppo
@@ -88,19 +89,19 @@ def one_step(weights, head, tp, pp, micro, mode):
     metrics = forward_backward(ddp, micro_batches, loss_fn, forward_only=False)
     prefix = "policy" if head == "lm" else "value"
     reported = reported_metrics([metrics], prefix, stats, torch.device("cpu"), ps.get_data_parallel_group())
-    return {"grads": full_grads(ddp, head, tp, pp), "loss": reported[f"loss/{prefix}"]}
+    return UpdateStep(grads=full_grads(ddp, head, tp, pp), loss=reported[f"loss/{prefix}"])
 
 
-result = {}
+result = PPOInvariance(steps={})
 for head in ("lm", "scalar"):
     weights = full_weights(head)
     if ARGS[0] == "single":
         for mode in ppo.LOSS_AGG_MODES + (("gspo+dual-clip",) if head == "lm" else ()):
             for micro in (8, 1, 4):
-                result[(head, mode, f"mb{micro}")] = one_step(weights, head, 1, 1, micro, mode)
+                result.steps[(head, mode, f"mb{micro}")] = one_step(weights, head, 1, 1, micro, mode)
             if mode == "token-mean":
-                result[(head, mode, "tokens40")] = one_step(weights, head, 1, 1, "tokens40", mode)
+                result.steps[(head, mode, "tokens40")] = one_step(weights, head, 1, 1, "tokens40", mode)
     else:
         for name, tp, pp, micro in (("dp2", 1, 1, 2), ("tp2", 2, 1, 4), ("pp2", 1, 2, 2), ("pp2_tokens40", 1, 2, "tokens40")):
-            result[(head, "token-mean", name)] = one_step(weights, head, tp, pp, micro, "token-mean")
+            result.steps[(head, "token-mean", name)] = one_step(weights, head, tp, pp, micro, "token-mean")
 save(result)

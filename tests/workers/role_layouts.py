@@ -10,6 +10,7 @@ import os
 
 import torch.distributed as dist
 from common import OUT_DIR, capture_rollouts, save, setup
+from tests.workers.findings import LoRAServed, RoleLayoutRun, RoleLayouts
 
 from megatron.core import parallel_state as ps
 
@@ -65,11 +66,12 @@ def iteration(config, greedy: bool, free_memory: bool = True, source=prepared):
                                                 "old_values", "action_mask", "scores", "routes") if getattr(r, k) is not None}
     layouts = {name: (groups_of(role.model).tp.size(), groups_of(role.model).pp.size(), groups_of(role.model).ep.size())
                for name, role in controller.roles.items()}
-    return controller, {"columns": columns, "metrics": metrics, "layouts": layouts}
+    return controller, RoleLayoutRun(columns=columns, metrics=metrics, layouts=layouts)
 
 
-result = {}
-controller, result["same/greedy"] = iteration(base, greedy=True)
+result = RoleLayouts.to_fill()
+result.same, result.mixed, result.lora = {}, {}, {}
+controller, result.same["greedy"] = iteration(base, greedy=True)
 # The reference's starting weights at TP=2, written as a checkpoint the mixed run loads at PP=2.
 reference = controller.roles["reference"]
 with reference.resident("inference"):
@@ -77,20 +79,20 @@ with reference.resident("inference"):
 if dist.get_rank() == 0:
     write_model_meta(CHECKPOINT, base.reference.model, "lm", next(reference.model.parameters()).dtype, 2, 1)
 dist.barrier()
-_, result["same/sampled"] = iteration(base, greedy=False)
-_, result["mixed/greedy"] = iteration(mixed(base), greedy=True)
-_, result["mixed/sampled"] = iteration(mixed(base), greedy=False)
-_, result["mixed/sampled/ems_off"] = iteration(mixed(base), greedy=False, free_memory=False)
+_, result.same["sampled"] = iteration(base, greedy=False)
+_, result.mixed["greedy"] = iteration(mixed(base), greedy=True)
+_, result.mixed["sampled"] = iteration(mixed(base), greedy=False)
+_, result.mixed_ems_off = iteration(mixed(base), greedy=False, free_memory=False)
 
 # Resume: a checkpoint after the first iteration, loaded by a fresh controller, continues the run;
 # the policy at its own layout is served the restored weights, not its starting ones.
 interrupted, _ = iteration(mixed(base), greedy=False)
 path = ppo_state.save_ppo_checkpoint(interrupted.roles, interrupted.state_dict(), OUT_DIR)
-result["resume/whole"] = without_times(interrupted.step())
+result.resume_whole = without_times(interrupted.step())
 resumed = PPOController(mixed(base), copy.deepcopy(prepared.dataset), prepared.tokenizer, interrupted.collector.scorer.reward_pool,
                         MemoryLedger(None))
 resumed.load_state_dict(ppo_state.load_ppo_checkpoint(resumed.roles, path))
-result["resume/resumed"] = without_times(resumed.step())
+result.resume_resumed = without_times(resumed.step())
 
 # LoRA (the GRPO LoRA demo): the policy at TP=1 (DP=2), served ppo_policy's frozen base once and its
 # adapters after each update by resharding, against every role at TP=2; two iterations, greedy.
@@ -105,11 +107,11 @@ for name, config in (("same", lora.config), ("mixed", lora_mixed)):
     second = without_times(controller.step())
     rollout = captured["rollout"]
     policy = dict(unwrap(controller.roles["policy"].model).named_parameters())
-    result[f"lora/{name}"] = {"tokens": rollout.tokens.cpu(), "old_log_probs": rollout.old_log_probs.cpu(),
-                              "action_mask": rollout.action_mask.cpu(), "layouts": first["layouts"],
-                              "metrics": [without_times(first["metrics"]), second],
-                              "bytes": {kind: sum(p.numel() * p.element_size() for n, p in policy.items()
-                                                  if is_adapter(n) == (kind == "adapters")) for kind in ("adapters", "base")}}
+    result.lora[name] = LoRAServed(tokens=rollout.tokens.cpu(), old_log_probs=rollout.old_log_probs.cpu(),
+                                   action_mask=rollout.action_mask.cpu(), layouts=first.layouts,
+                                   metrics=[without_times(first.metrics), second],
+                                   bytes={kind: sum(p.numel() * p.element_size() for n, p in policy.items()
+                                                    if is_adapter(n) == (kind == "adapters")) for kind in ("adapters", "base")})
     del controller
 
 # A mixture of experts (the MoE demo: GRPO, routing replayed from the rollout): the run at TP=1 x EP=2
@@ -122,6 +124,6 @@ moe_mixed = copy.deepcopy(moe.config)
 moe_mixed.policy.parallel.expert_model_parallel_size = 1
 validate(moe_mixed, dist.get_world_size())
 for mode, greedy in (("greedy", True), ("sampled", False)):
-    _, result[f"moe/same/{mode}"] = iteration(moe.config, greedy, source=moe)
-    _, result[f"moe/mixed/{mode}"] = iteration(moe_mixed, greedy, source=moe)
+    _, result.same[f"moe/{mode}"] = iteration(moe.config, greedy, source=moe)
+    _, result.mixed[f"moe/{mode}"] = iteration(moe_mixed, greedy, source=moe)
 save(result)

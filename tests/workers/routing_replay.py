@@ -8,6 +8,7 @@ import os
 
 import torch
 from common import save, setup, tiny_arch
+from tests.workers.findings import Replayed, RoutingReplay
 from megatron.core import parallel_state as ps
 
 from megatron_rlhf.config.schema import RoleConfig
@@ -40,7 +41,7 @@ class RoutedExperts:
         return torch.stack([m.reshape(-1, batch, m.shape[-1]).transpose(0, 1) for m in maps], dim=2)
 
 
-def case(pp: int, ep: int) -> dict:
+def case(pp: int, ep: int) -> Replayed:
     parallel = setup(1, pp, seed=3, ep=ep)
     model = build_model(ARCH, parallel, "lm")
     routing.enable(model)
@@ -71,18 +72,18 @@ def case(pp: int, ep: int) -> dict:
 
     recorded = []
     inference.log_probs(role, tokens, lengths, ARCH.vocab_size, routes_out=recorded)
-    result = {"engine": out.routes, "record": recorded[0], "lengths": lengths, "layers": layers}
     # The experts the old-log-prob pass used, seen by the hooks: the record is what was routed.
-    result["recorded/inference"] = routed(lambda mb: role.forward([mb]), None)
+    result = Replayed(engine=out.routes, record=recorded[0], lengths=lengths, layers=layers, routed={},
+                      recorded_inference=routed(lambda mb: role.forward([mb]), None))
     # Optimizer steps on the generated rows move the router.
     for _ in range(3):
         train_step(ddp, optimizer, length_grouped(2, lengths, tokens=tokens)[0], next_token_loss)
     for name, routes in (("replayed", recorded[0]), ("free", None)):
-        result[f"{name}/inference"] = routed(lambda mb: role.forward([mb]), routes)
+        result.routed[(name, "inference")] = routed(lambda mb: role.forward([mb]), routes)
         # Each training micro-batch is an optimizer step of its own: the router keeps moving.
-        result[f"{name}/training"] = routed(lambda mb: train_step(ddp, optimizer, [mb], next_token_loss), routes)
+        result.routed[(name, "training")] = routed(lambda mb: train_step(ddp, optimizer, [mb], next_token_loss), routes)
     return result
 
 
 world = int(os.environ["WORLD_SIZE"])
-save({"experts": ARCH.num_experts, "ep2": case(1, world), "pp2": case(world, 1)})
+save(RoutingReplay(experts=ARCH.num_experts, ep2=case(1, world), pp2=case(world, 1)))
