@@ -148,5 +148,10 @@ def test_only_the_adapters_train_the_reference_is_the_base_and_resume_is_exact(w
 
 
 def test_adapter_names():
+    from megatron_rlhf.checkpoint.hf_decoder import LINEARS
+    from megatron_rlhf.config.names import LORA_TARGETS
+
     assert is_adapter("decoder.layers.0.self_attention.linear_qkv.lora_a")
     assert not is_adapter("decoder.layers.0.self_attention.linear_qkv.weight")
+    # The Hugging Face projections of every target, in one table (hf_decoder), for every target.
+    assert tuple(LINEARS) == LORA_TARGETS and all(module.endswith(target) for target, (module, _) in LINEARS.items())

@@ -1,5 +1,6 @@
 """The package's import structure: no import cycle (lazy imports inside functions included), the
-config package imports nothing above it, and the RL math imports no Megatron."""
+config package imports nothing above it, the RL math imports no Megatron; long functions say why,
+and each test worker declares its findings."""
 
 import ast
 from pathlib import Path
@@ -114,3 +115,18 @@ def test_a_function_longer_than_a_screen_says_why_and_the_controller_stays_small
             if not lines[after_docstring].lstrip().startswith("#"):
                 unexplained.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}")
     assert not unexplained, unexplained
+
+
+def test_every_worker_script_declares_its_findings_and_saves_that_record():
+    """Each tests/workers/<name>.py (the shared modules aside) has one record in findings.py, and
+    its script names that record: no worker saves an undeclared dict."""
+    from tests.workers.findings import FINDINGS
+
+    workers = PACKAGE.parent / "tests" / "workers"
+    shared = {"__init__", "common", "findings", "environments_for_tests", "rewards_for_tests"}
+    scripts = sorted(p.stem for p in workers.glob("*.py") if p.stem not in shared)
+    assert scripts == sorted(FINDINGS), set(scripts) ^ set(FINDINGS)
+    for name in scripts:
+        imported = {alias.name for node in ast.walk(ast.parse((workers / f"{name}.py").read_text()))
+                    if isinstance(node, ast.ImportFrom) and node.module == "tests.workers.findings" for alias in node.names}
+        assert FINDINGS[name].__name__ in imported, f"tests/workers/{name}.py does not name its record {FINDINGS[name].__name__}"

@@ -43,13 +43,20 @@ from megatron_rlhf.config.schema import ModelArchConfig
 
 GetTensor = Callable[[str], torch.Tensor]
 
+# A layer's linears (config.names.LORA_TARGETS): each one's module (after decoder.layers.i.) and the
+# Hugging Face projections it holds (after model.layers.i.), in the order of its rows' blocks.
+LINEARS = {
+    "linear_qkv": ("self_attention.linear_qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    "linear_proj": ("self_attention.linear_proj", ("self_attn.o_proj",)),
+    "linear_fc1": ("mlp.linear_fc1", ("mlp.gate_proj", "mlp.up_proj")),
+    "linear_fc2": ("mlp.linear_fc2", ("mlp.down_proj",)),
+}
 _LAYER_SIMPLE = {
     "input_layernorm.weight": "input_layernorm.weight",
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    **{f"{LINEARS[linear][0]}.weight": f"{LINEARS[linear][1][0]}.weight" for linear in ("linear_proj", "linear_fc2")},
 }
 _QKV = {"self_attention.linear_qkv.weight": "weight", "self_attention.linear_qkv.bias": "bias"}
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")

@@ -23,15 +23,6 @@ from megatron_rlhf.checkpoint.model_files import CheckpointError, full_tensors, 
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-# Each adapter target's Hugging Face projections (after model.layers.i.), in its A's stacking order.
-PROJECTIONS = {
-    "linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "linear_proj": ("self_attn.o_proj",),
-    "linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
-    "linear_fc2": ("mlp.down_proj",),
-}
-_MODULE = {"linear_qkv": "self_attention.linear_qkv", "linear_proj": "self_attention.linear_proj",
-           "linear_fc1": "mlp.linear_fc1", "linear_fc2": "mlp.linear_fc2"}
 # PEFT LoRA features that change what an adapter computes, each with the one value we model.
 _UNMODELLED = {"peft_type": "LORA", "use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "bias": "none",
                "lora_bias": False, "modules_to_save": None, "layers_to_transform": None, "layer_replication": None,
@@ -63,7 +54,7 @@ def read_peft_config(directory: str, lora) -> dict:
         problems.append(f"target_modules: {targets!r} (supported: a list of projection names, e.g. "
                         "[q_proj, k_proj, v_proj, o_proj])")
     else:
-        known = {_leaf(p): t for t, projections in PROJECTIONS.items() for p in projections}
+        known = {_leaf(p): t for t, (_, projections) in hf_decoder.LINEARS.items() for p in projections}
         unknown = sorted(set(targets) - set(known))
         if unknown:
             problems.append(f"target_modules: {unknown} are not adapter targets (supported: {', '.join(known)})")
@@ -110,10 +101,11 @@ def peft_adapters(directory: str, lora, arch, read: bool = True) -> Dict[str, to
 
         for layer in range(arch.num_layers):
             for target in lora.target_modules:
-                module = f"decoder.layers.{layer}.{_MODULE[target]}"
-                a_parts = [factor(layer, p, "A") for p in PROJECTIONS[target]]
+                module, projections = hf_decoder.LINEARS[target]
+                module = f"decoder.layers.{layer}.{module}"
+                a_parts = [factor(layer, p, "A") for p in projections]
                 if not read:
-                    for p in PROJECTIONS[target]:
+                    for p in projections:
                         factor(layer, p, "B")
                     continue
                 out[module + ".lora_a"] = torch.cat(a_parts)
@@ -129,7 +121,7 @@ def peft_adapters(directory: str, lora, arch, read: bool = True) -> Dict[str, to
 def write_peft_adapter(root: str, output: str, overwrite: bool = False, base_model: Optional[str] = None) -> None:
     """The LoRA adapters of checkpoint ``root`` as a PEFT adapter directory that peft loads onto
     the Hugging Face base: a fused linear's adapter becomes its projections' (B's rows cut as the
-    weight's are, A's stacked blocks in PROJECTIONS order)."""
+    weight's are, A's stacked blocks in hf_decoder.LINEARS order)."""
     from safetensors.torch import save_file
 
     arch, meta = read_model_meta(root)
