@@ -28,6 +28,7 @@ from megatron_rlhf.checkpoint.run_state import (
     set_aside_run,
 )
 from megatron_rlhf.config import ConfigError, input_problems, load_config
+from megatron_rlhf.config.presets import CHECKPOINT_META_FILE
 from megatron_rlhf.config.schema import ROLE_HEADS, RLHFConfig
 from megatron_rlhf.dry_run import host_text
 from megatron_rlhf.errors import hide_internal_warnings
@@ -201,13 +202,12 @@ def _check_loaded_checkpoints(config: RLHFConfig) -> None:
     """Every ``<role>.load`` checkpoint with a manifest (the converter writes one) has its files
     at their sizes: a truncated or missing shard stops the run here, not while roles are built. A
     LoRA run's checkpoint (base and adapters) is not a starting point: it is named with what is."""
-    from megatron_rlhf.checkpoint.model_files import (MANIFEST, META_FILE, CheckpointError, read_model_meta,
-                                                      verify_checkpoint)
+    from megatron_rlhf.checkpoint.model_files import MANIFEST, CheckpointError, read_model_meta, verify_checkpoint
     from megatron_rlhf.checkpoint.peft import peft_adapters
 
     for role in config.model_roles:
         path = config.path_of(role + ".load")
-        if path and os.path.isfile(os.path.join(path, META_FILE)) and read_model_meta(path)[1].get("lora"):
+        if path and os.path.isfile(os.path.join(path, CHECKPOINT_META_FILE)) and read_model_meta(path)[1].get("lora"):
             raise ConfigError(f"{config.at(role + '.load')}: {path} holds LoRA adapters beside its base (a LoRA run's "
                               "checkpoint); continue that run with --resume, start from its adapters as a PEFT "
                               "adapter (tools/convert_megatron_to_hf.py --peft-output, then load_lora), or from its "
@@ -615,7 +615,6 @@ def _ranks_elsewhere(progress_dir: str, iteration: int, phase: str) -> str:
     if gone or behind:
         return "; ".join(gone + (["elsewhere: " + "; ".join(behind)] if behind else []))
     return "every rank recorded this phase (one that stopped says why in its output, or torchrun names its exit code)"
-
 
 
 def _peer_problem(error: RuntimeError, timeout_s: float) -> Optional[str]:

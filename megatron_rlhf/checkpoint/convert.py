@@ -215,8 +215,8 @@ def merged_adapters(tensors, lora: dict, arch):
     for key, tensor in tensors:
         linear, leaf = key.rsplit(".", 1)
         target = linear.rsplit(".", 1)[-1]
-        if not (target in lora["target_modules"] and key.startswith("decoder.layers.")) or \
-                leaf not in ("weight", "lora_a", "lora_b"):
+        adapted = target in lora["target_modules"] and key.startswith("decoder.layers.")
+        if not adapted or leaf not in ("weight", "lora_a", "lora_b"):
             yield key, tensor
             continue
         parts = held.setdefault(linear, {})

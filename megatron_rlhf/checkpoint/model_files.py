@@ -24,8 +24,6 @@ from megatron_rlhf.config.presets import CHECKPOINT_META_FILE
 from megatron_rlhf.config.schema import TRAINING_ONLY_ARCH_FIELDS, ModelArchConfig
 from megatron_rlhf.models.sharding import StateDict, experts_of_rank, merge_tensor, shard_state_dict
 
-META_FILE = CHECKPOINT_META_FILE
-
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, truncated or does not fit; the message names the file."""
@@ -149,7 +147,7 @@ def write_model_meta(root: str, arch: ModelArchConfig, head: str, dtype: torch.d
     meta = {"arch": dataclasses.asdict(arch), "head": head, "dtype": str(dtype).replace("torch.", ""), "tp": tp, "pp": pp}
     if lora:
         meta["lora"] = lora
-    with open(os.path.join(root, META_FILE), "w") as f:
+    with open(os.path.join(root, CHECKPOINT_META_FILE), "w") as f:
         json.dump(meta, f, indent=1)
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("release")
@@ -165,9 +163,9 @@ def read_model_meta(root: str) -> Tuple[ModelArchConfig, dict]:
     try:
         meta = read_checkpoint_meta(root)
     except FileNotFoundError:
-        raise CheckpointError(f"{root}: not a megatron-rlhf model checkpoint (no {META_FILE})") from None
+        raise CheckpointError(f"{root}: not a megatron-rlhf model checkpoint (no {CHECKPOINT_META_FILE})") from None
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{os.path.join(root, META_FILE)}: not valid JSON ({e.msg})") from None
+        raise CheckpointError(f"{os.path.join(root, CHECKPOINT_META_FILE)}: not valid JSON ({e.msg})") from None
     return ModelArchConfig(**meta["arch"]), meta
 
 

@@ -341,20 +341,19 @@ def build(cls: type, data: Any, sources: Sources, path: KeyPath, top_file: str, 
             kwargs[key] = build(tp, value, sources, key_path, top_file, problems, refused)
             continue
         ok, converted = _check_type(value, tp)
-        if not ok:
-            refused.append(dotted(key_path))
-        entries = _bad_entries(value, tp) if not ok else []
+        if ok:
+            kwargs[key] = converted
+            continue
+        refused.append(dotted(key_path))
+        entries = _bad_entries(value, tp)
         if entries:  # each wrong entry of a mapping, named where it was set (an include's may be fine)
             problems.extend(f"{located(where(key_path + (k,)), dotted(key_path + (k,)))}: expected {_type_name(inner)}, "
                             f"got {type(v).__name__} {v!r}" for k, v, inner in entries)
             continue
-        if not ok:
-            shown = "nothing (empty)" if value is None else f"{type(value).__name__} {value!r}"
-            if isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?e\d+", value.strip(), re.I):
-                shown += f" (YAML reads an exponent without a sign as text: write {value.lower().replace('e', 'e+')})"
-            problems.append(f"{located(where(key_path), dotted(key_path))}: expected {_type_name(tp)}, got {shown}")
-            continue
-        kwargs[key] = converted
+        shown = "nothing (empty)" if value is None else f"{type(value).__name__} {value!r}"
+        if isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?e\d+", value.strip(), re.I):
+            shown += f" (YAML reads an exponent without a sign as text: write {value.lower().replace('e', 'e+')})"
+        problems.append(f"{located(where(key_path), dotted(key_path))}: expected {_type_name(tp)}, got {shown}")
     obj = cls(**kwargs)
     if isinstance(obj, ModelArchConfig):
         problems.extend(_apply_preset(obj, set(kwargs), where, path))
