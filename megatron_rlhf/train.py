@@ -74,12 +74,16 @@ def _dry_run(args: argparse.Namespace) -> int:
         return 2
 
 
+# What prepare() raises for bad input (config, data, tokenizer, rewards): one line, no traceback.
+INPUT_ERRORS = (ConfigError, ValueError, FileNotFoundError)
+
+
 def _check_only(args: argparse.Namespace) -> int:
     """prepare() on its own (one process, nothing written): every input a launch reads, checked."""
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or 1
     try:
         prepared = prepare(args, world_size)
-    except (ConfigError, ValueError, FileNotFoundError) as e:  # what a launch's prepare() reports
+    except INPUT_ERRORS as e:  # what a launch's prepare() reports
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"inputs checked for {world_size} processes: {len(prepared.dataset)} prompts"
@@ -541,7 +545,7 @@ def _main(args: argparse.Namespace) -> Optional[list]:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         prepared = prepare(args, world_size)
-    except (ConfigError, ValueError, FileNotFoundError) as e:  # the same input on every rank: one per node says it
+    except INPUT_ERRORS as e:  # the same input on every rank: one per node says it
         report_and_exit(e, int(os.environ.get("LOCAL_RANK", "0")) == 0)
     try:
         return _run(prepared)
