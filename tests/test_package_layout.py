@@ -120,8 +120,17 @@ def test_a_function_longer_than_a_screen_says_why_and_the_controller_stays_small
 def test_every_worker_script_declares_its_findings_and_saves_that_record():
     """Each tests/workers/<name>.py (the shared modules aside) has one record in findings.py, and
     its script names that record: no worker saves an undeclared dict."""
-    from tests.workers.findings import FINDINGS
+    import pytest
 
+    from tests.workers.findings import FINDINGS, DPIteration, Iteration
+
+    # A record filled field by field names what is left unset (common.save refuses it) and refuses a
+    # field it does not declare.
+    record = DPIteration.to_fill()
+    record.ppo = Iteration(metrics={})
+    assert record.unset() == ["grpo"] and record.grpo_lora is None
+    with pytest.raises(AttributeError):
+        record.grp = Iteration(metrics={})
     workers = PACKAGE.parent / "tests" / "workers"
     shared = {"__init__", "common", "findings", "environments_for_tests", "rewards_for_tests"}
     scripts = sorted(p.stem for p in workers.glob("*.py") if p.stem not in shared)
