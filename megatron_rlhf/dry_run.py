@@ -12,7 +12,7 @@ import yaml
 
 from megatron_rlhf.config import input_problems, load_config, validate
 from megatron_rlhf.config.presets import AUTO
-from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, TRAINABLE_ROLES, RLHFConfig
+from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, RLHFConfig
 from megatron_rlhf.config.validation import weight_sharing_notes
 from megatron_rlhf.memory.manager import EMSSwitches
 from megatron_rlhf.memory.planner import (KINDS, TRANSIENT, Plan, expert_numels, micro_batches_per_step, param_numels, plan,
@@ -162,12 +162,12 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
         experts = sum(expert_numels(arch, 1, 1, 0, 1))
         params = sum(param_numels(arch, ROLE_HEADS[role], 1, 1, 0)) + experts
         network = arch.preset if arch.preset not in (None, AUTO) else f"{arch.family}-h{arch.hidden_size}x{arch.num_layers}"
-        if role in TRAINABLE_ROLES:
+        if role in config.trainable_roles:
             global_batch, accum = str(config.samples_per_step(role)), str(micro_batches_per_step(config, role, dp))
             optimizer = "Adam, dist" if rc.use_distributed_optimizer else "Adam"
         else:
             global_batch = accum = optimizer = "-"
-        kinds = [k for k in EMSSwitches.from_role_config(rc, auto=False).kinds() if role in TRAINABLE_ROLES or k == "weights"]
+        kinds = [k for k in EMSSwitches.from_role_config(rc, auto=False).kinds() if role in config.trainable_roles or k == "weights"]
         owner = config.weight_owner(role)
         if rc.free_memory == "auto":
             kinds = ["auto (chosen at start-up from the free device memory)"]

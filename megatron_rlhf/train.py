@@ -32,6 +32,7 @@ from megatron_rlhf.config.presets import CHECKPOINT_META_FILE
 from megatron_rlhf.config.schema import ROLE_HEADS, RLHFConfig
 from megatron_rlhf.dry_run import host_text
 from megatron_rlhf.errors import hide_internal_warnings
+from megatron_rlhf.run_log import RunLog
 from megatron_rlhf.units import human, parse_bytes, positive_int
 
 
@@ -86,8 +87,9 @@ def _check_only(args: argparse.Namespace) -> int:
     except INPUT_ERRORS as e:  # what a launch's prepare() reports
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"inputs checked for {world_size} processes: {len(prepared.dataset)} prompts"
-          + (f", {len(prepared.val_dataset)} validation prompts" if prepared.val_dataset is not None else ""), flush=True)
+    unit = "prompts" if prepared.config.stage == "rl" else "pairs" if prepared.config.rows_per_sample == 2 else "rows"
+    print(f"inputs checked for {world_size} processes: {len(prepared.dataset)} {unit}"
+          + (f", {len(prepared.val_dataset)} validation {unit}" if prepared.val_dataset is not None else ""), flush=True)
     return 0
 
 
@@ -110,9 +112,9 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     """Everything that can fail on bad input, before any process group or model exists: the
     config, the output directory (writable; an earlier run in it is neither mixed in nor lost by
     accident), the checkpoint to resume (complete, same layout, same run), the tokenizer, the
-    prompt file, the reward function and the generation engine's CPU kernel (MEGATRON_RLHF_CPU_LINEARS).
+    rows (RL: the prompt file, the reward function; a stage before RL: its training and validation
+    rows) and the generation engine's CPU kernel (MEGATRON_RLHF_CPU_LINEARS).
     With ``args.check_only`` nothing is written (no lock, nothing set aside)."""
-    from megatron_rlhf.checkpoint.ppo_state import latest_checkpoint
     from megatron_rlhf.data import build_tokenizer
     from megatron_rlhf.rewards.contract import reward_functions
     from megatron_rlhf.runtime.cpu_linears import chosen_kernel
@@ -128,7 +130,10 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     if args.iterations is not None:
         if args.iterations < 1:
             raise ConfigError(f"--iterations: must be >= 1, got {args.iterations}")
-        config.ppo.iterations = args.iterations
+        if config.stage == "rl":
+            config.ppo.iterations = args.iterations
+        else:  # a stage's optimizer steps
+            config.stage_config.max_steps = args.iterations
     _check_host_memory(config, world_size)
     output_dir = args.output_dir or config.trainer.output_dir
     _check_writable(output_dir, create=writes)
@@ -138,23 +143,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
             warnings.warn(f"{output_dir}: put back the run an --overwrite launch set aside and never replaced")
     if args.resume:
         config.trainer.resume = "auto"
-    run = run_identity(config)
-    resume_from = None
-    if not args.overwrite:  # --overwrite clears the old run last, once every input below has been checked
-        latest = latest_checkpoint(output_dir)
-        done = completed_iterations(os.path.join(output_dir, "metrics.jsonl"))
-        if config.trainer.resume == "auto" and latest is not None:
-            resume_from = latest
-            run, reached = check_resume(latest, config, run, output_dir, args.allow_config_change)
-            if config.ppo.iterations <= reached:
-                raise ConfigError(f"{latest} is at iteration {reached} and the run is to end at "
-                                  f"{config.ppo.iterations} ({'--iterations' if args.iterations else 'ppo.iterations'}): "
-                                  f"nothing to do; resume with more than {reached} iterations")
-        elif done:
-            hint = (f"pass --resume to continue it from {os.path.basename(latest)}, " if latest else
-                    "it has no checkpoint to resume from; ")
-            raise ConfigError(f"{output_dir} already holds a run ({done} iterations in metrics.jsonl); {hint}choose "
-                              "another --output-dir, or pass --overwrite to delete it and start again")
+    run, resume_from = _resume_point(args, config, output_dir)
     if config.trainer.wandb:
         try:
             import wandb  # noqa: F401
@@ -162,13 +151,19 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
             raise ConfigError(f"{config.at('trainer.wandb')}: true, but the wandb package is not installed; install "
                               "it with pip install -e .[wandb] (or pip install wandb), or set wandb: false") from None
     tokenizer = build_tokenizer(config.data.tokenizer, config.path_of("data.tokenizer.path"))
-    for role in (r for r in config.model_roles if ROLE_HEADS[r] == "lm"):  # the roles that read the tokenizer's ids
+    readers = config.model_roles if config.stage != "rl" else [r for r in config.model_roles if ROLE_HEADS[r] == "lm"]
+    for role in readers:  # the roles that read the tokenizer's ids
         model_vocab = config.role(role).model.vocab_size
         if tokenizer.vocab_size > model_vocab:
             raise ConfigError(
                 f"{config.source_of(role + '.model')}: {role}.model.vocab_size: {model_vocab} is smaller "
                 f"than the tokenizer's vocabulary ({tokenizer.vocab_size}); use at least {tokenizer.vocab_size}"
             )
+    if config.stage != "rl":
+        dataset, val_dataset = _stage_rows(config, tokenizer, world_size)
+        if args.overwrite and _launch_rank0() and writes:
+            set_aside_run(output_dir)
+        return Prepared(config, output_dir, tokenizer, dataset, val_dataset, None, resume_from, run)
     dataset = _dataset(config, "data.prompt_file", tokenizer)
     if len(dataset) < config.ppo.rollout_batch_size:
         warnings.warn(f"{dataset.rows.path}: {len(dataset)} prompts, fewer than one rollout batch; prompts repeat within a batch")
@@ -183,6 +178,63 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     if args.overwrite and _launch_rank0() and writes:
         set_aside_run(output_dir)  # dropped after the first iteration, put back if the launch fails before
     return Prepared(config, output_dir, tokenizer, dataset, val_dataset, functions, resume_from, run, environment)
+
+
+def _stage_rows(config: RLHFConfig, tokenizer, world_size: int):
+    """A stage's training and validation rows (every row encoded and checked, errors naming file
+    and row), enough of them for one step and for every DP rank; the first shown as the model reads it."""
+    from megatron_rlhf.stages import read_rows
+
+    try:
+        rows = read_rows(config, "data.train_file", tokenizer)
+        val_rows = read_rows(config, "data.val_file", tokenizer) if config.data.val_file else None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    trained, unit = config.trainable_roles[0], "pairs" if config.rows_per_sample == 2 else "rows"
+    step = config.samples_per_step(trained)
+    if len(rows) < step:
+        raise ConfigError(f"{config.at('data.train_file')}: {len(rows)} {unit}, fewer than one optimizer step of "
+                          f"{trained}.global_batch_size={step}")
+    dp = world_size // (config.parallel.tensor_model_parallel_size * config.parallel.pipeline_model_parallel_size)
+    if val_rows is not None and len(val_rows) < dp:
+        raise ConfigError(f"{config.at('data.val_file')}: {len(val_rows)} {unit}, fewer than the {dp} data-parallel "
+                          "ranks that share them")
+    for what, data in (("training", rows), ("validation", val_rows)):
+        if data is not None and data.cut:
+            warnings.warn(f"{data.path}: {data.cut} of {len(data)} {what} {unit} have responses longer than "
+                          f"{config.stage}.max_length={config.stage_config.max_length} tokens with their prompt; "
+                          "each keeps its first tokens")
+    if _launch_rank0():
+        first = rows.rows[0] if config.stage == "sft" else rows.pairs[0].chosen
+        text = tokenizer.show(first.ids)
+        print(f"first {'row' if config.stage == 'sft' else 'chosen side'} ({len(first.ids)} tokens, "
+              f"{first.response_tokens} trained): {text[:600]!r}{' ...' if len(text) > 600 else ''}", flush=True)
+    return rows, val_rows
+
+
+def _resume_point(args: argparse.Namespace, config: RLHFConfig, output_dir: str):
+    """(the run's identity, the checkpoint to continue from or None): an earlier run in the output
+    directory is continued (--resume, trainer.resume: auto), or refused unless --overwrite."""
+    from megatron_rlhf.checkpoint.ppo_state import latest_checkpoint
+
+    run = run_identity(config)
+    resume_from = None
+    if not args.overwrite:  # --overwrite clears the old run last, once every input below has been checked
+        latest = latest_checkpoint(output_dir)
+        done = completed_iterations(os.path.join(output_dir, "metrics.jsonl"))
+        if config.trainer.resume == "auto" and latest is not None:
+            resume_from = latest
+            run, reached = check_resume(latest, config, run, output_dir, args.allow_config_change)
+            if config.stage == "rl" and config.ppo.iterations <= reached:  # a stage's steps: stages/runner.py
+                raise ConfigError(f"{latest} is at iteration {reached} and the run is to end at "
+                                  f"{config.ppo.iterations} ({'--iterations' if args.iterations else 'ppo.iterations'}): "
+                                  f"nothing to do; resume with more than {reached} iterations")
+        elif done:
+            hint = (f"pass --resume to continue it from {os.path.basename(latest)}, " if latest else
+                    "it has no checkpoint to resume from; ")
+            raise ConfigError(f"{output_dir} already holds a run ({done} iterations in metrics.jsonl); {hint}choose "
+                              "another --output-dir, or pass --overwrite to delete it and start again")
+    return run, resume_from
 
 
 def _environment(config: RLHFConfig, tokenizer) -> str:
@@ -367,64 +419,19 @@ def _check_host_memory(config: RLHFConfig, world_size: int) -> None:
             "or run fewer ranks per node")
 
 
-class RunLog:
-    """Rank 0's outputs: metrics.jsonl, TensorBoard, the progress bar and one line per iteration."""
+class RLRunLog(RunLog):
+    """RunLog's lines for RL: one per iteration (reward, KL, losses, ...), validation's."""
 
     def __init__(self, output_dir: str, config: RLHFConfig, enabled: bool, resumed_at: int = 0):
-        self.enabled = enabled
-        self.writer = self.bar = self.wandb = None
-        if not enabled:
-            return
-        os.makedirs(output_dir, exist_ok=True)
-        self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
-        self.samples_path = os.path.join(output_dir, "samples.jsonl")
-        # On resume: the iterations the checkpoint covers; later ones are redone.
-        cut_back(self.metrics_path, resumed_at)
-        cut_back(self.samples_path, resumed_at)
-        if config.trainer.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(os.path.join(output_dir, "tensorboard"))
-        if config.trainer.wandb:
-            import wandb
-
-            self.wandb = wandb.init(project=config.trainer.wandb_project, name=config.trainer.wandb_run_name,
-                                    dir=output_dir, config=run_identity(config)["config"], resume="allow")
-        if config.trainer.progress_bar:
-            from tqdm import tqdm
-
-            # disable=None: no bar when stderr is not a terminal (logs, CI); the lines still print.
-            label = config.algorithm.advantage_estimator.upper().replace("_PLUS_PLUS", "++").replace("GAE", "PPO")
-            self.bar = tqdm(total=config.ppo.iterations, initial=resumed_at, desc=label, unit="it",
-                            file=sys.stderr, dynamic_ncols=True, disable=None)
-
-    def _record(self, metrics: dict) -> None:
-        """One metrics.jsonl line (strict JSON: a non-finite figure, a skipped step's loss, is
-        written as null) and the TensorBoard scalars."""
-        finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in metrics.items()}
-        with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(finite, allow_nan=False) + "\n")
-        if self.writer is not None:
-            for key, value in metrics.items():
-                if key != "iteration" and finite[key] is not None:
-                    self.writer.add_scalar(key, value, metrics["iteration"])
-            self.writer.flush()
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in finite.items() if k != "iteration" and v is not None}, step=metrics["iteration"])
-
-    def _print(self, line: str, advance: int) -> None:
-        if self.bar is not None:
-            self.bar.update(advance)
-            self.bar.write(line)
-        else:
-            print(line, flush=True)
+        label = config.algorithm.advantage_estimator.upper().replace("_PLUS_PLUS", "++").replace("GAE", "PPO")
+        super().__init__(output_dir, config, enabled, config.ppo.iterations, label, resumed_at)
 
     def log(self, metrics: dict, total: int, samples: list = ()) -> None:
         """One iteration: metrics.jsonl (and TensorBoard, W&B), samples.jsonl (a few rows: prompt,
         response, score, ground truth), the printed line."""
         if not self.enabled:
             return
-        self._record(metrics)
+        self.record(metrics)
         with open(self.samples_path, "a", encoding="utf-8") as f:
             f.writelines(json.dumps({"iteration": metrics["iteration"], **s}, default=str) + "\n" for s in samples)
         parts = [f"iter {metrics['iteration']:>4}/{total}", f"reward {metrics['reward/mean']:.3f}",
@@ -444,23 +451,14 @@ class RunLog:
             parts.append(f"tool calls {metrics['rollout/tool_calls']:.0f} ({metrics['rollout/tool_errors']:.0f} errors)")
         parts += [f"len {metrics['response/length_mean']:.1f}", f"{metrics['time/iteration_s']:.1f}s"]
         parts += _validation_parts(metrics)
-        self._print(" | ".join(parts), 1)
+        self.write(" | ".join(parts), 1)
 
     def log_validation(self, metrics: dict, iteration: int) -> None:
         """Validation outside an iteration (before training): its own record at ``iteration``."""
         if not self.enabled:
             return
-        self._record({"iteration": iteration, **metrics})
-        self._print(" | ".join(["validation before training"] + _validation_parts(metrics)), 0)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
+        self.record({"iteration": iteration, **metrics})
+        self.write(" | ".join(["validation before training"] + _validation_parts(metrics)), 0)
 
 def _validation_parts(metrics: dict) -> list:
     """``val reward R | val pass@k P`` of the metrics that have validation's figures."""
@@ -548,6 +546,11 @@ def _main(args: argparse.Namespace) -> Optional[list]:
     except INPUT_ERRORS as e:  # the same input on every rank: one per node says it
         report_and_exit(e, int(os.environ.get("LOCAL_RANK", "0")) == 0)
     try:
+        if prepared.config.stage != "rl":
+            from megatron_rlhf.stages import stage_class
+            from megatron_rlhf.stages.runner import run_stage
+
+            return run_stage(prepared, stage_class(prepared.config.stage))
         return _run(prepared)
     except BaseException as e:
         if _launch_rank0() and restore_set_aside(prepared.output_dir):
@@ -683,7 +686,7 @@ def _run(prepared: Prepared) -> list:
         if rank0:
             cut_back(ledger_path, controller.iteration)
             print(f"resumed from {resume_from} (iteration {controller.iteration}, run {prepared.run['id']})", flush=True)
-    log = RunLog(output_dir, config, enabled=rank0, resumed_at=controller.iteration)
+    log = RLRunLog(output_dir, config, enabled=rank0, resumed_at=controller.iteration)
     history, validations = [], []
     try:
         _run_iterations(controller, log, prepared, validations, history)

@@ -37,7 +37,7 @@ from megatron_rlhf.checkpoint.model_files import (
     verify_checkpoint,
     write_model_meta,
 )
-from megatron_rlhf.config.schema import ROLE_HEADS, TRAINABLE_ROLES
+from megatron_rlhf.config.schema import ROLE_HEADS
 from megatron_rlhf.errors import NonFiniteError, RunError
 from megatron_rlhf.models.decoder import load_local_state_dict, local_state_dict, unwrap
 from megatron_rlhf.models.sharding import experts_renumbered
@@ -138,7 +138,7 @@ def _write_checkpoint(roles, trainer_state, root: str, name: str, tmp: str, fina
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    for role_name in [r for r in TRAINABLE_ROLES if r in roles]:
+    for role_name in [name for name, role in roles.items() if role.trainable]:
         role = roles[role_name]
         role_dir = os.path.join(tmp, role_name)
         common_file, param_file = _optim_files(role_dir, layout)
@@ -251,7 +251,7 @@ def load_ppo_checkpoint(roles: Mapping[str, Any], path: str) -> Dict[str, Any]:
     layout = _layout()
     state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
     check_layout(path, state, layout["tp"], layout["pp"], layout["ep"])
-    for role_name in [r for r in TRAINABLE_ROLES if r in roles]:
+    for role_name in [name for name, role in roles.items() if role.trainable]:
         role = roles[role_name]
         role_dir = os.path.join(path, role_name)
         common_file, param_file = _optim_files(role_dir, layout)

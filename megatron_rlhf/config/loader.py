@@ -7,6 +7,7 @@ that does not divide the heads of a model defined in another file) can still nam
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -464,7 +465,27 @@ def read_config(file: str) -> Tuple[RLHFConfig, List[str]]:
     config.origin = {dotted(p): f for p, f in sources.items()}
     config.origin[""] = os.path.abspath(file)
     problems += _models_from_checkpoints(config)
+    if config.stage == "dpo":
+        _reference_from_policy(config)
     return config, problems
+
+
+# What DPO's reference takes from the policy unless its own keys say otherwise: its starting network.
+REFERENCE_FROM_POLICY = ("model", "load", "precision")
+
+
+def _reference_from_policy(config: RLHFConfig) -> None:
+    """DPO's reference is the policy as it starts: each of REFERENCE_FROM_POLICY the reference's
+    entry does not set is the policy's (with the file it came from, for paths and messages)."""
+    for field in REFERENCE_FROM_POLICY:
+        own = f"reference.{field}"
+        if any(k == own or k.startswith(own + ".") for k in config.origin):
+            continue
+        setattr(config.reference, field, copy.deepcopy(getattr(config.policy, field)))
+        theirs = f"policy.{field}"
+        for key, file in list(config.origin.items()):
+            if key == theirs or key.startswith(theirs + "."):
+                config.origin["reference" + key[len("policy"):]] = file
 
 
 def load_config(file: str, world_size: Optional[int] = None, check_inputs: bool = True) -> RLHFConfig:

@@ -11,8 +11,8 @@ from typing import Dict, List, Literal, Optional, Union
 
 from megatron_rlhf.config.errors import located
 from megatron_rlhf.config.names import (ADVANTAGE_ESTIMATORS, CORRECTION_LEVELS, CRITIC_ESTIMATORS, KL_ESTIMATORS,
-                                        LORA_TARGETS, LOSS_AGG_MODES, POLICY_LOSSES, ROLLOUT_CORRECTIONS,
-                                        TOOL_PARSERS)
+                                        DPO_LOSSES, LORA_TARGETS, LOSS_AGG_MODES, POLICY_LOSSES,
+                                        ROLLOUT_CORRECTIONS, STAGES, TOOL_PARSERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,14 @@ SERVED_WEIGHTS = {"policy": "ppo_policy", "value": "ppo_value"}
 SERVING_ROLES = ("policy", "reference", "reward", "value")
 # The roles that run the policy network: they record (policy) and replay (both) its routing.
 REPLAYING_ROLES = ("policy", "ppo_policy")
+# The stages before RL (SFT, reward-model training, DPO; megatron_rlhf/stages): the roles each runs,
+# the one it trains, and its phases in order (the planner plans them; EMS moves the roles between).
+STAGE_ROLES = {"sft": ("policy",), "rm": ("reward",), "dpo": ("policy", "reference")}
+STAGE_TRAINED = {"sft": "policy", "rm": "reward", "dpo": "policy"}
+STAGE_PHASES = {"sft": (("train_policy", "policy"),), "rm": (("train_reward", "reward"),),
+                "dpo": (("reference", "reference"), ("train_policy", "policy"))}
+# The RL sections a stage before RL does not read: a key set in one of them is refused by name.
+RL_ONLY_SECTIONS = ("generation", "rollout", "ppo", "algorithm", "moe")
 # Which head each role's network ends in: vocabulary logits or one scalar per token.
 ROLE_HEADS = {
     "policy": "lm",
@@ -313,6 +321,9 @@ class DataConfig:
     # JSONL (one object per line) or Parquet; relative to the config file.
     prompt_file: Optional[str] = None
     val_file: Optional[str] = None  # validation prompts (trainer.val_interval), same format
+    # The stages before RL: their training rows (sft: chats or prompt/completion; rm, dpo: preference
+    # pairs, data/preferences.py); data.val_file holds their validation rows, in the same format.
+    train_file: Optional[str] = None
     # The column that holds the prompt: a string, or a chat (a list of {"role", "content"}
     # messages). None: "prompt" or "messages", whichever the rows have. Every other column travels
     # with the row to the reward function (ground_truth, data_source, extra_info, ...).
@@ -545,7 +556,62 @@ class TrainerConfig:
 
 
 @dataclasses.dataclass
+class StageConfig:
+    """What the stages before RL share (the ``sft``, ``rm`` and ``dpo`` sections): passes over
+    data.train_file in optimizer steps of the trained role's ``global_batch_size`` (rows for SFT,
+    preference pairs for RM and DPO; a pair's two sides always share a micro-batch and a DP rank),
+    validated on data.val_file every trainer.val_interval steps."""
+
+    epochs: int = bounded(1, ge=1)  # passes over the training rows, each in a new order (data.shuffle)
+    max_steps: Optional[int] = bounded(None, ge=1)  # stop after this many optimizer steps; None: every epoch
+    # Prompt + response tokens of a row. A longer response is cut to fit (both of a pair alike, each
+    # keeping its first tokens); a prompt is never cut: a row whose prompt alone leaves no room is refused.
+    max_length: int = bounded(512, ge=2)
+
+
+@dataclasses.dataclass
+class SFTConfig(StageConfig):
+    """Supervised fine-tuning of the policy: the next-token loss on the response tokens only (an
+    assistant message's tokens of a chat, as the chat template marks them; a ``completion``), a
+    mean over every such token of the step."""
+
+
+@dataclasses.dataclass
+class RMConfig(StageConfig):
+    """A reward model from preference pairs: the reward role's score of the last token of each
+    side, trained with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin), a mean
+    over the step's pairs (``margin``: the row's column, 0 without one)."""
+
+    # TRL's: plus this times the mean of (r_chosen + r_rejected)^2, so scores centre on 0. None: off.
+    center_rewards_coefficient: Optional[float] = bounded(None, ge=0)
+
+
+@dataclasses.dataclass
+class DPOConfig(StageConfig):
+    """Direct preference optimisation: the policy against a frozen reference (the policy's
+    starting weights unless reference.load says otherwise), on the log-ratio margin
+    h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r)), each log-prob summed over the
+    response's tokens. sigmoid: -log sigmoid(beta h) (with ``label_smoothing`` e: conservative DPO,
+    -(1-e) log sigmoid(beta h) - e log sigmoid(-beta h)); ipo: (h / tokens - 1 / (2 beta))^2, each
+    side's log-ratio over its own response tokens (TRL's and the IPO authors' normalisation)."""
+
+    beta: float = bounded(0.1, gt=0)
+    loss_type: Literal[DPO_LOSSES] = "sigmoid"
+    label_smoothing: float = bounded(0.0, ge=0, lt=0.5)  # sigmoid only
+    # The NLL (SFT) term on the chosen responses (RPO; TRL's loss_type [sigmoid, sft] with weights
+    # [1, nll_coef]): plus nll_coef times their mean per-token negative log-likelihood. 0: off.
+    nll_coef: float = bounded(0.0, ge=0)
+    # sigmoid: each side's log-ratio over its own response tokens (TRL's sigmoid_norm).
+    length_normalize: bool = False
+    # per_step: the reference scores each step's pairs (onloaded by EMS for that, offloaded while the
+    # policy trains); precompute: it scores every pair once before training, and is never resident again.
+    reference_logps: Literal["per_step", "precompute"] = "per_step"
+
+
+@dataclasses.dataclass
 class RLHFConfig:
+    # rl: PPO and its kin (train.py's loop); sft, rm, dpo: the stages before it (megatron_rlhf/stages).
+    stage: Literal[STAGES] = "rl"
     seed: int = 1234
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -561,6 +627,9 @@ class RLHFConfig:
     value: RoleConfig = dataclasses.field(default_factory=RoleConfig)
     ppo_policy: RoleConfig = dataclasses.field(default_factory=RoleConfig)
     ppo_value: RoleConfig = dataclasses.field(default_factory=RoleConfig)
+    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+    rm: RMConfig = dataclasses.field(default_factory=RMConfig)
+    dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
     # Dotted key -> the file it was read from ("" -> the top file); filled by the loader.
     origin: Dict[str, str] = dataclasses.field(
         default_factory=dict, repr=False, compare=False, metadata={"internal": True}
@@ -594,8 +663,29 @@ class RLHFConfig:
 
     @property
     def roles(self) -> tuple:
-        """The roles the algorithm runs: all six for GAE, no value or ppo_value when critic-free."""
+        """The roles the run builds: a stage's before RL (STAGE_ROLES); for RL, all six for GAE,
+        no value or ppo_value when critic-free."""
+        if self.stage != "rl":
+            return STAGE_ROLES[self.stage]
         return tuple(r for r in ROLE_NAMES if not (self.critic_free and r in CRITIC_ROLES))
+
+    @property
+    def stage_config(self) -> Optional["StageConfig"]:
+        """The section of a stage before RL (sft, rm or dpo); None for RL."""
+        return None if self.stage == "rl" else getattr(self, self.stage)
+
+    @property
+    def phase_order(self) -> tuple:
+        """(phase, active role) in the order they run: an RL iteration's (PHASE_ORDER over the roles
+        built) or a stage's step (STAGE_PHASES)."""
+        if self.stage != "rl":
+            return STAGE_PHASES[self.stage]
+        return tuple((phase, role) for phase, role in PHASE_ORDER if role in self.model_roles)
+
+    @property
+    def rows_per_sample(self) -> int:
+        """Sequences a sample is: 2 for a preference pair (its chosen and rejected sides), else 1."""
+        return 2 if self.stage in ("rm", "dpo") else 1
 
     @property
     def model_roles(self) -> tuple:
@@ -607,7 +697,7 @@ class RLHFConfig:
         """Each role -> the role that always runs right after it within an iteration (PHASE_ORDER
         over the roles built); under dynamic sampling nothing follows the last sampling phase for
         sure (sampling may go round again)."""
-        order = [role for _, role in PHASE_ORDER if role in self.model_roles]
+        order = [role for _, role in self.phase_order]
         pairs = dict(zip(order, order[1:]))
         if self.algorithm.dynamic_sampling:
             pairs.pop("reward" if "reward" in order else "policy", None)
@@ -615,6 +705,9 @@ class RLHFConfig:
 
     @property
     def trainable_roles(self) -> tuple:
+        """The roles with an optimizer: ppo_policy (and ppo_value) in RL, a stage's trained role."""
+        if self.stage != "rl":
+            return (STAGE_TRAINED[self.stage],)
         return tuple(r for r in TRAINABLE_ROLES if r in self.roles)
 
     @property
@@ -622,6 +715,8 @@ class RLHFConfig:
         """SERVED_WEIGHTS restricted to the roles the algorithm runs; with LoRA on ppo_policy, the
         reference too, where it is the base (the same checkpoint, network, precision and layout):
         it shares ppo_policy's base weights, which never change."""
+        if self.stage != "rl":  # nothing is served: a stage's frozen reference keeps weights of its own
+            return {}
         served = {s: t for s, t in SERVED_WEIGHTS.items() if s in self.roles}
         ref, trained = self.reference, self.ppo_policy
         if trained.lora.enabled and "reference" in self.roles and ref.load == trained.load and \
@@ -639,6 +734,8 @@ class RLHFConfig:
     def sequence_tokens(self) -> int:
         """The longest row a rollout holds (a prompt and its response, or a trajectory): the
         engine's KV cache length and the passes' sequence length."""
+        if self.stage != "rl":
+            return self.stage_config.max_length
         if self.rollout.multi_turn:
             return self.rollout.trajectory_tokens(self.data, self.generation)
         return self.data.max_prompt_length + self.generation.max_new_tokens

@@ -10,9 +10,9 @@ from typing import List, Optional, Tuple
 
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
-from megatron_rlhf.config.names import GROUP_ESTIMATORS, LORA_TARGETS
-from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, SERVED_WEIGHTS,
-                                         SERVING_ROLES, TRAINABLE_ROLES, RLHFConfig)
+from megatron_rlhf.config.names import GROUP_ESTIMATORS, LORA_TARGETS, STAGES
+from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, RL_ONLY_SECTIONS, ROLE_NAMES,
+                                         SERVED_WEIGHTS, SERVING_ROLES, TRAINABLE_ROLES, RLHFConfig)
 
 
 def _divisors(n: int) -> str:
@@ -109,7 +109,9 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
     world, layout = _world_problems(config, world_size)
     if layout is None:  # a size below one: nothing can be checked across keys
         return problems
-    problems += world
+    problems += world + _unread_keys(config)
+    if config.stage != "rl":
+        problems += _stage_problems(config, layout.dp)
     problems += _reward_problems(config) + _algorithm_problems(config)
     missing = [(r, [k for k in REQUIRED_ARCH_FIELDS if getattr(config.role(r).model, k) is None])
                for r in config.model_roles]
@@ -228,7 +230,7 @@ def _network_problems(config: RLHFConfig, layout: Layout) -> List[str]:
                 if (getattr(m, width) or 0) % tp != 0:
                     problems.append(f"{config.at(tp_key)}: {tp} does not divide {role}'s {width}={getattr(m, width)} "
                                     f"({file(width)}); each expert is split over TP")
-            trained = [r for r in users if r in TRAINABLE_ROLES]
+            trained = [r for r in users if r in config.trainable_roles]
             if trained and tp > 1:
                 problems.append(f"{config.at(tp_key)}: {tp}, but {', '.join(trained)} trains a model with experts "
                                 f"({file('num_experts')}): megatron-core trains MoE layers at TP > 1 only with "
@@ -256,7 +258,7 @@ def _role_layout_problems(config: RLHFConfig, world_size: Optional[int]) -> List
         if all(getattr(own, f.name) is None for f in dataclasses.fields(own)):
             continue
         at = config.at(f"{role}.parallel")
-        if role in TRAINABLE_ROLES:
+        if role in config.trainable_roles:
             problems.append(f"{at}: {role} is trained, and trained roles run at the run's layout (parallel.*); "
                             f"serving roles may have their own: {', '.join(SERVING_ROLES)}")
             continue
@@ -467,10 +469,13 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
         if longest > limit:
             key, what = ("rollout.max_trajectory_tokens", "a trajectory's tokens") if config.rollout.multi_turn else (
                 "data.max_prompt_length", "max_prompt_length + generation.max_new_tokens")
+            if config.stage != "rl":
+                key, what = f"{config.stage}.max_length", "max_length"
             bad(key, f"{what} = {longest} exceeds {role}'s max_position_embeddings={limit}")
             break
-    if dp is None or problems or not (_in_domain(ppo, "rollout_batch_size") and _in_domain(gen, "samples_per_prompt")):
-        return problems
+    if config.stage != "rl" or dp is None or problems or not (_in_domain(ppo, "rollout_batch_size") and
+                                                              _in_domain(gen, "samples_per_prompt")):
+        return problems  # a stage's batches: _stage_problems
     if ppo.rollout_batch_size % dp:
         bad("ppo.rollout_batch_size", f"{ppo.rollout_batch_size} is not divisible by DP = {dp}")
         return problems
@@ -480,7 +485,7 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
         rollout += f" x generation.samples_per_prompt={gen.samples_per_prompt}"
     for role in (r for r in config.model_roles if _in_domain(config.role(r), "micro_batch_size", "global_batch_size")):
         rc = config.role(role)
-        if role in TRAINABLE_ROLES:
+        if role in config.trainable_roles:
             step = config.samples_per_step(role)
             if config.rollout_samples % step:
                 bad(
@@ -627,7 +632,7 @@ def _lora_problems(config: RLHFConfig) -> List[str]:
             problems += _set_while_off(config, f"{role}.lora", f"{role}.lora.rank", "0 (off)", "set a rank or remove it")
             continue
         at = config.at(f"{role}.lora")
-        if role not in TRAINABLE_ROLES:
+        if role not in config.trainable_roles:
             trained = config.served_weights.get(role)
             problems.append(f"{at}: {role} is not trained" + (f"; it runs {trained}'s adapters: set {trained}.lora"
                                                                if trained else "; adapters go on ppo_policy or ppo_value"))
@@ -643,6 +648,66 @@ def _lora_problems(config: RLHFConfig) -> List[str]:
         if config.role(role).model.num_experts and mlp:
             problems.append(f"{config.at(role + '.lora.target_modules')}: {', '.join(mlp)} are the experts' linears in "
                             "a model with experts, which adapters do not support yet; target linear_qkv, linear_proj")
+    return problems
+
+
+# What a stage before RL does not read (besides RL_ONLY_SECTIONS, the other stages' sections and the
+# roles it does not build): RL's prompt data and validation by generation.
+RL_ONLY_KEYS = ("data.prompt_file", "data.prompt_key", "data.max_prompt_length", "data.overlong_prompts",
+                "trainer.val_samples_per_prompt", "trainer.val_greedy")
+
+
+def _stage_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
+    """A stage before RL (sft, rm, dpo): its trained role's
+    step (global_batch_size samples: rows, or pairs) cut into micro-batches and DP shares; what the
+    stages do not support yet (LoRA, a role's own layout, a reward function) refused."""
+    stage, trained = config.stage, config.trainable_roles[0]
+    problems = []
+    rc, where = config.role(trained), config.at
+    unit = "pairs" if config.rows_per_sample == 2 else "rows"
+    if rc.global_batch_size is None:
+        problems.append(f"{where(trained + '.global_batch_size')}: not set; stage {stage} takes optimizer steps of "
+                        f"global_batch_size {unit} of data.train_file")
+    elif dp and rc.micro_batch_size != "auto" and _in_domain(rc, "micro_batch_size", "global_batch_size") and \
+            rc.global_batch_size % (rc.micro_batch_size * dp):
+        problems.append(f"{where(trained + '.global_batch_size')}: {rc.global_batch_size} is not divisible by "
+                        f"micro_batch_size*DP = {rc.micro_batch_size}*{dp} ({unit}); use a multiple of {rc.micro_batch_size * dp}")
+    elif dp and rc.global_batch_size % dp:
+        problems.append(f"{where(trained + '.global_batch_size')}: {rc.global_batch_size} is not divisible by DP = {dp}")
+    if stage == "rm" and config.reward.type != "model":
+        problems.append(f"{where('reward.type')}: {config.reward.type}; stage rm trains a reward model: type: model")
+    for role in config.roles:
+        if config.role(role).lora.enabled or config.role(role).load_lora:
+            problems.append(f"{where(role + '.lora')}: LoRA is not supported yet in the stages before RL (sft, rm, dpo); "
+                            "train the whole network, or use LoRA in the RL stage")
+        if config.has_own_layout(role) and role not in config.trainable_roles:
+            problems.append(f"{where(role + '.parallel')}: the stages before RL run every role at the run's layout "
+                            "(parallel.*); remove it")
+    if stage == "dpo":
+        ref, policy = config.reference, config.policy
+        if ref.model.network() != policy.model.network():
+            problems.append(f"{where('reference.model')}: DPO's reference is the policy's network (its starting "
+                            "weights); give it the policy's architecture")
+    return problems
+
+
+def _unread_keys(config: RLHFConfig) -> List[str]:
+    """Keys set that the run's stage does not read: for RL the stages' sections; for a stage before
+    RL, RL's sections and keys (RL_ONLY_SECTIONS, RL_ONLY_KEYS), the other stages' sections and the
+    roles it does not build. Each refused by name, never ignored."""
+    if config.stage == "rl":
+        unread, keys = tuple(s for s in STAGES if s != "rl"), ()
+    else:
+        unread = RL_ONLY_SECTIONS + tuple(s for s in STAGES if s not in ("rl", config.stage)) + \
+            tuple(role for role in ROLE_NAMES if role not in config.roles)
+        keys = RL_ONLY_KEYS
+    problems = []
+    for key in sorted(k for k in config.origin if k):
+        head = key.split(".")[0]
+        if head in unread or key in keys:
+            what = "a role it does not build" if head in ROLE_NAMES else "a setting it does not read"
+            problems.append(f"{config.at(key)}: stage {config.stage} runs {', '.join(config.roles)}; {key} is {what}: "
+                            "remove it")
     return problems
 
 
@@ -684,6 +749,19 @@ def input_problems(config: RLHFConfig, needs_prompts: bool = False) -> List[str]
         elif not os.path.exists(path):
             missing("data.tokenizer.path", f"{path}: no such file or directory (expected a Hugging Face model "
                     "directory with its tokenizer files, or a tokenizer.json)")
+    if config.stage != "rl":
+        if config.data.train_file is None and needs_prompts:
+            missing("data.train_file", f"no training rows given; stage {config.stage} reads "
+                    + ("chats ('messages') or 'prompt' and 'completion'" if config.stage == "sft"
+                       else "preference pairs ('prompt', 'chosen', 'rejected')") + " from a JSONL or Parquet file")
+        for key in ("data.train_file", "data.val_file"):
+            path = config.path_of(key)
+            if path is not None and not os.path.isfile(path):
+                missing(key, f"{path}: no such file (expected JSONL or Parquet)")
+        return problems
+    if config.data.train_file is not None:
+        missing("data.train_file", "set, but stage: rl reads prompts from data.prompt_file; train_file holds the rows "
+                "of the stages before RL (stage: sft, rm or dpo)")
     prompt_file = config.path_of("data.prompt_file")
     if prompt_file is None and needs_prompts:
         missing("data.prompt_file", 'no prompt file given; name a JSONL file of {"prompt": ...} lines or a Parquet file')

@@ -41,15 +41,17 @@ class RowFile:
         return prompt, row
 
 
-def open_rows(path: str, prompt_key: Optional[str]) -> RowFile:
-    """The rows of ``path`` (Parquet by its magic bytes or extension, else JSONL), checked."""
+def open_rows(path: str, prompt_key: Optional[str], prompts: bool = True) -> RowFile:
+    """The rows of ``path`` (Parquet by its magic bytes or extension, else JSONL), checked.
+    ``prompts`` false: rows of another shape (the stages' pairs and chats), whose reader checks
+    them; every row is still an object of valid JSON (JSONL) and the file has one."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such file")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"PAR1" or path.endswith((".parquet", ".pq")):
-        return ParquetRows(path, prompt_key)
-    return JsonlRows(path, prompt_key)
+        return ParquetRows(path, prompt_key, prompts)
+    return JsonlRows(path, prompt_key, prompts)
 
 
 def _prompt_key(keys, prompt_key: Optional[str], where: str) -> str:
@@ -99,7 +101,7 @@ def _message_problem(m: Any) -> str:
 
 
 class JsonlRows(RowFile):
-    def __init__(self, path: str, prompt_key: Optional[str]):
+    def __init__(self, path: str, prompt_key: Optional[str], prompts: bool = True):
         self.path, self.offsets, self.lines = path, [], []
         self.key = prompt_key
         with open(path, "rb") as f:
@@ -109,19 +111,22 @@ class JsonlRows(RowFile):
                 if not raw.strip():
                     continue
                 record = self._parse(raw, number)
-                where = f"{path}:{number}"
-                key = _prompt_key(record, prompt_key, where)
-                if self.key is None:
-                    self.key = key
-                elif key != self.key:
-                    raise ValueError(f"{where}: holds its prompt in {key!r}, earlier rows in {self.key!r}; one file, one "
-                                     "prompt column (data.prompt_key)")
-                check_prompt(record[key], key, where)
+                if prompts:
+                    self._check_prompt(record, prompt_key, f"{path}:{number}")
                 self.offsets.append(start)
                 self.lines.append(number)
         if not self.offsets:
-            raise ValueError(f"{path}: no prompts in the file")
+            raise ValueError(f"{path}: no {'prompts' if prompts else 'rows'} in the file")
         self._file = None
+
+    def _check_prompt(self, record: Dict[str, Any], prompt_key: Optional[str], where: str) -> None:
+        key = _prompt_key(record, prompt_key, where)
+        if self.key is None:
+            self.key = key
+        elif key != self.key:
+            raise ValueError(f"{where}: holds its prompt in {key!r}, earlier rows in {self.key!r}; one file, one "
+                             "prompt column (data.prompt_key)")
+        check_prompt(record[key], key, where)
 
     def _parse(self, raw: bytes, number: int) -> Dict[str, Any]:
         try:
@@ -152,7 +157,7 @@ class JsonlRows(RowFile):
 
 
 class ParquetRows(RowFile):
-    def __init__(self, path: str, prompt_key: Optional[str]):
+    def __init__(self, path: str, prompt_key: Optional[str], prompts: bool = True):
         import pyarrow.parquet as pq
 
         self.path = path
@@ -160,15 +165,18 @@ class ParquetRows(RowFile):
             self._parquet = pq.ParquetFile(path)
         except Exception as e:  # pyarrow raises ArrowInvalid and OSError kinds for files it cannot read
             raise ValueError(f"{path}: not a Parquet file ({type(e).__name__}: {e})") from None
-        self.key = _prompt_key(self._parquet.schema_arrow.names, prompt_key, path)
+        self.key = _prompt_key(self._parquet.schema_arrow.names, prompt_key, path) if prompts else None
         self.starts = [0]
         for group in range(self._parquet.num_row_groups):
+            if not prompts:
+                self.starts.append(self.starts[-1] + self._parquet.metadata.row_group(group).num_rows)
+                continue
             column = self._row_group(group, [self.key])
             for i, prompt in enumerate(column):
                 check_prompt(prompt, self.key, self.where(self.starts[-1] + i))
             self.starts.append(self.starts[-1] + len(column))
         if not len(self):
-            raise ValueError(f"{path}: no prompts in the file")
+            raise ValueError(f"{path}: no {'prompts' if prompts else 'rows'} in the file")
         self._cached: Tuple[int, Optional[List[Dict[str, Any]]]] = (-1, None)
 
     def __len__(self) -> int:

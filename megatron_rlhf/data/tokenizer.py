@@ -32,6 +32,8 @@ class Tokenizer(Protocol):
 
     def render_chat(self, messages: Messages, generation_prompt: bool) -> str: ...
 
+    def encode_chat(self, messages: Messages) -> Tuple[List[int], List[int]]: ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
@@ -69,6 +71,9 @@ class CharTokenizer:
 
     def render_chat(self, messages: Messages, generation_prompt: bool) -> str:
         raise ValueError("the char tokenizer has no chat template")
+
+    def encode_chat(self, messages: Messages) -> Tuple[List[int], List[int]]:
+        raise ValueError("the char tokenizer has no chat template; give string prompts and responses")
 
     def show(self, ids: Sequence[int]) -> str:
         """``ids`` as text with the special tokens written out."""
@@ -143,6 +148,33 @@ class HFTokenizer:
         except Exception as e:  # jinja2's TemplateError kinds: the template refused or could not be read
             raise ValueError(f"{self.path}: the chat template failed on this chat ({type(e).__name__}: {e})") from None
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def _template_ids(self, messages: Messages, generation_prompt: bool) -> List[int]:
+        try:
+            ids = self._tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+        except Exception as e:  # jinja2's TemplateError kinds
+            raise ValueError(f"{self.path}: the chat template failed on this chat ({type(e).__name__}: {e})") from None
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def encode_chat(self, messages: Messages) -> Tuple[List[int], List[int]]:
+        """A whole chat's ids (no generation prompt) and, per id, 1 where an assistant message wrote
+        it: the tokens the template adds after the chat before it with its generation prompt, up to
+        the end of that message's turn (its end-of-turn token included: the model learns to stop).
+        A template that does not render each assistant turn as an extension of the chat before it
+        (one that rewrites earlier turns) is refused."""
+        full = self._template_ids(messages, generation_prompt=False)
+        mask = [0] * len(full)
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self._template_ids(messages[:i], generation_prompt=True) if i else []
+            upto = self._template_ids(messages[: i + 1], generation_prompt=False)
+            if upto[: len(before)] != before or full[: len(upto)] != upto:
+                raise ValueError(f"{self.path}: the chat template renders message {i} (an assistant's) so that the chat "
+                                 "before it is not a prefix of the whole (it rewrites earlier turns); the response "
+                                 "tokens cannot be told from the prompt's")
+            mask[len(before) : len(upto)] = [1] * (len(upto) - len(before))
+        return full, mask
 
     def encode_text(self, text: str) -> List[int]:
         """``text`` as ids, no special tokens added (the special tokens it spells are parsed as such)."""

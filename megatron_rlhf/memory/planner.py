@@ -19,14 +19,16 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
-from megatron_rlhf.config.schema import (EMS_SWITCHES, PHASE_ORDER, ROLE_HEADS, TRAINABLE_ROLES, ModelArchConfig, RLHFConfig,
+from megatron_rlhf.config.schema import (EMS_SWITCHES, ROLE_HEADS, ModelArchConfig, RLHFConfig,
                                          RoleConfig)
 from megatron_rlhf.memory.manager import GRADS, LEDGER_KINDS as KINDS, MAIN_PARAMS, OPTIMIZER_STATE, PHASE_NEEDS, WEIGHTS, EMSSwitches
 
 TRANSIENT = ("activations", "kv_cache", "reshard_buffers")
 BYTES = {"fp32": 4, "bf16": 2}
 # (phase, active role, what the active role needs besides its state), in the order they run
-PHASES = tuple((phase, role, "kv_cache" if phase == "generate" else "activations") for phase, role in PHASE_ORDER)
+def _phases(config: RLHFConfig) -> Tuple[Tuple[str, str, str], ...]:
+    """(phase, active role, its transient kind) of the run's phases, in order."""
+    return tuple((phase, role, "kv_cache" if phase == "generate" else "activations") for phase, role in config.phase_order)
 
 
 def _stage_layers(arch: ModelArchConfig, pp: int, pp_rank: int) -> List[int]:
@@ -231,12 +233,12 @@ def micro_batch_rows(config: RLHFConfig, role: str) -> int:
     rc = config.role(role)
     if rc.token_budget is not None:
         return max(1, rc.token_budget // config.sequence_tokens)
-    return rc.micro_batch_size
+    return rc.micro_batch_size * config.rows_per_sample
 
 
 def micro_batches_per_step(config: RLHFConfig, role: str, dp: int) -> int:
     """Micro-batches each DP rank runs per optimizer step of a trainable role."""
-    return max(1, config.samples_per_step(role) // (micro_batch_rows(config, role) * dp))
+    return max(1, config.samples_per_step(role) * config.rows_per_sample // (micro_batch_rows(config, role) * dp))
 
 
 @dataclasses.dataclass
@@ -272,7 +274,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
     transient: Dict[str, Dict[str, int]] = {}
     for name in config.model_roles:
         rc = config.role(name)
-        trainable = name in TRAINABLE_ROLES
+        trainable = name in config.trainable_roles
         # Each role at its own layout (RLHFConfig.layout_of), the run's padded vocabulary.
         own = config.layout_of(name)
         rtp, rpp = own.tensor_model_parallel_size, own.pipeline_model_parallel_size
@@ -302,15 +304,13 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
                 host[owner] += roles[owner][WEIGHTS]
             roles[serving] = dict(roles[serving], **{WEIGHTS: 0})
     phases, resident = {}, {}
-    for phase, active, extra in PHASES:
-        if active not in roles:
-            continue
+    for phase, active, extra in _phases(config):
         active_owner = config.weight_owner(active)
         table = {}
         for name, kinds in roles.items():
             kept = set(KINDS) - set(switches[name].kinds())
             if name == active:
-                kept |= set(PHASE_NEEDS["training" if name in TRAINABLE_ROLES else "inference"])
+                kept |= set(PHASE_NEEDS["training" if name in config.trainable_roles else "inference"])
             if name == active_owner:
                 kept.add(WEIGHTS)  # the active role runs on these weights
             table[name] = {k: v for k, v in kinds.items() if k in kept}
@@ -328,14 +328,11 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
     return Plan(roles, transient, phases, resident, peak, {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "seq": seq}, host)
 
 
-PHASE_OF = {active: phase for phase, active, _ in PHASES}
-
-
 def overlap_fits(config: RLHFConfig, p: Plan, current: str, following: str, budget: int) -> bool:
     """Whether ``following``'s onload can run while ``current`` computes: ``current``'s phase plus
     what ``following`` needs that is off the device then stays within ``budget`` bytes."""
-    phase = PHASE_OF[current]
-    trainable = following in TRAINABLE_ROLES
+    phase = next(phase for phase, active in config.phase_order if active == current)
+    trainable = following in config.trainable_roles
     needs = [(following, k) for k in PHASE_NEEDS["training" if trainable else "inference"]]
     owner = config.weight_owner(following)
     if owner:  # a serving role runs on its owner's weights
@@ -357,7 +354,7 @@ def recommend(config: RLHFConfig, world_size: int, budget: int, seq_length: Opti
               for r in config.model_roles}
     current = plan(config, world_size, chosen, seq_length)
     options = [(r, f) for r in free_roles for f in EMS_SWITCHES
-               if r in TRAINABLE_ROLES or f == "offload_weights"]
+               if r in config.trainable_roles or f == "offload_weights"]
     def score(p: Plan) -> Tuple[int, int]:
         return p.peak_bytes, sum(p.phases.values())
 

@@ -68,18 +68,25 @@ def token_packed(budget: int, lengths: torch.Tensor, equal_rows: bool = False,
     micro-batch has the same number of rows, the most that divides the rows and keeps the longest
     within the budget. A row longer than the budget is refused (ValueError)."""
     order = torch.sort(lengths, descending=True, stable=True).indices
-    longest = [max(int(n), 2) for n in lengths[order].tolist()]
+    return _cut(order, packed_sizes([int(n) for n in lengths[order].tolist()], budget, equal_rows), lengths, columns), order
+
+
+def packed_sizes(longest_first: List[int], budget: int, equal_rows: bool = False) -> List[int]:
+    """The rows of each micro-batch of :func:`token_packed`, for row lengths sorted longest first:
+    as many rows as keep rows x the micro-batch's longest within ``budget`` (``equal_rows``: one
+    count for all, dividing the rows). A row longer than the budget is refused (ValueError)."""
+    longest = [max(n, 2) for n in longest_first]
     if longest and longest[0] > budget:
         raise ValueError(f"a row of {longest[0]} tokens does not fit in max_tokens_per_micro_batch={budget}")
     if equal_rows:
         rows = max(r for r in range(1, len(longest) + 1) if len(longest) % r == 0 and r * longest[0] <= budget)
-        return _cut(order, [rows] * (len(longest) // rows), lengths, columns), order
+        return [rows] * (len(longest) // rows)
     sizes, first = [], 0
     while first < len(longest):
         rows = max(1, budget // longest[first])  # the first row is the micro-batch's longest
         sizes.append(min(rows, len(longest) - first))
         first += sizes[-1]
-    return _cut(order, sizes, lengths, columns), order
+    return sizes
 
 
 def _cut(order: torch.Tensor, sizes: List[int], lengths: torch.Tensor, columns: Dict[str, torch.Tensor]) -> List[MicroBatch]:

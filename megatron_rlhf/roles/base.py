@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from megatron_rlhf.config.schema import REPLAYING_ROLES, ROLE_HEADS, TRAINABLE_ROLES, RLHFConfig, RoleConfig
+from megatron_rlhf.config.schema import REPLAYING_ROLES, ROLE_HEADS, RLHFConfig, RoleConfig
 from megatron_rlhf.memory.manager import WEIGHTS, EMSSwitches, RoleMemory
 from megatron_rlhf.models import routing
 from megatron_rlhf.models.decoder import build_model, groups_of, load_local_state_dict, unwrap
@@ -53,6 +53,14 @@ class Role:
         with torch.no_grad():
             out = forward_backward(self.model, micro_batches, reduce=reduce, routes_out=routes_out)
         return [o["output"] for o in out]
+
+    def evaluate(self, micro_batches: List[MicroBatch], loss_fn: LossFn) -> List[Dict[str, Any]]:
+        """A forward-only pass with ``loss_fn``: its metrics per micro-batch on the last pipeline
+        stage ([] on the others); nothing is trained (validation)."""
+        self._require_weights()
+        self.model.eval()
+        with torch.no_grad():
+            return forward_backward(self.model, micro_batches, loss_fn, forward_only=True)
 
     def train_step(self, micro_batches: List[MicroBatch], loss_fn: LossFn) -> Dict[str, Any]:
         if not self.trainable:
@@ -128,7 +136,7 @@ def build_role(name: str, config: RLHFConfig) -> Role:
     if config.moe.routing_replay != "off" and name in REPLAYING_ROLES:
         routing.enable(model)
     optimizer = None
-    if name in TRAINABLE_ROLES:
+    if name in config.trainable_roles:
         model, optimizer = wrap_for_training(model, role_config)
     role = assemble_role(name, role_config, model, optimizer)
     role.memory.offload()  # idle from birth: the next role is built with this one off the device

@@ -1,0 +1,122 @@
+"""Preference pairs (JSONL or Parquet): per row a prompt and two responses, the labellers' ``chosen``
+and ``rejected``, and an optional ``margin`` (how much better chosen is; the Bradley-Terry loss
+subtracts it). The shapes the public sets ship, each read as a prompt and two responses:
+
+- ``prompt`` (a string or chat messages) with ``chosen`` / ``rejected`` as strings or as the
+  assistant's messages;
+- ``chosen`` / ``rejected`` as whole conversations that repeat the prompt (UltraFeedback-binarized:
+  ``prompt`` a string, each side [user, assistant]), the shared start taken off;
+- no ``prompt``: the conversations' (or texts', HH-RLHF) common start is the prompt.
+
+Every row is read, encoded (data/exchanges.py) and cut to ``max_length`` when the file is opened,
+so a bad row stops the run before start-up, named by file and line (JSONL) or row (Parquet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+from megatron_rlhf.data.exchanges import Encoded, as_messages, check_response, cut_to, encode_exchange, shown
+from megatron_rlhf.data.rows import check_prompt, open_rows
+from megatron_rlhf.data.tokenizer import Tokenizer
+
+SIDES = ("chosen", "rejected")
+
+
+@dataclasses.dataclass
+class Pair:
+    chosen: Encoded
+    rejected: Encoded
+    margin: float = 0.0
+
+
+def _common_start(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def split_pair(row: Dict[str, Any], where: str) -> Tuple[Any, Any, Any]:
+    """(prompt, chosen response, rejected response) of a row in any of the shapes above."""
+    missing = [k for k in SIDES if k not in row]
+    if missing:
+        raise ValueError(f"{where}: no {' or '.join(map(repr, missing))} column; a preference row has 'chosen' and "
+                         f"'rejected' (and 'prompt', unless both sides repeat it); columns: {', '.join(sorted(row))}")
+    prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+    if isinstance(chosen, str) != isinstance(rejected, str):
+        raise ValueError(f"{where}: 'chosen' and 'rejected' must both be text or both be chat messages, got "
+                         f"{shown(chosen)} and {shown(rejected)}")
+    for key, value in (("chosen", chosen), ("rejected", rejected)):
+        if not isinstance(value, str):
+            check_prompt(value, key, where)  # a list of well-formed messages
+    if prompt is not None:
+        check_prompt(prompt, "prompt", where)
+        if not isinstance(chosen, str):  # whole conversations repeating the prompt lose it
+            start = as_messages(prompt, "user")
+            repeats = [side[: len(start)] == start for side in (chosen, rejected)]
+            if all(repeats):
+                chosen, rejected = chosen[len(start):], rejected[len(start):]
+            elif any(repeats):
+                raise ValueError(f"{where}: the conversations' prompts differ: one side repeats the row's prompt and "
+                                 "the other does not")
+    else:
+        shared = _common_start(chosen, rejected)
+        if isinstance(chosen, str):  # HH-RLHF's texts: the prompt ends where they part
+            prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+            if not prompt.strip():
+                raise ValueError(f"{where}: no 'prompt' column, and 'chosen' and 'rejected' share no text to take as it")
+        else:
+            prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+            if not prompt or (chosen and chosen[0]["role"] != "assistant") or (rejected and rejected[0]["role"] != "assistant"):
+                raise ValueError(f"{where}: the conversations' prompts differ (no 'prompt' column, and 'chosen' and "
+                                 "'rejected' do not share their messages up to the assistant's answers)")
+    for key, value in (("chosen", chosen), ("rejected", rejected)):
+        check_response(value, key, where)
+    if chosen == rejected:
+        raise ValueError(f"{where}: 'chosen' and 'rejected' are the same response; a pair needs two different answers")
+    return prompt, chosen, rejected
+
+
+def _margin(row: Dict[str, Any], where: str) -> float:
+    value = row.get("margin", 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{where}: 'margin' must be a finite number, got {shown(value)}")
+    return float(value)
+
+
+class PreferencePairs:
+    """Every pair of a file, encoded and cut: ``pairs[i]``, ``where(i)``; ``cut`` counts the pairs
+    whose responses were shortened to ``max_length``."""
+
+    def __init__(self, path: str, tokenizer: Tokenizer, max_length: int, chat: bool,
+                 system_prompt: Optional[str] = None):
+        self.path = path
+        self.rows = open_rows(path, None, prompts=False)
+        self.pairs: List[Pair] = []
+        for index in range(len(self.rows)):
+            where = self.rows.where(index)
+            row = self.rows.row(index)
+            prompt, chosen, rejected = split_pair(row, where)
+            try:
+                sides = [encode_exchange(tokenizer, prompt, response, chat, system_prompt) for response in (chosen, rejected)]
+            except ValueError as e:  # the tokenizer's and template's words
+                raise ValueError(f"{where}: {e}") from None
+            c, r = (cut_to(side, max_length, where) for side in sides)
+            if c.ids == r.ids:
+                raise ValueError(f"{where}: 'chosen' and 'rejected' are the same in their first {max_length} tokens "
+                                 "(max_length): the pair would teach nothing; raise max_length or drop the row")
+            self.pairs.append(Pair(c, r, _margin(row, where)))
+        self.cut = sum(p.chosen.cut or p.rejected.cut for p in self.pairs)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def where(self, index: int) -> str:
+        return self.rows.where(index)
+
+    def name(self) -> str:
+        return os.path.basename(self.path)
