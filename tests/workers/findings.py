@@ -466,3 +466,15 @@ class PreferenceLosses(Findings):
     losses: Metrics  # case -> the loss of our loss function on the batch (sum / count)
     metrics: dict[str, Metrics]  # case -> our metric sums as means (stages/losses.py MEANS)
     grads: dict[str, StateDict]  # case -> every parameter's gradient, under its Hugging Face name
+
+
+@part
+class StageRun(Findings):
+    steps: list[Metrics]  # each optimizer step's metrics
+    validation: Metrics  # after the last step
+    weights: Optional[StateDict]  # the trained role's full weights from its checkpoint (rank 0; None elsewhere)
+
+
+@findings_of("stage_invariance")
+class StageInvariance(Findings):
+    runs: dict[str, StageRun]  # cut (layout, micro-batches, EMS, resume) -> its run
