@@ -218,3 +218,169 @@ def test_rm_and_dpo_updates_do_not_depend_on_how_the_work_is_cut(workers, stage)
         # EMS's round trips and a resume change nothing at all; other cuts sum in another order
         exact = name in ("ems_off", "resumed")
         _assert_same_run(run, uncut, STEP_FIGURES[stage], name, exact)
+
+
+# -- Preference rows and demonstrations: the shapes read, and each bad row refused by name -----------
+
+def _pairs(tmp_path, rows, max_length=40, chat=False, tokenizer=None):
+    import json
+
+    from megatron_rlhf.data import CharTokenizer
+    from megatron_rlhf.data.preferences import PreferencePairs
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return PreferencePairs(str(path), tokenizer or CharTokenizer("abcdefghijklmnopqrstuvwxyz "), max_length, chat)
+
+
+@pytest.mark.parametrize("row, problem", [
+    ({"prompt": "ab ", "chosen": "cd"}, "no 'rejected' column"),
+    ({"prompt": "ab ", "chosen": "cd", "rejected": "cd"}, "are the same response"),
+    ({"prompt": "ab ", "chosen": "cd", "rejected": "  "}, "empty 'rejected' response"),
+    ({"prompt": "ab ", "chosen": "cd", "rejected": [{"role": "assistant", "content": "x"}]}, "both be text or both"),
+    ({"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "user", "content": "ho"}, {"role": "assistant", "content": "b"}]}, "prompts differ"),
+    ({"prompt": "hi", "chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "assistant", "content": "b"}]}, "prompts differ"),
+    ({"prompt": "abcdefghij", "chosen": "cd", "rejected": "ef"}, "the prompt alone is 11 tokens"),
+    ({"prompt": "ab ", "chosen": "cd", "rejected": "ef", "margin": "big"}, "'margin' must be a finite number"),
+    ({"prompt": "ab ", "chosen": "cd", "rejected": "ef", "margin": float("nan")}, "'margin' must be a finite number"),
+    ({"chosen": "xyz", "rejected": "abc"}, "share no text"),
+])
+def test_a_bad_preference_row_is_refused_naming_file_and_line(tmp_path, row, problem):
+    good = {"prompt": "ab ", "chosen": "cd", "rejected": "ef"}
+    with pytest.raises(ValueError) as refused:
+        _pairs(tmp_path, [good, row], max_length=10)
+    assert f"pairs.jsonl:2: " in str(refused.value) and problem in str(refused.value), str(refused.value)
+
+
+def test_preference_rows_of_every_shape_are_read_and_cut_alike(tmp_path):
+    """Text with a prompt; texts sharing their prompt (HH-RLHF); a chat prompt with whole
+    conversations repeating it (UltraFeedback-binarized); conversations without a prompt column.
+    Responses end with the end token and are the trained tokens; a pair too long keeps the first
+    tokens of both responses, the prompt whole."""
+    from tests.helpers.hf_tokenizer import make_tokenizer_dir
+
+    from megatron_rlhf.data import HFTokenizer
+
+    pairs = _pairs(tmp_path, [{"prompt": "ab ", "chosen": "cd", "rejected": "e", "margin": 1.5},
+                              {"chosen": "hi yes", "rejected": "hi no"},
+                              {"prompt": "ab ", "chosen": "cdefghijkl", "rejected": "mnopqrstuvw"}], max_length=8)
+    first, hh, long = pairs.pairs
+    assert first.chosen.ids == [1, 3, 4, 29, 5, 6, 2] and first.chosen.trained == [0] * 4 + [1] * 3
+    assert first.margin == 1.5 and first.rejected.ids[-1] == 2
+    assert hh.chosen.prompt_length == hh.rejected.prompt_length == len("hi ") + 1
+    assert len(long.chosen.ids) == len(long.rejected.ids) == 8 and long.chosen.prompt_length == 4 and pairs.cut == 1
+    tokenizer = HFTokenizer(str(make_tokenizer_dir(tmp_path / "tok")))
+    user, answer_a, answer_b = ({"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                                {"role": "assistant", "content": "5"})
+    chat = _pairs(tmp_path, [{"prompt": "2+2?", "chosen": [user, answer_a], "rejected": [user, answer_b]},
+                             {"chosen": [user, answer_a], "rejected": [user, answer_b]},
+                             {"prompt": [user], "chosen": [answer_a], "rejected": [answer_b]}],
+                  max_length=64, chat=True, tokenizer=tokenizer)
+    sides = [(p.chosen.ids, p.chosen.trained) for p in chat.pairs]
+    assert sides[0] == sides[1] == sides[2]
+    ids, trained = sides[0]
+    assert ids[: chat.pairs[0].chosen.prompt_length] == tokenizer.encode_prompt([user], chat=True)
+    assert tokenizer.decode([i for i, t in zip(ids, trained) if t]).startswith("4")
+
+
+def test_a_bad_demonstration_is_refused_and_a_chat_trains_only_its_assistant_turns(tmp_path):
+    import json
+
+    from tests.helpers.hf_tokenizer import make_tokenizer_dir
+
+    from megatron_rlhf.data import CharTokenizer, HFTokenizer
+    from megatron_rlhf.data.demonstrations import Demonstrations
+
+    path = tmp_path / "sft.jsonl"
+    for row, problem in (({"prompt": "ab"}, "no 'completion' column"), ({"prompt": "ab", "completion": ""}, "empty"),
+                         ({"messages": [{"role": "user", "content": "hi"}]}, "needs data.apply_chat_template")):
+        path.write_text(json.dumps({"prompt": "ab", "completion": "cd"}) + "\n" + json.dumps(row) + "\n")
+        with pytest.raises(ValueError, match=f"sft.jsonl:2: .*{problem}"):
+            Demonstrations(str(path), CharTokenizer("abcd"), 20, chat=False)
+    tokenizer = HFTokenizer(str(make_tokenizer_dir(tmp_path / "tok")))
+    chat = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "and 2+2?"}, {"role": "assistant", "content": "4"}]
+    path.write_text(json.dumps({"messages": chat}) + "\n")
+    row = Demonstrations(str(path), tokenizer, 256, chat=True).rows[0]
+    trained = tokenizer.decode([i for i, t in zip(row.ids, row.trained) if t])
+    assert "2" in trained and "4" in trained and "1+1" not in trained and "2+2" not in trained
+
+
+# -- Configuration and the command line --------------------------------------------------------------
+
+PIPELINE = __import__("pathlib").Path(__file__).resolve().parent.parent / "examples" / "tiny_pipeline"
+
+
+def _stage_config(tmp_path, base: str, extra: str, check_inputs: bool = True):
+    from megatron_rlhf.config import load_config
+
+    path = tmp_path / "run.yaml"
+    path.write_text(f"includes: {PIPELINE / base}\n{extra}")
+    return load_config(str(path), world_size=2, check_inputs=check_inputs)
+
+
+@pytest.mark.parametrize("base, extra, problem", [
+    ("dpo.yaml", "ppo:\n  kl_coef: 0.1\n", "ppo.kl_coef is a setting it does not read"),
+    ("rm.yaml", "policy:\n  lr: 0.1\n", "policy.lr is a role it does not build"),
+    ("sft.yaml", "dpo:\n  beta: 0.5\n", "dpo.beta is a setting it does not read"),
+    ("sft.yaml", "data:\n  max_prompt_length: 64\n", "data.max_prompt_length is a setting it does not read"),
+    ("rm.yaml", "reward:\n  global_batch_size: null\n", "reward.global_batch_size: not set"),
+    ("rm.yaml", "reward:\n  global_batch_size: 15\n", "not divisible by micro_batch_size*DP"),
+    ("dpo.yaml", "policy:\n  lora: {rank: 4}\n", "LoRA is not supported yet in the stages before RL"),
+    ("dpo.yaml", "reference:\n  model: {preset: tiny, num_layers: 4}\n", "DPO's reference is the policy's network"),
+    ("rm.yaml", "reward:\n  type: function\n  function: x.py:f\n", "stage rm trains a reward model"),
+    ("../tiny/grpo.yaml", "dpo:\n  beta: 0.5\n", "stage rl runs"),
+    ("../tiny/grpo.yaml", "data:\n  train_file: x.jsonl\n", "train_file holds the rows of the stages before RL"),
+])
+def test_a_stage_refuses_what_it_does_not_read_or_support_by_name(tmp_path, base, extra, problem):
+    from megatron_rlhf.config import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        _stage_config(tmp_path, base, extra)
+    assert problem in str(refused.value), str(refused.value)
+
+
+def test_dpo_reference_is_the_policy_as_it_starts(tmp_path):
+    from megatron_rlhf.config import ConfigError
+
+    config = _stage_config(tmp_path, "dpo.yaml", "policy:\n  load: /some/sft/policy\n  precision: bf16\n", False)
+    assert config.roles == ("policy", "reference") and config.trainable_roles == ("policy",)
+    assert config.reference.load == "/some/sft/policy" and config.reference.precision == "bf16"
+    assert config.reference.model == config.policy.model and config.served_weights == {}
+    with pytest.raises(ConfigError) as refused:  # a missing checkpoint is named once, not again for the reference
+        _stage_config(tmp_path, "dpo.yaml", "policy:\n  load: /some/sft/policy\n")
+    assert str(refused.value).count("/some/sft/policy") == 1
+
+
+def test_the_planner_and_dry_run_count_each_stage_s_roles(tmp_path):
+    import subprocess
+    import sys
+
+    from megatron_rlhf.memory.planner import plan
+
+    dpo = _stage_config(tmp_path, "dpo.yaml", "")
+    planned = plan(dpo, 2)
+    assert list(planned.phases) == ["reference", "train_policy"] and set(planned.roles) == {"policy", "reference"}
+    assert "optimizer_state" not in planned.resident["reference"]["reference"]
+    assert set(plan(_stage_config(tmp_path, "rm.yaml", ""), 2).roles) == {"reward"}
+    out = subprocess.run([sys.executable, "-m", "megatron_rlhf.train", "--config", str(PIPELINE / "dpo.yaml"), "--dry-run",
+                          "--world-size", "2"], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "reference" in out.stdout and "train_policy" in out.stdout and "ppo_policy" not in out.stdout
+
+
+def test_a_bad_row_stops_the_launch_with_one_error_line(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text(json.dumps({"prompt": "ab ", "chosen": "cd", "rejected": "ef"}) + "\n"
+                   + json.dumps({"prompt": "ab ", "chosen": "cd", "rejected": "cd"}) + "\n")
+    out = subprocess.run([sys.executable, "-m", "megatron_rlhf.train", "--config", str(PIPELINE / "rm.yaml"),
+                          "--check-only", "--world-size", "2"], capture_output=True, text=True, cwd=tmp_path,
+                         env={**__import__("os").environ, "TRAIN_FILE": str(bad)})
+    assert out.returncode == 2 and out.stderr.count("error:") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"{bad}:2: 'chosen' and 'rejected' are the same response" in out.stderr

@@ -736,9 +736,11 @@ def input_problems(config: RLHFConfig, needs_prompts: bool = False) -> List[str]
     def missing(key: str, message: str) -> None:
         problems.append(f"{config.at(key)}: {message}")
 
+    reported = set()  # a checkpoint two roles start from (DPO's reference takes the policy's) is named once
     for role in config.model_roles:
         load = config.path_of(role + ".load")
-        if load is not None and not os.path.isfile(os.path.join(load, "megatron_rlhf_model.json")):
+        if load is not None and load not in reported and not os.path.isfile(os.path.join(load, "megatron_rlhf_model.json")):
+            reported.add(load)
             missing(role + ".load", f"{load} is not a model checkpoint (no megatron_rlhf_model.json); "
                     "write one with tools/convert_hf_to_megatron.py")
     tokenizer = config.data.tokenizer
