@@ -1,5 +1,6 @@
 # Set-up from nothing: a virtualenv in .venv with torch (CPU build unless TORCH_SPEC says otherwise),
-# megatron-core and this package. `make demo` runs the CPU demo (PPO; `make demo-grpo`: GRPO; `make demo-moe`: GRPO on a mixture of experts); `make test` runs the test suite.
+# megatron-core and this package. `make demo` runs the CPU demo (PPO; `make demo-grpo`: GRPO; `make demo-moe`: GRPO on a mixture of experts;
+# `make demo-pipeline`: SFT, a reward model, PPO and DPO from preference pairs); `make test` runs the test suite.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -7,7 +8,7 @@ NPROC ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-grpo demo-moe demo-math demo-agent test clean
+.PHONY: install demo demo-grpo demo-moe demo-math demo-agent demo-pipeline test clean
 
 install: $(STAMP)
 
@@ -52,6 +53,14 @@ demo-math: $(STAMP) examples/tiny_math/train.jsonl
 demo-agent: $(STAMP) examples/tiny/prompts.jsonl
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.train \
 		--config examples/tiny_agent/grpo.yaml --overwrite
+
+# From preferences to a policy: SFT, a reward model from pairs labelled by a hidden rule, PPO against
+# it and DPO on the same pairs, each scored on the hidden rule (examples/tiny_pipeline/run_pipeline.sh).
+examples/tiny_pipeline/pairs.jsonl: examples/tiny_pipeline/make_data.py
+	$(PYTHON) examples/tiny_pipeline/make_data.py examples/tiny_pipeline
+
+demo-pipeline: $(STAMP) examples/tiny_pipeline/pairs.jsonl examples/tiny/prompts.jsonl
+	BIN=$(VENV)/bin NPROC=$(NPROC) bash examples/tiny_pipeline/run_pipeline.sh
 
 test: $(STAMP)
 	bash tests/helpers/setup_slurm.sh

@@ -12,7 +12,8 @@ import yaml
 
 from megatron_rlhf.config import input_problems, load_config, validate
 from megatron_rlhf.config.presets import AUTO
-from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, RLHFConfig
+from megatron_rlhf.config.names import STAGES
+from megatron_rlhf.config.schema import RL_ONLY_KEYS, RL_ONLY_SECTIONS, ROLE_HEADS, ROLE_NAMES, RLHFConfig
 from megatron_rlhf.config.validation import weight_sharing_notes
 from megatron_rlhf.memory.manager import EMSSwitches
 from megatron_rlhf.memory.planner import (KINDS, TRANSIENT, Plan, expert_numels, micro_batches_per_step, param_numels, plan,
@@ -94,7 +95,26 @@ def resolved_config_text(config: RLHFConfig) -> str:
     tree = config.settings()
     for role in set(ROLE_NAMES) - set(config.roles):  # the algorithm does not run them
         tree.pop(role)
+    stages = [s for s in STAGES if s != "rl"]
+    unread = [s for s in stages if s != config.stage] + (list(RL_ONLY_SECTIONS) if config.stage != "rl" else [])
+    for section in unread:  # what the run's stage does not read (validation refuses them set)
+        tree.pop(section)
+    for key in RL_ONLY_KEYS if config.stage != "rl" else ("data.train_file",):
+        section, name = key.split(".")
+        tree[section].pop(name)
     return yaml.safe_dump(tree, sort_keys=False, default_flow_style=False).rstrip()
+
+
+def _work_line(config: RLHFConfig) -> str:
+    """What the run does: RL's algorithm and rollout, or a stage's steps."""
+    if config.stage != "rl":
+        trained = config.trainable_roles[0]
+        unit = "pairs" if config.rows_per_sample == 2 else "rows"
+        return (f"stage: {config.stage}, roles: {', '.join(config.roles)} ({trained} trained); optimizer steps of "
+                f"{config.role(trained).global_batch_size} {unit} of data.train_file, {config.stage_config.epochs} epoch(s)")
+    return (f"algorithm: {config.algorithm.advantage_estimator}, roles: {', '.join(config.roles)}"
+            + ("" if config.roles == ROLE_NAMES else " (no critic)")
+            + f"; {config.ppo.rollout_batch_size} prompts x {config.generation.samples_per_prompt} responses per iteration")
 
 
 def _count(n: int) -> str:
@@ -141,9 +161,7 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
         f"{f' EP={ep}' if ep > 1 else ''} for "
         f"{'the roles without a layout of their own' if any(config.has_own_layout(r) for r in config.model_roles) else 'every role'} "
         f"(sequence parallel {'on' if par.sequence_parallel else 'off'})",
-        f"algorithm: {config.algorithm.advantage_estimator}, roles: {', '.join(config.roles)}"
-        + ("" if config.roles == ROLE_NAMES else " (no critic)")
-        + f"; {config.ppo.rollout_batch_size} prompts x {config.generation.samples_per_prompt} responses per iteration",
+        _work_line(config),
         f"  tensor-parallel groups: {len(groups['tp'])} of {tp} ranks ({'each within one node' if tp_in_node else 'SPANNING NODES: TP all-reduces cross the network; keep TP <= GPUs per node'}), "
         f"first {_span(groups['tp'][0])}",
         f"  data-parallel groups: {len(groups['dp'])} of {dp} ranks, first {_span(groups['dp'][0])}",

@@ -384,3 +384,47 @@ def test_a_bad_row_stops_the_launch_with_one_error_line(tmp_path):
                          env={**__import__("os").environ, "TRAIN_FILE": str(bad)})
     assert out.returncode == 2 and out.stderr.count("error:") == 1 and "Traceback" not in out.stderr, out.stderr
     assert f"{bad}:2: 'chosen' and 'rejected' are the same response" in out.stderr
+
+
+def _launch(config, output_dir, *flags, **environment):
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "megatron_rlhf.train",
+               "--config", str(config), "--output-dir", str(output_dir), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PROGRESS_BAR": "False", "TENSORBOARD": "False", **environment}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def _latest(output_dir, role):
+    return output_dir / "checkpoints" / (output_dir / "checkpoints" / "latest").read_text() / role
+
+
+def test_stage_checkpoints_go_into_ppo_as_written_and_the_reward_model_exports_to_transformers(tmp_path, workers):
+    """A reward model trained by stage rm is PPO's reward.load as written, and an SFT policy PPO's
+    policy, reference and ppo_policy load, nothing converted; the reward model exported to Hugging
+    Face (XForSequenceClassification, one label) scores as ours does (<= 1e-4), ours at TP=2."""
+    import json
+
+    from transformers import AutoModelForSequenceClassification
+
+    from megatron_rlhf.checkpoint.convert import megatron_to_hf
+
+    _launch(PIPELINE / "rm.yaml", tmp_path / "rm", "--iterations", "4")
+    _launch(PIPELINE / "sft.yaml", tmp_path / "sft", "--iterations", "2")
+    reward, policy = _latest(tmp_path / "rm", "reward"), _latest(tmp_path / "sft", "policy")
+    _launch(PIPELINE / "ppo.yaml", tmp_path / "ppo", "--iterations", "2", POLICY_LOAD=str(policy),
+            REWARD_LOAD=str(reward), PROMPT_FILE=str(PIPELINE / "prompts.jsonl"))
+    metrics = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["reward/mean"] != 0 for m in metrics)
+
+    megatron_to_hf(str(reward), str(tmp_path / "reward_hf"))
+    hf = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "reward_hf"), dtype=torch.float32)
+    assert hf.config.num_labels == 1
+    ours = workers(2, "checkpoint_forward", str(reward), "2", "1")[0]
+    with torch.no_grad():  # a row at a time: unpadded, transformers scores its last token, as PPO's reward does
+        theirs = torch.cat([hf(input_ids=row[None]).logits[:, 0] for row in ours.tokens])
+    assert torch.allclose(theirs, ours.output[:, -1, 0], atol=1e-4), (theirs, ours.output[:, -1, 0])

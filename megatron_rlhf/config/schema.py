@@ -64,8 +64,11 @@ STAGE_ROLES = {"sft": ("policy",), "rm": ("reward",), "dpo": ("policy", "referen
 STAGE_TRAINED = {"sft": "policy", "rm": "reward", "dpo": "policy"}
 STAGE_PHASES = {"sft": (("train_policy", "policy"),), "rm": (("train_reward", "reward"),),
                 "dpo": (("reference", "reference"), ("train_policy", "policy"))}
-# The RL sections a stage before RL does not read: a key set in one of them is refused by name.
+# What a stage before RL does not read: RL's sections and RL's prompt data and validation by
+# generation (a key set in one is refused by name; the dry run leaves them out).
 RL_ONLY_SECTIONS = ("generation", "rollout", "ppo", "algorithm", "moe")
+RL_ONLY_KEYS = ("data.prompt_file", "data.prompt_key", "data.max_prompt_length", "data.overlong_prompts",
+                "trainer.val_samples_per_prompt", "trainer.val_greedy")
 # Which head each role's network ends in: vocabulary logits or one scalar per token.
 ROLE_HEADS = {
     "policy": "lm",

@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
 from megatron_rlhf.config.names import GROUP_ESTIMATORS, LORA_TARGETS, STAGES
-from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, RL_ONLY_SECTIONS, ROLE_NAMES,
+from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, RL_ONLY_KEYS, RL_ONLY_SECTIONS, ROLE_NAMES,
                                          SERVED_WEIGHTS, SERVING_ROLES, TRAINABLE_ROLES, RLHFConfig)
 
 
@@ -650,11 +650,6 @@ def _lora_problems(config: RLHFConfig) -> List[str]:
                             "a model with experts, which adapters do not support yet; target linear_qkv, linear_proj")
     return problems
 
-
-# What a stage before RL does not read (besides RL_ONLY_SECTIONS, the other stages' sections and the
-# roles it does not build): RL's prompt data and validation by generation.
-RL_ONLY_KEYS = ("data.prompt_file", "data.prompt_key", "data.max_prompt_length", "data.overlong_prompts",
-                "trainer.val_samples_per_prompt", "trainer.val_greedy")
 
 
 def _stage_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
