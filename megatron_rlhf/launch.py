@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_rlhf.config import ConfigError, input_problems, layout_problems
 from megatron_rlhf.config.loader import read_checkpoint_meta, read_config
+from megatron_rlhf.config.names import STAGES, registry
 from megatron_rlhf.config.presets import AUTO
 
 # The launch defaults every preset starts from (a cluster node of 8 GPUs, the recipe's batch sizes).
@@ -59,7 +60,12 @@ LAUNCH_PRESETS: Dict[str, Tuple[str, Dict[str, object]]] = {
     "mixtral-8x7b": ("mixtral-8x7b", dict(_DEFAULTS, TP=1, PP=2, EP=8, NNODES=2)),
     "qwen3-235b-a22b": ("qwen3-235b-a22b", dict(_QWEN, TP=1, PP=2, EP=32, NNODES=16)),  # planned, never run
 }
-PATH_VARIABLES = ("POLICY_LOAD", "REWARD_LOAD", "VALUE_LOAD", "TOKENIZER", "PROMPT_FILE", "VAL_FILE", "OUTPUT_DIR")
+PATH_VARIABLES = ("POLICY_LOAD", "REWARD_LOAD", "VALUE_LOAD", "TOKENIZER", "PROMPT_FILE", "VAL_FILE", "TRAIN_FILE",
+                  "OUTPUT_DIR")
+# STAGE -> the recipe run_ppo.sh launches (beside it) when CONFIG is not given: RL, or a stage before it.
+STAGE_RECIPES = registry(STAGES, "STAGE", {"rl": "rlhf.yaml", "sft": "sft.yaml", "rm": "rm.yaml", "dpo": "dpo.yaml"})
+# The checkpoint each stage starts from (a launch of a real model needs it): the reward model's for rm.
+STARTING_CHECKPOINT = {"rm": "REWARD_LOAD"}
 
 
 def _positive(env: Dict[str, str], name: str, problems: List[str]) -> Optional[int]:
@@ -123,8 +129,10 @@ def check(env: Dict[str, str], config_file: str) -> Tuple[List[str], List[str], 
         missing.append(f"NNODES={nodes}: a multi-node launch needs MASTER_ADDR, the first node's address "
                        "(slurm/run_ppo.sbatch sets it)")
     needs_checkpoints = env["MODEL_SIZE"] != "tiny"
-    if needs_checkpoints and not env.get("POLICY_LOAD"):
-        missing.append("POLICY_LOAD is not set: the directory of a converted checkpoint (tools/convert_hf_to_megatron.py)")
+    start = STARTING_CHECKPOINT.get(env.get("STAGE", "rl"), "POLICY_LOAD")
+    if needs_checkpoints and not env.get(start):
+        missing.append(f"{start} is not set: the directory of a converted checkpoint (tools/convert_hf_to_megatron.py)"
+                       + (", or of the SFT stage's policy (its body, with a new score head)" if start == "REWARD_LOAD" else ""))
     if not (nodes and per_node):
         return errors, missing, None
     world = nodes * per_node
@@ -139,8 +147,12 @@ def check(env: Dict[str, str], config_file: str) -> Tuple[List[str], List[str], 
         os.environ.clear()
         os.environ.update(saved)
     errors += problems + layout_problems(config, world)
+    stage = env.get("STAGE")
+    if stage and stage != config.stage:
+        errors.append(f"STAGE={stage}, but {config_file} runs stage: {config.stage}; set CONFIG to a recipe of stage "
+                      f"{stage} (or leave CONFIG unset: examples/llama2/{STAGE_RECIPES.get(stage, 'rlhf.yaml')})")
     missing += input_problems(config, needs_prompts=True)
-    if needs_checkpoints and config.reward.type == "model" and not env.get("REWARD_LOAD"):
+    if needs_checkpoints and config.stage == "rl" and config.reward.type == "model" and not env.get("REWARD_LOAD"):
         missing.append("REWARD_LOAD is not set: the directory of a converted reward model (tools/convert_hf_to_megatron.py); "
                        "a rule reward (reward.type: function) needs none")
     if errors:
@@ -163,12 +175,21 @@ def torchrun_command(env: Dict[str, str], config_file: str, train_args: List[str
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="megatron_rlhf.launch", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="the top config file, e.g. examples/llama2/rlhf.yaml")
+    parser.add_argument("--config", help="the top config file, e.g. examples/llama2/rlhf.yaml (default: --recipes' "
+                                          "recipe of $STAGE)")
+    parser.add_argument("--recipes", help="the directory of the STAGE recipes (STAGE_RECIPES), for a launch without --config")
     parser.add_argument("--name", default="megatron_rlhf.launch", help="how messages name the launcher")
     parser.add_argument("train_args", nargs="*", help="after --: flags for megatron_rlhf.train (e.g. --overwrite)")
     args = parser.parse_args(argv)
-    config_file = os.path.abspath(args.config)
     env = dict(os.environ)
+    stage = env.get("STAGE", "rl")
+    if stage not in STAGE_RECIPES:
+        print(f"error: STAGE={stage}: expected one of {', '.join(STAGE_RECIPES)}\n{args.name}: nothing was launched",
+              file=sys.stderr)
+        return 2
+    if not args.config and not args.recipes:
+        parser.error("give --config, or --recipes (the directory of the STAGE recipes)")
+    config_file = os.path.abspath(args.config or os.path.join(args.recipes, STAGE_RECIPES[stage]))
     stem = os.path.splitext(os.path.basename(config_file))[0]
     problems = resolve_environment(env, os.path.dirname(config_file), os.getcwd(), "ppo" if stem == "rlhf" else stem)
     if not os.path.isfile(config_file):

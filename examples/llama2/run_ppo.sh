@@ -21,8 +21,10 @@
 #                            tiny model, to check a cluster's set-up end to end; needs no checkpoint or tokenizer),
 #                            or auto: the architecture (and TP/PP) of the converted POLICY_LOAD, any size [7b]
 #   REWARD_MODEL_SIZE        reward/value size [MODEL_SIZE]
-#   POLICY_LOAD              converted SFT checkpoint (tools/convert_hf_to_megatron.py): reference, ppo_policy
-#   REWARD_LOAD              converted reward model (score head): reward
+#   POLICY_LOAD              converted SFT checkpoint (tools/convert_hf_to_megatron.py): reference, ppo_policy;
+#                            sft: the base model; dpo: the SFT policy (also the reference)
+#   REWARD_LOAD              converted reward model (score head): reward; rm: its starting point, a reward
+#                            model or the SFT policy (its body, with a new score head)
 #   VALUE_LOAD               starting point of the value model [REWARD_LOAD]
 #   TOKENIZER                the policy's Hugging Face directory (tokenizer files, chat template,
 #                            generation_config.json) or tokenizer.json;  TOKENIZER_TYPE hf or char [hf; tiny: char]
@@ -47,7 +49,14 @@
 #   GPU_MEMORY               device memory per GPU the dry run checks the plan against [80GiB]
 #   MASTER_ADDR, MASTER_PORT rendezvous host and port of a multi-node launch [29500]; RDZV_ID
 #   PYTHON                   the interpreter with megatron-rlhf installed [the repository's .venv, else python3]
-#   CONFIG                   the top config [examples/llama2/rlhf.yaml: PPO; grpo.yaml: GRPO, no critic]
+#   STAGE                    rl (PPO and its kin), or a stage before it: sft (demonstrations -> policy),
+#                            rm (preference pairs -> reward model), dpo (preference pairs -> policy); README,
+#                            "From preferences to a policy" [rl]
+#   TRAIN_FILE               sft, rm, dpo: the training rows (JSONL or Parquet); VAL_FILE their held-out rows
+#   EPOCHS, MAX_LENGTH       sft, rm, dpo: passes over TRAIN_FILE; prompt + response tokens of a row
+#   BETA, DPO_LOSS, REFERENCE_LOGPS  dpo: beta, sigmoid or ipo, per_step or precompute
+#   CONFIG                   the top config [STAGE's recipe: rlhf.yaml (PPO; grpo.yaml: GRPO, no critic),
+#                            sft.yaml, rm.yaml, dpo.yaml]
 #   DRY_RUN=1                print the plan and exit;  CHECK_ONLY=1  check the inputs and exit
 #   MOE_AUX_LOSS_COEFF, MOE_Z_LOSS_COEFF  router losses of a mixture of experts in training [0: off]
 #   ROUTING_REPLAY           off, rollout or old_logprob (README, "Mixtures of experts") [off]
@@ -70,4 +79,4 @@ if ! "$PYTHON" -c 'import megatron_rlhf, torch' >/dev/null 2>&1; then
   echo "run_ppo.sh: nothing was launched" >&2
   exit 2
 fi
-exec "$PYTHON" -m megatron_rlhf.launch --name run_ppo.sh --config "${CONFIG:-$HERE/rlhf.yaml}" -- "$@"
+exec "$PYTHON" -m megatron_rlhf.launch --name run_ppo.sh ${CONFIG:+--config "$CONFIG"} --recipes "$HERE" -- "$@"

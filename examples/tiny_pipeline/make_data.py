@@ -27,7 +27,7 @@ def pair(rng: random.Random, prompt: str) -> dict:
     """Two answers to ``prompt``; the one with more vowels is chosen, the margin never shown."""
     while True:
         a, b = words(rng, 1, 3), words(rng, 1, 3)
-        if abs(vowel_share(a) - vowel_share(b)) > 0.05:
+        if abs(vowel_share(a) - vowel_share(b)) > 0.15:  # a labeller who can tell them apart
             break
     chosen, rejected = (a, b) if vowel_share(a) > vowel_share(b) else (b, a)
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}

@@ -2,7 +2,8 @@
 # The pipeline demo (make demo-pipeline): from preference pairs to a policy on the CPU, every stage
 # a launch of its own, each taking the previous stage's checkpoint as it wrote it:
 #   1. SFT of a tiny random policy on demonstrations          (sft.yaml)
-#   2. a reward model from pairs labelled by a hidden rule    (rm.yaml; accuracy on held-out pairs)
+#   2. a reward model from pairs labelled by a hidden rule, starting from the SFT policy's body with
+#      a new score head (rm.yaml; its accuracy on held-out pairs)
 #   3. PPO from the SFT policy against the learned reward     (ppo.yaml)
 #   4. DPO from the SFT policy on the same pairs              (dpo.yaml)
 # then the hidden rule's score (hidden_rule.py) of the SFT, PPO and DPO policies' answers.
@@ -22,7 +23,7 @@ latest() {
 
 launch --config examples/tiny_pipeline/sft.yaml --output-dir "$OUT/sft"
 SFT=$(latest "$OUT/sft" policy)
-launch --config examples/tiny_pipeline/rm.yaml --output-dir "$OUT/rm"
+REWARD_LOAD=$SFT launch --config examples/tiny_pipeline/rm.yaml --output-dir "$OUT/rm"  # the SFT body, a new score head
 RM=$(latest "$OUT/rm" reward)
 POLICY_LOAD=$SFT REWARD_LOAD=$RM launch --config examples/tiny_pipeline/ppo.yaml --output-dir "$OUT/ppo"
 POLICY_LOAD=$SFT launch --config examples/tiny_pipeline/dpo.yaml --output-dir "$OUT/dpo"

@@ -12,7 +12,7 @@ import torch
 from megatron_rlhf.config.schema import REPLAYING_ROLES, ROLE_HEADS, RLHFConfig, RoleConfig
 from megatron_rlhf.memory.manager import WEIGHTS, EMSSwitches, RoleMemory
 from megatron_rlhf.models import routing
-from megatron_rlhf.models.decoder import build_model, groups_of, load_local_state_dict, unwrap
+from megatron_rlhf.models.decoder import build_model, groups_of, load_local_state_dict, local_state_dict, unwrap
 from megatron_rlhf.models.lora import add_adapters, load_adapters
 from megatron_rlhf.models.pipeline import LossFn, MicroBatch, Reduce, forward_backward
 from megatron_rlhf.models.sharding import shard_state_dict
@@ -80,14 +80,22 @@ class Role:
 
 
 def _load_weights(model: torch.nn.Module, name: str, config: RLHFConfig) -> None:
-    """This rank's shard of the role's ``load`` checkpoint, cut for the role's own layout."""
+    """This rank's shard of the role's ``load`` checkpoint, cut for the role's own layout. A reward
+    model trained by stage rm may start from a language model (the SFT policy, as TRL and OpenRLHF
+    start theirs): its body, with the score head as seeded (new)."""
     from megatron_rlhf.checkpoint import load_model_shard
+    from megatron_rlhf.checkpoint.model_files import read_model_meta
 
-    groups, arch = groups_of(model), config.role(name).model
+    groups, arch, path = groups_of(model), config.role(name).model, config.path_of(name + ".load")
+    new_head = config.stage == "rm" and name == "reward" and read_model_meta(path)[1]["head"] == "lm"
     shard = load_model_shard(
-        config.path_of(name + ".load"), arch, ROLE_HEADS[name], groups.tp.size(), groups.tp.rank(),
+        path, arch, "lm" if new_head else ROLE_HEADS[name], groups.tp.size(), groups.tp.rank(),
         groups.pp.size(), groups.pp.rank(), groups.ep.size(), groups.ep.rank(), padded_vocab=config.padded_vocab(arch),
     )
+    if new_head:  # the body's weights this stage holds, the seeded score head
+        own = local_state_dict(model)
+        shard = {k: v for k, v in shard.items() if k in own and k != "output_layer.weight"}
+        shard.update({k: v for k, v in own.items() if k == "output_layer.weight"})
     load_local_state_dict(model, shard)
 
 
