@@ -42,7 +42,7 @@ _QWEN = dict(_DEFAULTS, EOS_TOKEN="<|im_end|>")
 LAUNCH_PRESETS: Dict[str, Tuple[str, Dict[str, object]]] = {
     "tiny": ("tiny", dict(_DEFAULTS, TP=2, PP=1, GPUS_PER_NODE=2, ROLLOUT_BATCH_SIZE=16, TRAIN_GLOBAL_BATCH_SIZE=8,
                           INFERENCE_MICRO_BATCH_SIZE=4, GENERATION_BATCH_SIZE=8, ITERATIONS=20, MAX_PROMPT_LENGTH=32,
-                          MAX_NEW_TOKENS=16, TOKENIZER_TYPE="char", PRECISION="fp32",
+                          MAX_NEW_TOKENS=16, MAX_LENGTH=48, TOKENIZER_TYPE="char", PRECISION="fp32",
                           PROMPT_FILE="../tiny/prompts.jsonl")),
     "7b": ("llama2-7b", dict(_DEFAULTS, TP=2, PP=1)),
     "13b": ("llama2-13b", dict(_DEFAULTS, TP=4, PP=1)),

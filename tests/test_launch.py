@@ -321,3 +321,26 @@ def test_ctrl_c_under_the_launcher_is_one_line_and_status_130(tmp_path):
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines[-1].startswith("run_ppo.sh: interrupted (Ctrl-C); the last checkpoint is kept"), err[-3000:]
     assert "Traceback" not in err and err.count("interrupted (Ctrl-C)") == 1, err[-3000:]  # one line, nothing else
+
+
+def test_run_ppo_launches_the_stages_before_rl_by_stage(tmp_path):
+    """STAGE picks the recipe (examples/llama2/{sft,rm,dpo}.yaml), its inputs checked like RL's; a
+    tiny SFT runs end to end through the launcher; a wrong STAGE, or one its CONFIG does not run,
+    is refused by name."""
+    pipeline = REPO / "examples" / "tiny_pipeline"
+    checked = _run_ppo(tmp_path, STAGE="dpo", MODEL_SIZE="tiny", TRAIN_FILE=str(pipeline / "pairs.jsonl"),
+                       CHECK_ONLY="1")
+    assert checked.returncode == 0 and "inputs checked for 2 processes: 384 pairs" in checked.stdout, checked.stderr
+    planned = _run_ppo(tmp_path, STAGE="rm", MODEL_SIZE="7b", DRY_RUN="1")
+    assert planned.returncode == 0, planned.stderr
+    assert "stage: rm, roles: reward (reward trained)" in planned.stdout and "REWARD_LOAD is not set" in planned.stderr
+    unknown = _run_ppo(tmp_path, STAGE="ppo", MODEL_SIZE="tiny")
+    assert unknown.returncode == 2 and "STAGE=ppo: expected one of rl, sft, rm, dpo" in unknown.stderr
+    mismatch = _run_ppo(tmp_path, STAGE="dpo", MODEL_SIZE="tiny", CONFIG=str(REPO / "examples" / "llama2" / "rm.yaml"),
+                        TRAIN_FILE=str(pipeline / "pairs.jsonl"), CHECK_ONLY="1")
+    assert mismatch.returncode == 2 and "runs stage: rm; set CONFIG to a recipe of stage dpo" in mismatch.stderr
+    run = subprocess.run(["bash", str(RUN_PPO), "--overwrite"], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                         env=_env(STAGE="sft", MODEL_SIZE="tiny", TRAIN_FILE=str(pipeline / "sft.jsonl"),
+                                  TRAIN_GLOBAL_BATCH_SIZE="64", EPOCHS="1", TENSORBOARD="False"))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "done: 4 steps" in run.stdout and (tmp_path / "outputs" / "tiny-sft" / "checkpoints" / "latest").is_file()
