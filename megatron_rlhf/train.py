@@ -273,6 +273,17 @@ def _check_loaded_checkpoints(config: RLHFConfig) -> None:
                 verify_checkpoint(path, checksums=False)
             except CheckpointError as e:
                 raise ConfigError(f"{config.at(role + '.load')}: {e}") from None
+    if config.reward.normalize and config.stage == "rl":
+        from megatron_rlhf.checkpoint.model_files import recorded_scores
+
+        if config.reward.type != "model" or not config.reward.load:
+            raise ConfigError(f"{config.at('reward.normalize')}: true, but the reward is "
+                              + ("a function" if config.reward.type != "model" else "a model without reward.load")
+                              + ": the statistics come from a reward model's checkpoint (stage rm's)")
+        try:
+            recorded_scores(config.path_of("reward.load"))
+        except CheckpointError as e:
+            raise ConfigError(f"{config.at('reward.normalize')}: {e}") from None
     if config.ppo_policy.load_lora:
         try:
             peft_adapters(config.path_of("ppo_policy.load_lora"), config.ppo_policy.lora, config.ppo_policy.model,

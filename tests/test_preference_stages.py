@@ -200,24 +200,22 @@ def _assert_same_run(run, uncut, figures, what, exact=False):
             assert torch.allclose(tensor, uncut.weights[key], atol=WEIGHT_TOLERANCE, rtol=0), (what, key)
 
 
-@pytest.mark.parametrize("stage", ["rm", "dpo"])
-def test_rm_and_dpo_updates_do_not_depend_on_how_the_work_is_cut(workers, stage):
-    """Four optimizer steps of 16 pairs (the reward model; DPO with the reference scored per step,
-    and with its log-probs precomputed once, IPO) give the same figures, validation and weights
-    (fp32, <= 1e-5) at 1, 4 and token-packed pairs per micro-batch (a pair never split), DP=2 and
-    DP=1 (TP=2, PP=2), EMS on and off, and stopped after two steps and resumed by newly built roles
+def test_rm_and_dpo_updates_do_not_depend_on_how_the_work_is_cut(workers):
+    """Three optimizer steps of 16 pairs (the reward model; DPO with the reference scored per step,
+    and with its log-probs precomputed once) give the same figures, validation and weights (fp32,
+    <= 1e-5) at 1, 4 and token-packed pairs per micro-batch (a pair never split), DP=2 and DP=1
+    (TP=2, PP=2), EMS on and off, and stopped after two steps and resumed by newly built roles
     (these two bit for bit)."""
-    cases = [()] if stage == "rm" else [(), ("REFERENCE_LOGPS=precompute", "CUTS=dp2_mb1")]
-    runs = {}
-    for settings in cases:
-        found = workers(2, "stage_invariance", stage, *settings)[0].runs
-        runs.update({f"{name}{'+' + settings[0] if settings else ''}": run for name, run in found.items()})
-    uncut = runs["dp2_mb1"]
-    assert uncut.steps[-1]["loss"] < uncut.steps[0]["loss"], "the stage learns"
-    for name, run in runs.items():
-        # EMS's round trips and a resume change nothing at all; other cuts sum in another order
-        exact = name in ("ems_off", "resumed")
-        _assert_same_run(run, uncut, STEP_FIGURES[stage], name, exact)
+    runs = workers(2, "stage_invariance")[0].runs
+    for stage in ("rm", "dpo"):
+        uncut = runs[f"{stage}:dp2_mb1"]
+        assert uncut.steps[-1]["loss"] < uncut.steps[0]["loss"], f"{stage} learns"
+        cuts = [name for name in runs if name.startswith(stage + ":")]
+        assert len(cuts) == 7 + (stage == "dpo")
+        for name in cuts:
+            # EMS's round trips and a resume change nothing at all; other cuts sum in another order
+            exact = name.endswith((":ems_off", ":resumed"))
+            _assert_same_run(runs[name], uncut, STEP_FIGURES[stage], name, exact)
 
 
 # -- Preference rows and demonstrations: the shapes read, and each bad row refused by name -----------
@@ -404,10 +402,15 @@ def _latest(output_dir, role):
 
 
 def test_stage_checkpoints_go_into_ppo_as_written_and_the_reward_model_exports_to_transformers(tmp_path, workers):
-    """A reward model trained by stage rm is PPO's reward.load as written, and an SFT policy PPO's
-    policy, reference and ppo_policy load, nothing converted; the reward model exported to Hugging
-    Face (XForSequenceClassification, one label) scores as ours does (<= 1e-4), ours at TP=2."""
+    """A reward model trained by stage rm is PPO's reward.load as written (its held-out scores'
+    mean and std recorded for reward.normalize), and an SFT policy PPO's policy, reference and
+    ppo_policy load, nothing converted; the reward model exported to Hugging Face
+    (XForSequenceClassification, one label) scores as ours does (<= 1e-4), ours at TP=2; one
+    without statistics is refused for reward.normalize before start-up."""
     import json
+    import os
+    import subprocess
+    import sys
 
     from transformers import AutoModelForSequenceClassification
 
@@ -420,6 +423,10 @@ def test_stage_checkpoints_go_into_ppo_as_written_and_the_reward_model_exports_t
             REWARD_LOAD=str(reward), PROMPT_FILE=str(PIPELINE / "prompts.jsonl"))
     metrics = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(m["reward/mean"] != 0 for m in metrics)
+    # The reward model's files record its last validation's scores, which PPO's reward.normalize read.
+    last = json.loads((tmp_path / "rm" / "metrics.jsonl").read_text().splitlines()[-1])
+    scores = json.loads((reward / "megatron_rlhf_model.json").read_text())["scores"]
+    assert scores["mean"] == pytest.approx(last["val/reward/mean"]) and scores["std"] == pytest.approx(last["val/reward/std"])
 
     megatron_to_hf(str(reward), str(tmp_path / "reward_hf"))
     hf = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "reward_hf"), dtype=torch.float32)
@@ -428,3 +435,14 @@ def test_stage_checkpoints_go_into_ppo_as_written_and_the_reward_model_exports_t
     with torch.no_grad():  # a row at a time: unpadded, transformers scores its last token, as PPO's reward does
         theirs = torch.cat([hf(input_ids=row[None]).logits[:, 0] for row in ours.tokens])
     assert torch.allclose(theirs, ours.output[:, -1, 0], atol=1e-4), (theirs, ours.output[:, -1, 0])
+
+    # A reward model that records no statistics (converted from elsewhere) is refused for reward.normalize.
+    from megatron_rlhf.checkpoint.convert import hf_to_megatron
+
+    hf_to_megatron(str(tmp_path / "reward_hf"), str(tmp_path / "reward_converted"))
+    refused = subprocess.run([sys.executable, "-m", "megatron_rlhf.train", "--config", str(PIPELINE / "ppo.yaml"),
+                              "--check-only", "--world-size", "2"], capture_output=True, text=True, cwd=tmp_path,
+                             env={**os.environ, "POLICY_LOAD": str(policy), "REWARD_LOAD": str(tmp_path / "reward_converted"),
+                                  "PROMPT_FILE": str(PIPELINE / "prompts.jsonl")})
+    assert refused.returncode == 2 and "reward.normalize" in refused.stderr and "records no score statistics" in \
+        refused.stderr and "Traceback" not in refused.stderr, refused.stderr

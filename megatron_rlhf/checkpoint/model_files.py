@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import struct
@@ -142,11 +143,15 @@ def shard_file(root: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
 
 
 def write_model_meta(root: str, arch: ModelArchConfig, head: str, dtype: torch.dtype, tp: int, pp: int,
-                     lora: Optional[dict] = None) -> None:
-    """``lora``: the adapters the shards hold beside the base (rank, alpha, target_modules), if any."""
+                     lora: Optional[dict] = None, scores: Optional[dict] = None) -> None:
+    """``lora``: the adapters the shards hold beside the base (rank, alpha, target_modules), if any.
+    ``scores``: a reward model's score statistics on held-out pairs (mean, std, pairs; stage rm),
+    which PPO's reward.normalize reads."""
     meta = {"arch": dataclasses.asdict(arch), "head": head, "dtype": str(dtype).replace("torch.", ""), "tp": tp, "pp": pp}
     if lora:
         meta["lora"] = lora
+    if scores:
+        meta["scores"] = scores
     with open(os.path.join(root, CHECKPOINT_META_FILE), "w") as f:
         json.dump(meta, f, indent=1)
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -167,6 +172,19 @@ def read_model_meta(root: str) -> Tuple[ModelArchConfig, dict]:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{os.path.join(root, CHECKPOINT_META_FILE)}: not valid JSON ({e.msg})") from None
     return ModelArchConfig(**meta["arch"]), meta
+
+
+def recorded_scores(root: str) -> Tuple[float, float]:
+    """(mean, std) of the scores a reward model's checkpoint records (stage rm's held-out pairs)."""
+    scores = read_model_meta(root)[1].get("scores")
+    if not scores:
+        raise CheckpointError(f"{root}: records no score statistics (a reward model trained by stage rm with "
+                              "data.val_file records the mean and std of its held-out scores)")
+    mean, std = scores.get("mean"), scores.get("std")
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (mean, std)) or std <= 0:
+        raise CheckpointError(f"{os.path.join(root, CHECKPOINT_META_FILE)}: scores {scores}: the mean and std must be "
+                              "finite numbers, the std above 0")
+    return float(mean), float(std)
 
 
 def load_shard(root: str, tp_rank: int, pp_rank: int, pp_size: int) -> StateDict:

@@ -108,9 +108,11 @@ def _full_weights(model, layout: dict, num_experts) -> Optional[dict]:
     return weights if layout["dp_rank"] == 0 else None
 
 
-def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any], output_dir: str) -> str:
+def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any], output_dir: str,
+                        scores: Optional[Dict[str, dict]] = None) -> str:
     """Save the trainable roles and ``trainer_state`` (the controller's state_dict(), with its
-    ``iteration``) after that iteration (collective: every rank calls it). A write that fails (a
+    ``iteration``) after that iteration (collective: every rank calls it); ``scores``: role -> the
+    score statistics its model files record (write_model_meta). A write that fails (a
     full disk) removes the partial checkpoint and raises RunError naming it; the previous
     checkpoint and ``latest`` stay as they were."""
     name = f"iter_{trainer_state['iteration']:07d}"
@@ -120,7 +122,7 @@ def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any],
     dist.broadcast_object_list(writer, src=0)
     final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp-{writer[0]}")
     try:
-        _write_checkpoint(roles, trainer_state, root, name, tmp, final, writer[0])
+        _write_checkpoint(roles, trainer_state, root, name, tmp, final, writer[0], scores or {})
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_checkpoint(output_dir)
@@ -131,7 +133,8 @@ def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any],
     return final
 
 
-def _write_checkpoint(roles, trainer_state, root: str, name: str, tmp: str, final: str, writer: int) -> None:
+def _write_checkpoint(roles, trainer_state, root: str, name: str, tmp: str, final: str, writer: int,
+                      scores: Dict[str, dict]) -> None:
     layout = _layout()
     rank0 = dist.get_rank() == 0
     if rank0:
@@ -155,7 +158,7 @@ def _write_checkpoint(roles, trainer_state, root: str, name: str, tmp: str, fina
         if rank0:
             param = next(unwrap(role.model).parameters())
             write_model_meta(role_dir, role.config.model, ROLE_HEADS[role_name], param.dtype, layout["tp"], layout["pp"],
-                             lora=role.config.lora.meta())
+                             lora=role.config.lora.meta(), scores=scores.get(role_name))
     dist.barrier()
     if rank0:
         torch.save({**trainer_state, "layout": {k: layout[k] for k in ("tp", "pp", "dp", "ep")}},

@@ -300,6 +300,10 @@ class RewardRoleConfig(RoleConfig):
     timeout_s: float = bounded(30.0, gt=0)
     failure_score: float = 0.0
     num_workers: int = bounded(2, ge=1)  # worker processes per rank
+    # type: model: each score as (score - mean) / std, the mean and std its checkpoint records (a reward
+    # model of stage rm, from its held-out pairs; OpenRLHF's normalize_reward). Unlike ppo.normalize_reward,
+    # fixed for the run and centred.
+    normalize: bool = False
 
 
 @dataclasses.dataclass

@@ -671,6 +671,9 @@ def _stage_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
         problems.append(f"{where(trained + '.global_batch_size')}: {rc.global_batch_size} is not divisible by DP = {dp}")
     if stage == "rm" and config.reward.type != "model":
         problems.append(f"{where('reward.type')}: {config.reward.type}; stage rm trains a reward model: type: model")
+    if stage == "rm" and config.reward.normalize:
+        problems.append(f"{where('reward.normalize')}: RL's normalisation of the reward model's scores; stage rm "
+                        "records the statistics it reads (remove it here)")
     for role in config.roles:
         if config.role(role).lora.enabled or config.role(role).load_lora:
             problems.append(f"{where(role + '.lora')}: LoRA is not supported yet in the stages before RL (sft, rm, dpo); "

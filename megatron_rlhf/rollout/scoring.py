@@ -34,6 +34,12 @@ class Scorer:
         self.config = config
         self.roles = roles
         self.reward_pool = reward_pool
+        # reward.normalize: the (mean, std) the reward model's checkpoint records (checked at start-up)
+        self.normalization = None
+        if config.reward.type == "model" and config.reward.normalize:
+            from megatron_rlhf.checkpoint.model_files import recorded_scores
+
+            self.normalization = recorded_scores(config.path_of("reward.load"))
 
     def score(self, prompts: List[str], responses: List[str], fields: List[Dict], rows: SampleRows,
               iteration: int) -> Tuple[torch.Tensor, Dict[str, float]]:
@@ -63,7 +69,11 @@ class Scorer:
                 return {"scores": inference.scores(self.roles["reward"], mine["tokens"], last)}
 
         columns = {k: rows[k] for k in ("tokens", "prompt_lengths", "response_lengths")}
-        return self.roles.at_layout("reward", run, columns, rows["tokens"].shape[1])["scores"]
+        scores = self.roles.at_layout("reward", run, columns, rows["tokens"].shape[1])["scores"]
+        if self.normalization is not None:
+            mean, std = self.normalization
+            scores = (scores - mean) / std
+        return scores
 
     def _rule_scores(self, prompts: List[str], responses: List[str], fields: List[Dict]):
         """The rule reward's (scores, metrics), computed on the first rank of the model-parallel

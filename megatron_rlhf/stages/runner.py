@@ -1,6 +1,6 @@
 """The run every stage before RL shares, read top to bottom: the process groups, the stage's roles
 (built by roles.RoleSet, moved by EMS), resume, then optimizer steps over the epochs of its rows
-(data/epochs.py), validation at trainer.val_interval, a checkpoint at trainer.save_interval and at
+(data/epochs.py), validation at trainer.val_interval and after the last step, a checkpoint at trainer.save_interval and at
 the end (checkpoint/ppo_state.py: the trained role's directory loads as a model checkpoint as it is),
 metrics.jsonl, TensorBoard and one line per step (run_log.py). What a step does is the stage's own
 (stages/sft.py, rm.py, dpo.py: ``Stage``)."""
@@ -75,6 +75,10 @@ class Stage:
         """The loss function's metric sums as means over the whole step (every rank's micro-batches)."""
         figures = step_metrics(per_micro_batch, self.device, groups_of(self.role.model).pp, self.roles.cut.group)
         return {f"{prefix}{k}": v for k, v in figures.items()}
+
+    def recorded_scores(self) -> Dict[str, dict]:
+        """role -> the score statistics its checkpoint records (a reward model's); none by default."""
+        return {}
 
     def validation_rows(self) -> List[int]:
         """This rank's share of the validation rows (equal micro-batches where pipelined)."""
@@ -158,8 +162,9 @@ def run_stage(prepared, stage_class) -> list:
                        **stage.step(order.step_rows(iteration), iteration + 1)}
             iteration += 1
             ledger.record("phase_end", "iteration")
-            if prepared.val_dataset is not None and trainer.val_interval and iteration % trainer.val_interval == 0:
-                metrics.update(stage.validate())
+            last = iteration == order.total_steps
+            if prepared.val_dataset is not None and (last or trainer.val_interval and iteration % trainer.val_interval == 0):
+                metrics.update(stage.validate())  # and after the last step: the figures the checkpoint keeps
             metrics["time/iteration_s"] = time.perf_counter() - step_started
             history.append(metrics)
             if rank0:
@@ -167,10 +172,10 @@ def run_stage(prepared, stage_class) -> list:
                 log.write(" | ".join([f"step {iteration:>4}/{order.total_steps}"] + stage.line(metrics)
                                      + _figures(metrics, "val/") + [f"{metrics['time/iteration_s']:.1f}s"]), 1)
                 drop_set_aside(output_dir)
-            last = iteration == order.total_steps
             if (trainer.save_interval and iteration % trainer.save_interval == 0) or (last and trainer.save_at_end):
                 rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-                save_ppo_checkpoint(roles.roles, {"iteration": iteration, "rng": rng, "run": prepared.run}, output_dir)
+                save_ppo_checkpoint(roles.roles, {"iteration": iteration, "rng": rng, "run": prepared.run}, output_dir,
+                                    stage.recorded_scores())
     finally:
         log.close()
     if rank0 and history:
