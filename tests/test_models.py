@@ -33,27 +33,33 @@ def test_equivalence_on_gpu_with_nccl_and_sequence_parallel(workers):
     check_equivalence(results, ("tp2_pp1", "tp2_pp1_sp", "tp1_pp2", "tp2_pp2"))
 
 
-@pytest.mark.parametrize("optimizer", ["dist", "local"])
-def test_dp2_training_step_equals_dp1_on_the_same_global_batch(workers, optimizer):
+@pytest.fixture(scope="module")
+def dp1_steps(tmp_path_factory):
+    """One process's steps of every variant the tests below compare against (one launch)."""
+    from tests.conftest import run_workers
+
+    return run_workers(tmp_path_factory.mktemp("dp1"), 1, "dp_step", "dist", "local", "dist+recompute")[0]
+
+
+def test_dp2_training_step_equals_dp1_on_the_same_global_batch(workers, dp1_steps):
     import torch
 
-    dp1 = workers(1, "dp_step", optimizer)[0]
-    dp2 = workers(2, "dp_step", optimizer)
-    assert dp1.dp == 1 and dp2[0].dp == 2
-    for rank_result in dp2:
-        for name, expected in dp1.params.items():
-            got = rank_result.params[name]
-            torch.testing.assert_close(got, expected, rtol=0, atol=1e-6, msg=f"{optimizer}: {name}")
-    # The steps really moved the weights (not a comparison of untouched initial values).
-    assert dp1.moved > 1e-4
+    dp2 = workers(2, "dp_step", "dist", "local")
+    assert dp1_steps.dp == 1 and dp2[0].dp == 2
+    for optimizer in ("dist", "local"):
+        for rank_result in dp2:
+            for name, expected in dp1_steps.runs[optimizer].params.items():
+                got = rank_result.runs[optimizer].params[name]
+                torch.testing.assert_close(got, expected, rtol=0, atol=1e-6, msg=f"{optimizer}: {name}")
+        # The steps really moved the weights (not a comparison of untouched initial values).
+        assert dp1_steps.runs[optimizer].moved > 1e-4
 
 
-def test_activation_recompute_trains_as_without(workers):
+def test_activation_recompute_trains_as_without(dp1_steps):
     """Full recomputation (megatron's CheckpointFunction, RNG states saved and restored) on CPU."""
     import torch
 
-    plain = workers(1, "dp_step", "dist", "fp32")[0]
-    recomputed = workers(1, "dp_step", "dist", "fp32", "recompute")[0]
+    plain, recomputed = dp1_steps.runs["dist"], dp1_steps.runs["dist+recompute"]
     assert plain.recompute is None and recomputed.recompute == "full"
     for name, expected in plain.params.items():
         torch.testing.assert_close(recomputed.params[name], expected, rtol=0, atol=1e-6, msg=name)

@@ -118,8 +118,13 @@ class ModelsEquivalence(Findings):
 
 @findings_of("dp_step")
 class DPStep(Findings):
-    params: StateDict  # after 3 steps
     dp: int
+    runs: dict[str, "DPRun"]  # variant ("dist", "local", "dist+recompute") -> its steps
+
+
+@part
+class DPRun(Findings):
+    params: StateDict  # after 3 steps
     moved: float  # the largest change of any parameter
     recompute: Optional[str]  # megatron's recompute_granularity as built
 
