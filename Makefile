@@ -59,7 +59,7 @@ demo-agent: $(STAMP) examples/tiny/prompts.jsonl
 examples/tiny_pipeline/pairs.jsonl: examples/tiny_pipeline/make_data.py
 	$(PYTHON) examples/tiny_pipeline/make_data.py examples/tiny_pipeline
 
-demo-pipeline: $(STAMP) examples/tiny_pipeline/pairs.jsonl examples/tiny/prompts.jsonl
+demo-pipeline: $(STAMP) examples/tiny_pipeline/pairs.jsonl
 	BIN=$(VENV)/bin NPROC=$(NPROC) bash examples/tiny_pipeline/run_pipeline.sh
 
 test: $(STAMP)

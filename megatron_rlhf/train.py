@@ -143,7 +143,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
             warnings.warn(f"{output_dir}: put back the run an --overwrite launch set aside and never replaced")
     if args.resume:
         config.trainer.resume = "auto"
-    run, resume_from = _resume_point(args, config, output_dir)
+    run, resume_from, reached = _resume_point(args, config, output_dir)
     if config.trainer.wandb:
         try:
             import wandb  # noqa: F401
@@ -161,6 +161,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
             )
     if config.stage != "rl":
         dataset, val_dataset = _stage_rows(config, tokenizer, world_size)
+        _check_stage_steps(config, len(dataset), resume_from, reached)
         if args.overwrite and _launch_rank0() and writes:
             set_aside_run(output_dir)
         return Prepared(config, output_dir, tokenizer, dataset, val_dataset, None, resume_from, run)
@@ -213,19 +214,20 @@ def _stage_rows(config: RLHFConfig, tokenizer, world_size: int):
 
 
 def _resume_point(args: argparse.Namespace, config: RLHFConfig, output_dir: str):
-    """(the run's identity, the checkpoint to continue from or None): an earlier run in the output
-    directory is continued (--resume, trainer.resume: auto), or refused unless --overwrite."""
+    """(the run's identity, the checkpoint to continue from or None, the iterations it holds): an
+    earlier run in the output directory is continued (--resume, trainer.resume: auto), or refused
+    unless --overwrite."""
     from megatron_rlhf.checkpoint.ppo_state import latest_checkpoint
 
     run = run_identity(config)
-    resume_from = None
+    resume_from, reached = None, 0
     if not args.overwrite:  # --overwrite clears the old run last, once every input below has been checked
         latest = latest_checkpoint(output_dir)
         done = completed_iterations(os.path.join(output_dir, "metrics.jsonl"))
         if config.trainer.resume == "auto" and latest is not None:
             resume_from = latest
             run, reached = check_resume(latest, config, run, output_dir, args.allow_config_change)
-            if config.stage == "rl" and config.ppo.iterations <= reached:  # a stage's steps: stages/runner.py
+            if config.stage == "rl" and config.ppo.iterations <= reached:  # a stage: _check_stage_steps
                 raise ConfigError(f"{latest} is at iteration {reached} and the run is to end at "
                                   f"{config.ppo.iterations} ({'--iterations' if args.iterations else 'ppo.iterations'}): "
                                   f"nothing to do; resume with more than {reached} iterations")
@@ -234,7 +236,20 @@ def _resume_point(args: argparse.Namespace, config: RLHFConfig, output_dir: str)
                     "it has no checkpoint to resume from; ")
             raise ConfigError(f"{output_dir} already holds a run ({done} iterations in metrics.jsonl); {hint}choose "
                               "another --output-dir, or pass --overwrite to delete it and start again")
-    return run, resume_from
+    return run, resume_from, reached
+
+
+def _check_stage_steps(config: RLHFConfig, rows: int, resume_from: Optional[str], reached: int) -> None:
+    """A resumed stage has steps left to run (data/epochs.py counts them from the rows)."""
+    from megatron_rlhf.data.epochs import EpochOrder
+
+    section = config.stage_config
+    total = EpochOrder(rows, config.samples_per_step(config.trainable_roles[0]), section.epochs, section.max_steps,
+                       config.seed, config.data.shuffle).total_steps
+    if resume_from is not None and reached >= total:
+        raise ConfigError(f"{resume_from} is at step {reached} and the run has {total} steps ({config.stage}.epochs="
+                          f"{section.epochs}, {config.stage}.max_steps or --iterations): nothing to do; resume with "
+                          "more epochs or steps")
 
 
 def _environment(config: RLHFConfig, tokenizer) -> str:

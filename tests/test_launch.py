@@ -324,9 +324,9 @@ def test_ctrl_c_under_the_launcher_is_one_line_and_status_130(tmp_path):
 
 
 def test_run_ppo_launches_the_stages_before_rl_by_stage(tmp_path):
-    """STAGE picks the recipe (examples/llama2/{sft,rm,dpo}.yaml), its inputs checked like RL's; a
-    tiny SFT runs end to end through the launcher; a wrong STAGE, or one its CONFIG does not run,
-    is refused by name."""
+    """STAGE picks the recipe (examples/llama2/{sft,rm,dpo}.yaml), its inputs checked like RL's and
+    planned by the dry run; a wrong STAGE, or one its CONFIG does not run, is refused by name (the
+    stages themselves run in tests/test_preference_stages.py)."""
     pipeline = REPO / "examples" / "tiny_pipeline"
     checked = _run_ppo(tmp_path, STAGE="dpo", MODEL_SIZE="tiny", TRAIN_FILE=str(pipeline / "pairs.jsonl"),
                        CHECK_ONLY="1")
@@ -339,8 +339,3 @@ def test_run_ppo_launches_the_stages_before_rl_by_stage(tmp_path):
     mismatch = _run_ppo(tmp_path, STAGE="dpo", MODEL_SIZE="tiny", CONFIG=str(REPO / "examples" / "llama2" / "rm.yaml"),
                         TRAIN_FILE=str(pipeline / "pairs.jsonl"), CHECK_ONLY="1")
     assert mismatch.returncode == 2 and "runs stage: rm; set CONFIG to a recipe of stage dpo" in mismatch.stderr
-    run = subprocess.run(["bash", str(RUN_PPO), "--overwrite"], cwd=tmp_path, capture_output=True, text=True, timeout=180,
-                         env=_env(STAGE="sft", MODEL_SIZE="tiny", TRAIN_FILE=str(pipeline / "sft.jsonl"),
-                                  TRAIN_GLOBAL_BATCH_SIZE="128", EPOCHS="1", TENSORBOARD="False"))
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "done: 2 steps" in run.stdout and (tmp_path / "outputs" / "tiny-sft" / "checkpoints" / "latest").is_file()

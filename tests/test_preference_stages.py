@@ -203,15 +203,15 @@ def _assert_same_run(run, uncut, figures, what, exact=False):
 def test_rm_and_dpo_updates_do_not_depend_on_how_the_work_is_cut(workers):
     """Three optimizer steps of 16 pairs (the reward model; DPO with the reference scored per step,
     and with its log-probs precomputed once) give the same figures, validation and weights (fp32,
-    <= 1e-5) at 1, 4 and token-packed pairs per micro-batch (a pair never split), DP=2 and DP=1
-    (TP=2, PP=2), EMS on and off, and stopped after two steps and resumed by newly built roles
-    (these two bit for bit)."""
+    <= 1e-5) at 1 and token-packed pairs per micro-batch (a pair never split; 2 at TP=2 and PP=2),
+    DP=2 and DP=1 (TP=2, PP=2), EMS on and off, and stopped after two steps and resumed by newly
+    built roles (these two bit for bit)."""
     runs = workers(2, "stage_invariance")[0].runs
     for stage in ("rm", "dpo"):
         uncut = runs[f"{stage}:dp2_mb1"]
         assert uncut.steps[-1]["loss"] < uncut.steps[0]["loss"], f"{stage} learns"
         cuts = [name for name in runs if name.startswith(stage + ":")]
-        assert len(cuts) == 7 + (stage == "dpo")
+        assert len(cuts) == 6 + (stage == "dpo")
         for name in cuts:
             # EMS's round trips and a resume change nothing at all; other cuts sum in another order
             exact = name.endswith((":ems_off", ":resumed"))
@@ -401,12 +401,13 @@ def _latest(output_dir, role):
     return output_dir / "checkpoints" / (output_dir / "checkpoints" / "latest").read_text() / role
 
 
-def test_stage_checkpoints_go_into_ppo_as_written_and_the_reward_model_exports_to_transformers(tmp_path, workers):
+def test_stage_checkpoints_go_into_ppo_as_written_and_the_reward_model_exports_to_transformers(tmp_path):
     """A reward model trained by stage rm is PPO's reward.load as written (its held-out scores'
-    mean and std recorded for reward.normalize), and an SFT policy PPO's policy, reference and
+    mean and std recorded for reward.normalize; stopped after two steps and resumed to four, then
+    refused as having nothing left to do), and an SFT policy PPO's policy, reference and
     ppo_policy load, nothing converted; the reward model exported to Hugging Face
-    (XForSequenceClassification, one label) scores as ours does (<= 1e-4), ours at TP=2; one
-    without statistics is refused for reward.normalize before start-up."""
+    (XForSequenceClassification, one label) scores the held-out pairs as our validation did (<= 1e-4);
+    one without statistics is refused for reward.normalize before start-up."""
     import json
     import os
     import subprocess
@@ -416,7 +417,15 @@ def test_stage_checkpoints_go_into_ppo_as_written_and_the_reward_model_exports_t
 
     from megatron_rlhf.checkpoint.convert import megatron_to_hf
 
-    _launch(PIPELINE / "rm.yaml", tmp_path / "rm", "--iterations", "4")
+    _launch(PIPELINE / "rm.yaml", tmp_path / "rm", "--iterations", "2")
+    resumed = _launch(PIPELINE / "rm.yaml", tmp_path / "rm", "--iterations", "4", "--resume")
+    assert "resumed from" in resumed and "(step 2," in resumed
+    steps = [json.loads(line)["iteration"] for line in (tmp_path / "rm" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    nothing = subprocess.run([sys.executable, "-m", "megatron_rlhf.train", "--config", str(PIPELINE / "rm.yaml"), "--output-dir",
+                              str(tmp_path / "rm"), "--iterations", "4", "--resume", "--check-only"],
+                             capture_output=True, text=True)
+    assert nothing.returncode == 2 and "is at step 4 and the run has 4 steps" in nothing.stderr, nothing.stderr
     _launch(PIPELINE / "sft.yaml", tmp_path / "sft", "--iterations", "2")
     reward, policy = _latest(tmp_path / "rm", "reward"), _latest(tmp_path / "sft", "policy")
     _launch(PIPELINE / "ppo.yaml", tmp_path / "ppo", "--iterations", "2", POLICY_LOAD=str(policy),
@@ -428,13 +437,20 @@ def test_stage_checkpoints_go_into_ppo_as_written_and_the_reward_model_exports_t
     scores = json.loads((reward / "megatron_rlhf_model.json").read_text())["scores"]
     assert scores["mean"] == pytest.approx(last["val/reward/mean"]) and scores["std"] == pytest.approx(last["val/reward/std"])
 
+    # Exported to Hugging Face, transformers scores the held-out pairs as our validation did: the
+    # mean and std over every side (256 sequences, scored by us at DP=2) the checkpoint recorded.
+    from megatron_rlhf.data import CharTokenizer
+    from megatron_rlhf.data.preferences import PreferencePairs
+
     megatron_to_hf(str(reward), str(tmp_path / "reward_hf"))
     hf = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "reward_hf"), dtype=torch.float32)
     assert hf.config.num_labels == 1
-    ours = workers(2, "checkpoint_forward", str(reward), "2", "1")[0]
-    with torch.no_grad():  # a row at a time: unpadded, transformers scores its last token, as PPO's reward does
-        theirs = torch.cat([hf(input_ids=row[None]).logits[:, 0] for row in ours.tokens])
-    assert torch.allclose(theirs, ours.output[:, -1, 0], atol=1e-4), (theirs, ours.output[:, -1, 0])
+    pairs = PreferencePairs(str(PIPELINE / "pairs_val.jsonl"), CharTokenizer("abcdefghijklmnopqrstuvwxyz "), 40, False)
+    with torch.no_grad():  # a sequence at a time: unpadded, transformers scores its last token, as PPO's reward does
+        theirs = torch.cat([hf(input_ids=torch.tensor([side.ids])).logits[:, 0] for p in pairs.pairs
+                            for side in (p.chosen, p.rejected)])
+    assert len(theirs) == 256 and float(theirs.mean()) == pytest.approx(scores["mean"], abs=1e-4)
+    assert float(theirs.std()) == pytest.approx(scores["std"], abs=1e-4)
 
     # A reward model that records no statistics (converted from elsewhere) is refused for reward.normalize.
     from megatron_rlhf.checkpoint.convert import hf_to_megatron

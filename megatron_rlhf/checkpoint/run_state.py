@@ -54,7 +54,7 @@ def release_output_dir(output_dir: str) -> None:
 # What only changes how the work is cut or kept (never the numbers), or how long the run goes:
 # a resume may change these freely. The layouts of the roles served the trained roles' weights
 # (policy, value) are among them: their weights come from the checkpoint's trained roles at any layout.
-_FREE_ON_RESUME = ("ppo.iterations", "trainer.", "generation.batch_size", ".micro_batch_size",
+_FREE_ON_RESUME = ("ppo.iterations", ".epochs", ".max_steps", "trainer.", "generation.batch_size", ".micro_batch_size",
                    ".max_tokens_per_micro_batch", "policy.parallel.", "value.parallel.", ".free_memory",
                    ".offload_weights", ".free_grad_buffers", ".offload_optimizer_state", ".empty_cache",
                    ".recompute_activations", ".overlap_grad_reduce", ".cuda_graph_impl", ".nccl_ub", "reward.max_abs_score",

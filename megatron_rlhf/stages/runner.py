@@ -1,7 +1,7 @@
 """The run every stage before RL shares, read top to bottom: the process groups, the stage's roles
 (built by roles.RoleSet, moved by EMS), resume, then optimizer steps over the epochs of its rows
-(data/epochs.py), validation at trainer.val_interval and after the last step, a checkpoint at trainer.save_interval and at
-the end (checkpoint/ppo_state.py: the trained role's directory loads as a model checkpoint as it is),
+(data/epochs.py), validation at trainer.val_interval and after the last step, a checkpoint at
+trainer.save_interval and at the end (checkpoint/ppo_state.py: the trained role's directory loads as a model checkpoint as it is),
 metrics.jsonl, TensorBoard and one line per step (run_log.py). What a step does is the stage's own
 (stages/sft.py, rm.py, dpo.py: ``Stage``)."""
 
@@ -62,10 +62,10 @@ class Stage:
         """One optimizer step of the trained role (on the device for it) on ``micro_batches``; its figures."""
         with self.roles.resident(self.trained, "training"):
             result = self.role.train_step(micro_batches, self.loss_fn)
-        skipped = {f"{self.trained}/skipped_steps": float(len(self.skipped))}
-        if not checked(result, self.config, self.trained, iteration, self.skipped):
-            return {"loss": float("nan"), f"{self.trained}/skipped_steps": float(len(self.skipped))}
-        return {**self.figures(result["metrics"]), f"{self.trained}/grad_norm": float(result["grad_norm"]), **skipped}
+        applied = checked(result, self.config, self.trained, iteration, self.skipped)
+        figures = {**self.figures(result["metrics"]), f"{self.trained}/grad_norm": float(result["grad_norm"])} \
+            if applied else {"loss": float("nan")}
+        return {**figures, f"{self.trained}/skipped_steps": float(len(self.skipped))}
 
     def evaluate(self, micro_batches: list) -> Dict[str, float]:
         with self.roles.resident(self.trained, "inference"):
@@ -115,8 +115,6 @@ def checked(result: Dict, config, name: str, iteration: int, skipped: List[int])
 
 def run_stage(prepared, stage_class) -> list:
     """Run ``prepared`` (train.Prepared of a stage before RL) with its Stage class; the metrics of each step."""
-    from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint, save_ppo_checkpoint
-    from megatron_rlhf.checkpoint.run_state import cut_back, drop_set_aside
     from megatron_rlhf.data.epochs import EpochOrder
     from megatron_rlhf.memory import MemoryLedger
     from megatron_rlhf.roles.role_set import Progress, RoleSet
@@ -127,7 +125,7 @@ def run_stage(prepared, stage_class) -> list:
     rank0 = dist.get_rank() == 0
     ledger_path = os.path.join(output_dir, "memory.jsonl")
     if rank0 and os.path.exists(ledger_path) and prepared.resume_from is None:
-        os.remove(ledger_path)
+        os.remove(ledger_path)  # a fresh run's ledger, not appended to an old one
     progress_dir = os.path.join(output_dir, ".progress")
     os.makedirs(progress_dir, exist_ok=True)
     ledger = MemoryLedger(ledger_path if rank0 else None, guard=config.trainer.memory_guard)
@@ -136,52 +134,69 @@ def run_stage(prepared, stage_class) -> list:
     section = config.stage_config
     order = EpochOrder(len(prepared.dataset), config.samples_per_step(stage.trained), section.epochs, section.max_steps,
                        config.seed, config.data.shuffle)
-    iteration = 0
-    if prepared.resume_from is not None:
-        state = load_ppo_checkpoint(roles.roles, prepared.resume_from)
-        iteration = ledger.iteration = state["iteration"]
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if rank0:
-            cut_back(ledger_path, iteration)
-            print(f"resumed from {prepared.resume_from} (step {iteration}, run {prepared.run['id']})", flush=True)
-    log = RunLog(output_dir, config, rank0, order.total_steps, config.stage.upper(), resumed_at=iteration)
-    history, started = [], time.perf_counter()
-    trainer = config.trainer
+    done = _resumed(prepared, roles, ledger_path) if prepared.resume_from is not None else 0  # < total: prepare()
+    log = RunLog(output_dir, config, rank0, order.total_steps, config.stage.upper(), resumed_at=done)
+    started = time.perf_counter()
     try:
-        if trainer.val_before_train and iteration == 0 and prepared.val_dataset is not None:
-            before = {"iteration": 0, **stage.validate()}
-            if rank0:
-                log.record(before)
-                log.write(" | ".join(["validation before training"] + _figures(before, "val/")), 0)
-        while iteration < order.total_steps:
-            step_started = time.perf_counter()
-            roles.progress.iteration = ledger.iteration = iteration + 1
-            metrics = {"iteration": iteration + 1, "epoch": float(order.epoch_of(iteration) + 1),
-                       **stage.step(order.step_rows(iteration), iteration + 1)}
-            iteration += 1
-            ledger.record("phase_end", "iteration")
-            last = iteration == order.total_steps
-            if prepared.val_dataset is not None and (last or trainer.val_interval and iteration % trainer.val_interval == 0):
-                metrics.update(stage.validate())  # and after the last step: the figures the checkpoint keeps
-            metrics["time/iteration_s"] = time.perf_counter() - step_started
-            history.append(metrics)
-            if rank0:
-                log.record(metrics)
-                log.write(" | ".join([f"step {iteration:>4}/{order.total_steps}"] + stage.line(metrics)
-                                     + _figures(metrics, "val/") + [f"{metrics['time/iteration_s']:.1f}s"]), 1)
-                drop_set_aside(output_dir)
-            if (trainer.save_interval and iteration % trainer.save_interval == 0) or (last and trainer.save_at_end):
-                rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-                save_ppo_checkpoint(roles.roles, {"iteration": iteration, "rng": rng, "run": prepared.run}, output_dir,
-                                    stage.recorded_scores())
+        history = _steps(prepared, stage, roles, order, done, log)
     finally:
         log.close()
     if rank0 and history:
         print(f"done: {len(history)} steps in {time.perf_counter() - started:.0f}s; "
               + " | ".join(stage.line(history[-1])), flush=True)
     destroy_distributed()
+    return history
+
+
+def _resumed(prepared, roles, ledger_path: str) -> int:
+    """The trained role, the RNG states and the ledger as the checkpoint left them; the steps done."""
+    from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint
+    from megatron_rlhf.checkpoint.run_state import cut_back
+
+    state = load_ppo_checkpoint(roles.roles, prepared.resume_from)
+    done = roles.ledger.iteration = state["iteration"]
+    random.setstate(state["rng"]["python"])
+    np.random.set_state(state["rng"]["numpy"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if dist.get_rank() == 0:
+        cut_back(ledger_path, done)
+        print(f"resumed from {prepared.resume_from} (step {done}, run {prepared.run['id']})", flush=True)
+    return done
+
+
+def _steps(prepared, stage: Stage, roles, order, done: int, log: RunLog) -> list:
+    """The steps after ``done``: each trained, validated at trainer.val_interval and after the
+    last, logged on rank 0, and saved at trainer.save_interval and at the end."""
+    from megatron_rlhf.checkpoint.ppo_state import save_ppo_checkpoint
+    from megatron_rlhf.checkpoint.run_state import drop_set_aside
+
+    trainer, validating = prepared.config.trainer, prepared.val_dataset is not None
+    if trainer.val_before_train and done == 0 and validating:
+        before = {"iteration": 0, **stage.validate()}
+        if log.enabled:
+            log.record(before)
+            log.write(" | ".join(["validation before training"] + _figures(before, "val/")), 0)
+    history = []
+    for iteration in range(done + 1, order.total_steps + 1):
+        started = time.perf_counter()
+        roles.progress.iteration = roles.ledger.iteration = iteration
+        metrics = {"iteration": iteration, "epoch": float(order.epoch_of(iteration - 1) + 1),
+                   **stage.step(order.step_rows(iteration - 1), iteration)}
+        roles.ledger.record("phase_end", "iteration")
+        last = iteration == order.total_steps
+        if validating and (last or trainer.val_interval and iteration % trainer.val_interval == 0):
+            metrics.update(stage.validate())  # and after the last step: the figures the checkpoint keeps
+        metrics["time/iteration_s"] = time.perf_counter() - started
+        history.append(metrics)
+        if log.enabled:
+            log.record(metrics)
+            log.write(" | ".join([f"step {iteration:>4}/{order.total_steps}"] + stage.line(metrics)
+                                 + _figures(metrics, "val/") + [f"{metrics['time/iteration_s']:.1f}s"]), 1)
+            drop_set_aside(prepared.output_dir)  # the new run has a step: the run --overwrite set aside goes
+        if (trainer.save_interval and iteration % trainer.save_interval == 0) or (last and trainer.save_at_end):
+            rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+            save_ppo_checkpoint(roles.roles, {"iteration": iteration, "rng": rng, "run": prepared.run},
+                                prepared.output_dir, stage.recorded_scores())
     return history
 
 

@@ -1,6 +1,6 @@
 """The reward model and DPO (examples/tiny_pipeline's rm.yaml and dpo.yaml, on the pipeline demo's
-pairs) cut many ways in one launch of 2 processes: DP=2 with 1, 4 and token-packed pairs per
-micro-batch, TP=2 and PP=2 (each DP=1), EMS off, and a run stopped after two of its three steps and resumed from
+pairs; validated on 32 held-out pairs) cut many ways in one launch of 2 processes: DP=2 with 1 and
+token-packed pairs per micro-batch (2 to 5), TP=2 and PP=2 (each DP=1), EMS off, and a run stopped after two of its three steps and resumed from
 its checkpoint by newly built roles (EMS off and the resumed run at the uncut run's 1 pair per
 micro-batch); DPO also with its reference's log-probs precomputed. Each stage's cuts start from the
 same checkpoint (written first at DP=2). Results are keyed "STAGE:CUT"."""
@@ -26,7 +26,6 @@ PIPELINE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny
 STEPS = 3
 CUTS = {  # name -> (TP, PP, environment)
     "dp2_mb1": (1, 1, {"MICRO_BATCH_SIZE": "1"}),
-    "dp2_mb4": (1, 1, {"MICRO_BATCH_SIZE": "4"}),
     "dp2_packed": (1, 1, {"MICRO_BATCH_SIZE": "auto", "MAX_TOKENS_PER_MICRO_BATCH": "200"}),
     "tp2": (2, 1, {"MICRO_BATCH_SIZE": "2"}),
     "pp2": (1, 2, {"MICRO_BATCH_SIZE": "2"}),
@@ -37,11 +36,22 @@ LOAD = {"rm": "REWARD_LOAD", "dpo": "POLICY_LOAD"}
 CUT_SETTINGS = ("MICRO_BATCH_SIZE", "MAX_TOKENS_PER_MICRO_BATCH", "FREE_MEMORY", "REFERENCE_LOGPS")
 
 
+def validation_file() -> str:
+    """The first 32 held-out pairs: every cut validates on them."""
+    path = os.path.join(OUT_DIR, "pairs_val.jsonl")
+    if not os.path.exists(path) and rank() == 0:
+        with open(os.path.join(PIPELINE, "pairs_val.jsonl")) as f, open(path + ".tmp", "w") as out:
+            out.writelines(f.readlines()[:32])
+        os.replace(path + ".tmp", path)
+    return path
+
+
 def built(stage_name, tp, pp, environment):
     """The stage's config, roles, Stage and step order at this cut."""
     for name in CUT_SETTINGS:  # the last cut's
         os.environ.pop(name, None)
-    os.environ.update({"TP": str(tp), "PP": str(pp), "GLOBAL_BATCH_SIZE": "16", "TENSORBOARD": "False", **environment})
+    os.environ.update({"TP": str(tp), "PP": str(pp), "GLOBAL_BATCH_SIZE": "16", "TENSORBOARD": "False",
+                       "VAL_FILE": validation_file(), **environment})
     setup(tp, pp)
     config = load_config(os.path.join(PIPELINE, f"{stage_name}.yaml"), world_size=2)
     tokenizer = build_tokenizer(config.data.tokenizer)
@@ -87,6 +97,9 @@ def run(stage_name, name, tp, pp, environment, stop_at=None):
 
 
 result = StageInvariance(runs={})
+setup(1, 1)
+validation_file()
+torch.distributed.barrier()
 for stage_name in ("rm", "dpo"):
     roles, stage, _ = built(stage_name, 1, 1, {"MICRO_BATCH_SIZE": "1"})
     with roles.resident(stage.trained, "inference"):
