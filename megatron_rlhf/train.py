@@ -299,12 +299,12 @@ def _check_loaded_checkpoints(config: RLHFConfig) -> None:
             recorded_scores(config.path_of("reward.load"))
         except CheckpointError as e:
             raise ConfigError(f"{config.at('reward.normalize')}: {e}") from None
-    if config.ppo_policy.load_lora:
+    for role in (r for r in config.trainable_roles if config.role(r).load_lora):
         try:
-            peft_adapters(config.path_of("ppo_policy.load_lora"), config.ppo_policy.lora, config.ppo_policy.model,
+            peft_adapters(config.path_of(role + ".load_lora"), config.role(role).lora, config.role(role).model,
                           read=False)  # the header's shapes: the roles read the tensors once, when built
         except CheckpointError as e:
-            raise ConfigError(f"{config.at('ppo_policy.load_lora')}: {e}") from None
+            raise ConfigError(f"{config.at(role + '.load_lora')}: {e}") from None
 
 
 def _show_inputs(config: RLHFConfig, tokenizer, dataset) -> None:

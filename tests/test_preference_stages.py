@@ -326,7 +326,8 @@ def _stage_config(tmp_path, base: str, extra: str, check_inputs: bool = True):
     ("sft.yaml", "data:\n  max_prompt_length: 64\n", "data.max_prompt_length is a setting it does not read"),
     ("rm.yaml", "reward:\n  global_batch_size: null\n", "reward.global_batch_size: not set"),
     ("rm.yaml", "reward:\n  global_batch_size: 15\n", "not divisible by micro_batch_size*DP"),
-    ("dpo.yaml", "policy:\n  lora: {rank: 4}\n", "LoRA is not supported yet in the stages before RL"),
+    ("rm.yaml", "reward:\n  lora: {rank: 2}\n  load_lora: /x\n", "reward takes none: remove it"),
+    ("dpo.yaml", "reference:\n  lora: {rank: 2}\n", "reference is not trained"),
     ("dpo.yaml", "reference:\n  model: {preset: tiny, num_layers: 4}\n", "DPO's reference is the policy's network"),
     ("rm.yaml", "reward:\n  type: function\n  function: x.py:f\n", "stage rm trains a reward model"),
     ("../tiny/grpo.yaml", "dpo:\n  beta: 0.5\n", "stage rl runs"),
@@ -462,3 +463,29 @@ def test_stage_checkpoints_go_into_ppo_as_written_and_the_reward_model_exports_t
                                   "PROMPT_FILE": str(PIPELINE / "prompts.jsonl")})
     assert refused.returncode == 2 and "reward.normalize" in refused.stderr and "records no score statistics" in \
         refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+
+
+def test_lora_dpo_trains_the_adapters_alone_against_the_base_as_reference(tmp_path):
+    """DPO with LoRA on the policy: the reference is the base (it shares the policy's frozen base
+    weights, verl's ref_in_actor, as in RL), so the first step's rewards are 0 (the adapters start as
+    zero); the checkpoint holds the adapters beside the base and exports as a PEFT adapter. SFT and
+    the reward model take adapters on their trained role the same way (config)."""
+    import json
+
+    from megatron_rlhf.checkpoint.peft import write_peft_adapter
+
+    config = _stage_config(tmp_path, "dpo.yaml", "policy:\n  lora: {rank: 4, alpha: 8}\n")
+    assert config.served_weights == {"reference": "policy"} and config.weight_owner("reference") == "policy"
+    assert config.lora_of("policy").rank == 4 and not config.lora_of("reference").enabled
+    rm = _stage_config(tmp_path, "rm.yaml", "reward:\n  lora: {rank: 2}\n")
+    assert rm.lora_of("reward").rank == 2 and rm.served_weights == {}
+    (tmp_path / "lora.yaml").write_text(f"includes: {PIPELINE / 'dpo.yaml'}\npolicy:\n  lora: {{rank: 4, alpha: 8}}\n"
+                                        "  lr: 1.0e-2\n")
+    _launch(tmp_path / "lora.yaml", tmp_path / "dpo", "--iterations", "3", VAL_INTERVAL="0", VAL_FILE="")
+    steps = [json.loads(line) for line in (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()]
+    assert abs(steps[0]["rewards/chosen"]) < 1e-5 and abs(steps[0]["rewards/rejected"]) < 1e-5
+    assert abs(steps[-1]["rewards/margins"]) > 1e-4, "the adapters moved the policy away from the base"
+    policy = _latest(tmp_path / "dpo", "policy")
+    assert json.loads((policy / "megatron_rlhf_model.json").read_text())["lora"]["rank"] == 4
+    write_peft_adapter(str(policy), str(tmp_path / "peft"))
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["r"] == 4

@@ -227,7 +227,8 @@ class RoleConfig:
     model: ModelArchConfig = dataclasses.field(default_factory=ModelArchConfig)
     precision: Literal["fp32", "bf16"] = "bf16"
     load: Optional[str] = None  # checkpoint directory to load weights from
-    # A PEFT adapter directory to start the LoRA adapters from (ppo_policy with lora; checkpoint/peft.py).
+    # A PEFT adapter directory to start the LoRA adapters from (a trained policy with lora: RL's
+    # ppo_policy, SFT's and DPO's policy; checkpoint/peft.py).
     load_lora: Optional[str] = None
     parallel: RoleLayoutConfig = dataclasses.field(default_factory=RoleLayoutConfig)
     # EMS: ``free_memory`` turns on every switch that applies to the role; each switch can also be
@@ -261,7 +262,7 @@ class RoleConfig:
     # Trainable roles: megatron defers the all-gather of updated weights to the role's next forward;
     # the serving role reads those weights first. Accepted only to be refused with the reason.
     overlap_param_gather: bool = False
-    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)  # ppo_policy and ppo_value only
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)  # trained roles only
 
     @property
     def token_budget(self) -> Optional[int]:
@@ -722,20 +723,23 @@ class RLHFConfig:
         """SERVED_WEIGHTS restricted to the roles the algorithm runs; with LoRA on ppo_policy, the
         reference too, where it is the base (the same checkpoint, network, precision and layout):
         it shares ppo_policy's base weights, which never change."""
-        if self.stage != "rl":  # nothing is served: a stage's frozen reference keeps weights of its own
-            return {}
-        served = {s: t for s, t in SERVED_WEIGHTS.items() if s in self.roles}
-        ref, trained = self.reference, self.ppo_policy
+        served = {s: t for s, t in SERVED_WEIGHTS.items() if s in self.roles} if self.stage == "rl" else {}
+        ref, policy = self.reference, "ppo_policy" if self.stage == "rl" else "policy"  # the trained policy
+        trained = self.role(policy)
         if trained.lora.enabled and "reference" in self.roles and ref.load == trained.load and \
                 ref.model == trained.model and ref.precision == trained.precision and \
-                self.layout_of("reference") == self.layout_of("ppo_policy"):
-            served["reference"] = "ppo_policy"
+                self.layout_of("reference") == self.layout_of(policy):
+            served["reference"] = policy
         return served
 
     def lora_of(self, role: str) -> LoRAConfig:
         """The adapters ``role``'s network carries: a trained role's own, a serving role its trained
         role's (the reference none: it is the base)."""
-        return self.role(SERVED_WEIGHTS.get(role, role)).lora if role != "reference" else LoRAConfig()
+        if role == "reference":
+            return LoRAConfig()
+        if self.stage != "rl":  # nothing is served: the trained role's own
+            return self.role(role).lora
+        return self.role(SERVED_WEIGHTS.get(role, role)).lora
 
     @property
     def sequence_tokens(self) -> int:

@@ -11,8 +11,9 @@ from typing import List, Optional, Tuple
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
 from megatron_rlhf.config.names import GROUP_ESTIMATORS, LORA_TARGETS, STAGES
-from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, RL_ONLY_KEYS, RL_ONLY_SECTIONS, ROLE_NAMES,
-                                         SERVED_WEIGHTS, SERVING_ROLES, TRAINABLE_ROLES, RLHFConfig)
+from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, RL_ONLY_KEYS, RL_ONLY_SECTIONS,
+                                         ROLE_HEADS, ROLE_NAMES, SERVED_WEIGHTS, SERVING_ROLES, TRAINABLE_ROLES,
+                                         RLHFConfig)
 
 
 def _divisors(n: int) -> str:
@@ -619,15 +620,16 @@ def _partial_problems(config: RLHFConfig, layout: Layout) -> List[str]:
 
 def _lora_problems(config: RLHFConfig) -> List[str]:
     """LoRA goes on a trained role (its serving role runs the same adapters), with targets that
-    exist, no dropout and no experts' linears; a PEFT adapter (load_lora) on ppo_policy's."""
+    exist, no dropout and no experts' linears; a PEFT adapter (load_lora) on a trained policy's."""
     problems = []
+    policies = [r for r in config.trainable_roles if ROLE_HEADS[r] == "lm"]  # the roles a PEFT adapter starts
     for role in config.model_roles:
         lora = config.role(role).lora
         load_lora = config.role(role).load_lora
-        if load_lora and (role != "ppo_policy" or not lora.enabled):
-            problems.append(f"{config.at(role + '.load_lora')}: a PEFT adapter starts ppo_policy's LoRA adapters "
-                            + ("(set its lora: rank, alpha and target_modules as the adapter's)" if role == "ppo_policy"
-                               else f"(a language model's); {role} takes none: remove it"))
+        if load_lora and (role not in policies or not lora.enabled):
+            problems.append(f"{config.at(role + '.load_lora')}: a PEFT adapter starts {' or '.join(policies) or 'a trained policy'}'s "
+                            "LoRA adapters " + ("(set its lora: rank, alpha and target_modules as the adapter's)"
+                                                if role in policies else f"(a language model's); {role} takes none: remove it"))
         if not lora.enabled:
             problems += _set_while_off(config, f"{role}.lora", f"{role}.lora.rank", "0 (off)", "set a rank or remove it")
             continue
@@ -635,7 +637,7 @@ def _lora_problems(config: RLHFConfig) -> List[str]:
         if role not in config.trainable_roles:
             trained = config.served_weights.get(role)
             problems.append(f"{at}: {role} is not trained" + (f"; it runs {trained}'s adapters: set {trained}.lora"
-                                                               if trained else "; adapters go on ppo_policy or ppo_value"))
+                                                               if trained else f"; adapters go on {' or '.join(config.trainable_roles)}"))
             continue
         if lora.dropout:
             problems.append(f"{config.at(role + '.lora.dropout')}: {lora.dropout:g}, but RL needs the log-probs of "
@@ -675,9 +677,6 @@ def _stage_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
         problems.append(f"{where('reward.normalize')}: RL's normalisation of the reward model's scores; stage rm "
                         "records the statistics it reads (remove it here)")
     for role in config.roles:
-        if config.role(role).lora.enabled or config.role(role).load_lora:
-            problems.append(f"{where(role + '.lora')}: LoRA is not supported yet in the stages before RL (sft, rm, dpo); "
-                            "train the whole network, or use LoRA in the RL stage")
         if config.has_own_layout(role) and role not in config.trainable_roles:
             problems.append(f"{where(role + '.parallel')}: the stages before RL run every role at the run's layout "
                             "(parallel.*); remove it")

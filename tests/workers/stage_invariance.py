@@ -1,9 +1,10 @@
 """The reward model and DPO (examples/tiny_pipeline's rm.yaml and dpo.yaml, on the pipeline demo's
 pairs; validated on 32 held-out pairs) cut many ways in one launch of 2 processes: DP=2 with 1 and
-token-packed pairs per micro-batch (2 to 5), TP=2 and PP=2 (each DP=1), EMS off, and a run stopped after two of its three steps and resumed from
-its checkpoint by newly built roles (EMS off and the resumed run at the uncut run's 1 pair per
-micro-batch); DPO also with its reference's log-probs precomputed. Each stage's cuts start from the
-same checkpoint (written first at DP=2). Results are keyed "STAGE:CUT"."""
+token-packed pairs per micro-batch, TP=2 and PP=2 (each DP=1, 2 pairs per micro-batch), EMS off, and
+a run stopped after two of its three steps and resumed from its checkpoint by newly built roles (EMS
+off and the resumed run at the uncut run's 1 pair per micro-batch); DPO also with its reference's
+log-probs precomputed. Each stage's cuts start from the same checkpoint (written first at DP=2).
+Results are keyed "STAGE:CUT"."""
 
 import os
 
