@@ -196,10 +196,13 @@ def _stage_rows(config: RLHFConfig, tokenizer, world_size: int):
     if len(rows) < step:
         raise ConfigError(f"{config.at('data.train_file')}: {len(rows)} {unit}, fewer than one optimizer step of "
                           f"{trained}.global_batch_size={step}")
-    dp = world_size // (config.parallel.tensor_model_parallel_size * config.parallel.pipeline_model_parallel_size)
-    if val_rows is not None and len(val_rows) < dp:
-        raise ConfigError(f"{config.at('data.val_file')}: {len(val_rows)} {unit}, fewer than the {dp} data-parallel "
-                          "ranks that share them")
+    par, role = config.parallel, config.role(trained)
+    dp = world_size // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size)
+    # a pipelined forward takes equal micro-batches: each rank's share a whole number of them
+    least = dp * (role.micro_batch_size if par.pipeline_model_parallel_size > 1 and role.token_budget is None else 1)
+    if val_rows is not None and len(val_rows) < least:
+        raise ConfigError(f"{config.at('data.val_file')}: {len(val_rows)} {unit}, fewer than the {least} that "
+                          f"validation shares over {dp} data-parallel ranks")
     for what, data in (("training", rows), ("validation", val_rows)):
         if data is not None and data.cut:
             warnings.warn(f"{data.path}: {data.cut} of {len(data)} {what} {unit} have responses longer than "

@@ -46,7 +46,7 @@ class DPOStage(Stage):
 
     def validate(self) -> Dict[str, float]:
         rows = self.validation_rows()
-        everyone = rows and len(rows) * self.roles.cut.size
+        everyone = len(rows) * self.roles.cut.size  # the first rows of the file, every rank's share
         chosen_tokens = sum(p.chosen.response_tokens for p in self.val_data.pairs[:everyone])
         self.loss_fn = dpo_loss_fn(self.vocab_size, self.config.dpo, everyone / max(chosen_tokens, 1))
         return self.evaluate(self.micro_batches(self.val_data, rows))

@@ -9,7 +9,7 @@ or sequences), so step_metrics reports the same figures however the step was cut
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
@@ -26,7 +26,6 @@ MEANS = {
     "rewards/accuracies": "pairs", "rewards/margins": "pairs", "logps/chosen": "pairs", "logps/rejected": "pairs",
     "reward/mean": "sequences", "reward/square_mean": "sequences", "nll": "chosen_tokens",
 }
-COUNTS = ("loss_count", "pairs", "sequences", "tokens", "chosen_tokens")
 
 
 def sft_loss_fn(vocab_size: int) -> LossFn:
@@ -124,8 +123,3 @@ def step_metrics(per_micro_batch: List[Dict[str, torch.Tensor]], device, pp_grou
         variance = (out.pop("reward/square_mean") - out["reward/mean"] ** 2) * n / max(n - 1, 1)
         out["reward/std"] = max(variance, 0.0) ** 0.5
     return out
-
-
-def pair_counts(chosen_tokens: List[int]) -> Optional[float]:
-    """nll_scale of dpo_loss_fn for a step's pairs with these chosen response token counts."""
-    return len(chosen_tokens) / max(sum(chosen_tokens), 1)
