@@ -29,27 +29,32 @@ def tiny_hf(path, head, labels: int = 1):
     return model
 
 
-@pytest.mark.parametrize("family,head", [("qwen2.5", "lm"), ("llama2", "scalar")])
-def test_hf_to_tp2_pp2_matches_transformers_and_converts_back_exactly(tmp_path, workers, family, head):
-    """Qwen2.5's LM is tied: under PP the last stage holds its copy of the embedding."""
-    hf_dir, mg_dir, back_dir = tmp_path / "hf", tmp_path / "mg", tmp_path / "back"
-    model = tiny_hf(hf_dir, head) if family == "llama2" else make_hf_model(family, hf_dir, head)
-    hf_to_megatron(str(hf_dir), str(mg_dir), tp=2, pp=2)
-    results = workers(4, "checkpoint_forward", str(mg_dir), "2", "2")
-    expected = hf_outputs(model, results[0].tokens, head)
-    got = [r.output for r in results if r.output is not None]
-    assert len(got) == 2  # the two TP ranks of the last stage
-    for g in got:
-        assert (g - expected).abs().max().item() <= 1e-4
-    megatron_to_hf(str(mg_dir), str(back_dir))
-    original, back = all_tensors(hf_dir), all_tensors(back_dir)
-    assert sorted(back) == sorted(original)
-    assert all(torch.equal(back[k], original[k]) for k in original)
-    config = json.loads((back_dir / "config.json").read_text())
-    reloaded = type(model).from_pretrained(back_dir)
-    assert config["num_key_value_heads"] == 2
+def test_hf_to_tp2_pp2_matches_transformers_and_converts_back_exactly(tmp_path, workers):
+    """A tied Qwen2.5 LM (under PP the last stage holds its copy of the embedding) and a Llama-2
+    score head: converted to TP=2 x PP=2, both run in one launch of 4 processes."""
+    cases = {}
+    for family, head in (("qwen2.5", "lm"), ("llama2", "scalar")):
+        hf_dir, mg_dir = tmp_path / f"{family}_hf", tmp_path / f"{family}_mg"
+        model = tiny_hf(hf_dir, head) if family == "llama2" else make_hf_model(family, hf_dir, head)
+        hf_to_megatron(str(hf_dir), str(mg_dir), tp=2, pp=2)
+        cases[family] = (model, head, hf_dir, mg_dir)
+    results = workers(4, "checkpoint_forward", *(str(c[3]) for c in cases.values()), "2", "2")
     tokens = results[0].tokens
-    assert torch.allclose(hf_outputs(reloaded.eval(), tokens, head), expected, atol=1e-6)
+    for family, (model, head, hf_dir, mg_dir) in cases.items():
+        expected = hf_outputs(model, tokens, head)
+        got = [r.outputs[str(mg_dir)] for r in results if r.outputs[str(mg_dir)] is not None]
+        assert len(got) == 2, family  # the two TP ranks of the last stage
+        for g in got:
+            assert (g - expected).abs().max().item() <= 1e-4, family
+        back_dir = tmp_path / f"{family}_back"
+        megatron_to_hf(str(mg_dir), str(back_dir))
+        original, back = all_tensors(hf_dir), all_tensors(back_dir)
+        assert sorted(back) == sorted(original)
+        assert all(torch.equal(back[k], original[k]) for k in original), family
+        config = json.loads((back_dir / "config.json").read_text())
+        reloaded = type(model).from_pretrained(back_dir)
+        assert config["num_key_value_heads"] == 2
+        assert torch.allclose(hf_outputs(reloaded.eval(), tokens, head), expected, atol=1e-6), family
 
 
 def test_a_checkpoint_written_at_one_layout_loads_at_another(tmp_path, workers):
@@ -59,7 +64,7 @@ def test_a_checkpoint_written_at_one_layout_loads_at_another(tmp_path, workers):
     results = workers(2, "checkpoint_forward", str(mg_dir), "2", "1")  # resharded on load
     expected = hf_outputs(model, results[0].tokens, "lm")
     for r in results:
-        assert (r.output - expected).abs().max().item() <= 1e-4
+        assert (r.outputs[str(mg_dir)] - expected).abs().max().item() <= 1e-4
 
 
 def test_truncated_or_mismatched_input_is_refused_before_writing(tmp_path):

@@ -99,10 +99,18 @@ def moments(records):
     return list(groups.values())
 
 
-def test_with_free_memory_only_the_active_role_is_resident(workers):
+@pytest.fixture(scope="module")
+def six_roles(tmp_path_factory):
+    """Each rank's six-role runs with free_memory on and off (one launch)."""
+    from tests.conftest import run_workers
+
+    return run_workers(tmp_path_factory.mktemp("six_roles"), 2, "ems_six_roles", "on", "off")
+
+
+def test_with_free_memory_only_the_active_role_is_resident(six_roles):
     import json
 
-    for rank_result in workers(2, "ems_six_roles", "on"):
+    for rank_result in (found.runs["on"] for found in six_roles):
         records = rank_result.records
         with open(rank_result.path) as f:
             assert [json.loads(line) for line in f] == records
@@ -138,8 +146,8 @@ def test_with_free_memory_only_the_active_role_is_resident(workers):
             assert all(full[name][k] > 0 for k in (WEIGHTS, GRADS, OPTIMIZER_STATE)), full[name]
 
 
-def test_without_free_memory_every_role_stays_resident(workers):
-    for rank_result in workers(2, "ems_six_roles", "off"):
+def test_without_free_memory_every_role_stays_resident(six_roles):
+    for rank_result in (found.runs["off"] for found in six_roles):
         full = rank_result.full_bytes
         expected_total = sum(state_bytes({"bytes": b}) for b in full.values())
         after_training = [m for m in moments(rank_result.records) if m[0]["iteration"] == 1]

@@ -57,7 +57,8 @@ def findings_of(worker: str):
 @findings_of("checkpoint_forward")
 class CheckpointForward(Findings):
     tokens: Tensor  # the fixed [2, 10] tokens fed
-    output: Optional[Tensor]  # the full output (logits over the vocabulary, or scores); None off the last stage
+    outputs: dict[str, Optional[Tensor]]  # checkpoint -> the full output (logits over the vocabulary, or
+    # scores); None off the last stage
 
 
 @findings_of("family_equivalence")
@@ -232,6 +233,11 @@ class EMSUnits(Findings):
 
 @findings_of("ems_six_roles")
 class EMSSixRoles(Findings):
+    runs: dict[str, "SixRolesRun"]  # free_memory "on" / "off" -> its run
+
+
+@part
+class SixRolesRun(Findings):
     records: list[dict]  # the ledger's records (its own format, as in memory.jsonl)
     full_bytes: dict[str, dict[str, int]]  # role -> resident bytes by kind while it ran
     path: str  # the ledger's file
