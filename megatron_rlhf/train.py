@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import tempfile
@@ -246,9 +245,7 @@ def _check_stage_steps(config: RLHFConfig, rows: int, resume_from: Optional[str]
     """A resumed stage has steps left to run (data/epochs.py counts them from the rows)."""
     from megatron_rlhf.data.epochs import EpochOrder
 
-    section = config.stage_config
-    total = EpochOrder(rows, config.samples_per_step(config.trainable_roles[0]), section.epochs, section.max_steps,
-                       config.seed, config.data.shuffle).total_steps
+    section, total = config.stage_config, EpochOrder.of(config, rows).total_steps
     if resume_from is not None and reached >= total:
         raise ConfigError(f"{resume_from} is at step {reached} and the run has {total} steps ({config.stage}.epochs="
                           f"{section.epochs}, {config.stage}.max_steps or --iterations): nothing to do; resume with "

@@ -249,7 +249,7 @@ def test_a_bad_preference_row_is_refused_naming_file_and_line(tmp_path, row, pro
     good = {"prompt": "ab ", "chosen": "cd", "rejected": "ef"}
     with pytest.raises(ValueError) as refused:
         _pairs(tmp_path, [good, row], max_length=10)
-    assert f"pairs.jsonl:2: " in str(refused.value) and problem in str(refused.value), str(refused.value)
+    assert "pairs.jsonl:2: " in str(refused.value) and problem in str(refused.value), str(refused.value)
 
 
 def test_preference_rows_of_every_shape_are_read_and_cut_alike(tmp_path):

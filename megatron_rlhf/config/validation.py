@@ -12,7 +12,7 @@ from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
 from megatron_rlhf.config.names import GROUP_ESTIMATORS, LORA_TARGETS, STAGES
 from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, RL_ONLY_KEYS, RL_ONLY_SECTIONS,
-                                         ROLE_HEADS, ROLE_NAMES, SERVED_WEIGHTS, SERVING_ROLES, TRAINABLE_ROLES,
+                                         ROLE_HEADS, ROLE_NAMES, SERVED_WEIGHTS, SERVING_ROLES,
                                          RLHFConfig)
 
 

@@ -7,10 +7,10 @@ row stops the run before start-up, named by file and line or row.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
-from megatron_rlhf.data.exchanges import Encoded, check_response, cut_to, encode_exchange
-from megatron_rlhf.data.rows import check_prompt, open_rows
+from megatron_rlhf.data.exchanges import Encoded, check_response, cut_to, encode_exchange, has_assistant_text, read_encoded
+from megatron_rlhf.data.rows import check_prompt, with_system_prompt
 from megatron_rlhf.data.tokenizer import Tokenizer
 
 
@@ -21,11 +21,9 @@ def encode_demonstration(row: Dict[str, Any], tokenizer: Tokenizer, chat: bool, 
         check_prompt(messages, "messages", where)
         if not chat:
             raise ValueError(f"{where}: a chat in 'messages' needs data.apply_chat_template: true")
-        if not any(m["role"] == "assistant" and (m.get("content") or "").strip() for m in messages):
+        if not has_assistant_text(messages):
             raise ValueError(f"{where}: 'messages' has no assistant message with text: nothing to learn from")
-        if system_prompt is not None and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": system_prompt}] + list(messages)
-        ids, trained = tokenizer.encode_chat(list(messages))
+        ids, trained = tokenizer.encode_chat(list(with_system_prompt(messages, system_prompt)))
         return Encoded(ids, trained, trained.index(1))
     missing = [k for k in ("prompt", "completion") if k not in row]
     if missing:
@@ -42,20 +40,14 @@ class Demonstrations:
 
     def __init__(self, path: str, tokenizer: Tokenizer, max_length: int, chat: bool,
                  system_prompt: Optional[str] = None):
-        self.path = path
-        self.file = open_rows(path, None, prompts=False)
-        self.rows: List[Encoded] = []
-        for index in range(len(self.file)):
-            where = self.file.where(index)
-            try:
-                encoded = encode_demonstration(self.file.row(index), tokenizer, chat, system_prompt, where)
-            except ValueError as e:
-                message = str(e)
-                raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None
-            encoded = cut_to(encoded, max_length, where)
+        def encode(row, where: str) -> Encoded:
+            encoded = cut_to(encode_demonstration(row, tokenizer, chat, system_prompt, where), max_length, where)
             if not encoded.response_tokens:
                 raise ValueError(f"{where}: no response token within max_length={max_length}; raise it or drop the row")
-            self.rows.append(encoded)
+            return encoded
+
+        self.path = path
+        self.file, self.rows = read_encoded(path, encode)
         self.cut = sum(e.cut for e in self.rows)
 
     def __len__(self) -> int:

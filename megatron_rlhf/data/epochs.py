@@ -18,6 +18,14 @@ class EpochOrder:
         self.steps_per_epoch = rows // batch
         self.total_steps = min(epochs * self.steps_per_epoch, max_steps or epochs * self.steps_per_epoch)
 
+    @classmethod
+    def of(cls, config, rows: int) -> "EpochOrder":
+        """The order of a stage before RL (an RLHFConfig) over ``rows`` rows: steps of its trained
+        role's global_batch_size, its section's epochs and max_steps, the run's seed and data.shuffle."""
+        section = config.stage_config
+        return cls(rows, config.samples_per_step(config.trainable_roles[0]), section.epochs, section.max_steps,
+                   config.seed, config.data.shuffle)
+
     def epoch_of(self, step: int) -> int:
         """The epoch (from 0) of step ``step`` (from 0)."""
         return step // self.steps_per_epoch

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from megatron_rlhf.data.rows import Prompt, check_prompt
+from megatron_rlhf.data.rows import Prompt, RowFile, as_messages, check_prompt, open_rows, with_system_prompt
 from megatron_rlhf.data.tokenizer import Messages, Tokenizer
 
 
@@ -34,11 +34,6 @@ class Encoded:
         return sum(self.trained)
 
 
-def as_messages(value: Any, role: str) -> Messages:
-    """A string as one message of ``role``; messages as they are."""
-    return [{"role": role, "content": value}] if isinstance(value, str) else list(value)
-
-
 def check_response(value: Any, key: str, where: str) -> None:
     """A response: a non-empty string, or chat messages whose first is the assistant's."""
     if isinstance(value, str):
@@ -49,8 +44,13 @@ def check_response(value: Any, key: str, where: str) -> None:
     if value[0]["role"] != "assistant":
         raise ValueError(f"{where}: {key!r} starts with a {value[0]['role']!r} message after the prompt; a response "
                          "starts with the assistant's (a conversation that repeats the prompt must repeat it whole)")
-    if not any(m["role"] == "assistant" and (m.get("content") or "").strip() for m in value):
+    if not has_assistant_text(value):
         raise ValueError(f"{where}: empty {key!r} response; every pair needs two answers to compare")
+
+
+def has_assistant_text(messages: Messages) -> bool:
+    """Whether an assistant message of the chat has text (something to learn from)."""
+    return any(m["role"] == "assistant" and (m.get("content") or "").strip() for m in messages)
 
 
 def shown(value: Any) -> str:
@@ -66,9 +66,7 @@ def encode_exchange(tokenizer: Tokenizer, prompt: Prompt, response: Any, chat: b
         prompt_ids = tokenizer.encode_prompt(prompt, chat=False)
         response_ids = tokenizer.encode_text(response) + [tokenizer.eos_ids[0]]
         return Encoded(prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids), len(prompt_ids))
-    messages = as_messages(prompt, "user")
-    if system_prompt is not None and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system_prompt}] + messages
+    messages = as_messages(with_system_prompt(prompt, system_prompt), "user")
     prompt_ids = tokenizer.encode_prompt(messages, chat=True)
     ids, trained = tokenizer.encode_chat(messages + as_messages(response, "assistant"))
     if ids[: len(prompt_ids)] != prompt_ids or any(trained[: len(prompt_ids)]):
@@ -86,3 +84,18 @@ def cut_to(encoded: Encoded, max_length: int, where: str) -> Encoded:
     if len(encoded.ids) <= max_length:
         return encoded
     return Encoded(encoded.ids[:max_length], encoded.trained[:max_length], encoded.prompt_length, cut=True)
+
+
+def read_encoded(path: str, encode: Callable[[Dict[str, Any], str], Any]) -> Tuple[RowFile, list]:
+    """Every row of ``path`` (JSONL or Parquet, rows of any shape) through ``encode(row, where)``;
+    an error names the row's file and line (or row) once."""
+    file = open_rows(path, None, prompts=False)
+    encoded = []
+    for index in range(len(file)):
+        where = file.where(index)
+        try:
+            encoded.append(encode(file.row(index), where))
+        except ValueError as e:  # ours name the row already; the tokenizer's and template's do not
+            message = str(e)
+            raise ValueError(message if message.startswith(where) else f"{where}: {message}") from None
+    return file, encoded

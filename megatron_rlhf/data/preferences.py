@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
-from megatron_rlhf.data.exchanges import Encoded, as_messages, check_response, cut_to, encode_exchange, shown
-from megatron_rlhf.data.rows import check_prompt, open_rows
+from megatron_rlhf.data.exchanges import Encoded, check_response, cut_to, encode_exchange, read_encoded, shown
+from megatron_rlhf.data.rows import as_messages, check_prompt
 from megatron_rlhf.data.tokenizer import Tokenizer
 
 SIDES = ("chosen", "rejected")
@@ -94,29 +93,21 @@ class PreferencePairs:
 
     def __init__(self, path: str, tokenizer: Tokenizer, max_length: int, chat: bool,
                  system_prompt: Optional[str] = None):
-        self.path = path
-        self.rows = open_rows(path, None, prompts=False)
-        self.pairs: List[Pair] = []
-        for index in range(len(self.rows)):
-            where = self.rows.where(index)
-            row = self.rows.row(index)
+        def encode(row, where: str) -> Pair:
             prompt, chosen, rejected = split_pair(row, where)
-            try:
-                sides = [encode_exchange(tokenizer, prompt, response, chat, system_prompt) for response in (chosen, rejected)]
-            except ValueError as e:  # the tokenizer's and template's words
-                raise ValueError(f"{where}: {e}") from None
-            c, r = (cut_to(side, max_length, where) for side in sides)
+            c, r = (cut_to(encode_exchange(tokenizer, prompt, response, chat, system_prompt), max_length, where)
+                    for response in (chosen, rejected))
             if c.ids == r.ids:
                 raise ValueError(f"{where}: 'chosen' and 'rejected' are the same in their first {max_length} tokens "
                                  "(max_length): the pair would teach nothing; raise max_length or drop the row")
-            self.pairs.append(Pair(c, r, _margin(row, where)))
+            return Pair(c, r, _margin(row, where))
+
+        self.path = path
+        self.file, self.pairs = read_encoded(path, encode)
         self.cut = sum(p.chosen.cut or p.rejected.cut for p in self.pairs)
 
     def __len__(self) -> int:
         return len(self.pairs)
 
     def where(self, index: int) -> str:
-        return self.rows.where(index)
-
-    def name(self) -> str:
-        return os.path.basename(self.path)
+        return self.file.where(index)

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Literal, Optional
 
 import torch
 
-from megatron_rlhf.data.rows import Prompt, RowFile, open_rows
+from megatron_rlhf.data.rows import Prompt, RowFile, open_rows, with_system_prompt
 from megatron_rlhf.data.tokenizer import Tokenizer
 
 
@@ -75,10 +75,8 @@ class PromptDataset:
         """Row ``index``'s ``prompt`` as ids the model reads (before any cut to max_length); its
         length is kept. With a chat template, the tools shown are the run's and the row's own
         (a ``tools`` column: a list of function specs, or its JSON text)."""
-        if self.chat and self.system_prompt is not None:
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            if messages[0]["role"] != "system":
-                prompt = [{"role": "system", "content": self.system_prompt}] + messages
+        if self.chat:
+            prompt = with_system_prompt(prompt, self.system_prompt)
         try:
             tools = (list(self.tools or []) + _row_tools(fields.get("tools"))) if self.chat else []
             ids = self.tokenizer.encode_prompt(prompt, self.chat, tools or None)

@@ -69,6 +69,20 @@ def _prompt_key(keys, prompt_key: Optional[str], where: str) -> str:
     return present[0]
 
 
+def as_messages(value: Any, role: str) -> List[Dict[str, str]]:
+    """A string as one message of ``role``; messages as they are (a new list)."""
+    return [{"role": role, "content": value}] if isinstance(value, str) else list(value)
+
+
+def with_system_prompt(prompt: Prompt, system_prompt: Optional[str]) -> Prompt:
+    """``prompt`` with ``system_prompt`` as a system message first (a string becomes a user message),
+    unless the chat has one or there is none to add (data.system_prompt)."""
+    if system_prompt is None:
+        return prompt
+    messages = as_messages(prompt, "user")
+    return messages if messages[0]["role"] == "system" else [{"role": "system", "content": system_prompt}] + messages
+
+
 def check_prompt(prompt: Any, key: str, where: str) -> None:
     """A non-empty string, or a non-empty list of chat messages: {"role": one of CHAT_ROLES,
     "content": str} (an assistant message with ``tool_calls`` may have no content, as OpenAI-style

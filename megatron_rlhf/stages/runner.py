@@ -131,9 +131,7 @@ def run_stage(prepared, stage_class) -> list:
     ledger = MemoryLedger(ledger_path if rank0 else None, guard=config.trainer.memory_guard)
     roles = RoleSet(config, ledger, prepared.tokenizer.pad_id, progress=Progress(progress_dir))
     stage = stage_class(config, roles, prepared.tokenizer, prepared.dataset, prepared.val_dataset)
-    section = config.stage_config
-    order = EpochOrder(len(prepared.dataset), config.samples_per_step(stage.trained), section.epochs, section.max_steps,
-                       config.seed, config.data.shuffle)
+    order = EpochOrder.of(config, len(prepared.dataset))
     done = _resumed(prepared, roles, ledger_path) if prepared.resume_from is not None else 0  # < total: prepare()
     log = RunLog(output_dir, config, rank0, order.total_steps, config.stage.upper(), resumed_at=done)
     started = time.perf_counter()

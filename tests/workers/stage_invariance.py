@@ -59,7 +59,7 @@ def built(stage_name, tp, pp, environment):
     roles = RoleSet(config, MemoryLedger(None), tokenizer.pad_id)
     stage = stage_class(stage_name)(config, roles, tokenizer, read_rows(config, "data.train_file", tokenizer),
                                     read_rows(config, "data.val_file", tokenizer))
-    order = EpochOrder(len(stage.data), 16, 1, None, config.seed, config.data.shuffle)
+    order = EpochOrder.of(config, len(stage.data))
     return roles, stage, order
 
 
