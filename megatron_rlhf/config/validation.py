@@ -553,6 +553,7 @@ def _rollout_problems(config: RLHFConfig) -> List[str]:
     for k in tool_keys:
         if not r.uses_tools and f"rollout.{k}" in config.origin:
             problems.append(f"{config.at('rollout.' + k)}: set, but rollout.tools is empty; name the tools or remove it")
+    problems += _sandbox_problems(config)
     if r.uses_tools and r.tool_parser != "tags" and not config.data.apply_chat_template:
         problems.append(f"{config.at('rollout.tool_parser')}: {r.tool_parser} calls are shown to the model through the "
                         "chat template's tools; set data.apply_chat_template: true (or use the tags parser)")
@@ -562,6 +563,28 @@ def _rollout_problems(config: RLHFConfig) -> List[str]:
     if config.algorithm.overlong_buffer_length:
         problems.append(f"{config.at('algorithm.overlong_buffer_length')}: DAPO's overlong penalty is not defined for "
                         "multi-turn rollouts yet (a trajectory's model tokens span turns); set it to 0")
+    return problems
+
+
+# The sandbox's keys that only one kind reads (rollout.sandbox.kind).
+SANDBOX_KIND_KEYS = {"remote": ("url", "max_concurrent_calls", "retries"), "isolated": ("disk_mb", "inodes", "threads")}
+
+
+def _sandbox_problems(config: RLHFConfig) -> List[str]:
+    """rollout.sandbox is the tool environment's (a custom environment runs its own code); each
+    kind's own keys only with that kind; a remote sandbox needs its service's URL."""
+    s = config.rollout.sandbox
+    given = sorted(k for k in config.origin if k.startswith("rollout.sandbox."))
+    if given and not config.rollout.uses_tools:
+        return [f"{config.at(given[0])}: rollout.sandbox is the Python tool's of rollout.tools, and no tools are named; "
+                "a custom environment runs code through run_python(code, SandboxConfig(...)) itself: remove it"]
+    problems = []
+    for kind, keys in SANDBOX_KIND_KEYS.items():
+        problems += [f"{config.at('rollout.sandbox.' + k)}: set, but rollout.sandbox.kind is {s.kind}; it is read by "
+                     f"kind {kind} only: remove it" for k in keys if s.kind != kind and f"rollout.sandbox.{k}" in config.origin]
+    if s.kind == "remote" and not (s.url or "").startswith(("http://", "https://")):
+        problems.append(f"{config.at('rollout.sandbox.url')}: kind remote needs the SandboxFusion service's base URL "
+                        f"(http://host:port), got {s.url!r}")
     return problems
 
 

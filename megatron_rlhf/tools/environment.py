@@ -8,17 +8,21 @@ never a failed trajectory.
 
 It runs in the environment workers (rollout/env_pool.py) like any environment; its step reports
 ``counts`` in its info: ``tool_calls`` (and ``tool_calls/<name>``), ``tool_errors``,
-``tool_timeouts``, ``tool_s`` (the calls' wall time).
+``tool_timeouts``, ``tool_s`` (the calls' wall time), and with ``rollout.sandbox.kind:
+unsafe_process`` ``sandbox_unsafe_calls`` (sandboxed calls run without isolation).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import time
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
+from megatron_rlhf.config.schema import SandboxConfig
 from megatron_rlhf.rollout.environment import StepResult, Turn
+from megatron_rlhf.tools.sandbox import configure as configure_sandbox, take_unsafe_runs
 from megatron_rlhf.tools.function import FunctionTool, ToolError, argument_problem, load_tools, result_text
 from megatron_rlhf.tools.parsers import ParsedTurn, ToolCall, make_parser
 
@@ -36,7 +40,7 @@ def tool_options(config) -> Dict[str, Any]:
     servers_dir = os.path.dirname(config.source_of("rollout.mcp_servers")) if r.mcp_servers else ""
     return {"tools": [absolute_spec(spec, base) for spec in r.tools], "parser": r.tool_parser,
             "max_parallel_calls": r.max_parallel_calls, "tool_timeout_s": r.tool_timeout_s,
-            "mcp_servers": list(r.mcp_servers), "mcp_dir": servers_dir}
+            "mcp_servers": list(r.mcp_servers), "mcp_dir": servers_dir, "sandbox": dataclasses.asdict(r.sandbox)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,10 +76,14 @@ def _executor(workers: int) -> concurrent.futures.ThreadPoolExecutor:
 
 class ToolEnvironment:
     def __init__(self, tools: Sequence[str], parser: str = "hermes", max_parallel_calls: int = 4,
-                 tool_timeout_s: float = 30.0, mcp_servers: Sequence[str] = (), mcp_dir: str = ""):
+                 tool_timeout_s: float = 30.0, mcp_servers: Sequence[str] = (), mcp_dir: str = "",
+                 sandbox: Optional[Dict[str, Any]] = None):
         self.tools, self.parser = load_tool_set(tuple(tools), parser, tuple(mcp_servers), mcp_dir, tool_timeout_s)
         self.executor = _executor(max_parallel_calls)
         self.timeout_s = tool_timeout_s
+        settings = SandboxConfig(**(sandbox or {}))
+        self.unsafe = settings.kind == "unsafe_process"
+        configure_sandbox(settings)
 
     def start(self, row: Dict[str, Any]) -> None:
         return None
@@ -90,6 +98,8 @@ class ToolEnvironment:
         replies = [f"error: {problem}" for problem in parsed.problems]
         replies += self._call_all(parsed.calls, counts)
         counts["tool_s"] = time.perf_counter() - started
+        if self.unsafe:
+            counts["sandbox_unsafe_calls"] = float(take_unsafe_runs())
         return StepResult([{"role": "tool", "content": reply} for reply in replies], False, None, {"counts": counts})
 
     def _call_all(self, calls: List[ToolCall], counts: Dict[str, float]) -> List[str]:
