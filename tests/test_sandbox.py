@@ -1,4 +1,4 @@
-"""The Python sandbox (megatron_rlhf/tools/sandbox.py) tried as a hostile policy would.
+"""The Python sandbox (megatron_rlhf/tools/sandbox) tried as a hostile policy would.
 
 Every escape below first takes the audit hook out of the way, as model code reached it from
 Python objects (UNHOOK: the hook's closure rewritten to allow everything), so what holds is the

@@ -30,7 +30,7 @@ LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # rollout.tool_parser (tools/parsers.py PARSERS)
 TOOL_PARSERS = ("hermes", "llama3_json", "tags")
-# rollout.sandbox.kind (tools/sandbox.py SANDBOXES): where the Python tool runs model-written code
+# rollout.sandbox.kind (tools/sandbox SANDBOXES): where the Python tool runs model-written code
 SANDBOX_KINDS = ("isolated", "remote", "unsafe_process")
 
 

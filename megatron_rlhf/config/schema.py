@@ -384,7 +384,7 @@ class PartialRolloutConfig:
 @dataclasses.dataclass
 class SandboxConfig:
     """Where and within what the Python tool (``megatron_rlhf.tools.sandbox:python``, or a tool of
-    yours calling ``run_python``) runs model-written code; tools/sandbox.py. The limits bind every
+    yours calling ``run_python``) runs model-written code; megatron_rlhf/tools/sandbox. The limits bind every
     kind that can set them (remote: the service's own, but for the wall time and output)."""
 
     # isolated: a fresh interpreter in namespaces of its own made by bubblewrap (no host file but the
