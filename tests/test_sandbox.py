@@ -25,8 +25,8 @@ from megatron_rlhf.config.schema import SandboxConfig
 from megatron_rlhf.tools.function import ToolError
 from megatron_rlhf.tools.sandbox import SandboxResult, readiness_problem, run_python
 
-LIMITS = SandboxConfig(cpu_s=1, wall_s=3, memory_mb=512, file_mb=1, output_bytes=4096, disk_mb=4, inodes=64)
-UNSAFE = SandboxConfig(kind="unsafe_process", cpu_s=1, wall_s=3, memory_mb=512, file_mb=1, output_bytes=4096)
+LIMITS = SandboxConfig(cpu_s=1, wall_s=2, memory_mb=512, file_mb=1, output_bytes=4096, disk_mb=4, inodes=64)
+UNSAFE = SandboxConfig(kind="unsafe_process", cpu_s=1, wall_s=2, memory_mb=512, file_mb=1, output_bytes=4096)
 
 # What model code did to today's audit hook: found it among the interpreter's objects and emptied
 # what it denies (its closure cells), after which every audited call passes.
@@ -361,7 +361,10 @@ def _finished(stdout, code=0, status="Finished"):
 
 
 @pytest.fixture
-def service():
+def service(monkeypatch):
+    from megatron_rlhf.tools.sandbox import remote
+
+    monkeypatch.setattr(remote, "RETRY_PAUSE_S", 0.01)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _StandIn)
     server.service = {"lock": threading.Lock(), "calls": 0, "drop": 0, "in_flight": 0, "most": 0, "requests": [],
                       "delay": 0.0, "answer": lambda code: _finished("42\n")}
@@ -374,8 +377,8 @@ def service():
 def test_the_remote_sandbox_runs_code_as_the_local_one_answers(service):
     url = f"http://127.0.0.1:{service.server_address[1]}"
     settings = SandboxConfig(kind="remote", url=url, wall_s=5, output_bytes=64)
-    assert run_python("print(6 * 7)", settings) == SandboxResult("ok", "42\n", run_python("x", settings).seconds) \
-        or run_python("print(6 * 7)", settings).output == "42\n"
+    done = run_python("print(6 * 7)", settings)
+    assert (done.status, done.output) == ("ok", "42\n")
     assert service.service["requests"][0] == {"code": "print(6 * 7)", "language": "python", "run_timeout": 5,
                                               "compile_timeout": 5, "memory_limit_MB": 1024}
     answers = {"fails": _finished("Traceback ...\nValueError\n", code=1), "slow": _finished("", 137, "TimeLimitExceeded"),
@@ -402,9 +405,10 @@ def test_the_remote_sandbox_retries_a_dropped_connection_and_bounds_calls_in_fli
     assert failed.status == "unavailable" and "after 2 tries" in failed.output
 
 
-def test_a_remote_sandbox_that_is_not_there_is_an_answer_to_the_model_not_a_failure():
+def test_a_remote_sandbox_that_is_not_there_is_an_answer_to_the_model_not_a_failure(monkeypatch):
     from megatron_rlhf.tools import sandbox
 
+    monkeypatch.setattr(sandbox.remote, "RETRY_PAUSE_S", 0.01)
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
