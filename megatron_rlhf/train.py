@@ -165,6 +165,8 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
             set_aside_run(output_dir)
         return Prepared(config, output_dir, tokenizer, dataset, val_dataset, None, resume_from, run)
     dataset = _dataset(config, "data.prompt_file", tokenizer)
+    if resume_from is not None:
+        _check_held_groups(config, resume_from, len(dataset))
     if len(dataset) < config.ppo.rollout_batch_size:
         warnings.warn(f"{dataset.rows.path}: {len(dataset)} prompts, fewer than one rollout batch; prompts repeat within a batch")
     val_dataset = _dataset(config, "data.val_file", tokenizer, shuffle=False) if config.data.val_file else None
@@ -178,6 +180,18 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     if args.overwrite and _launch_rank0() and writes:
         set_aside_run(output_dir)  # dropped after the first iteration, put back if the launch fails before
     return Prepared(config, output_dir, tokenizer, dataset, val_dataset, functions, resume_from, run, environment)
+
+
+def _check_held_groups(config: RLHFConfig, resume_from: str, prompts: int) -> None:
+    """The groups a partial-rollout checkpoint holds answer prompts the prompt file still has."""
+    import torch
+
+    state = torch.load(os.path.join(resume_from, "trainer_state.pt"), map_location="cpu", weights_only=False)
+    held = (state.get("partial") or {}).get("held")
+    if held is not None and int(held["prompt_index"].max()) >= prompts:
+        raise ConfigError(f"{config.at('data.prompt_file')}: {prompts} prompts, but {resume_from} holds partial "
+                          f"rollouts of prompt {int(held['prompt_index'].max()) + 1} (the file it was written with "
+                          "was longer); resume with that file, or start again with --overwrite")
 
 
 def _stage_rows(config: RLHFConfig, tokenizer, world_size: int):
@@ -258,6 +272,7 @@ def _environment(config: RLHFConfig, tokenizer) -> str:
     from megatron_rlhf.rollout.environment import environment_spec
     from megatron_rlhf.rollout.multiturn import MultiTurn
 
+    _check_stop_strings(config, tokenizer)
     try:
         if config.rollout.uses_tools:  # the built-in tool environment (its tools loaded with the prompts)
             from megatron_rlhf.tools.environment import SPEC as spec
@@ -269,11 +284,25 @@ def _environment(config: RLHFConfig, tokenizer) -> str:
     return spec
 
 
+def _check_stop_strings(config: RLHFConfig, tokenizer) -> None:
+    """Each of rollout.stop is text the tokenizer writes (else it could never end a turn)."""
+    for text in config.rollout.stop:
+        try:
+            ids = tokenizer.encode_text(text)
+        except ValueError as e:
+            raise ConfigError(f"{config.at('rollout.stop')}: {text!r} cannot be written by the tokenizer ({e}); use "
+                              "text within its vocabulary") from None
+        if not ids:
+            raise ConfigError(f"{config.at('rollout.stop')}: {text!r} encodes to no token; remove it")
+
+
 def _check_loaded_checkpoints(config: RLHFConfig) -> None:
-    """Every ``<role>.load`` checkpoint with a manifest (the converter writes one) has its files
-    at their sizes: a truncated or missing shard stops the run here, not while roles are built. A
+    """Every ``<role>.load`` checkpoint has its files at their manifest's sizes (the converter
+    writes one), or, without one, each file readable to its end: a truncated or missing shard stops
+    the run here, not while roles are built. A PEFT adapter (load_lora) fits and is finite. A
     LoRA run's checkpoint (base and adapters) is not a starting point: it is named with what is."""
-    from megatron_rlhf.checkpoint.model_files import MANIFEST, CheckpointError, read_model_meta, verify_checkpoint
+    from megatron_rlhf.checkpoint.model_files import (MANIFEST, CheckpointError, check_readable, read_model_meta,
+                                                      verify_checkpoint)
     from megatron_rlhf.checkpoint.peft import peft_adapters
 
     for role in config.model_roles:
@@ -283,9 +312,10 @@ def _check_loaded_checkpoints(config: RLHFConfig) -> None:
                               "checkpoint); continue that run with --resume, start from its adapters as a PEFT "
                               "adapter (tools/convert_megatron_to_hf.py --peft-output, then load_lora), or from its "
                               "weights with the adapters merged (--merge-lora, then convert_hf_to_megatron.py)")
-        if path and os.path.isfile(os.path.join(path, MANIFEST)):
-            try:
-                verify_checkpoint(path, checksums=False)
+        if path and os.path.isdir(path):
+            try:  # with a manifest, its sizes; a directory copied out without one, each file's own structure
+                verify_checkpoint(path, checksums=False) if os.path.isfile(os.path.join(path, MANIFEST)) \
+                    else check_readable(path)
             except CheckpointError as e:
                 raise ConfigError(f"{config.at(role + '.load')}: {e}") from None
     if config.reward.normalize and config.stage == "rl":

@@ -5,13 +5,14 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
 import torch
 
 from megatron_rlhf.checkpoint.model_files import CheckpointError
-from megatron_rlhf.config import ConfigError
+from megatron_rlhf.config import ConfigError, load_config
 from megatron_rlhf.checkpoint.run_state import cut_back, run_identity
 from megatron_rlhf.train import parse_args, prepare
 from tests.conftest import REPO, _free_port
@@ -370,3 +371,204 @@ def test_resume_may_change_how_the_work_is_cut_but_not_what_it_computes(tmp_path
     assert fingerprint("ppo_policy", "  micro_batch_size: auto\n  max_tokens_per_micro_batch: 512\n") == base
     # What the numbers depend on is not free (a trained role's learning rate here).
     assert fingerprint("ppo_policy", "  lr: 0.5\n") != base
+
+
+# -- round four (issue 55): agents, tools, LoRA, partial rollouts, the launcher ---------------------
+
+def test_an_environment_reply_is_cut_to_its_limit_before_the_room_is_measured(tmp_path):
+    from tests.test_multiturn import _turns
+
+    # Replies of 50 tokens, max_observation_tokens 4, room for 12: each reply loses its middle and the
+    # turns go on (before: the uncut reply did not fit and the trajectory ended, a huge first one at once).
+    (rows, metrics), tok = _turns(tmp_path, """
+        class Env:
+            def start(self, row):
+                return "b" * 50
+            def step(self, turn):
+                return "c" * 50, False, None, {}
+    """, max_turns=2, max_observation_tokens=4, max_trajectory_tokens=16)
+    one = [1, 4] + tok.encode("bbbb") + tok.encode("a") + [2] + tok.encode("cccc") + tok.encode("a") + [2]
+    assert rows["tokens"][0].tolist() == one
+    assert metrics["rollout/truncated_observations"] == 4 and metrics["rollout/context_truncated"] == 0
+
+
+def test_an_environment_s_values_are_checked_and_it_is_named():
+    from megatron_rlhf.rollout.environment import ProtocolError, check_constructible, checked_step
+
+    for bad, words in [((None, False, float("inf"), {}), "step returned reward=inf; a per-turn reward is a finite"),
+                       ((None, False, None, {"counts": {"tool_calls": float("inf")}}), "counts map names"),
+                       ((None, False, None, {"counts": {"env_x": float("-inf")}}), "to finite numbers")]:
+        with pytest.raises(ProtocolError, match=words):
+            checked_step(bad)
+
+    class NeedsLevel:
+        def __init__(self, level):
+            self.level = level
+
+    with pytest.raises(ValueError, match=r"environment 'envs.py:NeedsLevel': one instance per trajectory is made with "
+                                         r"no arguments, but missing a required argument: 'level'"):
+        check_constructible(NeedsLevel, {}, "envs.py:NeedsLevel")
+
+
+def test_an_environment_that_blocks_ends_the_batch_as_the_reward_pool_does(tmp_path):
+    from megatron_rlhf.rollout.env_pool import EnvironmentPool
+
+    (tmp_path / "envs.py").write_text("import time\nclass Env:\n    def start(self, row):\n        time.sleep(600)\n"
+                                      "    def step(self, turn):\n        pass\n")
+    pool = EnvironmentPool(f"{tmp_path / 'envs.py'}:Env", num_workers=2, timeout_s=0.5)
+    started = time.monotonic()
+    try:
+        outcomes = pool.call([(i, "start", {"prompt": "x"}) for i in range(64)])
+    finally:
+        pool.close()
+    assert time.monotonic() - started < 15  # before: 64 time-outs one after another per worker (16 s here, 16 min at 30 s)
+    assert sum(kind == "timeout" for kind, _ in outcomes) == 64
+    assert sum("was not made: the first 4 calls of the batch all timed out" in why for _, why in outcomes) == 60
+
+
+def test_a_tool_that_exits_hangs_or_is_called_with_deep_json_is_answered_and_poisons_nothing(tmp_path):
+    from megatron_rlhf.rollout.environment import Turn
+    from megatron_rlhf.tools.environment import ToolEnvironment
+
+    (tmp_path / "t.py").write_text(textwrap.dedent('''
+        import sys, time
+
+        def leave(code: int) -> str:
+            """Exit.
+
+            Args:
+                code: The exit code.
+            """
+            sys.exit(code)
+
+        def hang(seconds: int) -> str:
+            """Sleep.
+
+            Args:
+                seconds: How long.
+            """
+            time.sleep(seconds)
+            return "woke"
+
+        def add(a: int, b: int) -> int:
+            """Add.
+
+            Args:
+                a: One.
+                b: The other.
+            """
+            return a + b
+    '''))
+    env = ToolEnvironment([f"{tmp_path / 't.py'}:{n}" for n in ("leave", "hang", "add")], "hermes",
+                          max_parallel_calls=1, tool_timeout_s=0.5)
+
+    def call(body):
+        result = env.step(Turn(f"<tool_call>{body}</tool_call>", [], 0, True))
+        return result.observation[0]["content"], result.info["counts"]
+
+    assert call('{"name": "leave", "arguments": {"code": 3}}') == ("error: leave called sys.exit(3)", call.__defaults__
+                                                                   or {"tool_calls": 1.0, "tool_errors": 1.0,
+                                                                       "tool_timeouts": 0.0, "tool_calls/leave": 1.0,
+                                                                       "tool_s": pytest.approx(0.0, abs=0.5)})
+    for _ in range(3):  # three hung calls in a row: each times out alone
+        assert call('{"name": "hang", "arguments": {"seconds": 30}}')[0] == "error: hang did not answer within 0.5s"
+    assert call('{"name": "add", "arguments": {"a": 2, "b": 3}}')[0] == "5"  # before: queued behind the hung ones
+    deep = "[" * 100000 + "]" * 100000
+    assert call(deep)[0] == "error: the tool call is nested too deeply to read"
+    reply, counts = call('{"name": "add", "arguments": {"a": %s, "b": 1}}' % deep)
+    assert reply == "error: the tool call is nested too deeply to read" and counts["tool_errors"] == 1
+
+
+def test_stop_strings_that_cannot_end_a_turn_are_refused_by_name(tmp_path):
+    from megatron_rlhf.data.tokenizer import CharTokenizer
+    from megatron_rlhf.train import _check_stop_strings
+    from tests.test_config import tiny_setup
+
+    config_of = lambda stop: load_config(str(tiny_setup(tmp_path, "rollout: {environment: env.py:Game, stop: %s, "  # noqa: E731
+                                                                   "max_trajectory_tokens: 200}\n" % stop)), world_size=1)
+    with pytest.raises(ConfigError, match=r"rollout.stop: \[''\] holds an empty string .* would end every turn at its "
+                                          r"first token"):
+        config_of("['']")
+    with pytest.raises(ConfigError, match=r"rollout.stop: 'END' cannot be written by the tokenizer \(.*\); use text "
+                                          r"within its vocabulary"):
+        _check_stop_strings(config_of("['END']"), CharTokenizer("abc >"))
+
+
+def test_a_value_outside_its_domain_is_reported_once_without_its_consequences(tmp_path):
+    from tests.test_config import _role_setup, tiny_setup
+
+    cases = [(lambda: _role_setup(tmp_path, "ppo_policy", "  lora: {rank: -1, alpha: 8}\n"),
+              "ppo_policy.lora.rank: must be >= 0, got -1"),
+             (lambda: tiny_setup(tmp_path, "rollout: {environment: env.py:Game, max_turns: 0, max_trajectory_tokens: 200}\n"),
+              "rollout.max_turns: must be >= 1, got 0"),
+             (lambda: tiny_setup(tmp_path, "algorithm: {rollout_correction: {mode: truncate, threshold: 0}}\n"),
+              "algorithm.rollout_correction.threshold: must be > 0, got 0.0")]
+    for setup, only in cases:
+        with pytest.raises(ConfigError) as err:
+            load_config(str(setup()), world_size=1)
+        problems = str(err.value).splitlines()[1:]
+        assert len(problems) == 1 and problems[0].strip().endswith(only), str(err.value)
+
+
+def test_resume_refuses_a_network_of_another_shape_even_when_settings_may_change(tmp_path):
+    import dataclasses
+
+    from megatron_rlhf.checkpoint.run_state import check_resume
+
+    config = load_config(str(REPO / "examples" / "tiny" / "grpo_lora.yaml"), world_size=2)
+    path = fake_checkpoint(tmp_path, "iter_0000002", config)
+    wider = copy_config(config, lora=dataclasses.replace(config.ppo_policy.lora, rank=config.ppo_policy.lora.rank * 2))
+    with pytest.raises(ConfigError, match=r"holds networks of other shapes \(ppo_policy.lora.rank: 8 then, 16 now\): its "
+                                          r"tensors cannot be loaded into these, --allow-config-change or not"):
+        check_resume(str(path), wider, run_identity(wider), str(tmp_path), allow_config_change=True)
+
+
+def copy_config(config, lora):
+    import copy
+
+    other = copy.deepcopy(config)
+    other.ppo_policy.lora = lora
+    return other
+
+
+def test_resuming_partial_rollouts_of_prompts_a_shorter_file_lacks_is_refused(tmp_path):
+    from megatron_rlhf.train import _check_held_groups
+
+    config = load_config(TINY, world_size=2)
+    path = tmp_path / "iter_0000003"
+    path.mkdir()
+    torch.save({"partial": {"held": {"prompt_index": torch.tensor([3, 70, 12])}}}, path / "trainer_state.pt")
+    _check_held_groups(config, str(path), 71)
+    with pytest.raises(ConfigError, match=r"data.prompt_file.*: 64 prompts, but .* holds partial rollouts of prompt 71 \("
+                                          r"the file it was written with was longer\)"):
+        _check_held_groups(config, str(path), 64)
+
+
+def test_a_load_checkpoint_without_its_manifest_is_read_to_the_end_of_each_file_at_start_up(tmp_path):
+    from megatron_rlhf.checkpoint.model_files import check_readable
+
+    shard = tmp_path / "ckpt" / "mp_rank_00" / "model_optim_rng.pt"
+    shard.parent.mkdir(parents=True)
+    torch.save({"model": {"w": torch.ones(1000)}}, shard)
+    check_readable(str(tmp_path / "ckpt"))
+    shard.write_bytes(shard.read_bytes()[:-200])
+    with pytest.raises(CheckpointError, match=r"mp_rank_00/model_optim_rng.pt: damaged or truncated"):
+        check_readable(str(tmp_path / "ckpt"))
+
+
+def test_a_worker_whose_run_ended_ends_quietly(tmp_path):
+    import socket
+
+    (tmp_path / "slow.py").write_text("import time\ndef score(prompts, responses):\n    time.sleep(0.5)\n"
+                                      "    return [1.0] * len(prompts)\n")
+    parent, child = socket.socketpair()
+    worker = subprocess.Popen([sys.executable, "-m", "megatron_rlhf.rewards.worker", str(child.fileno()),
+                               f"{tmp_path / 'slow.py'}:score"], pass_fds=[child.fileno()], stderr=subprocess.PIPE, text=True)
+    child.close()
+    from multiprocessing.connection import Connection
+
+    conn = Connection(parent.detach())
+    assert conn.recv() == ("ready", None)
+    conn.send([(0, "p", "r", {})] * 4)  # the run fails at start-up while the worker scores: it goes away
+    conn.close()
+    assert worker.wait(timeout=30) == 0 and "Traceback" not in worker.stderr.read()

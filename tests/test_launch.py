@@ -115,6 +115,18 @@ def test_run_ppo_refuses_bad_inputs_before_launching(tmp_path):
     assert "run_ppo.sh: nothing was launched" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_every_variable_that_names_a_path_is_made_absolute_from_where_the_launch_runs():
+    import re
+
+    from megatron_rlhf.launch import PATH_VARIABLES
+
+    path_keys = ("load", "load_lora", "path", "prompt_file", "train_file", "val_file", "output_dir")
+    found = set()
+    for recipe in (REPO / "examples").glob("*/*.yaml"):
+        found |= set(re.findall(r"\b(?:%s): \$\{([A-Z_]+)" % "|".join(path_keys), recipe.read_text()))
+    assert found and found <= set(PATH_VARIABLES), sorted(found - set(PATH_VARIABLES))
+
+
 def test_run_ppo_finds_the_repository_venv_and_says_when_the_package_is_missing(tmp_path):
     missing = _run_ppo(tmp_path, PYTHON="false", MODEL_SIZE="tiny")
     assert missing.returncode == 2

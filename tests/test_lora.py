@@ -133,6 +133,26 @@ def test_a_peft_adapter_that_does_not_fit_the_run_is_refused_by_what_differs(ada
     assert peft_adapters(str(good), lora, arch, read=False) == {}
     with pytest.raises(CheckpointError, match="no adapter_config.json; name a PEFT adapter directory"):
         peft_adapters(str(tmp_path), lora, arch)
+    # Damaged inputs, each named by its file at start-up (read=False): a config that is not JSON, a
+    # weights file cut short, a NaN in an adapter.
+    from safetensors.torch import load, save_file
+
+    weights = good / "adapter_model.safetensors"
+    whole = weights.read_bytes()
+    tensors = load(whole)  # from the bytes: the file is cut below
+    (good / "adapter_config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"adapter_config.json: not a JSON object \(Expecting property name"):
+        peft_adapters(str(good), lora, arch, read=False)
+    (good / "adapter_config.json").write_text(json.dumps(config))
+    weights.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(CheckpointError, match=r"adapter_model.safetensors: not a readable safetensors file \(.*"
+                                              r"\); the adapter is damaged"):
+        peft_adapters(str(good), lora, arch, read=False)
+    name = sorted(tensors)[0]
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, str(weights))
+    with pytest.raises(CheckpointError, match=f"adapter_model.safetensors: tensor {name} holds NaN or infinite values"):
+        peft_adapters(str(good), lora, arch, read=False)
 
 
 def test_only_the_adapters_train_the_reference_is_the_base_and_resume_is_exact(workers):

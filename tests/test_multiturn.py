@@ -70,7 +70,7 @@ def _scripted_trajectory(tokenizer, conversation, once):
             assert tokenizer.decode(last_turn).strip() == content  # the policy says what the conversation says
             trajectory.append_model(last_turn)
         else:
-            trajectory.append_observation(encoder.encode([{"role": role, "content": content}], last_turn, tokenizer.eos_ids), 1000)
+            trajectory.append_observation(encoder.encode([{"role": role, "content": content}], last_turn, tokenizer.eos_ids))
     return trajectory, snapshots
 
 
@@ -109,7 +109,7 @@ def test_without_a_template_an_observation_is_its_text():
 
 def test_a_long_observation_loses_its_middle():
     t = Trajectory([1, 2], 1)
-    t.append_observation(list(range(10, 30)), limit=6)
+    t.append_observation(t.fitted_observation(list(range(10, 30)), limit=6))
     assert t.tokens == [1, 2, 10, 11, 12, 27, 28, 29] and t.mask == [0] * 8 and t.truncated_observations == 1
 
 

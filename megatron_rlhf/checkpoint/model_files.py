@@ -108,6 +108,28 @@ def verify_checkpoint(path: str, checksums: bool = True) -> None:
             raise CheckpointError(f"{file}: its content differs from the manifest's checksum (corrupted)")
 
 
+def check_readable(path: str) -> None:
+    """Raise CheckpointError naming the first file of checkpoint ``path`` (one without a manifest)
+    that cannot be read: a torch file whose archive is cut short, a safetensors file whose header
+    or data is."""
+    import zipfile
+
+    for directory, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            file = os.path.join(directory, name)
+            try:
+                if name.endswith(".pt"):
+                    with zipfile.ZipFile(file) as archive:  # torch.save's format: the index is at the end
+                        archive.infolist()
+                elif name.endswith(".safetensors"):
+                    from safetensors import safe_open
+
+                    with safe_open(file, framework="pt"):
+                        pass
+            except Exception as e:  # zipfile's and safetensors' own errors: a damaged or truncated file
+                raise CheckpointError(f"{file}: damaged or truncated ({e})") from None
+
+
 def _overlap(output: str, source: str) -> str:
     """How ``output`` overlaps the directory ``source`` ("is", "contains", "lies inside"), or ""."""
     out, src = os.path.realpath(output), os.path.realpath(source)

@@ -45,8 +45,14 @@ def read_peft_config(directory: str, lora) -> dict:
     if not os.path.isfile(os.path.join(directory, ADAPTER_WEIGHTS)):
         raise CheckpointError(f"{directory}: no {ADAPTER_WEIGHTS} (PEFT's default since 0.6; a pickled "
                               "adapter_model.bin is not read: save it again with safe_serialization=True)")
-    with open(path) as f:
-        config = json.load(f)
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not a JSON object ({e}); a PEFT adapter's config as PeftModel.save_pretrained "
+                              "writes it") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: holds {type(config).__name__}, not a JSON object of the adapter's settings")
     problems = [f"{key}: {config[key]!r} (supported: {neutral!r})" for key, neutral in _UNMODELLED.items()
                 if key in config and config[key] != neutral and not (neutral in (None, {}, False) and not config[key])]
     targets = config.get("target_modules")
@@ -73,14 +79,19 @@ def read_peft_config(directory: str, lora) -> dict:
 
 def peft_adapters(directory: str, lora, arch, read: bool = True) -> Dict[str, torch.Tensor]:
     """The full (unsharded) lora_a / lora_b tensors of every layer of the model ``arch`` from the
-    PEFT adapter in ``directory`` (read_peft_config first), each shape checked. ``read`` False:
-    the same checks from the file's header alone (start-up), nothing loaded: {}."""
+    PEFT adapter in ``directory`` (read_peft_config first), each shape checked and every value
+    finite. ``read`` False: the same checks at start-up, nothing kept: {}."""
     from safetensors import safe_open
 
     config = read_peft_config(directory, lora)
     shapes, rank = hf_decoder.expected_hf_shapes(arch, "lm"), lora.rank
     used, out = set(), {}
-    with safe_open(os.path.join(directory, ADAPTER_WEIGHTS), framework="pt") as file:
+    weights = os.path.join(directory, ADAPTER_WEIGHTS)
+    try:
+        file = safe_open(weights, framework="pt")
+    except Exception as e:  # safetensors' own error type: a damaged or truncated file
+        raise CheckpointError(f"{weights}: not a readable safetensors file ({e}); the adapter is damaged") from None
+    with file:
         names = set(file.keys())
 
         def factor(layer: int, projection: str, kind: str) -> Optional[torch.Tensor]:
@@ -97,7 +108,10 @@ def peft_adapters(directory: str, lora, arch, read: bool = True) -> Dict[str, to
                                       f"{tuple(file.get_slice(key).get_shape())}, the model's needs {shape}: an adapter "
                                       "of another base model?")
             used.add(key)
-            return file.get_tensor(key).float() if read else None
+            tensor = file.get_tensor(key).float()
+            if not torch.isfinite(tensor).all():
+                raise CheckpointError(f"{weights}: tensor {key} holds NaN or infinite values; the adapter is damaged")
+            return tensor if read else None
 
         for layer in range(arch.num_layers):
             for target in lora.target_modules:

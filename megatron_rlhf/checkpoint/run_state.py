@@ -109,6 +109,11 @@ def check_resume(path: str, config: RLHFConfig, now: Dict[str, Any], output_dir:
     before = state.get("run")
     if before is None:
         return now, state["iteration"]
+    reshaped = _reshaped_networks(before["config"], now["config"], config.trainable_roles)
+    if reshaped:
+        raise ConfigError(f"{path} holds networks of other shapes ({reshaped}): its tensors cannot be loaded into "
+                          "these, --allow-config-change or not; resume with the settings it was written with, or start "
+                          "again with --overwrite (its weights converted into a load: checkpoint)")
     if before["fingerprint"] != now["fingerprint"] and not allow_config_change:
         changed = sorted(k for k in set(before["config"]) | set(now["config"])
                          if before["config"].get(k) != now["config"].get(k))
@@ -116,6 +121,20 @@ def check_resume(path: str, config: RLHFConfig, now: Dict[str, Any], output_dir:
         raise ConfigError(f"{path} belongs to a run with other settings ({shown}); resume with the same settings, "
                           "pass --allow-config-change to continue it with these, or start again with --overwrite")
     return {**now, "id": before["id"]}, state["iteration"]
+
+
+# The settings a trained role's checkpoint tensors are shaped by (its network and its adapters).
+_SHAPING = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size",
+            "head_dim", "qkv_bias", "qk_norm", "tie_word_embeddings", "num_experts", "moe_ffn_hidden_size",
+            "moe_layer_step", "moe_dense_layers", "moe_shared_expert_ffn_hidden_size", "make_vocab_size_divisible_by")
+
+
+def _reshaped_networks(before: Dict[str, Any], now: Dict[str, Any], roles) -> str:
+    """The shaping settings of ``roles`` that differ between a checkpoint's run and this one."""
+    keys = [f"{role}.model.{name}" for role in roles for name in _SHAPING]
+    keys += [f"{role}.lora.{name}" for role in roles for name in ("rank", "target_modules")]
+    return "; ".join(f"{k}: {before.get(k)!r} then, {now.get(k)!r} now" for k in keys
+                     if k in before and k in now and before[k] != now[k])
 
 
 def read_records(path: str) -> list:

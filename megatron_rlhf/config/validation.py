@@ -104,9 +104,50 @@ class Layout:
 def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> List[str]:
     """Every problem of the config's keys together (layouts, networks, batch sizes, algorithm,
     rollout), each naming file, key and what is valid: the values outside their domain first, then
-    the world's sizes, then every check of CHECKS in order (each skips what an invalid value would
-    only make confusing)."""
+    the world's sizes and every check of CHECKS in order, on a copy where each value already refused
+    is at its default and with nothing more said of it (one report per fault, not its consequences)."""
     problems = domain_problems(config)
+    if problems:  # the checks below see valid values, and say nothing of a key already reported
+        faulty = _out_of_domain_keys(config)
+        config = _defaults_in_place_of(config, faulty)
+        return problems + [p for p in _checks_across_keys(config, world_size) if not any(k in p for k in faulty)]
+    return _checks_across_keys(config, world_size)
+
+
+def _out_of_domain_keys(config: RLHFConfig) -> List[str]:
+    """The dotted keys domain_problems reports."""
+    found: List[str] = []
+
+    def walk(obj, prefix: str) -> None:
+        for field in dataclasses.fields(obj):
+            value = getattr(obj, field.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, prefix + field.name + ".")
+            elif not _in_domain(obj, field.name):
+                found.append(prefix + field.name)
+
+    walk(config, "")
+    return found
+
+
+def _defaults_in_place_of(config: RLHFConfig, keys: List[str]) -> RLHFConfig:
+    """A copy of ``config`` with each of ``keys`` at its default (a check never divides by a
+    value already refused, nor reports its consequences)."""
+    import copy
+
+    config = copy.deepcopy(config)
+    for key in keys:
+        *path, name = key.split(".")
+        owner = config
+        for part in path:
+            owner = getattr(owner, part)
+        field = next(f for f in dataclasses.fields(owner) if f.name == name)
+        setattr(owner, name, field.default)
+    return config
+
+
+def _checks_across_keys(config: RLHFConfig, world_size: Optional[int]) -> List[str]:
+    problems: List[str] = []
     world, layout = _world_problems(config, world_size)
     if layout is None:  # a size below one: nothing can be checked across keys
         return problems
@@ -554,6 +595,9 @@ def _rollout_problems(config: RLHFConfig) -> List[str]:
         if not r.uses_tools and f"rollout.{k}" in config.origin:
             problems.append(f"{config.at('rollout.' + k)}: set, but rollout.tools is empty; name the tools or remove it")
     problems += _sandbox_problems(config)
+    if any(not isinstance(text, str) or not text for text in r.stop):
+        problems.append(f"{config.at('rollout.stop')}: {r.stop!r} holds an empty string (or one that is not text), "
+                        "which would end every turn at its first token; remove it")
     if r.uses_tools and r.tool_parser != "tags" and not config.data.apply_chat_template:
         problems.append(f"{config.at('rollout.tool_parser')}: {r.tool_parser} calls are shown to the model through the "
                         "chat template's tools; set data.apply_chat_template: true (or use the tags parser)")

@@ -11,6 +11,13 @@ from multiprocessing.connection import Connection
 
 
 def main(argv) -> None:
+    try:
+        _serve(argv)
+    except (EOFError, ConnectionError, KeyboardInterrupt):  # the run ended, however: end quietly
+        pass
+
+
+def _serve(argv) -> None:
     fd, specs = int(argv[0]), argv[1:]
     os.dup2(2, 1)  # prints of the functions go to stderr
     conn = Connection(fd)

@@ -5,7 +5,9 @@ in one worker (trajectory id modulo the workers), so its calls are in order, and
 side by side. A call that outlives ``timeout_s`` has its worker killed and replaced; the other
 trajectories that lived there are rebuilt in the new worker by replaying their calls (their
 environments are deterministic functions of those calls, as the protocol asks), so a hang costs
-only its own trajectory. Workers are plain interpreters without torch (rollout/env_worker.py).
+only its own trajectory; an environment whose first calls of a batch all time out (twice per
+worker, nothing answered) blocks, and the batch's other calls are not made (they fail at once, as
+the reward pool stops). Workers are plain interpreters without torch (rollout/env_worker.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 from multiprocessing.connection import wait
 from typing import Any, Dict, List, Optional, Tuple
 
-from megatron_rlhf.rewards.pool import WorkerProcess
+from megatron_rlhf.rewards.pool import BLOCKED_AFTER, WorkerProcess
 
 Request = Tuple[int, str, Any]  # (trajectory, "start" | "step", payload)
 Outcome = Tuple[str, Any]  # ("ok", result) or (failure kind: raised | protocol | timeout | exited, reason)
@@ -61,6 +63,7 @@ class EnvironmentPool:
     def call(self, requests: List[Request]) -> List[Outcome]:
         """Answer every request, each trajectory's in order, the workers side by side."""
         outcomes: List[Optional[Outcome]] = [None] * len(requests)
+        timeouts, answered = 0, False  # the environment blocks when its first calls all time out
         queues: Dict[int, List[int]] = {}
         for i, (trajectory, _, _) in enumerate(requests):
             if trajectory in self.lost:
@@ -90,11 +93,23 @@ class EnvironmentPool:
                     continue
                 worker.task = None
                 outcomes[i] = outcome
+                timeouts += outcome[0] == "timeout"
+                answered = answered or outcome[0] != "timeout"
+                if not answered and timeouts >= BLOCKED_AFTER * len(self.workers):  # as the reward pool stops
+                    self._give_up(queues, outcomes, timeouts)
                 if outcome[0] == "ok":
                     self.history.setdefault(trajectory, []).append((kind, payload))
                 elif outcome[0] in ("timeout", "exited"):
                     self._replace(worker, trajectory)
         return outcomes
+
+    def _give_up(self, queues: Dict[int, List[int]], outcomes: List[Optional[Outcome]], timeouts: int) -> None:
+        """Answer every request not yet sent: the environment's first calls all timed out."""
+        for queue in queues.values():
+            for i in queue:
+                outcomes[i] = ("timeout", f"was not made: the first {timeouts} calls of the batch all timed out "
+                                          f"(rollout.env_timeout_s={self.timeout_s:g}s), nothing answered: the environment blocks")
+            queue.clear()
 
     def _replace(self, worker: _Worker, failed: int) -> None:
         """A fresh worker for ``worker``, the other trajectories it held rebuilt by replay."""

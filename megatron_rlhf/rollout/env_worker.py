@@ -11,6 +11,13 @@ from multiprocessing.connection import Connection
 
 
 def main(argv) -> None:
+    try:
+        _serve(argv)
+    except (EOFError, ConnectionError, KeyboardInterrupt):  # the run ended, however: end quietly
+        pass
+
+
+def _serve(argv) -> None:
     fd, spec, options = int(argv[0]), argv[1], json.loads(argv[2]) if len(argv) > 2 else {}
     os.dup2(2, 1)
     conn = Connection(fd)

@@ -24,6 +24,7 @@ on unless every trajectory of a batch fails.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any, Dict, List, Optional, Union
 
@@ -71,6 +72,10 @@ def checked_observation(value: Any) -> Observation:
                         "a string or a list of chat messages")
 
 
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def checked_step(value: Any) -> StepResult:
     """A step's result (a StepResult or an (observation, done, reward, info) tuple) checked."""
     if isinstance(value, tuple):
@@ -83,14 +88,13 @@ def checked_step(value: Any) -> StepResult:
     if not isinstance(value.done, bool):
         raise ProtocolError(f"step returned done={value.done!r:.40}; done is True or False")
     reward = value.reward
-    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, numbers.Real) or reward != reward):
-        raise ProtocolError(f"step returned reward={reward!r:.40}; a reward is a finite number or None")
+    if reward is not None and not _finite_number(reward):
+        raise ProtocolError(f"step returned reward={reward!r:.40}; a per-turn reward is a finite number or None")
     if not isinstance(value.info, dict):
         raise ProtocolError(f"step returned info={value.info!r:.40}; info is a dict")
     counts = value.info.get("counts", {})
     if not isinstance(counts, dict) or not all(
-            isinstance(k, str) and k.startswith(COUNT_PREFIXES) and isinstance(v, numbers.Real) and not isinstance(v, bool)
-            and v == v for k, v in counts.items()):
+            isinstance(k, str) and k.startswith(COUNT_PREFIXES) and _finite_number(v) for k, v in counts.items()):
         raise ProtocolError(f"step returned info['counts']={counts!r:.80}; counts map names that start with "
                             f"{' or '.join(COUNT_PREFIXES)} to finite numbers")
     return StepResult(checked_observation(value.observation), value.done,
@@ -110,4 +114,19 @@ def environment_spec(config) -> str:
     missing = [m for m in ("start", "step") if not callable(getattr(cls, m, None))]
     if missing:
         raise ValueError(f"environment {spec!r}: has no {' or '.join(missing)} method; see rollout/environment.py")
+    check_constructible(cls, {}, spec)
     return spec
+
+
+def check_constructible(cls, options: Dict[str, Any], spec: str) -> None:
+    """Refuse an environment class that cannot be made with ``options`` (a required argument):
+    found here, not when every trajectory of the first batch fails."""
+    import inspect
+
+    try:
+        inspect.signature(cls).bind(**options)
+    except TypeError as e:
+        given = f"with {', '.join(options)}" if options else "with no arguments"
+        raise ValueError(f"environment {spec!r}: one instance per trajectory is made {given}, but {e}") from None
+    except ValueError:  # no signature to read (a C type): made as it is
+        pass

@@ -179,12 +179,13 @@ class MultiTurn:
             if done or last_turn or t.done:
                 t.done = True
                 continue
+            ids = t.fitted_observation(observation_ids, self.config.rollout.max_observation_tokens)
             room = self.context - len(t.tokens) - 1  # a reply with no room for the model to answer ends it
-            if len(observation_ids) > room:
+            if len(ids) > room:
                 t.done = True
                 counts["rollout/context_truncated"] += 1
                 continue
-            t.append_observation(observation_ids, self.config.rollout.max_observation_tokens)
+            t.append_observation(ids)
 
     def _answer(self, wanted: List[tuple]) -> List[tuple]:
         """(observation ids, done, reward, failure: None or (kind, reason), the environment's

@@ -80,12 +80,16 @@ class Trajectory:
         self.mask += [1] * len(ids)
         self.turns += 1
 
-    def append_observation(self, ids: Sequence[int], limit: int) -> None:
-        """Environment ids with loss mask 0; more than ``limit`` keep their first and last
-        halves (the middle cut, counted)."""
-        if len(ids) > limit:
-            ids = list(ids[: limit - limit // 2]) + list(ids[len(ids) - limit // 2 :])
-            self.truncated_observations += 1
+    def fitted_observation(self, ids: Sequence[int], limit: int) -> List[int]:
+        """An environment's ids within ``limit``: more keep their first and last halves (the
+        middle cut, counted), before any room is measured."""
+        if len(ids) <= limit:
+            return list(ids)
+        self.truncated_observations += 1
+        return list(ids[: limit - limit // 2]) + list(ids[len(ids) - limit // 2 :])
+
+    def append_observation(self, ids: Sequence[int]) -> None:
+        """Environment ids (fitted) with loss mask 0."""
         self.tokens += ids
         self.mask += [0] * len(ids)
 

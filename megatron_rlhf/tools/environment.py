@@ -69,9 +69,18 @@ def tool_set_of(options: Dict[str, Any], keep_servers: bool = True):
                          options.get("mcp_dir", ""), options.get("tool_timeout_s", 30.0), keep_servers)
 
 
-@functools.lru_cache(maxsize=None)
-def _executor(workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tool")
+_EXECUTORS: Dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # this worker's, by max_parallel_calls
+
+
+def _executor(workers: int, fresh: bool = False) -> concurrent.futures.ThreadPoolExecutor:
+    """The threads tool calls run in; ``fresh``: new ones, the old left to the calls that hang in
+    them (a thread cannot be stopped), so that a hung call never delays a later one."""
+    if fresh or workers not in _EXECUTORS:
+        old = _EXECUTORS.get(workers)
+        _EXECUTORS[workers] = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tool")
+        if old is not None:
+            old.shutdown(wait=False)
+    return _EXECUTORS[workers]
 
 
 class ToolEnvironment:
@@ -79,7 +88,7 @@ class ToolEnvironment:
                  tool_timeout_s: float = 30.0, mcp_servers: Sequence[str] = (), mcp_dir: str = "",
                  sandbox: Optional[Dict[str, Any]] = None):
         self.tools, self.parser = load_tool_set(tuple(tools), parser, tuple(mcp_servers), mcp_dir, tool_timeout_s)
-        self.executor = _executor(max_parallel_calls)
+        self.workers = max_parallel_calls
         self.timeout_s = tool_timeout_s
         settings = SandboxConfig(**(sandbox or {}))
         self.unsafe = settings.kind == "unsafe_process"
@@ -89,7 +98,12 @@ class ToolEnvironment:
         return None
 
     def step(self, turn: Turn) -> StepResult:
-        parsed: ParsedTurn = self.parser.parse(turn.text)
+        try:
+            parsed: ParsedTurn = self.parser.parse(turn.text)
+        except RecursionError:
+            parsed = ParsedTurn(problems=["the tool call is nested too deeply to read"])
+        except Exception as e:  # any malformed call is an answer the model reads, never a failed trajectory
+            parsed = ParsedTurn(problems=[f"the tool call could not be read ({type(e).__name__}: {e})"])
         counts: Dict[str, float] = {"tool_calls": 0.0, "tool_errors": float(len(parsed.problems)),
                                     "tool_timeouts": 0.0, "tool_s": 0.0}
         if not parsed.wants_tools:
@@ -107,28 +121,37 @@ class ToolEnvironment:
         replies: List[Any] = []
         for call in calls:
             tool = self.tools.get(call.name)
-            problem = (f"there is no tool {call.name!r}; the tools are {', '.join(self.tools)}" if tool is None
-                       else argument_problem(tool, call.arguments))
+            try:
+                problem = (f"there is no tool {call.name!r}; the tools are {', '.join(self.tools)}" if tool is None
+                           else argument_problem(tool, call.arguments))
+            except RecursionError:
+                problem = f"the arguments of {call.name} are nested too deeply to read"
             if problem:
                 counts["tool_errors"] += 1
                 replies.append(f"error: {problem}")
                 continue
             counts["tool_calls"] += 1
             counts[f"tool_calls/{tool.name}"] = counts.get(f"tool_calls/{tool.name}", 0.0) + 1
-            replies.append((tool, self.executor.submit(tool.fn, **call.arguments), time.monotonic() + self.timeout_s))
+            replies.append((tool, _executor(self.workers).submit(tool.fn, **call.arguments),
+                            time.monotonic() + self.timeout_s))
         return [r if isinstance(r, str) else self._reply(*r, counts) for r in replies]
 
     def _reply(self, tool: FunctionTool, future: concurrent.futures.Future, deadline: float,
                counts: Dict[str, float]) -> str:
         """The call's result as text, or the error the model is shown (counted). A call still
         running at its deadline is left to finish on its own (a thread cannot be stopped): a tool
-        that may never return should run its work in a process, as the sandbox does."""
+        that may never return should run its work in a process, as the sandbox does; later calls
+        run in fresh threads."""
         try:
             return result_text(future.result(timeout=max(deadline - time.monotonic(), 0.0)))
         except concurrent.futures.TimeoutError:
             counts["tool_errors"] += 1
             counts["tool_timeouts"] += 1
+            _executor(self.workers, fresh=True)  # the hung call keeps its thread; later calls get others
             return f"error: {tool.name} did not answer within {self.timeout_s:g}s"
+        except SystemExit as e:  # a tool's sys.exit ends its call, not the worker or the trajectory
+            counts["tool_errors"] += 1
+            return f"error: {tool.name} called sys.exit({e.code!r})"
         except ToolError as e:
             counts["tool_errors"] += 1
             counts["tool_timeouts"] += e.timed_out
