@@ -503,6 +503,84 @@ def t_score_head_of_two_labels(w):
         and not (w / "o").exists(), p
 
 
+# -- round four (issue 55): agents, tools, LoRA, partial rollouts ----------------------------------
+
+AGENT = REPO / "examples" / "tiny_agent" / "grpo.yaml"
+
+
+def _environment(w, body: str, timeout_s=5) -> Path:
+    (w / "env.py").write_text("import time\n\n\nclass Env:\n" + body)
+    return include(w, f"rollout:\n  environment: {w}/env.py:Env\n  env_timeout_s: {timeout_s}\n", base=AGENT)
+
+
+def t_environment_needs_an_argument(w):
+    p = train(w, config=_environment(w, "    def __init__(self, level):\n        pass\n"
+                                        "    def start(self, row):\n        pass\n    def step(self, turn):\n        pass\n"))
+    return one_line(p, "rollout.environment", "made with no arguments, but missing a required argument: 'level'"), p
+
+
+def t_environment_blocks(w):
+    started = time.monotonic()
+    p = train(w, config=_environment(w, "    def start(self, row):\n        time.sleep(3600)\n"
+                                        "    def step(self, turn):\n        pass\n", timeout_s=2))
+    # Each worker's first two calls time out, the batch's other calls are not made: about 2 x 2 s.
+    return one_line(p, "every trajectory of the batch failed", "took over 2s (rollout.env_timeout_s)") \
+        and time.monotonic() - started < 60, p
+
+
+def t_environment_infinite_reward(w):
+    p = train(w, config=_environment(w, "    def start(self, row):\n        pass\n"
+                                        "    def step(self, turn):\n        return None, True, float('inf'), {}\n"))
+    return one_line(p, "environment", "step returned reward=inf; a per-turn reward is a finite number"), p
+
+
+def t_stop_string_empty(w):
+    p = train(w, config=include(w, "rollout:\n  stop: ['']\n", base=AGENT))
+    return one_line(p, "rollout.stop", "holds an empty string"), p
+
+
+def t_stop_string_outside_the_alphabet(w):
+    p = train(w, config=include(w, "rollout:\n  stop: ['END']\n", base=AGENT))
+    return one_line(p, "rollout.stop: 'END' cannot be written by the tokenizer"), p
+
+
+def t_sandbox_without_namespaces(w):
+    (w / "bin").mkdir()
+    (w / "bin" / "bwrap").write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed' >&2\nexit 1\n")
+    (w / "bin" / "bwrap").chmod(0o755)
+    tools = ("data:\n  tokenizer:\n    alphabet: \"abcdefghijklmnopqrstuvwxyz <>/()+0123456789\"\nrollout:\n"
+             "  environment: null\n  tools: [megatron_rlhf.tools.sandbox:python]\n  tool_parser: tags\n")
+    p = train(w, config=include(w, tools, base=AGENT), env={"PATH": f"{w / 'bin'}:{os.environ['PATH']}"})
+    return one_line(p, "rollout.sandbox.kind: isolated, but bubblewrap cannot make", "kind: remote"), p
+
+
+def t_rollout_correction_threshold_zero(w):
+    p = train(w, config=include(w, "algorithm:\n  rollout_correction: {mode: truncate, threshold: 0}\n"))
+    return one_line(p, "algorithm.rollout_correction.threshold: must be > 0"), p
+
+
+def t_lora_negative_rank(w):
+    p = train(w, config=include(w, "ppo_policy:\n  lora: {rank: -4, alpha: 8}\n"))
+    return one_line(p, "ppo_policy.lora.rank: must be >= 0, got -4") and "(off)" not in p.stderr, p
+
+
+def t_peft_adapter_config_not_json(w):
+    (w / "adapter").mkdir()
+    (w / "adapter" / "adapter_config.json").write_text("{not json")
+    (w / "adapter" / "adapter_model.safetensors").write_bytes(b"")
+    p = train(w, config=include(w, f"ppo_policy:\n  lora: {{rank: 4}}\n  load_lora: {w / 'adapter'}\n"))
+    return one_line(p, "ppo_policy.load_lora", "adapter_config.json: not a JSON object"), p
+
+
+def t_resume_with_another_lora_rank(w):
+    lora = REPO / "examples" / "tiny" / "grpo_lora.yaml"
+    first = train(w, config=lora)
+    if not finished(first):
+        return False, first
+    p = train(w, "--resume", "--allow-config-change", config=lora, env={"ITERATIONS": "3", "LORA_RANK": "16"})
+    return one_line(p, "holds networks of other shapes", "ppo_policy.lora.rank"), p
+
+
 TRIALS = {name[2:]: fn for name, fn in globals().items() if name.startswith("t_")}
 
 
