@@ -23,7 +23,7 @@ setup(
         "pyarrow>=14",
         "math-verify>=0.7",
         # Tool arguments checked against their JSON schemas, MCP tool servers, and the Python sandbox's
-        # seccomp filter (libseccomp's bindings; megatron_rlhf/tools). bubblewrap comes from the OS
+        # seccomp filter (libseccomp's bindings; megatron_rlhf/agents). bubblewrap comes from the OS
         # (tools/install_sandbox.sh).
         "jsonschema>=4.0",
         "mcp>=2,<3",

@@ -25,7 +25,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_rlhf.config.schema import SandboxConfig  # noqa: E402
-from megatron_rlhf.tools.sandbox import readiness_problem, run_python  # noqa: E402
+from megatron_rlhf.agents.sandbox import readiness_problem, run_python  # noqa: E402
 
 PROGRAMS = {
     "print": "print(6 * 7)",

@@ -269,13 +269,13 @@ def _check_stage_steps(config: RLHFConfig, rows: int, resume_from: Optional[str]
 def _environment(config: RLHFConfig, tokenizer) -> str:
     """The multi-turn environment's spec (a custom one, or the built-in tool environment), loaded
     once; the chat template's reply tokens checked (rollout/multiturn.py)."""
-    from megatron_rlhf.rollout.environment import environment_spec
+    from megatron_rlhf.agents.protocol import environment_spec
     from megatron_rlhf.rollout.multiturn import MultiTurn
 
     _check_stop_strings(config, tokenizer)
     try:
         if config.rollout.uses_tools:  # the built-in tool environment (its tools loaded with the prompts)
-            from megatron_rlhf.tools.environment import SPEC as spec
+            from megatron_rlhf.agents.tool_environment import SPEC as spec
         else:
             spec = environment_spec(config)
         MultiTurn(config, tokenizer, spec, config.data.apply_chat_template)
@@ -401,7 +401,7 @@ def _tool_specs(config: RLHFConfig) -> Optional[List[dict]]:
     """The function specs of rollout.tools (shown by the chat template in every prompt), or None."""
     if not config.rollout.uses_tools:
         return None
-    from megatron_rlhf.tools.environment import tool_options, tool_set_of
+    from megatron_rlhf.agents.tool_environment import tool_options, tool_set_of
 
     try:
         tools, _ = tool_set_of(tool_options(config), keep_servers=False)
@@ -414,19 +414,19 @@ def _tool_specs(config: RLHFConfig) -> Optional[List[dict]]:
 def _check_sandbox(config: RLHFConfig, tools) -> None:
     """A run whose tools run code is refused where its sandbox cannot run here (never a weaker
     one instead); without isolation it says so."""
-    from megatron_rlhf.tools.sandbox import readiness_problem, uses_sandbox
-    from megatron_rlhf.tools.sandbox.isolation import WAYS_OUT
+    from megatron_rlhf.agents.sandbox import readiness_problem, uses_sandbox
+    from megatron_rlhf.agents.sandbox.isolation import WAYS_OUT
 
     settings = config.rollout.sandbox
     if not uses_sandbox(tools):
         return
-    if settings.kind == "unsafe_process":
+    if settings.unsafe:
         warnings.warn(f"{config.at('rollout.sandbox.kind')}: unsafe_process: model-written code runs without the "
                       "kernel's isolation (an audit hook and limits only); it can reach this machine's files, processes "
                       "and network (calls counted in rollout/sandbox_unsafe_calls)")
         return
     problem = readiness_problem(settings)
-    if problem and settings.kind == "remote":
+    if problem and settings.remote:
         raise ConfigError(f"{config.at('rollout.sandbox.url')}: {problem}; start the SandboxFusion service or correct "
                           "its URL")
     if problem:

@@ -393,7 +393,7 @@ def test_an_environment_reply_is_cut_to_its_limit_before_the_room_is_measured(tm
 
 
 def test_an_environment_s_values_are_checked_and_it_is_named():
-    from megatron_rlhf.rollout.environment import ProtocolError, check_constructible, checked_step
+    from megatron_rlhf.agents.protocol import ProtocolError, check_constructible, checked_step
 
     for bad, words in [((None, False, float("inf"), {}), "step returned reward=inf; a per-turn reward is a finite"),
                        ((None, False, None, {"counts": {"tool_calls": float("inf")}}), "counts map names"),
@@ -427,8 +427,8 @@ def test_an_environment_that_blocks_ends_the_batch_as_the_reward_pool_does(tmp_p
 
 
 def test_a_tool_that_exits_hangs_or_is_called_with_deep_json_is_answered_and_poisons_nothing(tmp_path):
-    from megatron_rlhf.rollout.environment import Turn
-    from megatron_rlhf.tools.environment import ToolEnvironment
+    from megatron_rlhf.agents.protocol import Turn
+    from megatron_rlhf.agents.tool_environment import ToolEnvironment
 
     (tmp_path / "t.py").write_text(textwrap.dedent('''
         import sys, time

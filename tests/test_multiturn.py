@@ -11,7 +11,7 @@ import torch
 from megatron_rlhf import ppo
 from megatron_rlhf.data.tokenizer import CharTokenizer, HFTokenizer
 from megatron_rlhf.rollout.env_pool import EnvironmentPool
-from megatron_rlhf.rollout.environment import ProtocolError, StepResult, checked_step
+from megatron_rlhf.agents.protocol import ProtocolError, StepResult, checked_step
 from megatron_rlhf.rollout.trajectory import ObservationEncoder, Trajectory
 from tests.helpers.hf_tokenizer import byte_level_tokenizer_dir, make_tokenizer_dir
 

@@ -1,6 +1,6 @@
-"""The package's import structure: no import cycle (lazy imports inside functions included), the
-config package imports nothing above it, the RL math imports no Megatron; long functions say why,
-and each test worker declares its findings."""
+"""The package's import structure: no import cycle (lazy imports inside functions included), no
+import of a package above it (LAYERS), the RL math imports no Megatron, a registered name spelled
+only in its homes; long functions say why, and each test worker declares its findings."""
 
 import ast
 from pathlib import Path
@@ -91,6 +91,92 @@ def test_config_imports_nothing_above_it_and_the_rl_math_no_megatron():
     for path in (PACKAGE / "ppo").rglob("*.py"):
         text = path.read_text()
         assert "megatron.core" not in text and "import megatron\n" not in text, path
+
+
+# The packages (and top-level modules) in layers, lowest first: a module imports its own package
+# and packages of lower layers only (docs/architecture.md, "Layers").
+LAYERS = (
+    ("config", "errors", "units"),
+    ("runtime", "data", "rewards", "ppo", "preference"),
+    ("models", "memory", "agents"),
+    ("checkpoint", "generation"),
+    ("roles", "run_log"),
+    ("rollout", "stages", "smoke"),
+    ("controller", "dry_run"),
+    ("train",),
+    ("launch",),
+    ("plan",),
+)
+
+
+def upward_imports(graph: Dict[str, Set[str]]) -> List[str]:
+    """Every import of a package of the same or a higher layer (another package), as 'a -> b'."""
+    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+    def package(module: str) -> str:
+        return module.split(".")[1] if "." in module else module
+
+    found = []
+    for module, deps in sorted(graph.items()):
+        if module == "megatron_rlhf":
+            continue
+        for dep in sorted(deps):
+            here, there = package(module), package(dep)
+            if here != there and layer[there] >= layer[here]:
+                found.append(f"{module} -> {dep}")
+    return found
+
+
+def test_no_module_imports_a_package_above_it():
+    graph = import_graph()
+    packages = {m.split(".")[1] for m in graph if "." in m}
+    assert packages == {name for names in LAYERS for name in names}, "a package without a layer (LAYERS)"
+    assert upward_imports(graph) == []
+
+
+def test_an_upward_import_is_found(tmp_path):
+    pkg = tmp_path / "megatron_rlhf"
+    for sub in ("roles", "rollout"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "rollout" / "rows.py").write_text("x = 1\n")
+    (pkg / "roles" / "role_set.py").write_text("def f():\n    from megatron_rlhf.rollout.rows import x\n")
+    assert upward_imports(import_graph(pkg)) == ["megatron_rlhf.roles.role_set -> megatron_rlhf.rollout.rows"]
+
+
+# The names of a config key's domain that dispatch through a registry: spelt only in config/names.py,
+# in the schema (the default) and in the module that builds the registry.
+REGISTERED = {"KL_ESTIMATORS": "ppo/core.py", "LOSS_AGG_MODES": "ppo/core.py", "POLICY_LOSSES": "ppo/core.py",
+              "ADVANTAGE_ESTIMATORS": "ppo/advantages.py", "DPO_LOSSES": "preference/core.py",
+              "TOOL_PARSERS": "agents/parsers.py", "SANDBOX_KINDS": "agents/sandbox/__init__.py"}
+
+
+def names_spelled_outside_their_registry(root: Path = PACKAGE) -> List[str]:
+    """Each string constant (docstrings aside) equal to a registered name, outside its homes."""
+    from megatron_rlhf.config import names
+
+    homes = {"config/names.py", "config/schema.py"}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        where = str(path.relative_to(root))
+        tree = ast.parse(path.read_text(), str(path))
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Constant) or not isinstance(node.value, str) or id(node) in docstrings:
+                continue
+            for table, home in REGISTERED.items():
+                if node.value in getattr(names, table) and where not in homes | {home}:
+                    found.append(f"{where}:{node.lineno} {node.value!r} ({table}, registered in {home})")
+    return found
+
+
+def test_a_registered_name_is_spelled_only_in_its_homes(tmp_path):
+    assert names_spelled_outside_their_registry() == []
+    (tmp_path / "roles").mkdir()
+    (tmp_path / "roles" / "losses.py").write_text('def f(mode="token-mean"):\n    """k3 in a docstring is prose."""\n')
+    assert names_spelled_outside_their_registry(tmp_path) == ["roles/losses.py:1 'token-mean' (LOSS_AGG_MODES, "
+                                                              "registered in ppo/core.py)"]
 
 
 LONG_FUNCTION = 80  # lines

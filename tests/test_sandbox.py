@@ -1,4 +1,4 @@
-"""The Python sandbox (megatron_rlhf/tools/sandbox) tried as a hostile policy would.
+"""The Python sandbox (megatron_rlhf/agents/sandbox) tried as a hostile policy would.
 
 Every escape below first takes the audit hook out of the way, as model code reached it from
 Python objects (UNHOOK: the hook's closure rewritten to allow everything), so what holds is the
@@ -8,6 +8,7 @@ no connection reached a listener) and that the model reads why. Then: the refusa
 cannot be made, the opt-out, the remote SandboxFusion client against a local stand-in service.
 """
 
+import dataclasses
 import http.server
 import json
 import os
@@ -22,8 +23,8 @@ import time
 import pytest
 
 from megatron_rlhf.config.schema import SandboxConfig
-from megatron_rlhf.tools.function import ToolError
-from megatron_rlhf.tools.sandbox import SandboxResult, readiness_problem, run_python
+from megatron_rlhf.agents.function import ToolError
+from megatron_rlhf.agents.sandbox import SandboxResult, readiness_problem, run_python
 
 LIMITS = SandboxConfig(cpu_s=1, wall_s=2, memory_mb=512, file_mb=1, output_bytes=4096, disk_mb=4, inodes=64)
 UNSAFE = SandboxConfig(kind="unsafe_process", cpu_s=1, wall_s=2, memory_mb=512, file_mb=1, output_bytes=4096)
@@ -282,6 +283,8 @@ def test_code_that_misbehaves_is_stopped_and_the_model_reads_why(host, case, kin
     code, status, words = MISBEHAVING[case]
     before = _tree(host.parent)
     settings = LIMITS if kind == "isolated" else UNSAFE
+    if status == "killed":  # the CPU-time limit must come first on a busy machine too
+        settings = dataclasses.replace(settings, wall_s=settings.cpu_s * 4)
     result = run_python(code.format(run=str(host), secret=str(host / "ground_truth.jsonl")), settings)
     assert result.status == status and words in result.output, (result.status, result.output[-400:])
     assert _tree(host.parent) == before
@@ -289,7 +292,7 @@ def test_code_that_misbehaves_is_stopped_and_the_model_reads_why(host, case, kin
 
 
 def test_the_python_tool_returns_what_the_code_printed_or_an_error_the_model_reads():
-    from megatron_rlhf.tools.sandbox import python
+    from megatron_rlhf.agents.sandbox import python
 
     assert python("import math\nprint(math.factorial(5))") == "120\n"
     with pytest.raises(ToolError, match="ZeroDivisionError"):
@@ -362,7 +365,7 @@ def _finished(stdout, code=0, status="Finished"):
 
 @pytest.fixture
 def service(monkeypatch):
-    from megatron_rlhf.tools.sandbox import remote
+    from megatron_rlhf.agents.sandbox import remote
 
     monkeypatch.setattr(remote, "RETRY_PAUSE_S", 0.01)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _StandIn)
@@ -406,7 +409,7 @@ def test_the_remote_sandbox_retries_a_dropped_connection_and_bounds_calls_in_fli
 
 
 def test_a_remote_sandbox_that_is_not_there_is_an_answer_to_the_model_not_a_failure(monkeypatch):
-    from megatron_rlhf.tools import sandbox
+    from megatron_rlhf.agents import sandbox
 
     monkeypatch.setattr(sandbox.remote, "RETRY_PAUSE_S", 0.01)
     with socket.socket() as s:  # a port nobody listens on
@@ -430,7 +433,7 @@ data:
     alphabet: "abcdefghijklmnopqrstuvwxyz <>/()+0123456789"
 rollout:
   environment: null
-  tools: [megatron_rlhf.tools.sandbox:python]
+  tools: [megatron_rlhf.agents.sandbox:python]
   tool_parser: tags
 """
 
@@ -456,15 +459,15 @@ def test_a_run_whose_tools_run_code_is_refused_before_start_up_where_the_walls_c
 
 
 def test_calls_without_isolation_are_counted_in_the_metrics():
-    from megatron_rlhf.rollout.environment import Turn
-    from megatron_rlhf.tools.environment import ToolEnvironment
-    from megatron_rlhf.tools.sandbox import configure
+    from megatron_rlhf.agents.protocol import Turn
+    from megatron_rlhf.agents.tool_environment import ToolEnvironment
+    from megatron_rlhf.agents.sandbox import configure
 
     try:
-        env = ToolEnvironment(["megatron_rlhf.tools.sandbox:python"], "tags", sandbox={"kind": "unsafe_process"})
+        env = ToolEnvironment(["megatron_rlhf.agents.sandbox:python"], "tags", sandbox={"kind": "unsafe_process"})
         result = env.step(Turn("<python>print(2 + 3)</python>", [], 0, True))
         assert result.observation[0]["content"] == "5\n" and result.info["counts"]["sandbox_unsafe_calls"] == 1
-        isolated = ToolEnvironment(["megatron_rlhf.tools.sandbox:python"], "tags", sandbox={})
+        isolated = ToolEnvironment(["megatron_rlhf.agents.sandbox:python"], "tags", sandbox={})
         assert "sandbox_unsafe_calls" not in isolated.step(Turn("<python>print(1)</python>", [], 0, True)).info["counts"]
     finally:
         configure(SandboxConfig())

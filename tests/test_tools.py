@@ -1,4 +1,4 @@
-"""Tools for agents (megatron_rlhf/tools): function tools and their schemas, the call parsers, the
+"""Tools for agents (megatron_rlhf/agents): function tools and their schemas, the call parsers, the
 tool environment, the prompt with the tools block, a scripted tool-using trajectory through the
 environment workers and the chat template (the Python sandbox: tests/test_sandbox.py)."""
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from megatron_rlhf.data.tokenizer import HFTokenizer
-from megatron_rlhf.rollout.environment import Turn
-from megatron_rlhf.tools.function import argument_problem, function_tool, load_tools
-from megatron_rlhf.tools.parsers import ToolCall, make_parser
+from megatron_rlhf.agents.protocol import Turn
+from megatron_rlhf.agents.function import argument_problem, function_tool, load_tools
+from megatron_rlhf.agents.parsers import ToolCall, make_parser
 from tests.helpers.hf_tokenizer import byte_level_tokenizer_dir
 from tests.test_multiturn import _ScriptedCollector
 
@@ -154,7 +154,7 @@ def test_parsers_read_the_calls_models_write_and_name_what_they_cannot(parser, t
 
 
 def test_the_tags_parser_calls_a_tool_with_its_one_string_argument_and_stops_at_the_closing_tag(tools_file):
-    python = function_tool(__import__("megatron_rlhf.tools.sandbox", fromlist=["python"]).python)
+    python = function_tool(__import__("megatron_rlhf.agents.sandbox", fromlist=["python"]).python)
     parser = make_parser("tags", [python])
     assert parser.stop == ("</python>",)
     parsed = parser.parse("Let me compute.\n<python>\nprint(2 + 3)\n</python>")
@@ -168,7 +168,7 @@ def test_the_tags_parser_calls_a_tool_with_its_one_string_argument_and_stops_at_
 # -- the tool environment -------------------------------------------------------------------------
 
 def test_the_tool_environment_answers_every_call_and_counts_what_went_wrong(tools_file):
-    from megatron_rlhf.tools.environment import ToolEnvironment
+    from megatron_rlhf.agents.tool_environment import ToolEnvironment
 
     env = ToolEnvironment([f"{tools_file}:{n}" for n in ("add", "slow", "broken")], "hermes", max_parallel_calls=4,
                           tool_timeout_s=0.5)
@@ -245,7 +245,7 @@ def test_a_tool_using_trajectory_is_the_template_applied_once_with_the_model_s_t
     ends = [i + 1 for i in range(len(prompt), len(once)) if once[i] in tok.eos_ids]
     first_turn, second_turn = once[len(prompt) : ends[0]], once[len(before_answer) : ends[-1]]
     assert call[:10] in tok.decode(first_turn) and "five" in tok.decode(second_turn)
-    turns = MultiTurn(config, tok, "megatron_rlhf.tools.environment:ToolEnvironment", chat=True)
+    turns = MultiTurn(config, tok, "megatron_rlhf.agents.tool_environment:ToolEnvironment", chat=True)
     mine = {"tokens": torch.tensor([prompt]), "prompt_lengths": torch.tensor([len(prompt)]), "seeds": torch.tensor([1]),
             "prompt_index": torch.tensor([0])}
     try:
@@ -293,7 +293,7 @@ if __name__ == "__main__":
 
 
 def test_an_mcp_server_s_tools_are_listed_and_called_and_a_server_that_dies_is_started_again(tmp_path):
-    from megatron_rlhf.tools.environment import ToolEnvironment
+    from megatron_rlhf.agents.tool_environment import ToolEnvironment
 
     (tmp_path / "server.py").write_text(MCP_SERVER)
     env = ToolEnvironment([], "hermes", tool_timeout_s=20, mcp_servers=[f"{sys.executable} server.py"],

@@ -549,7 +549,7 @@ def t_sandbox_without_namespaces(w):
     (w / "bin" / "bwrap").write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed' >&2\nexit 1\n")
     (w / "bin" / "bwrap").chmod(0o755)
     tools = ("data:\n  tokenizer:\n    alphabet: \"abcdefghijklmnopqrstuvwxyz <>/()+0123456789\"\nrollout:\n"
-             "  environment: null\n  tools: [megatron_rlhf.tools.sandbox:python]\n  tool_parser: tags\n")
+             "  environment: null\n  tools: [megatron_rlhf.agents.sandbox:python]\n  tool_parser: tags\n")
     p = train(w, config=include(w, tools, base=AGENT), env={"PATH": f"{w / 'bin'}:{os.environ['PATH']}"})
     return one_line(p, "rollout.sandbox.kind: isolated, but bubblewrap cannot make", "kind: remote"), p
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set-up, best effort: Debian's/Ubuntu's bubblewrap, which makes the Python sandbox's namespaces
-# (megatron_rlhf/tools/sandbox_isolation.py). Never fails the build: where it cannot be installed
+# (megatron_rlhf/agents/sandbox_isolation.py). Never fails the build: where it cannot be installed
 # (not root, no apt-get, no package index) it says how, and a run whose tools run code is refused
 # at start-up with the ways out (docs/guide or README, "Tools").
 set -u

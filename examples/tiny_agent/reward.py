@@ -1,5 +1,5 @@
 """The agent demo's trajectory reward: the environment's per-turn rewards are the whole score
-(rollout/environment.py adds them to this), so the outcome adds nothing."""
+(agents/protocol.py adds them to this), so the outcome adds nothing."""
 
 
 def no_outcome(prompts, responses):

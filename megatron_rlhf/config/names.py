@@ -1,5 +1,5 @@
 """The names a config chooses from for the RL math and the tools, in one place: config/schema.py
-types its keys by them, and megatron_rlhf.ppo and megatron_rlhf.tools implement and dispatch on
+types its keys by them, and megatron_rlhf.ppo and megatron_rlhf.agents implement and dispatch on
 exactly these (``registry`` checks it when their tables are built). Torch-free, like the rest of
 the config package."""
 
@@ -11,12 +11,14 @@ T = TypeVar("T")
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 CRITIC_ESTIMATORS = ("gae",)  # need the value model
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # baseline: the prompt's other responses
-# ppo.kl_estimator (ppo/core.py kl_penalty)
+# ppo.kl_estimator (ppo/core.py KL_ESTIMATES)
 KL_ESTIMATORS = ("k1", "k3", "low_var_kl")
-# ppo.loss_agg_mode (ppo/core.py aggregate_loss)
+# ppo.loss_agg_mode (ppo/core.py LOSS_AGGREGATIONS)
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-# ppo.policy_loss (ppo/core.py POLICY_LOSSES)
+# ppo.policy_loss (ppo/core.py POLICY_LOSSES), and the ppo.loss_agg_mode a loss's objective needs
 POLICY_LOSSES = ("vanilla", "gspo")
+LOSS_AGG_MODE_OF = {"gspo": ("seq-mean-token-mean", "GSPO's objective is a mean over sequences of the sequence's "
+                                                     "clipped ratio")}
 # algorithm.rollout_correction.mode and .level (ppo/correction.py CORRECTIONS)
 ROLLOUT_CORRECTIONS = ("off", "truncate", "mask")
 CORRECTION_LEVELS = ("token", "sequence")
@@ -28,10 +30,13 @@ DPO_LOSSES = ("sigmoid", "ipo")
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # The roles of a chat message (data rows, environments' observations).
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-# rollout.tool_parser (tools/parsers.py PARSERS)
+# rollout.tool_parser (agents/parsers.py PARSERS)
 TOOL_PARSERS = ("hermes", "llama3_json", "tags")
-# rollout.sandbox.kind (tools/sandbox SANDBOXES): where the Python tool runs model-written code
+PLAIN_TEXT_PARSERS = ("tags",)  # calls written as plain text: no chat template's tools block needed
+# rollout.sandbox.kind (agents/sandbox SANDBOXES): where the Python tool runs model-written code; the
+# keys of rollout.sandbox only one kind reads
 SANDBOX_KINDS = ("isolated", "remote", "unsafe_process")
+SANDBOX_KIND_KEYS = {"remote": ("url", "max_concurrent_calls", "retries"), "isolated": ("disk_mb", "inodes", "threads")}
 
 
 def registry(names: Sequence[str], key: str, implementations: Dict[str, T]) -> Dict[str, T]:
@@ -43,3 +48,11 @@ def registry(names: Sequence[str], key: str, implementations: Dict[str, T]) -> D
         raise RuntimeError(f"{key}: the config's names {tuple(names)} and the implementations "
                            f"{tuple(implementations)} differ (missing {sorted(missing)}, unnamed {sorted(unknown)})")
     return {name: implementations[name] for name in names}
+
+
+def chosen(table: Dict[str, T], name: str, key: str) -> T:
+    """``table``'s entry for ``name``; ValueError naming config key ``key`` and its names."""
+    try:
+        return table[name]
+    except KeyError:
+        raise ValueError(f"{key} must be one of {', '.join(table)}, got {name!r}") from None

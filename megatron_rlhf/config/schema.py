@@ -383,8 +383,8 @@ class PartialRolloutConfig:
 
 @dataclasses.dataclass
 class SandboxConfig:
-    """Where and within what the Python tool (``megatron_rlhf.tools.sandbox:python``, or a tool of
-    yours calling ``run_python``) runs model-written code; megatron_rlhf/tools/sandbox. The limits bind every
+    """Where and within what the Python tool (``megatron_rlhf.agents.sandbox:python``, or a tool of
+    yours calling ``run_python``) runs model-written code; megatron_rlhf/agents/sandbox. The limits bind every
     kind that can set them (remote: the service's own, but for the wall time and output)."""
 
     # isolated: a fresh interpreter in namespaces of its own made by bubblewrap (no host file but the
@@ -403,11 +403,20 @@ class SandboxConfig:
     threads: int = bounded(64, ge=1)  # isolated: threads of its process (it may start no other process)
     output_bytes: int = bounded(8192, ge=64)  # standard output and error together, cut beyond
 
+    @property
+    def remote(self) -> bool:
+        return self.kind == "remote"
+
+    @property
+    def unsafe(self) -> bool:
+        """Whether code runs without isolation (said at start-up, counted)."""
+        return self.kind == "unsafe_process"
+
 
 @dataclasses.dataclass
 class RolloutConfig:
     """Multi-turn rollouts: with ``environment`` (``module:Class`` or ``file.py:Class``, relative
-    to the config file; rollout/environment.py) the policy writes a turn, the environment answers,
+    to the config file; agents/protocol.py) the policy writes a turn, the environment answers,
     the policy writes again, until the environment says done or a limit is reached; only the
     policy's tokens are trained (the loss mask). None: one response per sample."""
 
@@ -421,12 +430,12 @@ class RolloutConfig:
     stop: List[str] = dataclasses.field(default_factory=list)
     env_timeout_s: float = bounded(30.0, gt=0)  # per environment call
     env_workers: int = bounded(2, ge=1)  # worker processes per policy replica
-    # Tools (megatron_rlhf/tools): callables (module:callable or file.py:callable) the built-in tool
+    # Tools (megatron_rlhf/agents): callables (module:callable or file.py:callable) the built-in tool
     # environment calls for the model; their schemas go to the chat template's tools.
     tools: List[str] = dataclasses.field(default_factory=list)
     # MCP servers whose tools the model may call too: command lines (stdio), run in the config's directory.
     mcp_servers: List[str] = dataclasses.field(default_factory=list)
-    tool_parser: Literal[TOOL_PARSERS] = "hermes"  # the models' call format (tools/parsers.py)
+    tool_parser: Literal[TOOL_PARSERS] = "hermes"  # the models' call format (agents/parsers.py)
     max_parallel_calls: int = bounded(4, ge=1)  # calls of one turn run side by side, at most this many
     tool_timeout_s: float = bounded(20.0, gt=0)  # per call; below env_timeout_s
     sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)

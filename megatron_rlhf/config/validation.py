@@ -10,7 +10,8 @@ from typing import List, Optional, Tuple
 
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
-from megatron_rlhf.config.names import GROUP_ESTIMATORS, LORA_TARGETS, STAGES
+from megatron_rlhf.config.names import (GROUP_ESTIMATORS, LORA_TARGETS, LOSS_AGG_MODE_OF, PLAIN_TEXT_PARSERS,
+                                        SANDBOX_KIND_KEYS, STAGES)
 from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, RL_ONLY_KEYS, RL_ONLY_SECTIONS,
                                          ROLE_HEADS, ROLE_NAMES, SERVED_WEIGHTS, SERVING_ROLES,
                                          RLHFConfig)
@@ -467,9 +468,9 @@ def _algorithm_problems(config: RLHFConfig) -> List[str]:
     if low >= 1:
         bad("ppo.clip_ratio_low" if ppo.clip_ratio_low is not None else "ppo.clip_ratio",
             f"the ratio is clipped below at 1 - {low}, which must stay above 0; use a value < 1")
-    if ppo.policy_loss == "gspo" and ppo.loss_agg_mode != "seq-mean-token-mean":
-        bad("ppo.loss_agg_mode", f"GSPO's objective is a mean over sequences of the sequence's clipped ratio; "
-            f"set ppo.loss_agg_mode: seq-mean-token-mean (got {ppo.loss_agg_mode})")
+    needed, why = LOSS_AGG_MODE_OF.get(ppo.policy_loss, (ppo.loss_agg_mode, ""))
+    if ppo.loss_agg_mode != needed:
+        bad("ppo.loss_agg_mode", f"{why}; set ppo.loss_agg_mode: {needed} (got {ppo.loss_agg_mode})")
     return problems
 
 
@@ -598,9 +599,10 @@ def _rollout_problems(config: RLHFConfig) -> List[str]:
     if any(not isinstance(text, str) or not text for text in r.stop):
         problems.append(f"{config.at('rollout.stop')}: {r.stop!r} holds an empty string (or one that is not text), "
                         "which would end every turn at its first token; remove it")
-    if r.uses_tools and r.tool_parser != "tags" and not config.data.apply_chat_template:
+    if r.uses_tools and r.tool_parser not in PLAIN_TEXT_PARSERS and not config.data.apply_chat_template:
         problems.append(f"{config.at('rollout.tool_parser')}: {r.tool_parser} calls are shown to the model through the "
-                        "chat template's tools; set data.apply_chat_template: true (or use the tags parser)")
+                        f"chat template's tools; set data.apply_chat_template: true (or use the {PLAIN_TEXT_PARSERS[0]} "
+                        "parser)")
     if r.trajectory_tokens(config.data, config.generation) < config.data.max_prompt_length + 1:
         problems.append(f"{config.at('rollout.max_trajectory_tokens')}: {r.max_trajectory_tokens} leaves no room for "
                         f"a turn after a prompt of data.max_prompt_length={config.data.max_prompt_length}")
@@ -608,10 +610,6 @@ def _rollout_problems(config: RLHFConfig) -> List[str]:
         problems.append(f"{config.at('algorithm.overlong_buffer_length')}: DAPO's overlong penalty is not defined for "
                         "multi-turn rollouts yet (a trajectory's model tokens span turns); set it to 0")
     return problems
-
-
-# The sandbox's keys that only one kind reads (rollout.sandbox.kind).
-SANDBOX_KIND_KEYS = {"remote": ("url", "max_concurrent_calls", "retries"), "isolated": ("disk_mb", "inodes", "threads")}
 
 
 def _sandbox_problems(config: RLHFConfig) -> List[str]:
@@ -626,7 +624,7 @@ def _sandbox_problems(config: RLHFConfig) -> List[str]:
     for kind, keys in SANDBOX_KIND_KEYS.items():
         problems += [f"{config.at('rollout.sandbox.' + k)}: set, but rollout.sandbox.kind is {s.kind}; it is read by "
                      f"kind {kind} only: remove it" for k in keys if s.kind != kind and f"rollout.sandbox.{k}" in config.origin]
-    if s.kind == "remote" and not (s.url or "").startswith(("http://", "https://")):
+    if s.remote and not (s.url or "").startswith(("http://", "https://")):
         problems.append(f"{config.at('rollout.sandbox.url')}: kind remote needs the SandboxFusion service's base URL "
                         f"(http://host:port), got {s.url!r}")
     return problems

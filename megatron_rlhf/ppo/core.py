@@ -13,7 +13,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron_rlhf.config.names import KL_ESTIMATORS, LOSS_AGG_MODES, registry
+from megatron_rlhf.config.names import KL_ESTIMATORS, LOSS_AGG_MODES, chosen, registry
 from megatron_rlhf.config.names import POLICY_LOSSES as POLICY_LOSS_NAMES
 
 # --------------------------------------------------------------------------------------------------
@@ -58,34 +58,47 @@ def whiten_with_moments(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tens
 
 def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
                    norm: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """A per-token loss [B, T] as (sum, count) whose ratio is the loss under ``mode``; the sums and
-    counts of any split of the rows add up to those of the whole batch, so the loss of a global
-    batch does not depend on how it is cut into micro-batches or data-parallel ranks.
-
-    token-mean: every counted token weighs the same (sum over tokens / tokens).
-    seq-mean-token-sum: each sequence's token sum, averaged over sequences.
-    seq-mean-token-mean: each sequence's token mean, averaged over sequences.
-    seq-mean-token-sum-norm (Dr. GRPO): each sequence's token sum over the constant ``norm`` (the
-    response budget, not the sequence's length), averaged over sequences.
-    Sequences without a counted token are not counted. ``count`` is an int64 scalar.
-    """
+    """A per-token loss [B, T] as (sum, count) whose ratio is the loss under ``mode`` (one of
+    LOSS_AGGREGATIONS); the sums and counts of any split of the rows add up to those of the whole
+    batch, so the loss of a global batch does not depend on how it is cut into micro-batches or
+    data-parallel ranks. Sequences without a counted token are not counted. ``count`` is an int64
+    scalar."""
     mask = mask.to(per_token.dtype)
-    masked = per_token * mask
-    if mode == "token-mean":
-        return masked.sum(), mask.sum().to(torch.int64)
-    tokens = mask.sum(dim=-1)
-    has_tokens = tokens > 0
-    if mode == "seq-mean-token-sum":
-        per_sequence = masked.sum(dim=-1)
-    elif mode == "seq-mean-token-mean":
-        per_sequence = masked.sum(dim=-1) / tokens.clamp(min=1)
-    elif mode == "seq-mean-token-sum-norm":
-        if not norm or norm <= 0:
-            raise ValueError(f"seq-mean-token-sum-norm needs a positive constant norm, got {norm!r}")
-        per_sequence = masked.sum(dim=-1) / norm
-    else:
-        raise ValueError(f"loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}, got {mode!r}")
+    return chosen(LOSS_AGGREGATIONS, mode, "loss_agg_mode")(per_token * mask, mask, norm)
+
+
+def _token_mean(masked, mask, norm):
+    """Every counted token weighs the same (sum over tokens / tokens)."""
+    return masked.sum(), mask.sum().to(torch.int64)
+
+
+def _over_sequences(per_sequence: torch.Tensor, mask: torch.Tensor):
+    has_tokens = mask.sum(dim=-1) > 0
     return (per_sequence * has_tokens).sum(), has_tokens.sum().to(torch.int64)
+
+
+def _seq_mean_token_sum(masked, mask, norm):
+    """Each sequence's token sum, averaged over sequences."""
+    return _over_sequences(masked.sum(dim=-1), mask)
+
+
+def _seq_mean_token_mean(masked, mask, norm):
+    """Each sequence's token mean, averaged over sequences."""
+    return _over_sequences(masked.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1), mask)
+
+
+def _seq_mean_token_sum_norm(masked, mask, norm):
+    """Dr. GRPO: each sequence's token sum over the constant ``norm`` (the response budget, not the
+    sequence's length), averaged over sequences."""
+    if not norm or norm <= 0:
+        raise ValueError(f"seq-mean-token-sum-norm needs a positive constant norm, got {norm!r}")
+    return _over_sequences(masked.sum(dim=-1) / norm, mask)
+
+
+# masked per-token loss [B, T], mask [B, T], norm -> (sum, count)
+LOSS_AGGREGATIONS = registry(LOSS_AGG_MODES, "ppo.loss_agg_mode", {
+    "token-mean": _token_mean, "seq-mean-token-sum": _seq_mean_token_sum,
+    "seq-mean-token-mean": _seq_mean_token_mean, "seq-mean-token-sum-norm": _seq_mean_token_sum_norm})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -103,21 +116,31 @@ def bounded_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from sampled tokens' log-probs. [B, T] -> [B, T].
+    """Per-token estimate of KL(policy || reference) from sampled tokens' log-probs by ``estimator``
+    (one of KL_ESTIMATES). [B, T] -> [B, T]."""
+    return chosen(KL_ESTIMATES, estimator, "KL estimator")(logprobs - ref_logprobs)
 
-    k1: log p - log q (unbiased, can be negative).  k3: (q/p - 1) - log(q/p) (unbiased, >= 0,
-    lower variance; Schulman's estimator).  low_var_kl: k3 clamped to [-10, 10], so that one token
-    the reference finds very unlikely cannot dominate a KL loss. k3's log-ratio is bounded before
-    its exp (bounded_log_ratio).
-    """
-    log_ratio = logprobs - ref_logprobs
-    if estimator == "k1":
-        return log_ratio
-    if estimator in ("k3", "low_var_kl"):
-        bounded = bounded_log_ratio(log_ratio)
-        k3 = torch.expm1(-bounded) + bounded
-        return k3 if estimator == "k3" else k3.clamp(-10.0, 10.0)
-    raise ValueError(f"KL estimator must be one of {', '.join(KL_ESTIMATORS)}, got {estimator!r}")
+
+def kl_k1(log_ratio: torch.Tensor) -> torch.Tensor:
+    """log p - log q (unbiased, can be negative)."""
+    return log_ratio
+
+
+def kl_k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """(q/p - 1) - log(q/p) (unbiased, >= 0, lower variance; Schulman's estimator); the log-ratio
+    bounded before its exp (bounded_log_ratio)."""
+    bounded = bounded_log_ratio(log_ratio)
+    return torch.expm1(-bounded) + bounded
+
+
+def kl_low_var(log_ratio: torch.Tensor) -> torch.Tensor:
+    """k3 clamped to [-10, 10], so that one token the reference finds very unlikely cannot
+    dominate a KL loss."""
+    return kl_k3(log_ratio).clamp(-10.0, 10.0)
+
+
+# log p - log q [B, T] -> the per-token KL estimate [B, T]
+KL_ESTIMATES = registry(KL_ESTIMATORS, "ppo.kl_estimator", {"k1": kl_k1, "k3": kl_k3, "low_var_kl": kl_low_var})
 
 
 @dataclasses.dataclass

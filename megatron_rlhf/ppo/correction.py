@@ -13,7 +13,7 @@ from typing import Tuple
 import torch
 
 from megatron_rlhf.config.names import ROLLOUT_CORRECTIONS, registry
-from megatron_rlhf.ppo.core import bounded_log_ratio, kl_penalty
+from megatron_rlhf.ppo.core import bounded_log_ratio, kl_k3
 
 
 @dataclasses.dataclass
@@ -75,7 +75,7 @@ def mismatch_figures(old_log_probs: torch.Tensor, behaviour_log_probs: torch.Ten
     loss counts; masked_share: the tokens left out."""
     mask = mask.to(old_log_probs.dtype)
     tokens, kept = mask.sum(), correction.keep.sum()
-    kl = kl_penalty(behaviour_log_probs, old_log_probs, "k3") * mask
+    kl = kl_k3(behaviour_log_probs - old_log_probs) * mask
     return {"rollout/behaviour_kl": (kl.sum(), tokens),
             "rollout/is_weight_mean": ((correction.weights * correction.keep).sum(), kept),
             "rollout/masked_share": (tokens - kept, tokens)}

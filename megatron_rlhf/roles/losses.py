@@ -61,7 +61,7 @@ def policy_loss_fn(vocab_size: int, temperature: float, ppo_config: PPOConfig, k
     return loss_fn
 
 
-def value_loss_fn(clip_range: Optional[float], loss_agg_mode: str = "token-mean", loss_norm: Optional[float] = None) -> LossFn:
+def value_loss_fn(clip_range: Optional[float], loss_agg_mode: str, loss_norm: Optional[float] = None) -> LossFn:
     def loss_fn(output, mb):
         mask = mb["action_mask"]
         per_token, stats = ppo.value_loss_terms(state_values(output), mb["old_values"], mb["returns"], clip_range)

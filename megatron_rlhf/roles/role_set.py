@@ -19,7 +19,7 @@ from megatron_rlhf.memory import MemoryLedger
 from megatron_rlhf.models.decoder import groups_of
 from megatron_rlhf.roles.base import Role, build_role
 from megatron_rlhf.roles.weight_sync import WeightSync
-from megatron_rlhf.rollout.rows import RowCut, SampleRows, recut, trimmed
+from megatron_rlhf.roles.rows import RowCut, SampleRows, recut, trimmed
 
 
 class Progress:

@@ -24,7 +24,7 @@ from megatron_rlhf.roles import inference
 from megatron_rlhf.roles.role_set import RoleSet
 from megatron_rlhf.rollout.partial import PartialRollouts
 from megatron_rlhf.rollout.record import BEHAVIOUR, Collected, Prompts, Rollout, merged_metrics
-from megatron_rlhf.rollout.rows import SampleRows, cat_rows, trimmed
+from megatron_rlhf.roles.rows import SampleRows, cat_rows, trimmed
 from megatron_rlhf.rollout.scoring import Scorer
 from megatron_rlhf.runtime.platform import get_platform
 

@@ -22,7 +22,7 @@ def _serve(argv) -> None:
     os.dup2(2, 1)
     conn = Connection(fd)
     from megatron_rlhf.rewards.contract import describe, load_reward_function
-    from megatron_rlhf.rollout.environment import ProtocolError, Turn, checked_observation, checked_step
+    from megatron_rlhf.agents.protocol import ProtocolError, Turn, checked_observation, checked_step
 
     try:
         cls = load_reward_function(spec, os.getcwd(), what="environment")

@@ -32,7 +32,7 @@ from megatron_rlhf.generation import CacheSession, SamplingParams, stream_seeds
 from megatron_rlhf.models.decoder import global_rank, groups_of
 from megatron_rlhf.rollout.env_pool import EnvironmentPool
 from megatron_rlhf.rollout.record import COUNTED_METRICS
-from megatron_rlhf.rollout.rows import SampleRows
+from megatron_rlhf.roles.rows import SampleRows
 from megatron_rlhf.rollout.trajectory import ObservationEncoder, Trajectory
 
 TURN_COUNTS = tuple(k for k in COUNTED_METRICS if k.startswith("rollout/"))
@@ -54,7 +54,7 @@ class MultiTurn:
         self.context = r.trajectory_tokens(config.data, config.generation)
         self.options, stops = {}, list(r.stop)
         if r.uses_tools:  # the built-in tool environment: its options, and its parser's stop strings
-            from megatron_rlhf.tools.environment import tool_options, tool_set_of
+            from megatron_rlhf.agents.tool_environment import tool_options, tool_set_of
 
             self.options = tool_options(config)
             stops += tool_set_of(self.options, keep_servers=False)[1].stop

@@ -25,7 +25,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron_rlhf.rollout.record import BEHAVIOUR, Prompts
-from megatron_rlhf.rollout.rows import RowCut, SampleRows, cat_rows, trimmed
+from megatron_rlhf.roles.rows import RowCut, SampleRows, cat_rows, trimmed
 
 
 class PartialRollouts:

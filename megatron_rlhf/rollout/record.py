@@ -88,7 +88,7 @@ COUNTED_METRICS = ("reward/failures", "reward/timeouts", "rollout/env_calls", "r
                    "rollout/context_truncated", "rollout/partial_dropped", "rollout/partial_resumed")
 
 
-# An environment's own counts (rollout/environment.py: info["counts"]) are counts too.
+# An environment's own counts (agents/protocol.py: info["counts"]) are counts too.
 COUNTED_PREFIXES = ("rollout/tool_", "rollout/env_")
 
 

@@ -15,7 +15,7 @@ from megatron_rlhf.errors import RewardFunctionError
 from megatron_rlhf.rewards.pool import RewardPool, check_scores
 from megatron_rlhf.roles import inference
 from megatron_rlhf.roles.role_set import RoleSet
-from megatron_rlhf.rollout.rows import SampleRows
+from megatron_rlhf.roles.rows import SampleRows
 
 
 def scores_here() -> bool:

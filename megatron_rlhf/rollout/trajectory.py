@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from megatron_rlhf.rollout.environment import Messages, Observation
+from megatron_rlhf.agents.protocol import Messages, Observation
 
 # A conversation that ends with an assistant turn: the fixed left context against which a reply's
 # tokens are taken as a difference (the same for every template, so no real turn is re-rendered).

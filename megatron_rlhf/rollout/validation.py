@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron_rlhf.data import PromptDataset
 from megatron_rlhf.rollout.collector import RolloutCollector
 from megatron_rlhf.rollout.record import Prompts
-from megatron_rlhf.rollout.rows import RowCut
+from megatron_rlhf.roles.rows import RowCut
 
 SCORED_COLUMNS = ("tokens", "prompt_lengths", "response_lengths", "action_mask", "turn_rewards")
 VALIDATION_STREAM = -1  # the iteration key of validation's sampling streams (training's are >= 1)

@@ -1,4 +1,4 @@
-"""Environments the multi-turn tests name (rollout/environment.py's protocol)."""
+"""Environments the multi-turn tests name (agents/protocol.py's protocol)."""
 
 
 class Silent:

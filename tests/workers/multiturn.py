@@ -54,7 +54,7 @@ data:
     alphabet: "abcdefghijklmnopqrstuvwxyz <>/()+0123456789"
 rollout:
   environment: null
-  tools: [megatron_rlhf.tools.sandbox:python]
+  tools: [megatron_rlhf.agents.sandbox:python]
   tool_parser: tags
 """
 

@@ -1,4 +1,4 @@
-"""The sandboxed interpreter's first code (tools/sandbox): ``python -I -S -B boot.py
+"""The sandboxed interpreter's first code (agents/sandbox): ``python -I -S -B boot.py
 SETTINGS_JSON``, an empty environment, the model's code on standard input.
 
 Isolated (inside bubblewrap's namespaces, isolation.py), before the code runs it:
@@ -132,7 +132,7 @@ def main() -> None:
     settings = json.loads(sys.argv[1])
     code = sys.stdin.read()
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    if settings["isolated"]:
+    if settings["walled"]:
         home = _enter_isolation(settings)
     else:
         home = os.path.realpath(os.getcwd())
@@ -143,7 +143,7 @@ def main() -> None:
     _limit(resource.RLIMIT_AS, int(settings["memory_mb"]) << 20)
     _limit(resource.RLIMIT_FSIZE, int(settings["file_mb"]) << 20)
     _limit(resource.RLIMIT_CORE, 0)
-    if settings["isolated"]:  # counts threads too: the filter lets it start no process
+    if settings["walled"]:  # counts threads too: the filter lets it start no process
         _limit(resource.RLIMIT_NPROC, int(settings["threads"]))
     readable = [home, *settings["library"], "/dev/null", "/dev/urandom"]
     sys.path[:] = [home, *settings["library"]]

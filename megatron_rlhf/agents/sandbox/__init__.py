@@ -1,4 +1,4 @@
-"""A sandboxed Python tool for model-written code (``megatron_rlhf.tools.sandbox:python``).
+"""A sandboxed Python tool for model-written code (``megatron_rlhf.agents.sandbox:python``).
 
 Where the code runs is ``rollout.sandbox.kind`` (config/schema.py SandboxConfig), one of SANDBOXES:
 - ``isolated`` (the default): a fresh interpreter per call inside the kernel's walls, made by
@@ -26,10 +26,10 @@ from typing import Callable, Dict, Optional
 
 from megatron_rlhf.config.names import SANDBOX_KINDS, registry
 from megatron_rlhf.config.schema import SandboxConfig
-from megatron_rlhf.tools.function import ToolError
-from megatron_rlhf.tools.sandbox import isolation
-from megatron_rlhf.tools.sandbox.local import run_local
-from megatron_rlhf.tools.sandbox.result import SandboxResult
+from megatron_rlhf.agents.function import ToolError
+from megatron_rlhf.agents.sandbox import isolation
+from megatron_rlhf.agents.sandbox.local import run_local
+from megatron_rlhf.agents.sandbox.result import SandboxResult
 
 _settings = SandboxConfig()
 _unsafe_runs = [0]
@@ -58,9 +58,10 @@ def run_python(code: str, settings: Optional[SandboxConfig] = None) -> SandboxRe
     return SANDBOXES[settings.kind](code, settings)
 
 
-def _boot_settings(settings: SandboxConfig, isolated: bool) -> str:
-    values = {**dataclasses.asdict(settings), "isolated": isolated, "library": isolation.library_paths()}
-    if isolated:
+def _boot_settings(settings: SandboxConfig, walled: bool) -> str:
+    """The boot's settings: the limits, and with ``walled`` what it needs inside bubblewrap."""
+    values = {**dataclasses.asdict(settings), "walled": walled, "library": isolation.library_paths()}
+    if walled:
         values.update(workdir=isolation.WORKDIR, uid=isolation.SANDBOX_UID, seccomp=isolation.seccomp_program().hex())
     return json.dumps(values)
 
@@ -84,7 +85,7 @@ def _run_unsafe_process(code: str, settings: SandboxConfig) -> SandboxResult:
 
 
 def _run_remote(code: str, settings: SandboxConfig) -> SandboxResult:
-    from megatron_rlhf.tools.sandbox.remote import run_remote
+    from megatron_rlhf.agents.sandbox.remote import run_remote
 
     return run_remote(code, settings)
 
@@ -96,16 +97,16 @@ SANDBOXES: Dict[str, Callable[[str, SandboxConfig], SandboxResult]] = registry(
 
 def readiness_problem(settings: SandboxConfig) -> Optional[str]:
     """Why calls of ``settings``'s kind cannot run on this machine (a trial call), or None."""
-    if settings.kind == "unsafe_process":
+    if settings.unsafe:
         return None
-    missing = isolation.missing_parts() if settings.kind == "isolated" else None
+    missing = None if settings.remote else isolation.missing_parts()
     if missing:
         return missing
     trial = run_python("print(6 * 7)", dataclasses.replace(settings, wall_s=max(settings.wall_s, 30.0)))
     if trial.status == "ok" and trial.output == "42\n":
         return None
     said = " ".join(trial.output.split())[-300:] or trial.status
-    if settings.kind == "remote":
+    if settings.remote:
         return f"a trial call to {settings.url} failed ({said})"
     return f"bubblewrap cannot make the sandbox's namespaces here ({said})"
 

@@ -113,7 +113,7 @@ def environment_spec(config) -> str:
     cls = load_reward_function(spec, base, what="environment")
     missing = [m for m in ("start", "step") if not callable(getattr(cls, m, None))]
     if missing:
-        raise ValueError(f"environment {spec!r}: has no {' or '.join(missing)} method; see rollout/environment.py")
+        raise ValueError(f"environment {spec!r}: has no {' or '.join(missing)} method; see agents/protocol.py")
     check_constructible(cls, {}, spec)
     return spec
 

@@ -15,7 +15,7 @@ import shlex
 import threading
 from typing import Any, Dict, List, Optional
 
-from megatron_rlhf.tools.function import FunctionTool, ToolError, check_schema
+from megatron_rlhf.agents.function import FunctionTool, ToolError, check_schema
 
 START_TIMEOUT_S = 60.0
 

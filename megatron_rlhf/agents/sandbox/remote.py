@@ -23,7 +23,7 @@ import urllib.request
 from typing import Any, Dict
 
 from megatron_rlhf.config.schema import SandboxConfig
-from megatron_rlhf.tools.sandbox.result import SandboxResult
+from megatron_rlhf.agents.sandbox.result import SandboxResult
 
 RETRY_PAUSE_S = 0.5  # doubled at each try
 WAIT_BEYOND_S = 10.0  # this side waits the service's run time-out plus this

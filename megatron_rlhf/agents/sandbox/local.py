@@ -12,7 +12,7 @@ import time
 from typing import List, Optional
 
 from megatron_rlhf.config.schema import SandboxConfig
-from megatron_rlhf.tools.sandbox.result import SandboxResult
+from megatron_rlhf.agents.sandbox.result import SandboxResult
 
 SETUP_FAILED = 125  # boot.SETUP_FAILED (not imported: the boot runs bare, inside the walls)
 

@@ -21,12 +21,12 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from megatron_rlhf.config.schema import SandboxConfig
-from megatron_rlhf.rollout.environment import StepResult, Turn
-from megatron_rlhf.tools.sandbox import configure as configure_sandbox, take_unsafe_runs
-from megatron_rlhf.tools.function import FunctionTool, ToolError, argument_problem, load_tools, result_text
-from megatron_rlhf.tools.parsers import ParsedTurn, ToolCall, make_parser
+from megatron_rlhf.agents.protocol import StepResult, Turn
+from megatron_rlhf.agents.sandbox import configure as configure_sandbox, take_unsafe_runs
+from megatron_rlhf.agents.function import FunctionTool, ToolError, argument_problem, load_tools, result_text
+from megatron_rlhf.agents.parsers import ParsedTurn, ToolCall, make_parser
 
-SPEC = "megatron_rlhf.tools.environment:ToolEnvironment"
+SPEC = "megatron_rlhf.agents.tool_environment:ToolEnvironment"
 
 
 def tool_options(config) -> Dict[str, Any]:
@@ -51,7 +51,7 @@ def load_tool_set(specs: Sequence[str], parser: str, mcp_servers: Sequence[str] 
     False lists the servers' tools and stops them (the prompts need only their schemas)."""
     import os
 
-    from megatron_rlhf.tools.mcp_tools import load_mcp_tools
+    from megatron_rlhf.agents.mcp_tools import load_mcp_tools
 
     tools = load_tools(specs, os.getcwd())
     tools += load_mcp_tools(list(mcp_servers), mcp_dir or os.getcwd(), timeout_s, keep=keep_servers)
@@ -84,14 +84,14 @@ def _executor(workers: int, fresh: bool = False) -> concurrent.futures.ThreadPoo
 
 
 class ToolEnvironment:
-    def __init__(self, tools: Sequence[str], parser: str = "hermes", max_parallel_calls: int = 4,
+    def __init__(self, tools: Sequence[str], parser: str, max_parallel_calls: int = 4,
                  tool_timeout_s: float = 30.0, mcp_servers: Sequence[str] = (), mcp_dir: str = "",
                  sandbox: Optional[Dict[str, Any]] = None):
         self.tools, self.parser = load_tool_set(tuple(tools), parser, tuple(mcp_servers), mcp_dir, tool_timeout_s)
         self.workers = max_parallel_calls
         self.timeout_s = tool_timeout_s
         settings = SandboxConfig(**(sandbox or {}))
-        self.unsafe = settings.kind == "unsafe_process"
+        self.unsafe = settings.unsafe
         configure_sandbox(settings)
 
     def start(self, row: Dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""The kernel's walls around a sandboxed call (tools/sandbox, ``rollout.sandbox.kind: isolated``).
+"""The kernel's walls around a sandboxed call (agents/sandbox, ``rollout.sandbox.kind: isolated``).
 
 bubblewrap (Debian's and Ubuntu's ``bubblewrap``, Flatpak's sandbox) makes the namespaces: mount
 (a read-only root holding only the interpreter, its libraries and the system's shared libraries;
