@@ -50,7 +50,8 @@ def controller(args, partial: bool, directory: str):
     from megatron_rlhf.controller import PPOController
     from megatron_rlhf.memory import MemoryLedger
     from megatron_rlhf.rewards.pool import RewardPool
-    from megatron_rlhf.train import parse_args as train_args, prepare
+    from megatron_rlhf.startup import prepare
+    from megatron_rlhf.train import parse_args as train_args
 
     os.environ.update(TP="1", PRECISION="fp32", ROLLOUT_BATCH_SIZE=str(args.prompts), SAMPLES_PER_PROMPT=str(args.samples),
                       MAX_NEW_TOKENS=str(args.max_new_tokens), OVER_SAMPLE=str(args.over_sample), TENSORBOARD="False")

@@ -141,7 +141,7 @@ def test_the_converter_never_deletes_its_input_and_reads_exactly_the_indexed_wei
 def test_a_converted_checkpoint_carries_a_manifest_and_a_damaged_one_is_refused_before_start_up(tmp_path):
     from megatron_rlhf.checkpoint.model_files import MANIFEST, verify_checkpoint
     from megatron_rlhf.config import ConfigError, load_config
-    from megatron_rlhf.train import _check_loaded_checkpoints
+    from megatron_rlhf.startup import _check_loaded_checkpoints
 
     tiny_hf(tmp_path / "hf", "lm")
     hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"), tp=2)

@@ -486,7 +486,7 @@ def test_sandbox_settings_are_read_by_their_kind_only(tmp_path):
 
 
 def test_a_tool_that_cannot_be_loaded_stops_the_run_before_start_up(tmp_path):
-    from megatron_rlhf.train import _tool_specs
+    from megatron_rlhf.startup import _tool_specs
 
     (tmp_path / "t.py").write_text("def add(a: int):\n    return a\n")
     config = load_config(str(tiny_setup(tmp_path, "rollout: {tools: [t.py:add], tool_parser: tags, "

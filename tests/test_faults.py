@@ -14,7 +14,8 @@ import torch
 from megatron_rlhf.checkpoint.model_files import CheckpointError
 from megatron_rlhf.config import ConfigError, load_config
 from megatron_rlhf.checkpoint.run_state import cut_back, run_identity
-from megatron_rlhf.train import parse_args, prepare
+from megatron_rlhf.startup import prepare
+from megatron_rlhf.train import parse_args
 from tests.conftest import REPO, _free_port
 from tests.test_train import metrics, train
 
@@ -267,7 +268,7 @@ def test_one_run_per_output_directory(tmp_path):
 
     out = tmp_path / "out"
     prepared(out)  # this process now holds the directory's lock, as a running run's rank 0 does
-    code = ("from megatron_rlhf.train import parse_args, prepare; "
+    code = ("from megatron_rlhf.startup import prepare; from megatron_rlhf.train import parse_args; "
             f"prepare(parse_args(['--config', {TINY!r}, '--output-dir', {str(out)!r}]), 2)")
     second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert second.returncode != 0
@@ -306,7 +307,7 @@ def test_a_rank_that_does_not_arrive_ends_the_run_with_a_line_naming_the_phase(t
 
 def test_a_reward_error_that_says_timed_out_is_not_taken_for_a_collectives():
     from megatron_rlhf.errors import RewardFunctionError
-    from megatron_rlhf.train import _peer_problem
+    from megatron_rlhf.rl_loop import _peer_problem
 
     said = "the first 4 reward calls of the batch all timed out; ... took over 3s (reward.timeout_s)"
     assert _peer_problem(RewardFunctionError(said), 1800) is None
@@ -318,7 +319,7 @@ def test_a_rank_gone_without_a_word_is_named_as_such(tmp_path, monkeypatch):
     not "its own output says why" (it printed nothing)."""
     import socket
 
-    from megatron_rlhf.train import _ranks_elsewhere
+    from megatron_rlhf.rl_loop import _ranks_elsewhere
 
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
@@ -481,7 +482,7 @@ def test_a_tool_that_exits_hangs_or_is_called_with_deep_json_is_answered_and_poi
 
 def test_stop_strings_that_cannot_end_a_turn_are_refused_by_name(tmp_path):
     from megatron_rlhf.data.tokenizer import CharTokenizer
-    from megatron_rlhf.train import _check_stop_strings
+    from megatron_rlhf.startup import _check_stop_strings
     from tests.test_config import tiny_setup
 
     config_of = lambda stop: load_config(str(tiny_setup(tmp_path, "rollout: {environment: env.py:Game, stop: %s, "  # noqa: E731
@@ -532,7 +533,7 @@ def copy_config(config, lora):
 
 
 def test_resuming_partial_rollouts_of_prompts_a_shorter_file_lacks_is_refused(tmp_path):
-    from megatron_rlhf.train import _check_held_groups
+    from megatron_rlhf.startup import _check_held_groups
 
     config = load_config(TINY, world_size=2)
     path = tmp_path / "iter_0000003"

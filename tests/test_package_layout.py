@@ -103,6 +103,8 @@ LAYERS = (
     ("roles", "run_log"),
     ("rollout", "stages", "smoke"),
     ("controller", "dry_run"),
+    ("startup",),
+    ("rl_loop",),
     ("train",),
     ("launch",),
     ("plan",),

@@ -249,7 +249,8 @@ def test_a_parquet_file_and_a_reward_that_blocks_on_one_rank(tmp_path):
 
 
 def test_a_very_long_ground_truth_is_said_at_start_up(tmp_path):
-    from megatron_rlhf.train import parse_args, prepare
+    from megatron_rlhf.startup import prepare
+    from megatron_rlhf.train import parse_args
 
     rows = [json.loads(line) for line in Path("examples/tiny_math/train.jsonl").read_text().splitlines()]
     rows[3]["ground_truth"] = "1" * 20_000  # a whole document in the answer's column

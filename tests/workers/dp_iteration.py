@@ -19,7 +19,8 @@ from megatron_rlhf.memory import MemoryLedger
 from megatron_rlhf.models.decoder import groups_of, local_state_dict
 from megatron_rlhf.models.sharding import merge_state_dicts
 from megatron_rlhf.rollout.multiturn import MultiTurn
-from megatron_rlhf.train import parse_args, prepare
+from megatron_rlhf.startup import prepare
+from megatron_rlhf.train import parse_args
 
 WORLD = int(os.environ["WORLD_SIZE"])
 STARTING_WEIGHTS = os.path.join(OUT_DIR, "starting_weights")

@@ -13,7 +13,8 @@ from megatron_rlhf.controller import PPOController
 from megatron_rlhf.memory import MemoryLedger
 from megatron_rlhf.rollout import collector as collector_module
 from megatron_rlhf.runtime import init_distributed
-from megatron_rlhf.train import parse_args, prepare
+from megatron_rlhf.startup import prepare
+from megatron_rlhf.train import parse_args
 
 os.environ.update(TP="1", DYNAMIC_SAMPLING="True", ITERATIONS="1")
 prepared = prepare(

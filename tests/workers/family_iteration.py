@@ -14,7 +14,8 @@ from megatron_rlhf.controller import PPOController
 from megatron_rlhf.memory import MemoryLedger
 from megatron_rlhf.models.decoder import local_state_dict
 from megatron_rlhf.runtime import init_distributed
-from megatron_rlhf.train import parse_args, prepare
+from megatron_rlhf.startup import prepare
+from megatron_rlhf.train import parse_args
 
 FEATURES = {
     "llama3.1": dict(family="llama", rotary_base=500000.0, rope_scaling="llama3", rope_scaling_factor=8.0,

@@ -24,7 +24,8 @@ from megatron_rlhf.models.decoder import unwrap
 from megatron_rlhf.models.lora import is_adapter
 from megatron_rlhf.roles import inference
 from megatron_rlhf.roles.base import build_role
-from megatron_rlhf.train import parse_args, prepare
+from megatron_rlhf.startup import prepare
+from megatron_rlhf.train import parse_args
 
 os.environ.update(TP="1", ITERATIONS="2", PRECISION="fp32")
 

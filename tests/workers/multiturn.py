@@ -14,7 +14,8 @@ from tests.workers.findings import GameRun, MultiTurn as MultiTurnFindings
 from megatron_rlhf.controller import PPOController
 from megatron_rlhf.memory import MemoryLedger
 from megatron_rlhf.rollout.multiturn import EnvironmentFailure, MultiTurn
-from megatron_rlhf.train import parse_args, prepare
+from megatron_rlhf.startup import prepare
+from megatron_rlhf.train import parse_args
 
 ENVIRONMENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "environments_for_tests.py")
 SILENT = ENVIRONMENTS + ":Silent"

@@ -23,7 +23,8 @@ from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint, save_ppo_che
 from megatron_rlhf.controller import PPOController
 from megatron_rlhf.generation import generate
 from megatron_rlhf.memory import MemoryLedger
-from megatron_rlhf.train import parse_args, prepare
+from megatron_rlhf.startup import prepare
+from megatron_rlhf.train import parse_args
 
 WORLD = int(os.environ["WORLD_SIZE"])
 os.environ.update(TP="1", ITERATIONS="3", PRECISION="fp32")

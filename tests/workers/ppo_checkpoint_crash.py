@@ -12,7 +12,8 @@ from megatron_rlhf.controller import PPOController
 from megatron_rlhf.errors import RunError
 from megatron_rlhf.memory import MemoryLedger
 from megatron_rlhf.runtime import init_distributed
-from megatron_rlhf.train import parse_args, prepare
+from megatron_rlhf.startup import prepare
+from megatron_rlhf.train import parse_args
 
 os.environ["TP"] = "1"
 prepared = prepare(parse_args(["--config", "examples/tiny/rlhf.yaml", "--output-dir", OUT_DIR]), 1)

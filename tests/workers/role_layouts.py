@@ -23,7 +23,8 @@ from megatron_rlhf.models.decoder import groups_of, local_state_dict, unwrap
 from megatron_rlhf.models.lora import is_adapter
 from megatron_rlhf.rewards.pool import RewardPool
 from megatron_rlhf.runtime import init_distributed
-from megatron_rlhf.train import parse_args, prepare
+from megatron_rlhf.startup import prepare
+from megatron_rlhf.train import parse_args
 
 os.environ.update(TP="2", ITERATIONS="1", ROLLOUT_BATCH_SIZE="8", PRECISION="fp32")
 prepared = prepare(parse_args(["--config", "examples/tiny/rlhf.yaml", "--output-dir", OUT_DIR]),
