@@ -24,7 +24,9 @@ from megatron_rlhf.units import parse_bytes, positive_int
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="megatron_rlhf.train", description="PPO training with megatron-core roles and EMS.")
-    parser.add_argument("--config", required=True, help="the top config file (rlhf.yaml)")
+    parser.add_argument("--config", help="the top config file (rlhf.yaml)")
+    parser.add_argument("--explain", metavar="KEY", help="print one config key's entry (type, default, allowed values, "
+                                                          "meaning, the stages that read it) and exit")
     parser.add_argument("--output-dir", help="where metrics, the memory ledger and TensorBoard go (default: trainer.output_dir)")
     parser.add_argument("--overwrite", action="store_true",
                         help="delete an earlier run in the output directory (metrics, ledger, TensorBoard, checkpoints)")
@@ -42,11 +44,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     dry.add_argument("--nproc-per-node", type=positive_int, help="processes per node (default: $LOCAL_WORLD_SIZE, else the world size)")
     dry.add_argument("--gpu-memory", type=parse_bytes, help="device memory per GPU, e.g. 80GiB: check that the plan fits")
     args = parser.parse_args(argv)
+    if not args.config and not args.explain:
+        parser.error("the following arguments are required: --config")
     if not args.dry_run and (args.nproc_per_node or args.gpu_memory):
         parser.error("--nproc-per-node and --gpu-memory go with --dry-run (a launch takes them from torchrun)")
     if not (args.dry_run or args.check_only) and args.world_size:
         parser.error("--world-size goes with --dry-run or --check-only (a launch takes it from torchrun)")
     return args
+
+
+def _explain(key: str) -> int:
+    from megatron_rlhf.config.reference import explain
+
+    try:
+        print(explain(key))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _dry_run(args: argparse.Namespace) -> int:
@@ -114,6 +129,8 @@ def main(argv=None) -> Optional[list]:
     _end_with_the_launcher()
     args = parse_args(argv)
     hide_internal_warnings()
+    if args.explain:
+        sys.exit(_explain(args.explain))
     if args.dry_run:
         sys.exit(_dry_run(args))
     if args.check_only:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # PPO (or GRPO) with megatron-rlhf for every supported family (Llama 2/3, Qwen2.5, Qwen3, Mistral:
-# README "Supported models", examples/families.md), configured from environment variables. On one node:
+# docs/guide/models-and-layouts.md, examples/families.md), configured from environment variables. On one node:
 #
 #   export MODEL_SIZE=7b POLICY_LOAD=/ckpt/llama2-7b-sft-tp2 REWARD_LOAD=/ckpt/llama2-7b-rm-tp2 \
 #          TOKENIZER=/models/Llama-2-7b-hf/tokenizer.json PROMPT_FILE=/data/prompts.jsonl
@@ -50,8 +50,8 @@
 #   MASTER_ADDR, MASTER_PORT rendezvous host and port of a multi-node launch [29500]; RDZV_ID
 #   PYTHON                   the interpreter with megatron-rlhf installed [the repository's .venv, else python3]
 #   STAGE                    rl (PPO and its kin), or a stage before it: sft (demonstrations -> policy),
-#                            rm (preference pairs -> reward model), dpo (preference pairs -> policy); README,
-#                            "From preferences to a policy" [rl]
+#                            rm (preference pairs -> reward model), dpo (preference pairs -> policy);
+#                            docs/guide/preferences.md [rl]
 #   TRAIN_FILE               sft, rm, dpo: the training rows (JSONL or Parquet); VAL_FILE their held-out rows
 #   EPOCHS, MAX_LENGTH       sft, rm, dpo: passes over TRAIN_FILE; prompt + response tokens of a row
 #   BETA, DPO_LOSS, REFERENCE_LOGPS  dpo: beta, sigmoid or ipo, per_step or precompute

@@ -69,6 +69,7 @@ STAGE_PHASES = {"sft": (("train_policy", "policy"),), "rm": (("train_reward", "r
 RL_ONLY_SECTIONS = ("generation", "rollout", "ppo", "algorithm", "moe")
 RL_ONLY_KEYS = ("data.prompt_file", "data.prompt_key", "data.max_prompt_length", "data.overlong_prompts",
                 "trainer.val_samples_per_prompt", "trainer.val_greedy")
+STAGE_ONLY_KEYS = ("data.train_file",)  # what RL does not read (refused by name in RL)
 # Which head each role's network ends in: vocabulary logits or one scalar per token.
 ROLE_HEADS = {
     "policy": "lm",
@@ -97,47 +98,54 @@ class ModelArchConfig:
     given explicitly; ``family`` fixes the features the family always has (Qwen2's QKV bias, Qwen3's
     q/k norm) and names the Hugging Face config it converts to and from."""
 
+    # a named architecture (config/presets.py: tiny, llama2-7b, ...) filling every key not given
     preset: Optional[str] = None
+    # llama, qwen2, qwen3, mistral, qwen3_moe, mixtral (config/families.py): the family's features
     family: str = "llama"
-    num_layers: Optional[int] = bounded(None, ge=1)
-    hidden_size: Optional[int] = bounded(None, ge=1)
-    num_attention_heads: Optional[int] = bounded(None, ge=1)
+    num_layers: Optional[int] = bounded(None, ge=1)  # decoder layers
+    hidden_size: Optional[int] = bounded(None, ge=1)  # width of the residual stream
+    num_attention_heads: Optional[int] = bounded(None, ge=1)  # query heads
     num_query_groups: Optional[int] = bounded(None, ge=1)  # None: as many KV heads as query heads
-    ffn_hidden_size: Optional[int] = bounded(None, ge=1)
+    ffn_hidden_size: Optional[int] = bounded(None, ge=1)  # width of the dense SwiGLU MLP
+    # tokens of the vocabulary (padded to make_vocab_size_divisible_by x TP inside)
     vocab_size: Optional[int] = bounded(None, ge=1)
+    # the longest sequence (prompt + response) the model takes
     max_position_embeddings: Optional[int] = bounded(None, ge=1)
     head_dim: Optional[int] = bounded(None, ge=1)  # None: hidden_size / num_attention_heads
     qkv_bias: bool = False  # biases on the query, key and value projections (not the output)
     qk_norm: bool = False  # RMSNorm over each head's queries and keys, before RoPE
     tie_word_embeddings: bool = False  # the LM head is the input embedding
     sliding_window: Optional[int] = bounded(None, ge=1)  # each token attends to itself and the window - 1 before it
-    rotary_base: float = bounded(10000.0, gt=0)
+    rotary_base: float = bounded(10000.0, gt=0)  # RoPE's theta
     # RoPE frequency scaling: "linear" divides every frequency by the factor; "llama3" (Llama 3.1)
     # divides the low frequencies, keeps the high ones and interpolates between, from the wavelength
     # bounds original_max_position_embeddings / {low,high}_freq_factor.
     rope_scaling: Literal["none", "linear", "llama3"] = "none"
-    rope_scaling_factor: float = bounded(1.0, gt=0)
-    rope_low_freq_factor: float = bounded(1.0, gt=0)
-    rope_high_freq_factor: float = bounded(4.0, gt=0)
+    rope_scaling_factor: float = bounded(1.0, gt=0)  # linear and llama3 scaling: the factor
+    rope_low_freq_factor: float = bounded(1.0, gt=0)  # llama3 scaling: the low-frequency wavelength bound's factor
+    rope_high_freq_factor: float = bounded(4.0, gt=0)  # llama3 scaling: the high-frequency wavelength bound's factor
+    # llama3 scaling: the context the model was trained at
     rope_original_max_position_embeddings: Optional[int] = bounded(None, ge=1)
-    norm_epsilon: float = bounded(1e-5, gt=0)
+    norm_epsilon: float = bounded(1e-5, gt=0)  # RMSNorm's epsilon
     # Mixture of experts: num_experts SwiGLU experts of width moe_ffn_hidden_size, each token sent
     # to moe_router_topk of them by a softmax router (None: the dense MLP in every layer). Layer i
     # has experts when (i + 1) % moe_layer_step == 0 and i is not in moe_dense_layers (Qwen3-MoE's
     # decoder_sparse_step and mlp_only_layers); the others keep the dense MLP of ffn_hidden_size.
     num_experts: Optional[int] = bounded(None, ge=1)
-    moe_ffn_hidden_size: Optional[int] = bounded(None, ge=1)
-    moe_router_topk: int = bounded(2, ge=1)
+    moe_ffn_hidden_size: Optional[int] = bounded(None, ge=1)  # width of each expert's SwiGLU MLP
+    moe_router_topk: int = bounded(2, ge=1)  # experts each token is sent to
     moe_norm_topk_prob: bool = True  # the chosen experts' probabilities rescaled to sum to 1
-    moe_layer_step: int = bounded(1, ge=1)
+    moe_layer_step: int = bounded(1, ge=1)  # every n-th layer has experts
+    # layers that keep the dense MLP although the step gives them experts
     moe_dense_layers: List[int] = dataclasses.field(default_factory=list)
     # A shared expert beside the routed ones in every layer with experts (Qwen2-MoE): an MLP of this
     # width that sees every token, its output scaled by a sigmoid gate; None: none.
     moe_shared_expert_ffn_hidden_size: Optional[int] = bounded(None, ge=1)
     # Training only (the forward is the same): megatron's load-balancing and router z-losses.
     moe_aux_loss_coeff: float = bounded(0.0, ge=0)
-    moe_z_loss_coeff: float = bounded(0.0, ge=0)
-    init_method_std: float = bounded(0.02, gt=0)
+    moe_z_loss_coeff: float = bounded(0.0, ge=0)  # megatron's router z-loss (training only)
+    init_method_std: float = bounded(0.02, gt=0)  # std of the random initialisation (a model with no load)
+    # the vocabulary is padded to a multiple of this x TP (Megatron's)
     make_vocab_size_divisible_by: int = bounded(128, ge=1)
 
     @property
@@ -173,9 +181,9 @@ class ModelArchConfig:
 
 @dataclasses.dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = bounded(1, ge=1)
-    pipeline_model_parallel_size: int = bounded(1, ge=1)
-    sequence_parallel: bool = False
+    tensor_model_parallel_size: int = bounded(1, ge=1)  # TP: each layer's matrices split over this many ranks
+    pipeline_model_parallel_size: int = bounded(1, ge=1)  # PP: the layers split into this many stages
+    sequence_parallel: bool = False  # megatron's sequence parallelism over the TP ranks (TP > 1)
     # Experts split over EP ranks taken from the data-parallel ranks (megatron's rule: EP divides
     # DP); each expert is split over the TP ranks as a dense MLP is.
     expert_model_parallel_size: int = bounded(1, ge=1)
@@ -187,7 +195,9 @@ class RoleLayoutConfig:
     size (experts split over EP of its DP ranks). None: the run's (``parallel.*``). Trained roles
     always run at the run's layout."""
 
+    # the role's own TP; None: parallel.tensor_model_parallel_size
     tensor_model_parallel_size: Optional[int] = bounded(None, ge=1)
+    # the role's own PP; None: parallel.pipeline_model_parallel_size
     pipeline_model_parallel_size: Optional[int] = bounded(None, ge=1)
     expert_model_parallel_size: Optional[int] = bounded(None, ge=1)  # a model with experts
 
@@ -199,8 +209,9 @@ class LoRAConfig:
     serving role runs the same adapters (the policy ppo_policy's); with them on ppo_policy, the
     reference is the base: it shares ppo_policy's base weights and has none of its own."""
 
-    rank: int = bounded(0, ge=0)
-    alpha: float = bounded(16.0, gt=0)
+    rank: int = bounded(0, ge=0)  # the adapters' rank; 0: off (the whole network trains)
+    alpha: float = bounded(16.0, gt=0)  # the adapters' scale is alpha / rank
+    # the linears that get adapters: linear_qkv, linear_proj, linear_fc1, linear_fc2
     target_modules: List[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
     # Accepted only to be refused with the reason: rollout and training must score alike.
     dropout: float = bounded(0.0, ge=0, lt=1)
@@ -223,38 +234,45 @@ class RoleConfig:
     """One RLHF role. Keys may come from the role's entry in the top file or from the file named
     by ``model_config_file`` (the top file's entry wins)."""
 
+    # a YAML file with more of this role's keys (its model: ...), relative to this file
     model_config_file: Optional[str] = None
-    model: ModelArchConfig = dataclasses.field(default_factory=ModelArchConfig)
+    model: ModelArchConfig = dataclasses.field(default_factory=ModelArchConfig)  # the role's network (ModelArchConfig)
+    # the role's weights and compute: fp32, or bf16 (with fp32 main weights when trained)
     precision: Literal["fp32", "bf16"] = "bf16"
     load: Optional[str] = None  # checkpoint directory to load weights from
     # A PEFT adapter directory to start the LoRA adapters from (a trained policy with lora: RL's
     # ppo_policy, SFT's and DPO's policy; checkpoint/peft.py).
     load_lora: Optional[str] = None
+    # a serving role's own layout (RoleLayoutConfig)
     parallel: RoleLayoutConfig = dataclasses.field(default_factory=RoleLayoutConfig)
     # EMS: ``free_memory`` turns on every switch that applies to the role; each switch can also be
     # set on its own (None: follow free_memory). ``auto``: at start-up, the fewest switches that make
     # the planner's peak fit the device's free memory (memory/auto.py).
     free_memory: Union[bool, Literal["auto"]] = False
+    # EMS: the weights go to host memory while the role is idle; None: free_memory
     offload_weights: Optional[bool] = None
+    # EMS: the gradient buffers are freed while the role is idle; None: free_memory
     free_grad_buffers: Optional[bool] = None
+    # EMS: main weights and Adam moments go to host memory while idle; None: free_memory
     offload_optimizer_state: Optional[bool] = None
     empty_cache: bool = True  # torch.cuda.empty_cache() at this role's phase boundaries
     # Rows per micro-batch, or ``auto``: micro-batches packed by tokens, each at most
     # ``max_tokens_per_micro_batch`` (rows x the longest row's tokens; verl's dynamic batch size).
     micro_batch_size: Union[int, Literal["auto"]] = bounded(1, ge=1)
+    # micro_batch_size auto: the tokens of a micro-batch at most
     max_tokens_per_micro_batch: Optional[int] = bounded(None, ge=2)
     global_batch_size: Optional[int] = bounded(None, ge=1)  # trainable roles: samples per optimizer step
     # Trainable roles only.
     use_distributed_optimizer: bool = True
-    overlap_grad_reduce: bool = False
-    lr: float = bounded(1e-6, ge=0)
-    min_lr: float = bounded(0.0, ge=0)
-    weight_decay: float = bounded(0.0, ge=0)
-    adam_beta1: float = bounded(0.9, ge=0, lt=1)
-    adam_beta2: float = bounded(0.95, ge=0, lt=1)
-    adam_eps: float = bounded(1e-8, gt=0)
-    clip_grad: float = bounded(1.0, ge=0)
-    recompute_activations: bool = False
+    overlap_grad_reduce: bool = False  # megatron DDP's gradient reduction overlapped with the backward
+    lr: float = bounded(1e-6, ge=0)  # the learning rate, constant over the run (no schedule)
+    min_lr: float = bounded(0.0, ge=0)  # refused unless 0: there is no schedule to decay to it
+    weight_decay: float = bounded(0.0, ge=0)  # AdamW's decoupled weight decay
+    adam_beta1: float = bounded(0.9, ge=0, lt=1)  # Adam's beta1
+    adam_beta2: float = bounded(0.95, ge=0, lt=1)  # Adam's beta2
+    adam_eps: float = bounded(1e-8, gt=0)  # Adam's epsilon
+    clip_grad: float = bounded(1.0, ge=0)  # the gradients' global norm is clipped to this (0: off)
+    recompute_activations: bool = False  # megatron's full activation recompute: less memory, one more forward
     # megatron settings that keep device addresses fixed for the life of the run; EMS re-allocates
     # storages on every onload, so they are refused while the role's state moves (validation.py).
     cuda_graph_impl: Literal["none", "local", "transformer_engine"] = "none"  # CUDA graphs capture addresses
@@ -290,16 +308,17 @@ class RewardRoleConfig(RoleConfig):
     weighted sum is the score. Each is called per response as ``fn(prompts, responses, **fields)``
     with one-element lists (rewards/contract.py) in a pool of worker processes (rewards/pool.py)."""
 
+    # model: a scalar-head reward model; function: rule functions in worker processes
     type: Literal["model", "function"] = "model"
-    function: Optional[str] = None
-    functions: Optional[Dict[str, float]] = None
+    function: Optional[str] = None  # type function: module:callable or path/to/file.py:callable
+    functions: Optional[Dict[str, float]] = None  # type function: {spec: weight, ...}; the score is their weighted sum
     # A score beyond +-max_abs_score stops the run (naming the prompt): a reward that large breaks
     # the losses long before it is infinite.
     max_abs_score: float = bounded(1.0e4, gt=0)
     # A call that raises or takes longer than timeout_s scores failure_score and is counted
     # (reward/failures, reward/timeouts); the worker of a call that timed out is replaced.
     timeout_s: float = bounded(30.0, gt=0)
-    failure_score: float = 0.0
+    failure_score: float = 0.0  # the score of a call that raised or timed out (counted in reward/failures)
     num_workers: int = bounded(2, ge=1)  # worker processes per rank
     # type: model: each score as (score - mean) / std, the mean and std its checkpoint records (a reward
     # model of stage rm, from its held-out pairs; OpenRLHF's normalize_reward). Unlike ppo.normalize_reward,
@@ -314,8 +333,8 @@ class TokenizerConfig:
     whose special tokens, chat template and end tokens (generation_config.json's too) come from its
     own files, or a bare tokenizer.json (which names none: set eos_token)."""
 
-    type: Literal["char", "hf"] = "char"
-    path: Optional[str] = None
+    type: Literal["char", "hf"] = "char"  # char: the built-in character tokenizer; hf: a Hugging Face tokenizer at path
+    path: Optional[str] = None  # hf: a model directory or a tokenizer.json, relative to the config file
     alphabet: Optional[str] = None  # char only; None: printable ASCII
     eos_token: Optional[str] = None  # hf: one more token that ends a response
     # hf: more tokens that end a response (Qwen's <|endoftext|> and <|im_end|>, Llama-3's <|eot_id|>
@@ -342,13 +361,14 @@ class DataConfig:
     # A longer prompt: "filter" skips it (counted and reported), "truncate" keeps its last tokens.
     overlong_prompts: Literal["filter", "truncate"] = "filter"
     shuffle: bool = True  # reshuffled every pass over the data, from the run's seed
-    tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)
+    tokenizer: TokenizerConfig = dataclasses.field(default_factory=TokenizerConfig)  # the tokenizer (TokenizerConfig)
 
 
 @dataclasses.dataclass
 class GenerationConfig:
+    # tokens a response may have (a turn's, multi-turn, unless max_tokens_per_turn)
     max_new_tokens: int = bounded(128, ge=1)
-    greedy: bool = False
+    greedy: bool = False  # argmax decoding instead of sampling (every response to a prompt then alike)
     temperature: float = bounded(1.0, gt=0)  # also applied to every log-prob PPO computes, so ratios match sampling
     top_k: int = bounded(0, ge=0)  # 0: off
     top_p: float = bounded(1.0, gt=0, le=1)  # 1.0: off
@@ -366,8 +386,9 @@ class PartialRolloutConfig:
     held with the run's state and resumed first by the next iteration's weights. A group whose first
     tokens are more than ``max_staleness`` weight versions older than the update is dropped (counted)."""
 
-    enabled: bool = False
-    over_sample: float = bounded(2.0, ge=1)
+    enabled: bool = False  # partial rollouts on (single-turn; see the section)
+    over_sample: float = bounded(2.0, ge=1)  # prompts in flight per iteration, as a multiple of ppo.rollout_batch_size
+    # weight versions a held group's first tokens may lag the update; older: dropped
     max_staleness: int = bounded(2, ge=0)
     # Tokens each response generates between the checks for ended groups (each check ends a
     # generate() call: finer stops cost more calls); None: max_new_tokens / 4.
@@ -420,8 +441,8 @@ class RolloutConfig:
     the policy writes again, until the environment says done or a limit is reached; only the
     policy's tokens are trained (the loss mask). None: one response per sample."""
 
-    environment: Optional[str] = None
-    max_turns: int = bounded(4, ge=1)
+    environment: Optional[str] = None  # module:Class or file.py:Class of a custom environment (agents/protocol.py)
+    max_turns: int = bounded(4, ge=1)  # the model's turns per trajectory at most
     max_tokens_per_turn: Optional[int] = bounded(None, ge=1)  # None: generation.max_new_tokens
     # Prompt, turns and replies together; None: max_prompt_length + max_turns x (turn + observation).
     max_trajectory_tokens: Optional[int] = bounded(None, ge=2)
@@ -438,7 +459,9 @@ class RolloutConfig:
     tool_parser: Literal[TOOL_PARSERS] = "hermes"  # the models' call format (agents/parsers.py)
     max_parallel_calls: int = bounded(4, ge=1)  # calls of one turn run side by side, at most this many
     tool_timeout_s: float = bounded(20.0, gt=0)  # per call; below env_timeout_s
+    # where the Python tool runs model-written code (SandboxConfig)
     sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
+    # partial rollouts (PartialRolloutConfig)
     partial: PartialRolloutConfig = dataclasses.field(default_factory=PartialRolloutConfig)
 
     @property
@@ -462,26 +485,27 @@ class RolloutConfig:
 
 @dataclasses.dataclass
 class PPOConfig:
-    iterations: int = bounded(100, ge=1)
+    iterations: int = bounded(100, ge=1)  # RL iterations (rollout, scoring, update) of the run
     rollout_batch_size: int = bounded(64, ge=1)  # prompts per iteration, over all data-parallel ranks
     ppo_epochs: int = bounded(1, ge=1)  # passes over each rollout; each pass has rollout/global_batch_size steps
-    clip_ratio: float = bounded(0.2, ge=0)
+    clip_ratio: float = bounded(0.2, ge=0)  # PPO's ratio clip on both sides unless clip_ratio_low / clip_ratio_high
     # The ratio is clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]; None: clip_ratio (DAPO's
     # "clip-higher" sets clip_ratio_high above clip_ratio_low).
     clip_ratio_low: Optional[float] = bounded(None, ge=0)
-    clip_ratio_high: Optional[float] = bounded(None, ge=0)
-    value_clip: Optional[float] = bounded(0.2, gt=0)
-    kl_coef: float = bounded(0.05, ge=0)
+    clip_ratio_high: Optional[float] = bounded(None, ge=0)  # the upper clip (see clip_ratio_low)
+    value_clip: Optional[float] = bounded(0.2, gt=0)  # gae: the value loss's clip around the old values; None: no clip
+    kl_coef: float = bounded(0.05, ge=0)  # the KL penalty's weight (towards the reference); 0: no reference pass
     # k1: log p - log q; k3: (q/p - 1) - log(q/p); low_var_kl: k3 clamped to [-10, 10].
     kl_estimator: Literal[KL_ESTIMATORS] = "k1"
     # False: the KL penalty is part of every token's reward (classic RLHF PPO); True: it is a term
     # of the policy loss, kl_coef * KL(policy || reference) per token (the GRPO way), not a reward.
     kl_in_loss: bool = False
     adaptive_kl: bool = False  # Ziegler et al.: steer kl_coef towards kl_target
-    kl_target: float = bounded(6.0, gt=0)
-    kl_horizon: int = bounded(10000, ge=1)
-    gamma: float = bounded(1.0, ge=0, le=1)
-    lam: float = bounded(0.95, ge=0, le=1)
+    kl_target: float = bounded(6.0, gt=0)  # adaptive_kl: the KL per sequence kl_coef steers to
+    kl_horizon: int = bounded(10000, ge=1)  # adaptive_kl: the steering's horizon in samples
+    gamma: float = bounded(1.0, ge=0, le=1)  # the discount of GAE and REINFORCE++ returns
+    lam: float = bounded(0.95, ge=0, le=1)  # gae: GAE's lambda
+    # scores clipped to +-this before the KL penalty is added; None: off
     reward_clip: Optional[float] = bounded(None, gt=0)
     normalize_reward: bool = False  # divide scores by the running std of every score seen
     whiten_advantages: bool = True  # over the whole rollout (every DP rank's share together)
@@ -513,9 +537,11 @@ class RolloutCorrectionConfig:
     whose ratio leaves [threshold_low, threshold] leave the policy loss. ``level``: the ratio of
     each token, or of each sequence (the product over its tokens, every token of it alike)."""
 
+    # off; truncate: weigh tokens by min(ratio, threshold) (TIS); mask: drop tokens outside the band
     mode: Literal[ROLLOUT_CORRECTIONS] = "off"
+    # token: each token's ratio; sequence: the product over the sequence's tokens
     level: Literal[CORRECTION_LEVELS] = "token"
-    threshold: float = bounded(2.0, gt=0)
+    threshold: float = bounded(2.0, gt=0)  # truncate: the cap; mask: the band's top
     threshold_low: Optional[float] = bounded(None, ge=0)  # mask only; None: 1 / threshold
 
     @property
@@ -537,16 +563,19 @@ class AlgorithmConfig:
     reinforce_plus_plus_baseline: score - group mean at every token, whitened over the rollout.
     A group of one has no baseline: its advantage is its score (whitened for REINFORCE++)."""
 
+    # gae (PPO with a critic), grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline
     advantage_estimator: Literal[ADVANTAGE_ESTIMATORS] = "gae"
-    norm_adv_by_std_in_grpo: bool = True
+    norm_adv_by_std_in_grpo: bool = True  # grpo: divide by the group's std (false: Dr. GRPO)
     # DAPO's dynamic sampling: groups whose scores are all equal teach nothing; drop them and
     # generate more groups, at most ``dynamic_sampling_extra_rounds`` more rollouts' worth.
     dynamic_sampling: bool = False
-    dynamic_sampling_extra_rounds: int = bounded(2, ge=0)
+    dynamic_sampling_extra_rounds: int = bounded(2, ge=0)  # dynamic_sampling: extra rollouts' worth of groups at most
     # DAPO's overlong reward shaping: a response longer than max_new_tokens - overlong_buffer_length
     # loses overlong_penalty_factor * (excess / overlong_buffer_length) of score (0: off).
     overlong_buffer_length: int = bounded(0, ge=0)
+    # the penalty at overlong_buffer_length tokens beyond the soft limit
     overlong_penalty_factor: float = bounded(1.0, ge=0)
+    # off-policy correction of the rollout (RolloutCorrectionConfig)
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
 
 
@@ -557,7 +586,7 @@ class MoEConfig:
     was taken: ``rollout`` (by generation: the ratio compares the experts that sampled the token) or
     ``old_logprob`` (by the old-log-prob pass); ``off``: every forward routes afresh (models/routing.py)."""
 
-    routing_replay: Literal["off", "rollout", "old_logprob"] = "off"
+    routing_replay: Literal["off", "rollout", "old_logprob"] = "off"  # off, rollout or old_logprob (see the section)
 
 
 @dataclasses.dataclass
@@ -567,11 +596,11 @@ class TrainerConfig:
     # Weights & Biases beside TensorBoard (pip install -e .[wandb]); WANDB_MODE=offline logs
     # without a network, into <output_dir>/wandb.
     wandb: bool = False
-    wandb_project: str = "megatron-rlhf"
-    wandb_run_name: Optional[str] = None
-    progress_bar: bool = True
+    wandb_project: str = "megatron-rlhf"  # the W&B project
+    wandb_run_name: Optional[str] = None  # the W&B run's name; None: W&B's own
+    progress_bar: bool = True  # a tqdm bar on rank 0 (off when not a terminal)
     save_interval: int = bounded(0, ge=0)  # PPO checkpoint every N iterations (0: only at the end)
-    save_at_end: bool = True
+    save_at_end: bool = True  # a checkpoint after the last iteration or step
     resume: Literal["never", "auto"] = "never"  # auto: continue from the output dir's latest checkpoint
     # A NaN or infinite loss or gradient: "stop" the run before the optimizer applies it (the last
     # checkpoint stays the last finite state), or "skip" that optimizer step and count it
@@ -591,9 +620,9 @@ class TrainerConfig:
     # val_before_train, before the first; val_samples_per_prompt responses per prompt (the k of
     # val/pass@k and val/mean@k), greedy or sampled with the generation settings.
     val_interval: int = bounded(0, ge=0)
-    val_before_train: bool = False
-    val_samples_per_prompt: int = bounded(1, ge=1)
-    val_greedy: bool = True
+    val_before_train: bool = False  # validate once before the first iteration
+    val_samples_per_prompt: int = bounded(1, ge=1)  # responses per validation prompt (the k of val/pass@k)
+    val_greedy: bool = True  # validation decodes greedily (else with the generation settings)
 
 
 @dataclasses.dataclass
@@ -636,8 +665,8 @@ class DPOConfig(StageConfig):
     -(1-e) log sigmoid(beta h) - e log sigmoid(-beta h)); ipo: (h / tokens - 1 / (2 beta))^2, each
     side's log-ratio over its own response tokens (TRL's and the IPO authors' normalisation)."""
 
-    beta: float = bounded(0.1, gt=0)
-    loss_type: Literal[DPO_LOSSES] = "sigmoid"
+    beta: float = bounded(0.1, gt=0)  # the DPO temperature: how far from the reference the policy may go
+    loss_type: Literal[DPO_LOSSES] = "sigmoid"  # sigmoid (DPO, cDPO with label_smoothing) or ipo
     label_smoothing: float = bounded(0.0, ge=0, lt=0.5)  # sigmoid only
     # The NLL (SFT) term on the chosen responses (RPO; TRL's loss_type [sigmoid, sft] with weights
     # [1, nll_coef]): plus nll_coef times their mean per-token negative log-likelihood. 0: off.
@@ -651,26 +680,32 @@ class DPOConfig(StageConfig):
 
 @dataclasses.dataclass
 class RLHFConfig:
-    # rl: PPO and its kin (train.py's loop); sft, rm, dpo: the stages before it (megatron_rlhf/stages).
+    # rl: PPO and its kin (rl_loop.py); sft, rm, dpo: the stages before it (megatron_rlhf/stages).
     stage: Literal[STAGES] = "rl"
-    seed: int = 1234
-    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
+    seed: int = 1234  # the run's seed: data order, sampling streams, initialisation
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)  # the run's layout (ParallelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)  # prompts, rows and the tokenizer (DataConfig)
+    generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)  # sampling (GenerationConfig)
+    # multi-turn rollouts, environments and tools (RolloutConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
-    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)  # the RL update (PPOConfig)
+    # advantage estimation and rollout filtering (AlgorithmConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
-    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)  # mixtures of experts (MoEConfig)
+    # outputs, checkpoints, validation, faults (TrainerConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    # the serving policy (generation; SFT's and DPO's trained policy)
     policy: RoleConfig = dataclasses.field(default_factory=RoleConfig)
+    # the frozen reference of the KL penalty and of DPO
     reference: RoleConfig = dataclasses.field(default_factory=RoleConfig)
+    # the reward model or rule functions (RM's trained model)
     reward: RewardRoleConfig = dataclasses.field(default_factory=RewardRoleConfig)
-    value: RoleConfig = dataclasses.field(default_factory=RoleConfig)
-    ppo_policy: RoleConfig = dataclasses.field(default_factory=RoleConfig)
-    ppo_value: RoleConfig = dataclasses.field(default_factory=RoleConfig)
-    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
-    rm: RMConfig = dataclasses.field(default_factory=RMConfig)
-    dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
+    value: RoleConfig = dataclasses.field(default_factory=RoleConfig)  # gae: the serving critic
+    ppo_policy: RoleConfig = dataclasses.field(default_factory=RoleConfig)  # the trained policy of RL
+    ppo_value: RoleConfig = dataclasses.field(default_factory=RoleConfig)  # gae: the trained critic
+    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)  # stage sft (SFTConfig)
+    rm: RMConfig = dataclasses.field(default_factory=RMConfig)  # stage rm (RMConfig)
+    dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)  # stage dpo (DPOConfig)
     # Dotted key -> the file it was read from ("" -> the top file); filled by the loader.
     origin: Dict[str, str] = dataclasses.field(
         default_factory=dict, repr=False, compare=False, metadata={"internal": True}

@@ -405,6 +405,9 @@ def _fixed_address_problems(config: RLHFConfig) -> List[str]:
                 f"{config.at(role + '.overlap_param_gather')}: true is not supported: megatron defers the all-gather "
                 f"of the updated weights to {role}'s next forward, but {reader}; set overlap_param_gather: false "
                 "(overlap_grad_reduce overlaps the gradient reduction instead)")
+        if rc.min_lr != 0:
+            problems.append(f"{config.at(role + '.min_lr')}: {rc.min_lr:g}, but there is no learning-rate schedule: "
+                            f"{role}.lr holds for the whole run; remove min_lr")
     return problems
 
 
