@@ -16,14 +16,24 @@ from megatron_rlhf.config.names import STAGES
 from megatron_rlhf.config.schema import RL_ONLY_KEYS, RL_ONLY_SECTIONS, ROLE_HEADS, ROLE_NAMES, RLHFConfig
 from megatron_rlhf.config.validation import weight_sharing_notes
 from megatron_rlhf.memory.manager import EMSSwitches
-from megatron_rlhf.memory.planner import (KINDS, TRANSIENT, Plan, expert_numels, micro_batches_per_step, param_numels, plan,
-                                          recommend)
+from megatron_rlhf.memory.manager import OPTIMIZER_STATE, WEIGHTS
+from megatron_rlhf.memory.planner import (KINDS, TRANSIENT, CheckpointPlan, Plan, checkpoint_plan, expert_numels,
+                                          micro_batches_per_step, param_numels, plan, recommend)
 from megatron_rlhf.units import human
 
 def host_text(p: Plan, nproc_per_node: int) -> str:
     roles = ", ".join(f"{r} {human(b)}" for r, b in p.host.items() if b) or "none"
     return (f"host memory (EMS arenas, exact): {human(p.host_bytes)} per rank ({roles}); "
             f"{human(p.host_bytes * nproc_per_node)} per node of {nproc_per_node} ranks")
+
+
+def checkpoint_text(c: CheckpointPlan) -> str:
+    roles = ", ".join(f"{r}: weights {human(k[WEIGHTS])} + optimizer state {human(k[OPTIMIZER_STATE])}"
+                      for r, k in c.writer.items())
+    return (f"checkpoint save (DP rank 0 of each model-parallel slice gathers and writes it; the other ranks write "
+            f"nothing): {human(c.writer_bytes)} per writing rank ({roles}), one role at a time in its host memory "
+            f"(peak {human(c.writer_peak)}); {human(c.node_bytes)} on the busiest node of {c.nproc_per_node} ranks "
+            f"({c.writers_per_node} writing)")
 
 
 def format_plan(p: Plan) -> str:
@@ -61,6 +71,8 @@ def memory_report(config, world_size: int, gpu_memory: Optional[int] = None,
     configured = plan(config, world_size, seq_length=seq_length)
     lines = ["with the configured EMS switches:", format_plan(configured),
              host_text(configured, nproc_per_node or world_size)]
+    if config.trainer.save_interval or config.trainer.save_at_end:
+        lines.append(checkpoint_text(checkpoint_plan(config, world_size, nproc_per_node)))
     if not gpu_memory:
         return "\n".join(lines), True
     switches, fitted = recommend(config, world_size, gpu_memory, seq_length)

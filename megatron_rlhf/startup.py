@@ -417,10 +417,12 @@ def _check_writable(output_dir: str, create: bool = True) -> None:
 
 def check_host_memory(config: RLHFConfig, world_size: int) -> None:
     """EMS's host arenas of every rank on this node (the planner's exact figure; torchrun's
-    LOCAL_WORLD_SIZE ranks) must fit in the memory the node has available now."""
+    LOCAL_WORLD_SIZE ranks), and the state a checkpoint save gathers on the node's writing ranks
+    beside them, must fit in the memory the node has available now."""
     import psutil
 
-    from megatron_rlhf.memory.planner import plan
+    from megatron_rlhf.dry_run import checkpoint_text
+    from megatron_rlhf.memory.planner import checkpoint_plan, plan
 
     ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     planned = plan(config, world_size)
@@ -431,3 +433,11 @@ def check_host_memory(config: RLHFConfig, world_size: int) -> None:
             f"{host_text(planned, ranks_on_node)}. Offload less (offload_weights / offload_optimizer_state: false "
             "for some roles; `python -m megatron_rlhf.plan --gpu-memory ...` finds what the GPUs need), raise TP/PP, "
             "or run fewer ranks per node")
+    if config.trainer.save_interval or config.trainer.save_at_end:
+        saving = checkpoint_plan(config, world_size, ranks_on_node)
+        if need + saving.node_bytes > available:
+            raise ConfigError(
+                f"a checkpoint save would hold {human(need + saving.node_bytes)} of host memory on this node (EMS "
+                f"arenas {human(need)} and the gathered state), more than the {human(available)} available: "
+                f"{checkpoint_text(saving)}. Raise TP/PP (each writer's share shrinks), run fewer ranks per node, or "
+                "save no checkpoint (trainer.save_interval: 0, trainer.save_at_end: false)")

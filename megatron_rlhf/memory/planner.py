@@ -371,3 +371,58 @@ def recommend(config: RLHFConfig, world_size: int, budget: int, seq_length: Opti
             return None, current
         chosen, current = best
     return chosen, current
+
+
+@dataclasses.dataclass
+class CheckpointPlan:
+    """A checkpoint save in today's format (checkpoint/ppo_state.py): DP rank 0 of each
+    model-parallel slice (each expert-data-parallel rank 0 with experts split) gathers its slice's
+    weights and distributed-optimizer state (fp32 main parameters and both Adam moments: megatron's
+    DP-zero format) into host memory and writes them; the other ranks write nothing."""
+
+    writer: Dict[str, Dict[str, int]]  # trained role -> weights / optimizer_state bytes a writing rank holds and writes
+    writers_per_node: int  # writing ranks on the busiest node
+    nproc_per_node: int
+
+    @property
+    def writer_bytes(self) -> int:
+        """Bytes a writing rank writes, every trained role's."""
+        return sum(sum(kinds.values()) for kinds in self.writer.values())
+
+    @property
+    def writer_peak(self) -> int:
+        """Host bytes a writing rank holds at once: one role's gathered state (the roles are saved in turn)."""
+        return max(sum(kinds.values()) for kinds in self.writer.values())
+
+    @property
+    def node_bytes(self) -> int:
+        """The gathered state on the busiest node during a save (beside the EMS arenas)."""
+        return self.writer_peak * self.writers_per_node
+
+
+def checkpoint_plan(config: RLHFConfig, world_size: int, nproc_per_node: Optional[int] = None) -> CheckpointPlan:
+    """What a checkpoint save gathers on a writing rank (its most loaded pipeline stage) and on the
+    busiest node; ranks numbered as megatron numbers them (TP fastest, then DP, then PP)."""
+    par = config.parallel
+    tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
+    dp, nproc = world_size // (tp * pp), nproc_per_node or world_size
+    writer: Dict[str, Dict[str, int]] = {}
+    for name in config.trainable_roles:
+        rc, head, lora = config.role(name), ROLE_HEADS[name], config.lora_of(name)
+        vocab = config.padded_vocab(rc.model)
+        stages = []
+        for r in range(pp):
+            dense = param_numels(rc.model, head, tp, pp, r, vocab)
+            # The weights file holds every expert of the stage; an EP rank's optimizer file its own.
+            numels = dense + expert_numels(rc.model, tp, pp, r, 1)
+            trained = dense + expert_numels(rc.model, tp, pp, r, ep)
+            if lora is not None and lora.enabled:
+                trained = lora_numels(rc.model, lora, tp, pp, r)
+            # Weights in the role's precision; per trained parameter an fp32 main copy and two moments.
+            stages.append({WEIGHTS: sum(numels) * BYTES[rc.precision], OPTIMIZER_STATE: sum(trained) * 12})
+        writer[name] = max(stages, key=lambda kinds: sum(kinds.values()))
+    ranks_per_node = [range(n, min(n + nproc, world_size)) for n in range(0, world_size, nproc)]
+    # Writers: DP rank 0, and with experts split the first expert-data-parallel rank of each EP rank
+    # (DP ranks below EP; counted as whole writers: an upper bound for the dense part).
+    busiest = max(sum(1 for rank in ranks if (rank // tp) % dp < ep) for ranks in ranks_per_node)
+    return CheckpointPlan(writer, busiest, nproc)
