@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
@@ -21,9 +21,9 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def domain_problems(config: RLHFConfig) -> List[str]:
-    """Every numeric key outside its domain (schema.bounded), each naming file and key."""
-    problems: List[str] = []
+def _out_of_domain(config: RLHFConfig) -> Dict[str, str]:
+    """Every numeric key outside its domain (schema.bounded) -> what is wrong with it."""
+    found: Dict[str, str] = {}
 
     def walk(obj, prefix: str) -> None:
         for field in dataclasses.fields(obj):
@@ -33,10 +33,15 @@ def domain_problems(config: RLHFConfig) -> List[str]:
             elif "domain" in field.metadata and isinstance(value, (int, float)) and not isinstance(value, bool):
                 problem = field.metadata["domain"].problem(value)
                 if problem:
-                    problems.append(f"{config.at(prefix + field.name)}: {problem}")
+                    found[prefix + field.name] = problem
 
     walk(config, "")
-    return problems
+    return found
+
+
+def domain_problems(config: RLHFConfig) -> List[str]:
+    """Every numeric key outside its domain, each naming file and key."""
+    return [f"{config.at(key)}: {problem}" for key, problem in _out_of_domain(config).items()]
 
 
 def _in_domain(obj, *names: str) -> bool:
@@ -109,26 +114,10 @@ def layout_problems(config: RLHFConfig, world_size: Optional[int] = None) -> Lis
     is at its default and with nothing more said of it (one report per fault, not its consequences)."""
     problems = domain_problems(config)
     if problems:  # the checks below see valid values, and say nothing of a key already reported
-        faulty = _out_of_domain_keys(config)
+        faulty = list(_out_of_domain(config))
         config = _defaults_in_place_of(config, faulty)
         return problems + [p for p in _checks_across_keys(config, world_size) if not any(k in p for k in faulty)]
     return _checks_across_keys(config, world_size)
-
-
-def _out_of_domain_keys(config: RLHFConfig) -> List[str]:
-    """The dotted keys domain_problems reports."""
-    found: List[str] = []
-
-    def walk(obj, prefix: str) -> None:
-        for field in dataclasses.fields(obj):
-            value = getattr(obj, field.name)
-            if dataclasses.is_dataclass(value):
-                walk(value, prefix + field.name + ".")
-            elif not _in_domain(obj, field.name):
-                found.append(prefix + field.name)
-
-    walk(config, "")
-    return found
 
 
 def _defaults_in_place_of(config: RLHFConfig, keys: List[str]) -> RLHFConfig:

@@ -9,6 +9,7 @@ import copy
 import os
 
 from common import OUT_DIR, capture_rollouts, reward_pool, save, setup
+from tests.helpers.agent_configs import TOOLS_CONFIG
 from tests.workers.findings import GameRun, MultiTurn as MultiTurnFindings
 
 from megatron_rlhf.controller import PPOController
@@ -49,15 +50,6 @@ def iteration(config_file: str, tp: int, name: str, environment=None, ems: bool 
     return GameRun(metrics=metrics, rollout={k: v.cpu() for k, v in rows.items()})
 
 
-TOOLS_CONFIG = """includes: {repo}/examples/tiny_agent/grpo.yaml
-data:
-  tokenizer:
-    alphabet: "abcdefghijklmnopqrstuvwxyz <>/()+0123456789"
-rollout:
-  environment: null
-  tools: [megatron_rlhf.agents.sandbox:python]
-  tool_parser: tags
-"""
 
 result = MultiTurnFindings.to_fill()
 result.single = iteration("examples/tiny/grpo.yaml", 1, "single").metrics
