@@ -307,7 +307,8 @@ def test_group_sampling_and_clip_settings_are_checked(tmp_path):
         load_config(str(top), world_size=2)
     text = str(e.value)
     assert "generation.samples_per_prompt: greedy decoding gives every response to a prompt the same tokens" in text
-    assert "algorithm.overlong_buffer_length: must be below generation.max_new_tokens=16, got 16" in text
+    assert "algorithm.overlong_buffer_length: must be below the model's tokens per response (generation.max_new_tokens " \
+           "= 16), got 16" in text
     assert "ppo.clip_ratio_low: the ratio is clipped below at 1 - 1.2" in text
     assert "ppo.clip_ratio_high: must be >= 0, got -0.1" in text
     assert "ppo.rollout_batch_size: 3 is not divisible by DP = 2" in text
@@ -419,18 +420,19 @@ def test_multi_turn_settings_are_refused_by_name_where_they_would_go_unused_or_a
     with pytest.raises(ConfigError, match=r"rollout.max_trajectory_tokens: a trajectory's tokens = \d+ exceeds "
                                           r"policy's max_position_embeddings=256"):
         load_config(str(tiny_setup(tmp_path, "rollout: {environment: env.py:Game, max_turns: 3}\n")), world_size=1)
-    # With one: the policy at a layout of its own, DAPO's overlong penalty and a context with no
-    # room for a turn are refused, each naming its key.
+    # With one: the policy at a layout of its own and a context with no room for a turn are refused,
+    # each naming its key; DAPO's overlong buffer is measured against the turns' model tokens.
     top = layouts_setup(tmp_path, "parallel: {tensor_model_parallel_size: 2}\nrollout: {environment: env.py:Game, "
-                        "max_trajectory_tokens: 64}\ndata: {max_prompt_length: 64}\n"
-                        "algorithm: {overlong_buffer_length: 4}\ngeneration: {max_new_tokens: 8}\n",
+                        "max_trajectory_tokens: 64, max_turns: 2}\ndata: {max_prompt_length: 64}\n"
+                        "algorithm: {overlong_buffer_length: 16}\ngeneration: {max_new_tokens: 8}\n",
                         policy="tensor_model_parallel_size: 1")
     with pytest.raises(ConfigError) as err:
         load_config(str(top), world_size=2)
     text = str(err.value)
     assert "rollout.environment: multi-turn rollouts run the policy at the run's layout only" in text
     assert "rollout.max_trajectory_tokens: 64 leaves no room for a turn" in text
-    assert "algorithm.overlong_buffer_length: DAPO's overlong penalty is not defined for multi-turn" in text
+    assert "algorithm.overlong_buffer_length: must be below the model's tokens per response (rollout.max_turns x the " \
+           "turn's tokens = 16), got 16" in text
 
 
 def test_the_policy_losses_are_chosen_by_name_and_gspo_needs_its_sequence_mean(tmp_path):

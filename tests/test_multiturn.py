@@ -394,3 +394,25 @@ def test_a_stop_string_of_several_tokens_cuts_the_turn_right_after_it_once():
     cut = turns._cut_at_stop(ids)
     assert tok.decode(cut) == "run <python>print(1)</python>"  # at the first closing tag, its tokens once
     assert turns._cut_at_stop(tok.encode("no tag here")) == tok.encode("no tag here")
+
+
+def test_dapos_overlong_penalty_counts_a_trajectorys_model_tokens_against_its_turns():
+    from megatron_rlhf.config.schema import RLHFConfig
+    from megatron_rlhf.rollout.scoring import overlong_penalty
+
+    config = RLHFConfig()
+    config.rollout.environment = "env.py:Game"
+    config.rollout.max_turns, config.rollout.max_tokens_per_turn = 3, 4  # 12 model tokens at most
+    config.algorithm.overlong_buffer_length, config.algorithm.overlong_penalty_factor = 4, 1.0
+    assert config.model_token_budget == 12
+    # Three trajectories of 20 response positions: 6, 9 and 12 model tokens among the replies' tokens.
+    mask = torch.zeros(3, 20)
+    for row, (model, at) in enumerate([(6, [0, 1, 2, 8, 9, 10]), (9, list(range(0, 9))), (12, list(range(0, 20, 2))[:10] + [11, 13])]):
+        mask[row, at] = 1
+        assert mask[row].sum() == model
+    rows = {"action_mask": mask, "response_lengths": torch.tensor([20, 20, 20])}
+    # Soft limit 12 - 4 = 8: 6 tokens free, 9 lose 1/4, 12 lose all (the replies' tokens never count).
+    assert overlong_penalty(config, rows).tolist() == [0.0, -0.25, -1.0]
+    config.rollout.environment = None  # single-turn: the response's length against max_new_tokens
+    config.generation.max_new_tokens = 24
+    assert overlong_penalty(config, {"response_lengths": torch.tensor([20, 24])}).tolist() == [0.0, -1.0]

@@ -825,6 +825,14 @@ class RLHFConfig:
         return self.sequence_tokens - self.data.max_prompt_length
 
     @property
+    def model_token_budget(self) -> int:
+        """The most tokens the model writes in one response: generation.max_new_tokens, or a
+        trajectory's turns (rollout.max_turns x the turn's limit); DAPO's overlong length."""
+        if self.rollout.multi_turn:
+            return self.rollout.max_turns * self.rollout.turn_tokens(self.generation)
+        return self.generation.max_new_tokens
+
+    @property
     def rollout_samples(self) -> int:
         """Responses per iteration over all DP ranks: prompts x samples_per_prompt."""
         return self.ppo.rollout_batch_size * self.generation.samples_per_prompt

@@ -453,8 +453,10 @@ def _algorithm_problems(config: RLHFConfig) -> List[str]:
     if gen.samples_per_prompt > 1 and gen.greedy:
         bad("generation.samples_per_prompt", "greedy decoding gives every response to a prompt the same "
             "tokens; sample (greedy: false) or use samples_per_prompt: 1")
-    if gen.max_new_tokens >= 1 and alg.overlong_buffer_length >= gen.max_new_tokens:
-        bad("algorithm.overlong_buffer_length", f"must be below generation.max_new_tokens={gen.max_new_tokens}, "
+    budget = config.model_token_budget
+    if budget >= 1 and alg.overlong_buffer_length >= budget:
+        what = "rollout.max_turns x the turn's tokens" if config.rollout.multi_turn else "generation.max_new_tokens"
+        bad("algorithm.overlong_buffer_length", f"must be below the model's tokens per response ({what} = {budget}), "
             f"got {alg.overlong_buffer_length}")
     low = ppo.clip_range[0]
     if low >= 1:
@@ -598,9 +600,6 @@ def _rollout_problems(config: RLHFConfig) -> List[str]:
     if r.trajectory_tokens(config.data, config.generation) < config.data.max_prompt_length + 1:
         problems.append(f"{config.at('rollout.max_trajectory_tokens')}: {r.max_trajectory_tokens} leaves no room for "
                         f"a turn after a prompt of data.max_prompt_length={config.data.max_prompt_length}")
-    if config.algorithm.overlong_buffer_length:
-        problems.append(f"{config.at('algorithm.overlong_buffer_length')}: DAPO's overlong penalty is not defined for "
-                        "multi-turn rollouts yet (a trajectory's model tokens span turns); set it to 0")
     return problems
 
 

@@ -26,6 +26,15 @@ def scores_here() -> bool:
     return ps.get_model_parallel_group().rank() == 0
 
 
+def overlong_penalty(config: RLHFConfig, rows: SampleRows) -> torch.Tensor:
+    """DAPO's soft overlong penalty [B] of the rows, over the tokens the model wrote (a
+    trajectory's turns, not the environment's replies) against config.model_token_budget."""
+    alg = config.algorithm
+    written = rows["action_mask"].sum(dim=1) if "action_mask" in rows else rows["response_lengths"]
+    return ppo.overlong_penalty(written, config.model_token_budget, alg.overlong_buffer_length,
+                                alg.overlong_penalty_factor)
+
+
 class Scorer:
     """``reward_pool``: the rule functions' pool on the first rank of each model-parallel group
     (None elsewhere, and with a reward model)."""
@@ -56,8 +65,7 @@ class Scorer:
         check_scores(scores, self.config.reward.max_abs_score, iteration, prompts)
         alg = self.config.algorithm
         if alg.overlong_buffer_length:
-            scores = scores + ppo.overlong_penalty(rows["response_lengths"], self.config.generation.max_new_tokens,
-                                                   alg.overlong_buffer_length, alg.overlong_penalty_factor).to(scores.device)
+            scores = scores + overlong_penalty(self.config, rows).to(scores.device)
         return scores, metrics
 
     def _reward_model_scores(self, rows: SampleRows) -> torch.Tensor:
