@@ -275,3 +275,35 @@ def test_a_damaged_parquet_row_group_and_a_template_that_raises_are_named(tmp_pa
     dataset = PromptDataset(open_rows(str(tmp_path / "p.jsonl"), None), tok, 64, 0, chat=True)
     with pytest.raises(ValueError, match=r"p\.jsonl:1: .*: the chat template failed on this chat \(.*no system turn\)"):
         dataset.check_encodes()
+
+
+def test_a_tools_column_of_names_shows_and_allows_only_those_of_the_runs_tools(tmp_path):
+    from megatron_rlhf.agents.protocol import Turn
+    from megatron_rlhf.agents.tool_environment import ToolEnvironment
+    from tests.test_tools import byte_tokenizer_dir
+
+    tok = build_tokenizer(TokenizerConfig(type="hf"), byte_tokenizer_dir(tmp_path / "qwen", "qwen"))
+    (tmp_path / "t.py").write_text('def lookup(term: str) -> str:\n    """Look up.\n\n    Args:\n        term: What.\n'
+                                   '    """\n    return term.upper()\n')
+    run_tools = ToolEnvironment([f"{tmp_path / 't.py'}:lookup", "megatron_rlhf.agents.sandbox:python"], "hermes")
+    specs = [t.spec for t in run_tools.tools.values()]
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "tools": ["lookup"]},
+            {"prompt": [{"role": "user", "content": "hi"}]},
+            {"prompt": [{"role": "user", "content": "hi"}], "tools": ["search"]}]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset = PromptDataset(open_rows(str(path), None), tok, 4096, 0, chat=True, tools=specs)
+    shown = [tok.show(dataset.batch_of([i])["tokens"][0].tolist()) for i in (0, 1)]
+    assert '"name": "lookup"' in shown[0] and '"name": "python"' not in shown[0]  # the row's subset only
+    assert '"name": "lookup"' in shown[1] and '"name": "python"' in shown[1]  # no column: every tool
+    with pytest.raises(ValueError, match=r"rows\.jsonl:3: its 'tools' column names 'search', which the run's tools do "
+                                         r"not have \(rollout.tools and rollout.mcp_servers give: lookup, python\)"):
+        dataset.check_encodes()
+    # The row without the python tool cannot call it: answered as an unknown tool and counted.
+    run_tools.start(rows[0])
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>'
+    result = run_tools.step(Turn(call, [], 0, True))
+    assert result.observation[0]["content"] == "error: there is no tool 'python'; the tools are lookup"
+    assert result.info["counts"]["tool_errors"] == 1 and result.info["counts"]["tool_calls"] == 0
+    run_tools.start(rows[1])
+    assert run_tools.step(Turn(call, [], 0, True)).observation[0]["content"] == "1\n"

@@ -11,12 +11,11 @@ keeps its template's structure and loses the start of its last user message.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Dict, List, Literal, Optional
 
 import torch
 
-from megatron_rlhf.data.rows import Prompt, RowFile, open_rows, with_system_prompt
+from megatron_rlhf.data.rows import Prompt, RowFile, open_rows, row_tools, with_system_prompt
 from megatron_rlhf.data.tokenizer import Tokenizer
 
 
@@ -29,18 +28,17 @@ def prompt_text(prompt: Prompt) -> str:
     return (users[-1] if users else prompt[-1]).get("content") or ""
 
 
-def _row_tools(value: Any) -> List[dict]:
-    """A row's ``tools`` column as function specs (a list of objects, or its JSON text; none: [])."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"its 'tools' column is not valid JSON ({e.msg})") from None
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise ValueError(f"its 'tools' column must be a list of function specs, got {json.dumps(value, default=str)[:80]}")
-    return value
+def _shown_tools(run_tools: Optional[List[dict]], column: Optional[List[Any]]) -> List[dict]:
+    """The specs a row's prompt shows: the run's and the column's specs, or the run's named by the column."""
+    run_tools = list(run_tools or [])
+    if not column or isinstance(column[0], dict):
+        return run_tools + list(column or [])
+    names = [t["function"]["name"] for t in run_tools]
+    unknown = [name for name in column if name not in names]
+    if unknown:
+        raise ValueError(f"its 'tools' column names {', '.join(map(repr, unknown))}, which the run's tools do not "
+                         f"have (rollout.tools and rollout.mcp_servers give: {', '.join(names) or 'none'})")
+    return [t for t in run_tools if t["function"]["name"] in column]
 
 
 class PromptDataset:
@@ -74,11 +72,11 @@ class PromptDataset:
     def _encode(self, index: int, prompt, fields: Dict[str, Any]) -> List[int]:
         """Row ``index``'s ``prompt`` as ids the model reads (before any cut to max_length); its
         length is kept. With a chat template, the tools shown are the run's and the row's own
-        (a ``tools`` column: a list of function specs, or its JSON text)."""
+        specs, or the run's the row names (a ``tools`` column, row_tools)."""
         if self.chat:
             prompt = with_system_prompt(prompt, self.system_prompt)
         try:
-            tools = (list(self.tools or []) + _row_tools(fields.get("tools"))) if self.chat else []
+            tools = _shown_tools(self.tools, row_tools(fields.get("tools"))) if self.chat else []
             ids = self.tokenizer.encode_prompt(prompt, self.chat, tools or None)
         except ValueError as e:
             raise ValueError(f"{self.rows.where(index)}: {e}") from None

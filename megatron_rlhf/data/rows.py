@@ -228,3 +228,21 @@ class ParquetRows(RowFile):
 
         self.__dict__.update(state)
         self._parquet = pq.ParquetFile(self.path)
+
+
+def row_tools(value: Any) -> Optional[List[Any]]:
+    """A row's ``tools`` column: function specs (a list of objects) the template shows besides the
+    run's, or the names of the run's tools (rollout.tools) the row may use, the only ones shown;
+    either as its JSON text. None without one."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"its 'tools' column is not valid JSON ({e.msg})") from None
+    if not isinstance(value, list) or not (all(isinstance(t, dict) for t in value) or
+                                           all(isinstance(t, str) for t in value)):
+        raise ValueError(f"its 'tools' column must be a list of function specs or of the run's tool names, got "
+                         f"{json.dumps(value, default=str)[:80]}")
+    return value
