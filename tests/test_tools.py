@@ -249,8 +249,7 @@ def test_a_tool_using_trajectory_is_the_template_applied_once_with_the_model_s_t
     mine = {"tokens": torch.tensor([prompt]), "prompt_lengths": torch.tensor([len(prompt)]), "seeds": torch.tensor([1]),
             "prompt_index": torch.tensor([0])}
     try:
-        rows, metrics = turns.run(_ScriptedCollector([first_turn, second_turn], slots=1), mine,
-                                  types.SimpleNamespace(texts=["q"], fields=[{}]),
+        rows, metrics = turns.run(_ScriptedCollector([first_turn, second_turn], slots=1), mine, ["q"], [{}],
                                   SamplingParams(max_new_tokens=64, eos_ids=tok.eos_ids, pad_id=tok.pad_id))
     finally:
         turns.close()

@@ -575,10 +575,6 @@ def _rollout_problems(config: RLHFConfig) -> List[str]:
                 "an environment (module:Class or file.py:Class) or tools; remove it or name one" for k in unused]
     problems = []
     tools_key = "rollout.tools" if r.tools else "rollout.mcp_servers"
-    key = "rollout.environment" if r.environment else tools_key
-    if config.has_own_layout("policy"):
-        problems.append(f"{config.at(key)}: multi-turn rollouts run the policy at the run's layout "
-                        "only (not yet at a layout of its own); remove policy.parallel")
     if r.uses_tools and r.environment:
         problems.append(f"{config.at(tools_key)}: the tools run in the built-in tool environment; a custom "
                         f"rollout.environment ({r.environment}) calls its own tools: set one of the two")

@@ -8,9 +8,10 @@ value model's values of the rows kept. Every phase returns its rows and metrics.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megatron_rlhf import ppo
 from megatron_rlhf.config.schema import RLHFConfig
@@ -23,7 +24,7 @@ from megatron_rlhf.models.routing import ROUTES
 from megatron_rlhf.roles import inference
 from megatron_rlhf.roles.role_set import RoleSet
 from megatron_rlhf.rollout.partial import PartialRollouts
-from megatron_rlhf.rollout.record import BEHAVIOUR, Collected, Prompts, Rollout, merged_metrics
+from megatron_rlhf.rollout.record import BEHAVIOUR, Collected, Prompts, Rollout, is_counted, merged_metrics
 from megatron_rlhf.roles.rows import SampleRows, cat_rows, trimmed
 from megatron_rlhf.rollout.scoring import Scorer
 from megatron_rlhf.runtime.platform import get_platform
@@ -125,12 +126,14 @@ class RolloutCollector:
         and the metrics of generating them (``time/generate_s``, a trajectory's turns)."""
         replay = self.config.moe.routing_replay if training else "off"
         out: Dict[str, float] = {}
+        prompt_of = self._prompts_of_the_rollout(prompts) if self.turns is not None else None
 
         def run(mine: SampleRows) -> SampleRows:
             with self.roles.resident("policy", "inference"):
                 started = time.perf_counter()
                 rows, turn_metrics = self.generate(mine, prompts, sampling, record_routes=replay == "rollout",
-                                                   record_log_probs=training and self.records_behaviour)
+                                                   record_log_probs=training and self.records_behaviour,
+                                                   prompt_of=prompt_of)
                 out["time/generate_s"] = time.perf_counter() - started
                 out.update(turn_metrics)
                 if training:
@@ -138,18 +141,45 @@ class RolloutCollector:
             return rows
 
         rows = self.roles.at_layout("policy", run, prompts.columns())
+        if self.turns is not None and self.roles.cuts["policy"] != self.roles.cut:
+            out = self._as_run_share(out)
         if "action_mask" not in rows:
             rows["action_mask"] = action_mask(rows["tokens"].shape[1], rows["prompt_lengths"], rows["response_lengths"])
         return rows, out
 
+    def _as_run_share(self, metrics: Dict[str, float]) -> Dict[str, float]:
+        """Turn metrics measured on the policy's own DP share, as this rank's share of the run's:
+        counts summed over the policy's DP ranks and spread evenly over the run's (the run adds
+        them up again), the others averaged over the policy's (equal shares)."""
+        own = self.roles.cuts["policy"]
+        names = [None] * own.size  # an environment's own counts may be on some ranks only
+        dist.all_gather_object(names, sorted(metrics), group=own.group)
+        keys = sorted({k for part in names for k in part})
+        values = torch.tensor([metrics.get(k, 0.0) for k in keys], dtype=torch.float64)
+        dist.all_reduce(values, group=own.group)
+        return {k: v / (self.roles.cut.size if is_counted(k) else own.size) for k, v in zip(keys, values.tolist())}
+
+    def _prompts_of_the_rollout(self, prompts: Prompts) -> Dict[int, Tuple[str, Dict]]:
+        """Every row's prompt and data columns by dataset row, this rank's and, with the policy at a
+        layout of its own, the other DP ranks' too (its cut of the rows is not the run's)."""
+        mine = _prompt_map(prompts)
+        if not self.config.has_own_layout("policy") or self.roles.cut.size == 1:
+            return mine
+        everyone = [None] * self.roles.cut.size
+        dist.all_gather_object(everyone, mine, group=self.roles.cut.group)
+        return {i: value for part in everyone for i, value in part.items()}
+
     def generate(self, mine: SampleRows, prompts: Prompts, sampling: SamplingParams, record_routes: bool = False,
-                 record_log_probs: bool = False) -> Tuple[SampleRows, Dict[str, float]]:
+                 record_log_probs: bool = False, prompt_of: Optional[Dict[int, Tuple[str, Dict]]] = None
+                 ) -> Tuple[SampleRows, Dict[str, float]]:
         """The (resident) policy's responses to the prompt rows ``mine`` (tokens, prompt_lengths,
         seeds, prompt_index: this rank's share in the policy's cut): one turn each, or with an
         environment a trajectory of turns. Returns the sample rows (with ``record_log_probs`` the
         engine's log-probs of its tokens, BEHAVIOUR) and the turns' metrics."""
-        if self.turns is not None:
-            return self.turns.run(self, mine, prompts, sampling)
+        if self.turns is not None:  # each row's prompt by its dataset row: the policy's cut may be its own
+            prompt_of = prompt_of or _prompt_map(prompts)
+            columns = [prompt_of[i] for i in mine["prompt_index"].tolist()]
+            return self.turns.run(self, mine, [c[0] for c in columns], [c[1] for c in columns], sampling)
         gen = self.engine(mine, sampling, record_routes=record_routes, record_log_probs=record_log_probs)
         rows = {"tokens": gen.tokens, "prompt_lengths": gen.prompt_lengths, "response_lengths": gen.response_lengths,
                 "prompt_index": mine["prompt_index"]}
@@ -221,6 +251,11 @@ class RolloutCollector:
         rows = cat_rows(kept + dropped, self.sampling.pad_id)  # kept groups first
         mine = trimmed(self.roles.cut.share({k: v[:need] for k, v in rows.items()}))  # to its own longest row
         return mine, short // self.config.generation.samples_per_prompt
+
+
+def _prompt_map(prompts: Prompts) -> Dict[int, Tuple[str, Dict]]:
+    """Dataset row -> (the prompt as the reward sees it, the row's other columns) of ``prompts``."""
+    return {int(i): (text, row) for i, text, row in zip(prompts.prompt_index.tolist(), prompts.texts, prompts.fields)}
 
 
 def _prompt_columns(dataset: PromptDataset, prompt_index: torch.Tensor) -> Tuple[List[str], List[Dict]]:

@@ -70,15 +70,17 @@ class MultiTurn:
 
     # -- one batch of trajectories ---------------------------------------------------------------
 
-    def run(self, collector, mine: SampleRows, prompts, sampling: SamplingParams) -> Tuple[SampleRows, Dict[str, float]]:
-        """Trajectories for the prompt rows ``mine`` (the policy resident); the sample rows (with
-        the loss mask ``action_mask`` and the per-turn rewards ``turn_rewards``) and the metrics."""
+    def run(self, collector, mine: SampleRows, texts: List[str], fields: List[Dict], sampling: SamplingParams
+            ) -> Tuple[SampleRows, Dict[str, float]]:
+        """Trajectories for the prompt rows ``mine`` (the policy resident; ``texts`` and ``fields``:
+        each row's prompt and data columns); the sample rows (with the loss mask ``action_mask`` and
+        the per-turn rewards ``turn_rewards``) and the metrics."""
         groups = groups_of(collector.roles["policy"].model)
         counts = dict.fromkeys(TURN_COUNTS, 0.0)
         env_s = 0.0
         lengths = mine["prompt_lengths"].tolist()
         trajectories = [Trajectory(row[:n].tolist(), self._new_id()) for row, n in zip(mine["tokens"].cpu(), lengths)]
-        rows = [{"prompt": text, **fields} for text, fields in zip(prompts.texts, prompts.fields)]
+        rows = [{"prompt": text, **row} for text, row in zip(texts, fields)]
         started = time.perf_counter()
         self._environment_calls(trajectories, [("start", row) for row in rows], groups, counts, last_turn=False)
         env_s += time.perf_counter() - started

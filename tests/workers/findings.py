@@ -446,6 +446,7 @@ class MultiTurn(Findings):
     game: GameRun
     game_ems_off: GameRun
     game_mbs1: GameRun
+    game_policy_tp1: GameRun  # the policy at TP=1 x DP=2 of its own while the run is at TP=2
 
 
 @part

@@ -23,8 +23,8 @@ SILENT = ENVIRONMENTS + ":Silent"
 
 
 def iteration(config_file: str, tp: int, name: str, environment=None, ems: bool = True, micro_batch_size=None,
-              **rollout):
-    os.environ.update(TP=str(tp), ITERATIONS="1")
+              policy_tp: str = "", **rollout):
+    os.environ.update(TP=str(tp), ITERATIONS="1", POLICY_TP=policy_tp)
     prepared = prepare(parse_args(["--config", config_file, "--output-dir", os.path.join(OUT_DIR, name)]),
                        int(os.environ["WORLD_SIZE"]))
     config = prepared.config
@@ -68,4 +68,5 @@ result.tools = iteration(tools_config, 1, "tools").metrics
 result.game = iteration("examples/tiny_agent/grpo.yaml", 2, "game")
 result.game_ems_off = iteration("examples/tiny_agent/grpo.yaml", 2, "game_ems_off", ems=False)
 result.game_mbs1 = iteration("examples/tiny_agent/grpo.yaml", 2, "game_mbs1", micro_batch_size=1)
+result.game_policy_tp1 = iteration("examples/tiny_agent/grpo.yaml", 2, "game_policy_tp1", policy_tp="1")
 save(result)
