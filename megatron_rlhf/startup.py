@@ -438,6 +438,6 @@ def check_host_memory(config: RLHFConfig, world_size: int) -> None:
         if need + saving.node_bytes > available:
             raise ConfigError(
                 f"a checkpoint save would hold {human(need + saving.node_bytes)} of host memory on this node (EMS "
-                f"arenas {human(need)} and the gathered state), more than the {human(available)} available: "
-                f"{checkpoint_text(saving)}. Raise TP/PP (each writer's share shrinks), run fewer ranks per node, or "
-                "save no checkpoint (trainer.save_interval: 0, trainer.save_at_end: false)")
+                f"arenas {human(need)} and the state each rank copies to write it), more than the {human(available)} "
+                f"available: {checkpoint_text(saving)}. Raise TP/PP or DP (each rank's share shrinks), run fewer ranks "
+                "per node, or save no checkpoint (trainer.save_interval: 0, trainer.save_at_end: false)")

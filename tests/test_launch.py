@@ -203,15 +203,17 @@ def test_dry_run_of_llama2_70b_on_4_nodes_of_8_gpus_matches_the_formulas(tmp_pat
     # policy and value serve ppo_policy's and ppo_value's weights: none of their own.
     assert table["policy"]["weights"] == 0 and table["value"]["weights"] == 0
     assert table["policy"]["kv_cache"] > 0 and "<- peak" in out and "fits in 80.00 GiB" in out
-    # A checkpoint save: DP rank 0 of each slice gathers its weights (bf16) and optimizer state (fp32
-    # main params and both moments, 12 bytes a parameter), a role at a time; every rank of node 0 is
-    # DP rank 0 of its TP group (ranks: TP fastest, then DP, then PP), so all 8 write.
+    # A checkpoint save: every rank writes its own 1/DP of its slice's optimizer state (fp32 main
+    # params and both moments, 12 bytes a parameter), DP rank 0 also the slice's weights (bf16), a
+    # role at a time; every rank of node 0 is DP rank 0 of its TP group (TP fastest, then DP, then PP).
     line = next(line for line in out.splitlines() if line.startswith("checkpoint save"))
-    written = float(re.search(r"nothing\): ([\d.]+) GiB per writing rank", line).group(1)) * GIB
+    per_rank = float(re.search(r"gathered\): ([\d.]+) GiB per rank", line).group(1)) * GIB
+    first = float(re.search(r"per rank, ([\d.]+) GiB on DP rank 0", line).group(1)) * GIB
     peak = float(re.search(r"\(peak ([\d.]+) GiB\)", line).group(1)) * GIB
-    close(written, 14 * (n["lm"] + n["scalar"]), "bytes a writing rank writes")
-    close(peak, 14 * n["lm"], "a writing rank's host peak (ppo_policy's slice)")
-    assert "on the busiest node of 8 ranks (8 writing)" in line
+    close(per_rank, 12 * (n["lm"] + n["scalar"]) / dp, "optimizer state every rank writes (1/DP)")
+    close(first, (2 + 12 / dp) * (n["lm"] + n["scalar"]), "what DP rank 0 writes (weights too)")
+    close(peak, (2 + 12 / dp) * n["lm"], "DP rank 0's host peak (ppo_policy's share)")
+    assert "on the busiest node of 8 ranks (8 DP rank 0)" in line
 
 
 def test_a_checkpoint_save_that_would_not_fit_the_host_is_refused_before_start_up(monkeypatch):
@@ -226,10 +228,10 @@ def test_a_checkpoint_save_that_would_not_fit_the_host_is_refused_before_start_u
     config = load_config(str(REPO / "examples" / "tiny" / "rlhf.yaml"), world_size=2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     arenas, saving = plan(config, 2).host_bytes * 2, checkpoint_plan(config, 2, 2).node_bytes
-    assert saving > 0 and checkpoint_plan(config, 2, 2).writers_per_node == 2  # TP=2, DP=1: each TP rank writes its slice
+    assert saving > 0 and checkpoint_plan(config, 2, 2).writers_per_node == 2  # TP=2, DP=1: each TP rank is DP rank 0
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=arenas + saving - 1))
     with pytest.raises(ConfigError, match=r"a checkpoint save would hold .* of host memory on this node .* more than "
-                                          r"the .* available: checkpoint save \(DP rank 0"):
+                                          r"the .* available: checkpoint save \(every rank writes"):
         check_host_memory(config, 2)
     config.trainer.save_at_end, config.trainer.save_interval = False, 0
     check_host_memory(config, 2)  # no checkpoint: the arenas fit

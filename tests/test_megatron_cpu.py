@@ -32,11 +32,11 @@ def test_apply_refuses_to_run_on_changed_internals(monkeypatch):
 
 def test_the_internals_used_on_every_platform_match_and_a_moved_one_is_refused(monkeypatch):
     megatron_compat.check()  # the installed megatron-core: nothing moved
-    moved = megatron_compat.Site("optimizer/distrib_optimizer.py", "def save_parameter_state_renamed(")
-    monkeypatch.setitem(megatron_compat.ANCHORS, "dp_zero_optimizer_checkpoint", (moved,))
+    moved = megatron_compat.Site("optimizer/distrib_optimizer.py", "def _get_model_param_range_map_renamed(")
+    monkeypatch.setitem(megatron_compat.ANCHORS, "owned_optimizer_state", (moved,))
     with pytest.raises(megatron_compat.MegatronInternalsChanged) as raised:
         megatron_compat.check()
-    assert "dp_zero_optimizer_checkpoint: expected 'def save_parameter_state_renamed(' in " \
+    assert "owned_optimizer_state: expected 'def _get_model_param_range_map_renamed(' in " \
         "megatron/core/optimizer/distrib_optimizer.py" in str(raised.value)
     assert "Re-verify each in megatron_rlhf/runtime/megatron_compat/optimizer.py" in str(raised.value)
 

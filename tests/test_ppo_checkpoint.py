@@ -1,9 +1,11 @@
-"""PPO save and resume: identical continuation, resume at another DP size, crash-safe saves."""
+"""PPO save and resume: identical continuation, resume at another DP, TP or PP, each rank writing
+its own part of the optimizer state, crash-safe saves."""
 
 import json
 
 import torch
 
+from tests.conftest import REPO
 from tests.test_train import metrics, train, without_times
 
 
@@ -30,6 +32,42 @@ def test_resume_at_another_data_parallel_size(tmp_path):
     assert {g["step"] for g in common["optimizer"]["param_groups"]} == {12.0}
     meta = json.loads((out / "checkpoints" / "iter_0000003" / "ppo_policy" / "megatron_rlhf_model.json").read_text())
     assert (meta["tp"], meta["pp"]) == (1, 1)
+
+
+def test_resume_at_another_tensor_or_pipeline_layout_continues_as_at_its_own(tmp_path):
+    import shutil
+
+    # Two iterations at TP=1 x DP=2, each rank writing its half of the optimizer state; then the
+    # same checkpoint resumed at its own layout, at TP=2 and at PP=2. The optimizer state is cut as
+    # its weights are, and an iteration does not depend on the layout (fp32): the three agree.
+    train(tmp_path / "own", "--iterations", "2", env={"TP": "1"})
+    checkpoint = tmp_path / "own" / "checkpoints" / "iter_0000002"
+    optim = checkpoint / "ppo_policy" / "optim"
+    shards = sorted(p.name for p in optim.glob("state_*.pt"))
+    assert shards == ["state_t00_p000_e000_d00000.pt", "state_t00_p000_e000_d00001.pt"]  # one per rank, no gather
+    sizes = [(optim / name).stat().st_size for name in shards]
+    assert max(sizes) < 0.6 * sum(sizes)  # each DP rank wrote about half
+    for name in ("tp2", "pp2"):
+        shutil.copytree(tmp_path / "own", tmp_path / name)
+    # The demo's reference is drawn from the seed, per shard: at another layout another network.
+    refused = train(tmp_path / "tp2", "--iterations", "3", "--resume", env={"TP": "2"}, check=False)
+    assert refused.returncode != 0 and "resumed at another layout" in refused.stderr
+    assert "but reference has no load: such weights are drawn from the seed per shard" in refused.stderr
+    # With its weights from a checkpoint (the trained policy's, at TP=1: loadable at any layout).
+    frozen = tmp_path / "reference"
+    shutil.copytree(checkpoint / "ppo_policy", frozen, ignore=shutil.ignore_patterns("optim"))
+    config = tmp_path / "rlhf.yaml"
+    config.write_text(f"includes: {REPO / 'examples' / 'tiny' / 'rlhf.yaml'}\nreference:\n  load: {frozen}\n")
+    for name, env in (("own", {"TP": "1"}), ("tp2", {"TP": "2"}), ("pp2", {"TP": "1", "PP": "2"})):
+        train(tmp_path / name, "--iterations", "4", "--resume", "--allow-config-change", env=env, config=config)
+    # Iterations 3 and 4: every optimizer step after the first reads the restored Adam moments.
+    reference = without_times(metrics(tmp_path / "own")[2:])
+    assert [r["iteration"] for r in reference] == [3, 4] and reference[0]["kl/mean"] == 0.0  # the resumed policy
+    for name in ("tp2", "pp2"):
+        for mine, theirs in zip(metrics(tmp_path / name)[2:], reference):
+            for key, value in theirs.items():
+                if not key.startswith("weight_sync/"):
+                    assert abs(mine[key] - value) <= 1e-5 * max(1.0, abs(value)), (name, key, mine[key], value)
 
 
 def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(workers):

@@ -161,7 +161,7 @@ READS = {
     "through the parent's root": "open(f'/proc/{os.getppid()}/root' + RUN + '/ground_truth.jsonl').read()",
     "the project's files": f"open({os.path.abspath('README.md')!r}).read()",
     "/etc/passwd": "open('/etc/passwd').read()",
-    "a listing of /tmp": "print(os.listdir('/tmp'))",
+    "a listing of the run's parent": "print(os.listdir(os.path.dirname(RUN)))",
 }
 
 

@@ -10,8 +10,9 @@
         ppo_policy/, ppo_value/       model checkpoints (model_files.py layout: loadable at any
                                       TP/PP, convertible to Hugging Face) plus optim/:
           optim/mp_rank_TT_PPP.pt              the optimizer's common state (DP rank 0)
-          optim/mp_rank_TT_PPP_param_state.pt  distributed-optimizer shards gathered over DP
-                                               (megatron's DP-zero format: loads at any DP size)
+          optim/state_tTT_pPPP_eEEE_dDDDDD.pt  each rank's own part of the distributed optimizer's
+                                               state, written by every rank at once, nothing gathered
+                                               (optimizer_state.py: resumes at any TP, PP and DP)
 
 A checkpoint is written into a hidden temporary directory by every rank, renamed into place by
 rank 0 once all ranks are done, and only then named in ``latest``: a save that dies midway leaves
@@ -28,6 +29,7 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_rlhf.checkpoint.optimizer_state import load_owned_state, save_owned_state
 from megatron_rlhf.checkpoint.model_files import (
     MANIFEST,
     CheckpointError,
@@ -75,12 +77,11 @@ def _layout():
     }
 
 
-def _optim_files(role_dir: str, layout: dict):
-    """A rank's optimizer files: per (TP, PP) rank, and per EP rank when experts are split (each EP
-    rank's expert optimizer holds other parameters)."""
+def _common_file(role_dir: str, layout: dict) -> str:
+    """A rank's file of the optimizer's common state (hyperparameters, step): per (TP, PP) rank, and
+    per EP rank when experts are split."""
     name = f"mp_rank_{layout['tp_rank']:02d}_{layout['pp_rank']:03d}" + (f"_{layout['ep_rank']:03d}" if layout["ep"] > 1 else "")
-    base = os.path.join(role_dir, "optim", name)
-    return base + ".pt", base + "_param_state.pt"
+    return os.path.join(role_dir, "optim", name + ".pt")
 
 
 def _writes_optimizer(layout: dict) -> bool:
@@ -144,7 +145,7 @@ def _write_checkpoint(roles, trainer_state, root: str, name: str, tmp: str, fina
     for role_name in [name for name, role in roles.items() if role.trainable]:
         role = roles[role_name]
         role_dir = os.path.join(tmp, role_name)
-        common_file, param_file = _optim_files(role_dir, layout)
+        common_file = _common_file(role_dir, layout)
         with role.resident("training"):
             _refuse_non_finite(role_name, role.model, trainer_state["iteration"])
             weights = _full_weights(role.model, layout, role.config.model.num_experts)
@@ -154,7 +155,7 @@ def _write_checkpoint(roles, trainer_state, root: str, name: str, tmp: str, fina
                 os.makedirs(os.path.dirname(common_file), exist_ok=True)
                 torch.save(role.optimizer.state_dict(), common_file)
             if role.config.use_distributed_optimizer:
-                compat.save_dp_zero_state(role.optimizer, param_file)  # collective over DP; DP rank 0 writes
+                save_owned_state(role.optimizer, role.model, role_dir, layout)  # every rank its own part
         if rank0:
             param = next(unwrap(role.model).parameters())
             write_model_meta(role_dir, role.config.model, ROLE_HEADS[role_name], param.dtype, layout["tp"], layout["pp"],
@@ -217,47 +218,61 @@ def _refuse_non_finite(role_name: str, model, iteration: int) -> None:
                              "written (the latest checkpoint is still the last finite state)", collective=True)
 
 
-def check_layout(path: str, trainer_state: Dict[str, Any], tp: int, pp: int, ep: int = 1, where: str = "") -> None:
-    """Refuse to resume checkpoint ``path`` (its ``trainer_state``) at another TP, PP or EP: the
-    optimizer state is per model-parallel (and expert-parallel) rank. ``where`` names the setting,
-    for the message."""
+def reshardable(role_config) -> Optional[str]:
+    """Why a trained role's checkpoint resumes only at the TP, PP and EP it was written at, or None
+    (it resumes at any layout: the distributed optimizer's dense state is cut as its weights)."""
+    if role_config.model.num_experts:
+        return "its experts' optimizer state"
+    if role_config.lora.enabled:
+        return "its LoRA adapters' optimizer state"
+    if not role_config.use_distributed_optimizer:
+        return "its optimizer (not the distributed one)"
+    return None
+
+
+def check_layout(path: str, trainer_state: Dict[str, Any], tp: int, pp: int, ep: int = 1, where: str = "",
+                 fixed: Optional[str] = None) -> None:
+    """Refuse to resume checkpoint ``path`` (its ``trainer_state``) at another TP, PP or EP when a
+    trained role's state is tied to its layout (``fixed``: why, from reshardable). ``where`` names
+    the setting, for the message."""
     then = {"TP": trainer_state["layout"]["tp"], "PP": trainer_state["layout"]["pp"], "EP": trainer_state["layout"].get("ep", 1)}
     now = {"TP": tp, "PP": pp, "EP": ep}
-    if then != now:
+    if then != now and (fixed or then["EP"] != now["EP"]):
         names = ["TP", "PP"] + (["EP"] if then["EP"] > 1 or ep > 1 else [])  # EP named where experts are split
         sizes = {n: " ".join(f"{k}={v[k]}" for k in names) for n, v in (("then", then), ("now", now))}
+        why = f" ({fixed} is per model-parallel rank)" if fixed else ""
         raise CheckpointError(f"{path}: written at {sizes['then']}; resume with the same {', '.join(names[:-1])} and "
-                              f"{names[-1]} (now {sizes['now']}{', ' + where if where else ''}); DP may differ")
+                              f"{names[-1]}{why} (now {sizes['now']}{', ' + where if where else ''}); DP may differ")
 
 
-def _load_parameter_state(optimizer, path: str) -> None:
-    """megatron's DP-zero loader copies every per-parameter optimizer-state entry from the file,
-    but torch.optim.Adam keeps a per-parameter ``step`` that the file does not hold (megatron
-    saves it in the param groups, and load_state_dict has already restored it). Set the steps
-    aside while the shards load. megatron also hands every parameter the same step tensor, which
-    torch.optim.Adam increments in place once per parameter: give each its own."""
-    states = [compat.adam_state(inner) for inner in compat.inner_optimizers(optimizer)]
-    steps = [{p: s.pop("step") for p, s in state.items() if "step" in s} for state in states]
-    try:
-        compat.load_dp_zero_state(optimizer, path)
-    finally:
-        for state, saved in zip(states, steps):
-            for p, step in saved.items():
-                state[p]["step"] = step.clone()
+def _load_parameter_state(role, role_dir: str, written: dict, layout: dict, head: str) -> None:
+    """The distributed optimizer's state from every written rank's part (optimizer_state.py).
+    megatron hands every parameter the same step tensor, which torch.optim.Adam increments in place
+    once per parameter: give each its own."""
+    load_owned_state(role.optimizer, role.model, role_dir, written, layout, role.config.model, head)
+    for state in (compat.adam_state(inner) for inner in compat.inner_optimizers(role.optimizer)):
+        for values in state.values():
+            if "step" in values:
+                values["step"] = values["step"].clone()
 
 
 def load_ppo_checkpoint(roles: Mapping[str, Any], path: str) -> Dict[str, Any]:
     """Restore the trainable roles from checkpoint ``path`` and return the trainer state saved with
-    them (for the controller's load_state_dict; collective). TP and PP must be those it was written
-    at (the optimizer state is per model-parallel rank); DP may differ. Everything is read to the
-    CPU first, whatever device wrote it."""
+    them (for the controller's load_state_dict; collective). Written at any TP, PP and DP, but at
+    its own TP, PP and EP where a role's state is tied to them (reshardable). Everything is read to
+    the CPU first, whatever device wrote it."""
     layout = _layout()
     state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
-    check_layout(path, state, layout["tp"], layout["pp"], layout["ep"])
-    for role_name in [name for name, role in roles.items() if role.trainable]:
+    written = {"ep": 1, **state["layout"]}
+    trained = [name for name, role in roles.items() if role.trainable]
+    fixed = next((why for why in (reshardable(roles[name].config) for name in trained) if why), None)
+    check_layout(path, state, layout["tp"], layout["pp"], layout["ep"], fixed=fixed)
+    same = (written["tp"], written["pp"], written["ep"]) == (layout["tp"], layout["pp"], layout["ep"])
+    for role_name in trained:
         role = roles[role_name]
         role_dir = os.path.join(path, role_name)
-        common_file, param_file = _optim_files(role_dir, layout)
+        # The common state (hyperparameters, step) is every rank's alike: this rank's, or the first's.
+        common_file = _common_file(role_dir, layout if same else {**written, "tp_rank": 0, "pp_rank": 0, "ep_rank": 0})
         # no_grad: fp32 main params can be views of the (grad-requiring) parameters.
         with role.resident("training"), torch.no_grad():
             shard = load_model_shard(role_dir, role.config.model, ROLE_HEADS[role_name], layout["tp"],
@@ -266,7 +281,5 @@ def load_ppo_checkpoint(roles: Mapping[str, Any], path: str) -> Dict[str, Any]:
             compat.reload_main_params(role.optimizer)
             role.optimizer.load_state_dict(torch.load(common_file, map_location="cpu", weights_only=False))
             if role.config.use_distributed_optimizer:
-                if not os.path.isfile(param_file):
-                    raise CheckpointError(f"{param_file}: missing (the run used the distributed optimizer)")
-                _load_parameter_state(role.optimizer, param_file)
+                _load_parameter_state(role, role_dir, written, layout, ROLE_HEADS[role_name])
     return state

@@ -53,8 +53,12 @@ def release_output_dir(output_dir: str) -> None:
 
 # What only changes how the work is cut or kept (never the numbers), or how long the run goes:
 # a resume may change these freely. The layouts of the roles served the trained roles' weights
-# (policy, value) are among them: their weights come from the checkpoint's trained roles at any layout.
+# (policy, value) are among them: their weights come from the checkpoint's trained roles at any layout;
+# so is the run's layout (checkpoint/optimizer_state.py cuts the optimizer state anew; a role whose state
+# is tied to its layout is refused by ppo_state.check_layout, naming why).
 _FREE_ON_RESUME = ("ppo.iterations", ".epochs", ".max_steps", "trainer.", "generation.batch_size", ".micro_batch_size",
+                   "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+                   "parallel.expert_model_parallel_size", "parallel.sequence_parallel",
                    ".max_tokens_per_micro_batch", "policy.parallel.", "value.parallel.", ".free_memory",
                    ".offload_weights", ".free_grad_buffers", ".offload_optimizer_state", ".empty_cache",
                    ".recompute_activations", ".overlap_grad_reduce", ".cuda_graph_impl", ".nccl_ub", "reward.max_abs_score",
@@ -89,7 +93,7 @@ def check_resume(path: str, config: RLHFConfig, now: Dict[str, Any], output_dir:
 
     from megatron_rlhf.checkpoint.model_files import CheckpointError
     from megatron_rlhf.checkpoint.model_files import verify_checkpoint
-    from megatron_rlhf.checkpoint.ppo_state import check_layout, intact_checkpoints
+    from megatron_rlhf.checkpoint.ppo_state import check_layout, intact_checkpoints, reshardable
 
     try:
         verify_checkpoint(path, checksums=int(os.environ.get("LOCAL_RANK", "0")) == 0)
@@ -104,8 +108,16 @@ def check_resume(path: str, config: RLHFConfig, now: Dict[str, Any], output_dir:
     sizes = {"tp": "tensor", "pp": "pipeline", "ep": "expert"}
     changed = [f"parallel.{name}_model_parallel_size" for key, name in sizes.items()
                if state["layout"].get(key, 1) != getattr(par, f"{name}_model_parallel_size")]
+    fixed = next((why for why in (reshardable(config.role(r)) for r in config.trainable_roles) if why), None)
     check_layout(path, state, par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                 par.expert_model_parallel_size, "; ".join(config.at(key) for key in changed))
+                 par.expert_model_parallel_size, "; ".join(config.at(key) for key in changed), fixed)
+    seeded = _seeded_roles(config)
+    if changed and seeded:
+        raise ConfigError(f"{path}: resumed at another layout ({'; '.join(config.at(key) for key in changed)}), but "
+                          f"{', '.join(seeded)} {'has' if len(seeded) == 1 else 'have'} no load: such weights are drawn "
+                          "from the seed per shard, so at another layout they would be another network; give "
+                          f"{'it' if len(seeded) == 1 else 'them'} a load: checkpoint, or resume at the layout it was "
+                          "written at")
     before = state.get("run")
     if before is None:
         return now, state["iteration"]
@@ -121,6 +133,13 @@ def check_resume(path: str, config: RLHFConfig, now: Dict[str, Any], output_dir:
         raise ConfigError(f"{path} belongs to a run with other settings ({shown}); resume with the same settings, "
                           "pass --allow-config-change to continue it with these, or start again with --overwrite")
     return {**now, "id": before["id"]}, state["iteration"]
+
+
+def _seeded_roles(config: RLHFConfig) -> list:
+    """The networks a run draws from its seed that no checkpoint restores: frozen roles without a
+    load (the trained roles and those they serve come back from the checkpoint)."""
+    return [r for r in config.model_roles if r not in config.trainable_roles and r not in config.served_weights
+            and not config.role(r).load and not (r == "reward" and config.reward.type != "model")]
 
 
 # The settings a trained role's checkpoint tensors are shaped by (its network and its adapters).

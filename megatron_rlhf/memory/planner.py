@@ -375,54 +375,65 @@ def recommend(config: RLHFConfig, world_size: int, budget: int, seq_length: Opti
 
 @dataclasses.dataclass
 class CheckpointPlan:
-    """A checkpoint save in today's format (checkpoint/ppo_state.py): DP rank 0 of each
-    model-parallel slice (each expert-data-parallel rank 0 with experts split) gathers its slice's
-    weights and distributed-optimizer state (fp32 main parameters and both Adam moments: megatron's
-    DP-zero format) into host memory and writes them; the other ranks write nothing."""
+    """A checkpoint save (checkpoint/ppo_state.py): every rank writes its own part of the
+    distributed optimizer's state (fp32 main parameters and both Adam moments of the range it owns:
+    1/DP of its slice's), and DP rank 0 of each model-parallel slice also the slice's weights; each
+    copied to host memory first, one trained role at a time, nothing gathered. Without the
+    distributed optimizer DP rank 0 writes the slice's whole optimizer state."""
 
-    writer: Dict[str, Dict[str, int]]  # trained role -> weights / optimizer_state bytes a writing rank holds and writes
-    writers_per_node: int  # writing ranks on the busiest node
+    writer: Dict[str, Dict[str, int]]  # trained role -> weights / optimizer_state bytes DP rank 0 of a slice writes
+    other: Dict[str, int]  # trained role -> optimizer_state bytes every other rank writes
+    writers_per_node: int  # DP ranks 0 on the busiest node
     nproc_per_node: int
 
     @property
     def writer_bytes(self) -> int:
-        """Bytes a writing rank writes, every trained role's."""
+        """Bytes DP rank 0 of a slice writes, every trained role's."""
         return sum(sum(kinds.values()) for kinds in self.writer.values())
 
     @property
+    def other_bytes(self) -> int:
+        return sum(self.other.values())
+
+    @property
     def writer_peak(self) -> int:
-        """Host bytes a writing rank holds at once: one role's gathered state (the roles are saved in turn)."""
+        """Host bytes DP rank 0 of a slice holds at once (one role's copy; the roles are saved in turn)."""
         return max(sum(kinds.values()) for kinds in self.writer.values())
 
     @property
     def node_bytes(self) -> int:
-        """The gathered state on the busiest node during a save (beside the EMS arenas)."""
-        return self.writer_peak * self.writers_per_node
+        """The copies on the busiest node during a save (beside the EMS arenas)."""
+        return self.writer_peak * self.writers_per_node + max(self.other.values()) * (
+            self.nproc_per_node - self.writers_per_node)
 
 
 def checkpoint_plan(config: RLHFConfig, world_size: int, nproc_per_node: Optional[int] = None) -> CheckpointPlan:
-    """What a checkpoint save gathers on a writing rank (its most loaded pipeline stage) and on the
-    busiest node; ranks numbered as megatron numbers them (TP fastest, then DP, then PP)."""
+    """What a checkpoint save copies and writes on a rank (its most loaded pipeline stage) and on
+    the busiest node; ranks numbered as megatron numbers them (TP fastest, then DP, then PP)."""
     par = config.parallel
     tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
     dp, nproc = world_size // (tp * pp), nproc_per_node or world_size
     writer: Dict[str, Dict[str, int]] = {}
+    other: Dict[str, int] = {}
     for name in config.trainable_roles:
         rc, head, lora = config.role(name), ROLE_HEADS[name], config.lora_of(name)
         vocab = config.padded_vocab(rc.model)
         stages = []
         for r in range(pp):
             dense = param_numels(rc.model, head, tp, pp, r, vocab)
-            # The weights file holds every expert of the stage; an EP rank's optimizer file its own.
-            numels = dense + expert_numels(rc.model, tp, pp, r, 1)
-            trained = dense + expert_numels(rc.model, tp, pp, r, ep)
+            numels = dense + expert_numels(rc.model, tp, pp, r, 1)  # the weights file holds every expert
             if lora is not None and lora.enabled:
-                trained = lora_numels(rc.model, lora, tp, pp, r)
-            # Weights in the role's precision; per trained parameter an fp32 main copy and two moments.
-            stages.append({WEIGHTS: sum(numels) * BYTES[rc.precision], OPTIMIZER_STATE: sum(trained) * 12})
-        writer[name] = max(stages, key=lambda kinds: sum(kinds.values()))
+                owned, slice_state = sum(lora_numels(rc.model, lora, tp, pp, r)) / dp, 0
+            else:  # each DP rank owns 1/DP of the dense parameters, each expert-DP rank 1/(DP/EP) of its experts
+                owned = sum(dense) / dp + sum(expert_numels(rc.model, tp, pp, r, ep)) / (dp // ep)
+            shared = 12 * int(owned)  # an fp32 main copy and two moments per owned parameter
+            if not rc.use_distributed_optimizer:  # DP rank 0 writes the slice's whole state, the others none
+                slice_state, shared = shared * dp, 0
+            else:
+                slice_state = shared
+            stages.append(({WEIGHTS: sum(numels) * BYTES[rc.precision], OPTIMIZER_STATE: slice_state}, shared))
+        kinds, shared = max(stages, key=lambda s: sum(s[0].values()))
+        writer[name], other[name] = kinds, shared
     ranks_per_node = [range(n, min(n + nproc, world_size)) for n in range(0, world_size, nproc)]
-    # Writers: DP rank 0, and with experts split the first expert-data-parallel rank of each EP rank
-    # (DP ranks below EP; counted as whole writers: an upper bound for the dense part).
-    busiest = max(sum(1 for rank in ranks if (rank // tp) % dp < ep) for ranks in ranks_per_node)
-    return CheckpointPlan(writer, busiest, nproc)
+    busiest = max(sum(1 for rank in ranks if (rank // tp) % dp == 0) for ranks in ranks_per_node)
+    return CheckpointPlan(writer, other, busiest, nproc)

@@ -1,7 +1,7 @@
 """The megatron-core internals the project relies on beyond its public API, by area.
 
-EMS moves DDP's contiguous buffers and the optimizer's shards, PPO checkpoints save the distributed
-optimizer's DP-zero state, training wires DDP's grad sync into the model config, the generation
+EMS moves DDP's contiguous buffers and the optimizer's shards, PPO checkpoints save each DP rank's
+owned part of the distributed optimizer's state, training wires DDP's grad sync into the model config, the generation
 engine stands in for megatron's attention, and a serving role at a layout of its own is served by
 megatron's resharding. Those pieces are attributes and methods megatron-core does not promise to
 keep. Every other module reaches them through the functions here; each area's module holds its
@@ -10,7 +10,7 @@ and :func:`check` (run at start-up by ``init_distributed``, on every platform) r
 megatron-core that moved one, naming each and the module to re-verify.
 
     ddp.py              DDP's buffers, grad-buffer free and restore, grad-sync hooks, per-token loss
-    optimizer.py        optimizer shards, Adam's state, DP-zero checkpoints, the unclipped grad norm
+    optimizer.py        optimizer shards, Adam's state, each DP rank's owned state, the unclipped grad norm
     engine.py           attention layers replaced for an engine's steps, RoPE angles and frequencies
     tensor_parallel.py  a parallel linear's local product, cross entropy over another TP group
     resharding.py       the cached plan (receives; a part run alone), SequentialMLP experts' names
@@ -29,9 +29,9 @@ from megatron_rlhf.runtime.megatron_compat.ddp import (buffer_grad_storage, buff
 from megatron_rlhf.runtime.megatron_compat.engine import (attention_layers, attention_replaced, rotary_angles,
                                                           set_rope_inv_freq)
 from megatron_rlhf.runtime.megatron_compat.imports import bind_router_gemm, import_megatron
-from megatron_rlhf.runtime.megatron_compat.optimizer import (adam_state, inner_optimizers, load_dp_zero_state,
-                                                             main_param_tensors, reload_main_params,
-                                                             save_dp_zero_state, unclipped_grad_norm)
+from megatron_rlhf.runtime.megatron_compat.optimizer import (adam_state, inner_optimizers, main_param_tensors,
+                                                             owned_optimizer_state, reload_main_params,
+                                                             unclipped_grad_norm)
 from megatron_rlhf.runtime.megatron_compat.resharding import (reshard_part, reshard_receives,
                                                               sequential_experts_resharded)
 from megatron_rlhf.runtime.megatron_compat.sites import (CHECKED_MEGATRON_CORE_VERSIONS, MegatronInternalsChanged,
@@ -57,8 +57,8 @@ __all__ = [
     "ANCHORS", "CHECKED_MEGATRON_CORE_VERSIONS", "MegatronInternalsChanged", "Site", "adam_state", "attention_layers",
     "attention_replaced", "bind_router_gemm", "buffer_grad_storage", "buffer_param_storage", "buffer_params", "check",
     "ddp_buffers", "fixed_address_settings", "free_grad_buffers", "import_megatron", "inner_optimizers",
-    "linear_matmuls_replaced", "load_dp_zero_state", "main_param_tensors", "raise_if_changed", "reload_main_params",
-    "reshard_part", "reshard_receives", "restore_grad_buffers", "rotary_angles", "save_dp_zero_state",
+    "linear_matmuls_replaced", "main_param_tensors", "raise_if_changed", "reload_main_params",
+    "reshard_part", "reshard_receives", "restore_grad_buffers", "rotary_angles", "owned_optimizer_state",
     "sequential_experts_resharded", "set_rope_inv_freq", "site_problems", "unclipped_grad_norm",
     "vocab_parallel_cross_entropy", "wire_grad_sync",
 ]

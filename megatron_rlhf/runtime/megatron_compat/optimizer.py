@@ -1,5 +1,5 @@
-"""The optimizer's state: the shards and master copies EMS moves, Adam's moments, the DP-zero
-checkpoint of the distributed optimizer, the grad norm of an unclipped step."""
+"""The optimizer's state: the shards and master copies EMS moves, Adam's moments, each DP rank's
+owned part of the distributed optimizer's state (checkpoints), the grad norm of an unclipped step."""
 
 from __future__ import annotations
 
@@ -20,11 +20,10 @@ ANCHORS: Dict[str, Tuple[Site, ...]] = {
         Site("optimizer/optimizer.py", "def get_grad_norm("),
         Site("optimizer/optimizer.py", "if self.config.clip_grad > 0.0:"),
     ),
-    "dp_zero_optimizer_checkpoint": (
-        Site("optimizer/distrib_optimizer.py", "def save_parameter_state("),
-        Site("optimizer/distrib_optimizer.py", "def load_parameter_state_from_dp_zero("),
-        Site("optimizer/distrib_optimizer.py", "if self.data_parallel_group.rank() == 0:\n            state_dict = torch.load(filename)"),
-        Site("optimizer/optimizer.py", "state_dict = states[idx] if states else None"),
+    "owned_optimizer_state": (
+        Site("optimizer/distrib_optimizer.py", "def _get_model_param_range_map(self, param: torch.nn.Parameter):"),
+        Site("optimizer/distrib_optimizer.py", "def _get_main_param_and_optimizer_states(self, model_param):"),
+        Site("optimizer/distrib_optimizer.py", "self.model_param_gbuf_map"),
         Site("optimizer/optimizer.py", "def reload_model_params("),
     ),
 }
@@ -46,26 +45,6 @@ def adam_state(inner) -> Dict:
     return inner.optimizer.state
 
 
-def save_dp_zero_state(optimizer, path: str) -> None:
-    """The distributed optimizer's shards gathered over DP (DP rank 0 writes; collective)."""
-    optimizer.save_parameter_state(path)
-
-
-def load_dp_zero_state(optimizer, path: str) -> None:
-    """The inverse of save_dp_zero_state, as megatron's load_parameter_state (one state dict for a
-    single optimizer, a list for a chain; read on DP rank 0 and scattered), but read to the CPU
-    whatever device wrote it (megatron's own loader has no map_location)."""
-    inners = inner_optimizers(optimizer)
-    states = None
-    for index, inner in enumerate(inners):
-        if getattr(inner, "is_stub_optimizer", False) or not hasattr(inner, "load_parameter_state_from_dp_zero"):
-            continue
-        if inner.data_parallel_group.rank() == 0 and states is None:
-            states = torch.load(path, map_location="cpu", weights_only=False)
-        state = None if states is None else (states if len(inners) == 1 else states[index])
-        inner.load_parameter_state_from_dp_zero(state)
-
-
 def unclipped_grad_norm(optimizer) -> float:
     """The global grad norm of the step just taken, for an optimizer that did not clip (megatron
     computes it only when clip_grad > 0); the main grads are still in place after the step."""
@@ -75,3 +54,24 @@ def unclipped_grad_norm(optimizer) -> float:
 def reload_main_params(optimizer) -> None:
     """Copy freshly loaded model weights into the optimizer's fp32 main params."""
     optimizer.reload_model_params()
+
+
+def owned_optimizer_state(optimizer, named_params: Dict[str, torch.nn.Parameter]) -> Dict[str, dict]:
+    """This DP rank's part of the distributed optimizer's state by parameter name: the range of the
+    flattened parameter it owns (start, end) and the fp32 main values and Adam moments over it
+    (views, not copies). Parameters it owns none of are left out."""
+    out: Dict[str, dict] = {}
+    for inner in inner_optimizers(optimizer):
+        owned = getattr(inner, "model_param_gbuf_map", None)
+        if owned is None or getattr(inner, "is_stub_optimizer", False):
+            continue
+        for name, param in named_params.items():
+            if param not in owned:
+                continue  # another optimizer of the chain (experts) holds it
+            span = inner._get_model_param_range_map(param)["param"]
+            if span.size == 0:
+                continue
+            tensors = inner._get_main_param_and_optimizer_states(param)
+            out[name] = {"shape": tuple(param.shape), "start": span.start, "end": span.end,
+                         **{k: tensors[k] for k in ("param", "exp_avg", "exp_avg_sq")}}
+    return out
