@@ -49,10 +49,6 @@ def test_resume_at_another_tensor_or_pipeline_layout_continues_as_at_its_own(tmp
     assert max(sizes) < 0.6 * sum(sizes)  # each DP rank wrote about half
     for name in ("tp2", "pp2"):
         shutil.copytree(tmp_path / "own", tmp_path / name)
-    # The demo's reference is drawn from the seed, per shard: at another layout another network.
-    refused = train(tmp_path / "tp2", "--iterations", "3", "--resume", env={"TP": "2"}, check=False)
-    assert refused.returncode != 0 and "resumed at another layout" in refused.stderr
-    assert "but reference has no load: such weights are drawn from the seed per shard" in refused.stderr
     # With its weights from a checkpoint (the trained policy's, at TP=1: loadable at any layout).
     frozen = tmp_path / "reference"
     shutil.copytree(checkpoint / "ppo_policy", frozen, ignore=shutil.ignore_patterns("optim"))

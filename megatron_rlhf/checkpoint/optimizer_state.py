@@ -57,7 +57,9 @@ def save_owned_state(optimizer, model, role_dir: str, layout: dict) -> None:
 def load_owned_state(optimizer, model, role_dir: str, written: dict, layout: dict, arch, head: str) -> None:
     """Fill this rank's part of the optimizer's state (its owned ranges under ``layout``) from the
     parts of a checkpoint written at layout ``written`` (tp, pp, ep, dp)."""
-    pieces = _Pieces(role_dir, written, arch, head)
+    same = (written["tp"], written["pp"], written["ep"]) == (layout["tp"], layout["pp"], layout["ep"])
+    # At the layout it was written at a rank needs its own slice's pieces only; at another, every slice's.
+    pieces = _Pieces(role_dir, written, arch, head, (layout["tp_rank"], layout["pp_rank"]) if same else None)
     for key, owned in compat.owned_optimizer_state(optimizer, named_parameters(model)).items():
         whole = pieces.local(key, owned["shape"], layout)
         for kind in KINDS:
@@ -65,9 +67,10 @@ def load_owned_state(optimizer, model, role_dir: str, written: dict, layout: dic
 
 
 class _Pieces:
-    """The pieces of every parameter in a checkpoint's optimizer files, read memory-mapped."""
+    """The pieces of every parameter in a checkpoint's optimizer files (``only``: of one (TP, PP)
+    rank's), read memory-mapped."""
 
-    def __init__(self, role_dir: str, written: dict, arch, head: str):
+    def __init__(self, role_dir: str, written: dict, arch, head: str, only: Optional[Tuple[int, int]] = None):
         self.written, self.arch, self.head = written, arch, head
         files = sorted(glob.glob(os.path.join(role_dir, "optim", "state_t*.pt")))
         expected = written["tp"] * written["pp"] * written["dp"]
@@ -79,6 +82,8 @@ class _Pieces:
         self.shapes: Dict[Tuple, tuple] = {}
         for path in files:
             t, p, e, _ = (int(g) for g in _FILE.search(path).groups())
+            if only is not None and (t, p) != only:
+                continue
             try:
                 params = torch.load(path, map_location="cpu", mmap=True, weights_only=False)["params"]
             except (RuntimeError, EOFError, OSError, KeyError) as err:
