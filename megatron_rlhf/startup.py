@@ -99,12 +99,13 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
         if args.overwrite and launch_rank0() and writes:
             set_aside_run(output_dir)
         return Prepared(config, output_dir, tokenizer, dataset, val_dataset, None, resume_from, run)
-    dataset = _dataset(config, "data.prompt_file", tokenizer)
+    tools = _tool_specs(config)  # loaded, and their sandbox tried, once for both files
+    dataset = _dataset(config, "data.prompt_file", tokenizer, tools)
     if resume_from is not None:
         _check_held_groups(config, resume_from, len(dataset))
     if len(dataset) < config.ppo.rollout_batch_size:
         warnings.warn(f"{dataset.rows.path}: {len(dataset)} prompts, fewer than one rollout batch; prompts repeat within a batch")
-    val_dataset = _dataset(config, "data.val_file", tokenizer, shuffle=False) if config.data.val_file else None
+    val_dataset = _dataset(config, "data.val_file", tokenizer, tools, shuffle=False) if config.data.val_file else None
     functions = reward_functions(config) if config.reward.type == "function" else None
     for data in (dataset, val_dataset):
         if functions and data is not None:
@@ -373,13 +374,14 @@ def launch_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _dataset(config: RLHFConfig, key: str, tokenizer, shuffle: Optional[bool] = None):
-    """The prompts of the file at ``key``, every one tokenized once to find errors (file and line)
-    and to count those longer than data.max_prompt_length (reported)."""
+def _dataset(config: RLHFConfig, key: str, tokenizer, tools: Optional[List[dict]], shuffle: Optional[bool] = None):
+    """The prompts of the file at ``key`` (``tools``: the specs every prompt shows), every one
+    tokenized once to find errors (file and line) and to count those longer than
+    data.max_prompt_length (reported)."""
     from megatron_rlhf.data import PromptDataset
 
     data = config.data
-    dataset = PromptDataset.from_file(config.path_of(key), tokenizer, data, config.seed, shuffle, _tool_specs(config))
+    dataset = PromptDataset.from_file(config.path_of(key), tokenizer, data, config.seed, shuffle, tools)
     try:
         overlong = dataset.check_encodes()
     except ValueError as e:

@@ -54,35 +54,39 @@ def save_owned_state(optimizer, model, role_dir: str, layout: dict) -> None:
     torch.save({"layout": {k: layout[k] for k in ("tp", "pp", "ep", "dp")}, "params": state}, path)
 
 
+def same_layout(written: dict, layout: dict) -> bool:
+    """Whether a checkpoint written at ``written`` is read at the TP, PP and EP it was written at
+    (DP may differ)."""
+    return (written["tp"], written["pp"], written["ep"]) == (layout["tp"], layout["pp"], layout["ep"])
+
+
 def load_owned_state(optimizer, model, role_dir: str, written: dict, layout: dict, arch, head: str) -> None:
     """Fill this rank's part of the optimizer's state (its owned ranges under ``layout``) from the
     parts of a checkpoint written at layout ``written`` (tp, pp, ep, dp)."""
-    same = (written["tp"], written["pp"], written["ep"]) == (layout["tp"], layout["pp"], layout["ep"])
-    # At the layout it was written at a rank needs its own slice's pieces only; at another, every slice's.
-    pieces = _Pieces(role_dir, written, arch, head, (layout["tp_rank"], layout["pp_rank"]) if same else None)
+    pieces = _Pieces(role_dir, written, layout, arch, head)
     for key, owned in compat.owned_optimizer_state(optimizer, named_parameters(model)).items():
-        whole = pieces.local(key, owned["shape"], layout)
+        whole = pieces.local(key, owned["shape"])
         for kind in KINDS:
             owned[kind].copy_(whole[kind][owned["start"] : owned["end"]])
 
 
 class _Pieces:
-    """The pieces of every parameter in a checkpoint's optimizer files (``only``: of one (TP, PP)
-    rank's), read memory-mapped."""
+    """The pieces a rank at ``layout`` reads of a checkpoint's optimizer files, memory-mapped: at
+    the layout it was written at its own slice's only; at another, every slice's."""
 
-    def __init__(self, role_dir: str, written: dict, arch, head: str, only: Optional[Tuple[int, int]] = None):
-        self.written, self.arch, self.head = written, arch, head
+    def __init__(self, role_dir: str, written: dict, layout: dict, arch, head: str):
+        self.written, self.layout, self.arch, self.head = written, layout, arch, head
+        self.same = same_layout(written, layout)
         files = sorted(glob.glob(os.path.join(role_dir, "optim", "state_t*.pt")))
         expected = written["tp"] * written["pp"] * written["dp"]
         if len(files) != expected:
             raise CheckpointError(f"{role_dir}/optim: {len(files)} optimizer state files, the layout it was written at "
                                   f"(TP={written['tp']} PP={written['pp']} DP={written['dp']}) has {expected}")
-        # (tp rank, pp rank, ep rank or None for a dense parameter, key) -> [(start, end, tensors)]
-        self.by_slice: Dict[Tuple, List[Tuple[int, int, dict]]] = {}
-        self.shapes: Dict[Tuple, tuple] = {}
+        # (tp rank, pp rank, ep rank or None for a dense parameter, key) -> its pieces (shape, start, end, tensors)
+        self.by_slice: Dict[Tuple, List[dict]] = {}
         for path in files:
             t, p, e, _ = (int(g) for g in _FILE.search(path).groups())
-            if only is not None and (t, p) != only:
+            if self.same and (t, p) != (layout["tp_rank"], layout["pp_rank"]):
                 continue
             try:
                 params = torch.load(path, map_location="cpu", mmap=True, weights_only=False)["params"]
@@ -90,30 +94,29 @@ class _Pieces:
                 raise CheckpointError(f"{path}: unreadable ({err}); the checkpoint is damaged") from None
             for key, piece in params.items():
                 slot = (t, p, e if ".local_experts." in key else None, key)
-                self.by_slice.setdefault(slot, []).append((piece["start"], piece["end"], piece))
-                self.shapes[slot] = piece["shape"]
+                self.by_slice.setdefault(slot, []).append(piece)
 
     def _joined(self, tp_rank: int, pp_rank: int, ep_rank: Optional[int], key: str) -> Dict[str, torch.Tensor]:
         """One written rank's whole local tensors of ``key`` (its DP ranks' pieces end to end)."""
         slot = (tp_rank, pp_rank, ep_rank if ".local_experts." in key else None, key)
-        pieces = sorted(self.by_slice.get(slot, []), key=lambda piece: piece[0])
-        shape = self.shapes.get(slot)
+        pieces = sorted(self.by_slice.get(slot, []), key=lambda piece: piece["start"])
+        shape = pieces[0]["shape"] if pieces else None
         numel = 1 if shape is None else int(torch.Size(shape).numel())
-        if not pieces or pieces[0][0] != 0 or pieces[-1][1] != numel or any(
-                a[1] != b[0] for a, b in zip(pieces, pieces[1:])):
+        if not pieces or pieces[0]["start"] != 0 or pieces[-1]["end"] != numel or any(
+                a["end"] != b["start"] for a, b in zip(pieces, pieces[1:])):
             raise CheckpointError(f"optimizer state of {key} (TP rank {tp_rank}, PP rank {pp_rank}): its pieces do not "
                                   "cover the parameter; the checkpoint is incomplete")
-        return {k: torch.cat([piece[2][k] for piece in pieces]).view(shape) for k in KINDS}
+        return {k: torch.cat([piece[k] for piece in pieces]).view(shape) for k in KINDS}
 
-    def local(self, key: str, shape: tuple, layout: dict) -> Dict[str, torch.Tensor]:
-        """``key``'s flattened tensors as the rank at ``layout`` holds the parameter."""
-        w = self.written
-        if (w["tp"], w["pp"], w["ep"]) == (layout["tp"], layout["pp"], layout["ep"]):
+    def local(self, key: str, shape: tuple) -> Dict[str, torch.Tensor]:
+        """``key``'s flattened tensors as the rank at this layout holds the parameter."""
+        w, layout = self.written, self.layout
+        if self.same:
             whole = self._joined(layout["tp_rank"], layout["pp_rank"], layout["ep_rank"], key)
             return {k: v.reshape(-1) for k, v in whole.items()}
-        full_key, source = self._source(key, layout)
-        full = {k: merge_tensor(source[1], [self._joined(t, source[0], None, source[1])[k] for t in range(w["tp"])],
-                                self.arch.vocab_size, self.head) for k in KINDS}
+        full_key, (stage, source_key) = self._source(key, layout)
+        joined = [self._joined(t, stage, None, source_key) for t in range(w["tp"])]  # each TP rank's, once
+        full = {k: merge_tensor(source_key, [j[k] for j in joined], self.arch.vocab_size, self.head) for k in KINDS}
         padded = self.arch.padded_vocab_size(layout["tp"])
         cut = {k: shard_state_dict({full_key: full[k]}, self.arch.num_layers, padded, layout["tp"], layout["tp_rank"],
                                    layout["pp"], layout["pp_rank"], head=self.head,

@@ -29,7 +29,7 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.checkpoint.optimizer_state import load_owned_state, save_owned_state
+from megatron_rlhf.checkpoint.optimizer_state import load_owned_state, same_layout, save_owned_state
 from megatron_rlhf.checkpoint.model_files import (
     MANIFEST,
     CheckpointError,
@@ -267,7 +267,7 @@ def load_ppo_checkpoint(roles: Mapping[str, Any], path: str) -> Dict[str, Any]:
     trained = [name for name, role in roles.items() if role.trainable]
     fixed = next((why for why in (reshardable(roles[name].config) for name in trained) if why), None)
     check_layout(path, state, layout["tp"], layout["pp"], layout["ep"], fixed=fixed)
-    same = (written["tp"], written["pp"], written["ep"]) == (layout["tp"], layout["pp"], layout["ep"])
+    same = same_layout(written, layout)
     for role_name in trained:
         role = roles[role_name]
         role_dir = os.path.join(path, role_name)

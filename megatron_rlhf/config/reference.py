@@ -64,9 +64,9 @@ def _type_text(annotation) -> str:
     if origin is typing.Union:
         named = [_type_text(a) for a in args if a is not type(None)]
         return " or ".join(named + (["null"] if type(None) in args else []))
-    if origin in (list, List):
+    if origin is list:
         return f"list of {_type_text(args[0])}"
-    if origin in (dict, Dict):
+    if origin is dict:
         return f"map of {_type_text(args[0])} to {_type_text(args[1])}"
     return getattr(annotation, "__name__", str(annotation))
 

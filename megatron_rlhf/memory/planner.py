@@ -423,14 +423,13 @@ def checkpoint_plan(config: RLHFConfig, world_size: int, nproc_per_node: Optiona
             dense = param_numels(rc.model, head, tp, pp, r, vocab)
             numels = dense + expert_numels(rc.model, tp, pp, r, 1)  # the weights file holds every expert
             if lora is not None and lora.enabled:
-                owned, slice_state = sum(lora_numels(rc.model, lora, tp, pp, r)) / dp, 0
+                owned = sum(lora_numels(rc.model, lora, tp, pp, r)) / dp
             else:  # each DP rank owns 1/DP of the dense parameters, each expert-DP rank 1/(DP/EP) of its experts
                 owned = sum(dense) / dp + sum(expert_numels(rc.model, tp, pp, r, ep)) / (dp // ep)
             shared = 12 * int(owned)  # an fp32 main copy and two moments per owned parameter
+            slice_state = shared
             if not rc.use_distributed_optimizer:  # DP rank 0 writes the slice's whole state, the others none
                 slice_state, shared = shared * dp, 0
-            else:
-                slice_state = shared
             stages.append(({WEIGHTS: sum(numels) * BYTES[rc.precision], OPTIMIZER_STATE: slice_state}, shared))
         kinds, shared = max(stages, key=lambda s: sum(s[0].values()))
         writer[name], other[name] = kinds, shared
