@@ -5,6 +5,7 @@ six-role colocation peak. Workers of these tests run with MEGATRON_RLHF_DEVICE=c
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import ON_GPU
 from tests.test_ems import assert_full_offload_is_bit_identical
@@ -94,3 +95,57 @@ def test_the_kit_runs_its_steps_on_cpu_and_names_an_unknown_step(tmp_path):
     assert [line.split(":")[0] for line in (tmp_path / "steps.txt").read_text().splitlines()] == ["env", "tests"]
     unknown = kit("benchmarks")
     assert unknown.returncode == 2 and "unknown step benchmarks (steps: setup env tests" in unknown.stdout
+
+
+class StandInCudart:
+    """torch.cuda.cudart()'s page-locking calls, recorded (a CPU machine has no driver)."""
+
+    def __init__(self):
+        self.pinned, self.calls = {}, []
+
+    def cudaHostRegister(self, address, nbytes, flags):
+        self.calls.append(("register", address))
+        overlaps = any(a < address + nbytes and address < a + n for a, n in self.pinned.items())
+        self.pinned[address] = nbytes
+        return 712 if overlaps else 0  # cudaErrorHostMemoryAlreadyRegistered, as the driver answers
+
+    def cudaHostUnregister(self, address):
+        self.calls.append(("unregister", address))
+        return 0 if self.pinned.pop(address, None) is not None else 713
+
+
+def test_cuda_host_arenas_own_their_pages_and_are_unpinned_once_however_they_go(monkeypatch):
+    """The pinned arenas EMS copies through: each on pages of its own (the driver pins whole
+    pages), unpinned exactly once whether released or dropped with its role, and a failed call
+    named rather than left for an unrelated kernel to report."""
+    import gc
+    import mmap
+
+    from megatron_rlhf.runtime.platform import CudaPlatform
+
+    cudart = StandInCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    platform = object.__new__(CudaPlatform)  # no device to bind on CPU
+    platform._registered, platform._side = {}, None
+    monkeypatch.setattr(platform, "synchronize", lambda: None)
+    sizes = (1, 100, mmap.PAGESIZE + 1, 3 * 2**20 + 5)
+    arenas = [platform.host_arena(n) for n in sizes]
+    assert [a.numel() for a in arenas] == list(sizes)
+    assert all(a.data_ptr() % mmap.PAGESIZE == 0 for a in arenas)
+    assert all(code == "register" for code, _ in cudart.calls) and len(cudart.pinned) == len(sizes)
+    arenas[0].fill_(7)
+    assert arenas[0].tolist() == [7]
+    platform.release_host_arena(arenas[0])
+    platform.release_host_arena(arenas[0])  # a second release does nothing
+    dropped = arenas[1].data_ptr()
+    del arenas[:2]
+    gc.collect()
+    assert ("unregister", dropped) in cudart.calls and len(cudart.pinned) == len(sizes) - 2
+    assert sum(code == "unregister" for code, _ in cudart.calls) == 2
+    # What the driver refuses is said at the call that failed, naming it.
+    cudart.pinned.pop(arenas[0].data_ptr())
+    with pytest.raises(RuntimeError, match="cudaHostUnregister of the arena at 0x[0-9a-f]+ failed: CUDA error 713"):
+        platform.release_host_arena(arenas[0])
+    cudart.cudaHostRegister = lambda address, nbytes, flags: 2  # cudaErrorMemoryAllocation
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister of 64 host bytes failed: CUDA error 2; .*\(ulimit -l\)"):
+        platform.host_arena(64)

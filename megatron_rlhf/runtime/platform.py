@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import mmap
 import os
+import weakref
 from typing import Callable, Dict
 
 import torch
@@ -21,6 +23,8 @@ import torch
 # megatron TransformerConfig's kernel fusion switches.
 FUSIONS = ("bias_activation_fusion", "masked_softmax_fusion", "apply_rope_fusion", "persist_layer_norm",
            "gradient_accumulation_fusion")
+# The compiled extensions megatron's fused softmax imports (built with apex or megatron from source).
+SOFTMAX_KERNELS = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda")
 
 
 class DevicePlatform:
@@ -120,6 +124,7 @@ class CudaPlatform(DevicePlatform):
     def __init__(self) -> None:
         self._device = torch.device("cuda", torch.cuda.current_device())
         self._side = None  # the stream onloads overlap on
+        self._registered: Dict[int, weakref.finalize] = {}  # host arenas page-locked, by address
 
     @property
     def device(self) -> torch.device:
@@ -131,19 +136,30 @@ class CudaPlatform(DevicePlatform):
 
     def host_arena(self, nbytes: int) -> torch.Tensor:
         # torch's pinned allocator rounds every block up to a power of two and caches freed blocks
-        # (1.39x to 1.99x the offloaded bytes for Llama-2 shards); an ordinary allocation
-        # page-locked in place is exactly nbytes, and goes back to the OS when released.
-        arena = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:
-            code = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), nbytes, 0)
-            if int(code) != 0:
-                raise RuntimeError(f"cudaHostRegister of {nbytes} host bytes failed (CUDA error {int(code)}); "
-                                   "the node may be out of page-lockable memory (ulimit -l)")
+        # (1.39x to 1.99x the offloaded bytes for Llama-2 shards); pages of our own, page-locked in
+        # place, are exactly nbytes rounded to a page and go back to the OS when released. They are
+        # an anonymous mapping, not malloc's: a heap block can share a page with another arena,
+        # and the driver registers whole pages (a second registration, or an unregistration that
+        # unpins a neighbour's page, fails later at an unrelated kernel).
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        pages = mmap.mmap(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+        arena = torch.frombuffer(pages, dtype=torch.uint8, count=nbytes)
+        _check_cudart("cudaHostRegister", torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), nbytes, 0),
+                      f"of {nbytes} host bytes", "the node may be out of page-lockable memory (ulimit -l)")
+        # Unregistered exactly once: by release_host_arena, or when the tensor goes (a role dropped
+        # without releasing) before its pages are unmapped; a stale registration of an address
+        # range the OS hands out again breaks the next copy from it.
+        unregister = weakref.finalize(arena, _unregister_host, arena.data_ptr())
+        unregister.atexit = False  # the process's end unmaps and unpins everything
+        self._registered[arena.data_ptr()] = unregister
         return arena
 
     def release_host_arena(self, arena: torch.Tensor) -> None:
-        if arena.numel():
-            torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
+        unregister = self._registered.pop(arena.data_ptr(), None)
+        if unregister is not None:
+            self.synchronize()  # no queued copy may still read the pages
+            unregister()
 
     @property
     def has_transformer_engine(self) -> bool:
@@ -153,12 +169,14 @@ class CudaPlatform(DevicePlatform):
         return module.cuda(self._device)
 
     def kernel_fusions(self) -> Dict[str, bool]:
-        # megatron-core's own: SwiGLU through torch.compile; the fused masked softmax where its
-        # kernel is built (megatron falls back to torch's softmax otherwise). RoPE fusion and
+        # megatron-core's own: SwiGLU through torch.compile; the fused masked softmax only where
+        # its kernels are built (megatron imports them unguarded once a shape qualifies: a wheel
+        # of megatron-core without them fails at the first long enough sequence). RoPE fusion and
         # fused weight-gradient accumulation are transformer-engine kernels (apex for the latter
         # with local layers); persist_layer_norm is apex's LayerNorm, not RMSNorm.
         te = self.has_transformer_engine
-        return dict(super().kernel_fusions(), bias_activation_fusion=True, masked_softmax_fusion=True,
+        return dict(super().kernel_fusions(), bias_activation_fusion=True,
+                    masked_softmax_fusion=all(importlib.util.find_spec(k) is not None for k in SOFTMAX_KERNELS),
                     apply_rope_fusion=te, gradient_accumulation_fusion=te)
 
     def synchronize(self) -> None:
@@ -206,6 +224,15 @@ class CudaPlatform(DevicePlatform):
 
     def device_free_bytes(self) -> int:
         return torch.cuda.mem_get_info(self._device)[0]
+
+
+def _check_cudart(call: str, code, what: str, hint: str = "") -> None:
+    if int(code) != 0:
+        raise RuntimeError(f"{call} {what} failed: CUDA error {int(code)}{hint and '; ' + hint}")
+
+
+def _unregister_host(address: int) -> None:
+    _check_cudart("cudaHostUnregister", torch.cuda.cudart().cudaHostUnregister(address), f"of the arena at {address:#x}")
 
 
 def _load_libc():

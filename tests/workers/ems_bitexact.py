@@ -14,7 +14,7 @@ from megatron_rlhf.memory import OFFLOAD_ORDER
 from megatron_rlhf.models.decoder import build_model
 from megatron_rlhf.models.training import next_token_loss, wrap_for_training
 from megatron_rlhf.roles.base import assemble_role
-from megatron_rlhf.runtime import set_seed
+from megatron_rlhf.runtime import get_platform, set_seed
 
 arch = tiny_arch()
 
@@ -45,7 +45,7 @@ def run(precision, dist_opt, ems):
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     losses, moved = [], []
     for _ in range(4):
-        batch = torch.randint(0, arch.vocab_size, (4, 16), generator=gen).chunk(dp)[dp_rank]
+        batch = torch.randint(0, arch.vocab_size, (4, 16), generator=gen).chunk(dp)[dp_rank].to(get_platform().device)
         mbs = [{"tokens": t} for t in batch.split(1)]
         with role.resident("training"):
             step = role.train_step(mbs, next_token_loss)
