@@ -33,6 +33,19 @@ def test_a_kept_cache_across_turns_gives_the_tokens_of_prefilling_every_turn_and
         assert rank_result.tp2_pp2_turns_kept[0] == prefilled
 
 
+def test_turns_that_join_a_running_batch_give_the_tokens_of_turns_in_lockstep(generated):
+    """An open run (generation/open_run.py): each row's next turn joins the running batch when its
+    reply comes, after latencies that differ by row, in 4 or 2 slots, TP2 x PP2: the same tokens as
+    every turn prefilled in lockstep, and a kept cache feeds less whenever slots allow."""
+    prefilled, fed_again = generated[0].turns_prefilled
+    for name, (rows, fed) in generated[0].turns_open.items():
+        assert rows == prefilled, name
+        assert fed < fed_again, name
+    assert generated[0].turns_open["4_slots_delays_0000"][1] == generated[0].turns_kept[1]  # every turn resumed
+    for rank_result in generated:
+        assert rank_result.tp2_pp2_turns_open[0] == prefilled
+
+
 @pytest.mark.parametrize("layout", ["tp2_pp1", "tp1_pp2", "tp2_pp2"])
 def test_greedy_under_tp_and_pp_equals_tp1(generated, layout):
     for rank_result in generated:

@@ -220,7 +220,9 @@ def test_reinforce_returns_run_across_the_environments_tokens():
 # -- through the engine, on 2 processes ------------------------------------------------------------
 
 def _numbers(metrics):
-    return {k: v for k, v in metrics.items() if not k.startswith("time/")}
+    """The metrics a rollout's numbers decide: not times, nor the slots' occupancy (it follows when
+    each reply came back, as the schedule does; the tokens do not)."""
+    return {k: v for k, v in metrics.items() if not k.startswith("time/") and k != "rollout/slot_occupancy"}
 
 
 def test_multi_turn_rollouts_through_the_engine(tmp_path):
@@ -254,11 +256,16 @@ def test_multi_turn_rollouts_through_the_engine(tmp_path):
     assert 0 < base.metrics["rollout/model_token_share"] < 1 and mask.sum() < (tokens[:, 1:] > 0).sum()
     width = int((tokens != 0).sum(dim=1).max())  # the pad id is 0: each run's rows padded to its widest
     # The same with the policy generating at a layout of its own (TP=1 x DP=2 while the run is TP=2).
-    for name, other in (("EMS off", r.game_ems_off), ("micro-batch 1", r.game_mbs1), ("policy TP=1", r.game_policy_tp1)):
+    # ... and whatever the schedule of turns: in lockstep, or in 2 slots with replies late by trajectory.
+    assert r.game_2_slots_late_replies.metrics["rollout/prefix_recomputed"] > 0  # slots were taken over
+    for name, other in (("EMS off", r.game_ems_off), ("micro-batch 1", r.game_mbs1), ("policy TP=1", r.game_policy_tp1),
+                        ("lockstep", r.game_lockstep), ("2 slots, late replies", r.game_2_slots_late_replies)):
         assert torch.equal(other.rollout["tokens"][:, :width], tokens[:, :width])
         assert torch.equal(other.rollout["mask"][:, : width - 1], mask[:, : width - 1])
         assert torch.allclose(other.rollout["advantages"][:, : width - 1], base.rollout["advantages"][:, : width - 1], atol=1e-5)
         for key, value in _numbers(base.metrics).items():
+            if key == "rollout/prefix_recomputed" and other is r.game_2_slots_late_replies:
+                continue  # fewer slots: caches taken over, prefixes fed again (the tokens the same)
             if not (key.startswith("weight_sync/") and other is r.game_policy_tp1):  # its weights are resharded
                 assert other.metrics[key] == pytest.approx(value, abs=1e-5), (name, key)
 
@@ -273,34 +280,50 @@ class _Group:
         return 1
 
 
+class _ScriptedRun:
+    """Stands in for the engine's open run: a trajectory's k-th turn is ``turns[k]`` (the last one
+    again after) cut to its limit, ended at the next step; a row whose key kept its slot resumes
+    (``slots`` slots, the latest keys)."""
+
+    def __init__(self, turns, slots):
+        self.turns, self.slots = list(turns), slots
+        self.rows, self.holders, self.served = [], [], {}
+        self.peers, self.stats = None, types.SimpleNamespace(sampled=0, slot_steps=1)
+
+    @property
+    def busy(self):
+        return bool(self.rows)
+
+    def add(self, keys, prompts, limits, seeds):
+        resumed = sum(key in self.holders for key in keys)
+        for key, limit in zip(keys, limits):
+            if key not in self.holders:
+                self.holders = (self.holders + [key])[-self.slots:]
+            k = self.served.get(key, 0)
+            self.served[key] = k + 1
+            self.rows.append((key, self.turns[min(k, len(self.turns) - 1)][:limit]))
+        return resumed
+
+    def release(self, key):
+        pass
+
+    def step(self, active=True):
+        if not active:
+            return None
+        ended, self.rows = self.rows, []
+        return [(key, list(ids)) for key, ids in ended]
+
+
 class _ScriptedCollector:
-    """Stands in for the collector: one replica of one rank, whose engine answers every prefix of
-    a call with the call's turn: ``turns[k]`` for the k-th call (the last one again after)."""
+    """Stands in for the collector: one replica of one rank."""
 
     def __init__(self, turns, slots):
         model = types.SimpleNamespace(pg_collection=types.SimpleNamespace(tp=_Group(), pp=_Group()))
         self.roles = {"policy": types.SimpleNamespace(model=model)}
-        self.turns, self.calls = list(turns), 0
-        self.slots = slots
+        self.turns, self.slots = turns, slots
 
-    def engine(self, rows, params, max_new_tokens, session, keys):
-        """The turn cut to each row's limit; a row whose key the session saw before resumes
-        (in ``session.slots`` slots at most, the later ones prefill again)."""
-        turn = self.turns[min(self.calls, len(self.turns) - 1)]
-        self.calls += 1
-        width = rows["tokens"].shape[1] + len(turn)
-        tokens = torch.zeros(len(rows["tokens"]), width, dtype=torch.long)
-        lengths = [min(len(turn), limit) for limit in max_new_tokens]
-        for i, (row, n) in enumerate(zip(rows["tokens"], rows["prompt_lengths"].tolist())):
-            tokens[i, :n] = row[:n]
-            tokens[i, n : n + lengths[i]] = torch.tensor(turn[: lengths[i]])
-        resumed = sum(key in session.seen for key in keys[: session.slots])
-        session.seen.update(keys[: session.slots])
-        return types.SimpleNamespace(tokens=tokens, response_lengths=torch.tensor(lengths),
-                                     stats=types.SimpleNamespace(resumed=resumed))
-
-    def cache_session(self, rows):
-        return contextlib.nullcontext(types.SimpleNamespace(slots=self.slots, seen=set()))
+    def open_run(self, rows, params):
+        return contextlib.nullcontext(_ScriptedRun(self.turns, self.slots))
 
 
 def _turns(tmp_path, environment: str, slots=2, **rollout):

@@ -451,6 +451,9 @@ class RolloutConfig:
     stop: List[str] = dataclasses.field(default_factory=list)
     env_timeout_s: float = bounded(30.0, gt=0)  # per environment call
     env_workers: int = bounded(2, ge=1)  # worker processes per policy replica
+    # A trajectory goes to its environment as its turn ends, and its next turn joins the running
+    # batch when the reply comes; False: lockstep (every trajectory's turn, then every call).
+    overlap_turns: bool = True
     # Tools (megatron_rlhf/agents): callables (module:callable or file.py:callable) the built-in tool
     # environment calls for the model; their schemas go to the chat template's tools.
     tools: List[str] = dataclasses.field(default_factory=list)

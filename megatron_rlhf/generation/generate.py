@@ -127,7 +127,7 @@ def _any_peer_running(peers, running: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-class _Responses:
+class Responses:
     """The rows being generated, on the device: tokens [B, width + 1] (prompt, then response; the
     last column takes the tokens not kept), each row's response length so far, and per slot its
     last token and whether its row is still going (no end token emitted); with ``log_probs``,
@@ -139,12 +139,24 @@ class _Responses:
         self.width = width
         self.tokens = torch.full((rows, width + 1), params.pad_id, dtype=torch.long, device=device)
         self.tokens[:, : min(prompts.shape[1], width)] = prompts[:, :width]  # a wider prompt tensor holds padding there
-        self.prompt_lengths = torch.tensor(lengths, device=device)
+        self.prompt_lengths = torch.tensor(lengths, dtype=torch.long, device=device)
         self.response_lengths = torch.zeros(rows, dtype=torch.long, device=device)
         self.alive = torch.zeros(slots, dtype=torch.bool, device=device)
         self.last_token = torch.zeros(slots, dtype=torch.long, device=device)
         self.eos_ids = torch.tensor(params.eos_ids, dtype=torch.long, device=device) if params.eos_ids else None
         self.log_probs = torch.zeros((rows, width + 1), device=device) if log_probs else None
+
+    def add(self, prompts: Sequence[Sequence[int]], pad_id: int) -> None:
+        """Rows joining an open run (generation/open_run.py): their prompts, nothing sampled yet."""
+        device = self.tokens.device
+        rows = torch.full((len(prompts), self.width + 1), pad_id, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            rows[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        self.tokens = torch.cat([self.tokens, rows.to(device)])
+        self.prompt_lengths = torch.cat([self.prompt_lengths, torch.tensor([len(p) for p in prompts], device=device)])
+        self.response_lengths = torch.cat([self.response_lengths, torch.zeros(len(prompts), dtype=torch.long, device=device)])
+        if self.log_probs is not None:
+            self.log_probs = torch.cat([self.log_probs, torch.zeros((len(prompts), self.width + 1), device=device)])
 
     def record(self, step: ScheduledStep, sampled: torch.Tensor, rows: torch.Tensor, counters: torch.Tensor,
                log_probs: Optional[torch.Tensor] = None) -> None:
@@ -194,6 +206,66 @@ class _Routes:
         table = self.table[:-1, :used]
         beyond = torch.arange(used, device=table.device)[None, :] >= total_lengths[:, None]
         return table.masked_fill(beyond[:, :, None, None], -1)
+
+
+@contextlib.contextmanager
+def engine_modes(model: torch.nn.Module, cache: SlotKVCache):
+    """The model as the engine runs it: eval mode, its pipeline stage over ``cache`` (yielded),
+    plain tensor ops, the engine's linears, inference mode; all undone on leaving."""
+    with contextlib.ExitStack() as stack:
+        stack.callback(model.train, model.training)
+        model.eval()
+        stage = stack.enter_context(PipelineStage(model, cache))
+        platform = get_platform()
+        stack.enter_context(platform.plain_tensor_ops())
+        stack.enter_context(platform.engine_linears(model))
+        stack.enter_context(torch.inference_mode())
+        yield stage
+
+
+@dataclasses.dataclass
+class EngineStep:
+    """What one scheduled step needs: it packs the step, runs the forward, samples each row's
+    token from its own stream (``seeds`` and ``offsets`` by row), records it and tells the
+    schedule which rows are still going."""
+
+    stage: PipelineStage
+    packer: StepPacker
+    schedule: SlotSchedule
+    responses: "Responses"
+    seeds: torch.Tensor
+    offsets: torch.Tensor
+    params: SamplingParams
+    vocab_size: int
+    groups: object
+    slots: int
+    stats: EngineStats
+    record_log_probs: bool = False
+    routes: Optional["_Routes"] = None
+
+    def run(self, step: ScheduledStep) -> None:
+        device, responses = self.seeds.device, self.responses
+        tokens, layout, keep = self.packer.pack(step, responses.last_token)
+        logits = self.stage.forward(tokens, layout, keep)
+        step_rows = torch.tensor(step.rows, device=device)
+        if self.routes is not None:
+            self.routes.write(step, step_rows, layout)
+        counters = torch.tensor(step.counters, device=device)
+        sampled = chosen = None
+        if logits is not None:
+            logits = logits[:, : self.vocab_size]
+            sampled = _decided_once(sample_next(logits, self.params, self.seeds[step_rows],
+                                                counters + self.offsets[step_rows]), self.groups.tp)
+            if self.record_log_probs:
+                chosen = _decided_once(chosen_log_probs(logits, sampled, self.params.temperature), self.groups.tp)
+        if self.record_log_probs:
+            chosen = broadcast_from_last_stage(chosen, (len(step.rows),), torch.float32, device, self.groups.pp)
+        responses.record(step, broadcast_from_last_stage(sampled, (len(step.rows),), torch.long, device, self.groups.pp),
+                         step_rows, counters, chosen)
+        if self.params.eos_ids:
+            copied = get_platform().copy_to_host_async(responses.alive)
+            self.schedule.note_alive(lambda: copied().tolist())
+        self.stats.count(step, tokens.shape[1], self.slots)
 
 
 def _checked_request(prompts, prompt_lengths, params, max_new_tokens, session, keys, record_routes, start_counters):
@@ -281,7 +353,7 @@ def generate(
     if session is not None:
         homes, cached = session.homes(keys, [p[:n] for p, n in zip(packer.prompts.tolist(), lengths)])
     schedule = SlotSchedule(lengths, slots, limits, PREFILL_TOKENS, homes, cached)
-    responses = _Responses(packer.prompts, lengths, slots, width, params, device, record_log_probs)
+    responses = Responses(packer.prompts, lengths, slots, width, params, device, record_log_probs)
     peers = _expert_parallel_peers(model)
 
     def new_cache() -> SlotKVCache:
@@ -297,39 +369,18 @@ def generate(
             if on_cache is not None:
                 stack.enter_context(on_cache(cache))
             stack.callback(cache.release)
-        stack.callback(model.train, model.training)
-        model.eval()
-        stage = stack.enter_context(PipelineStage(model, cache))
-        stack.enter_context(platform.plain_tensor_ops())
-        stack.enter_context(platform.engine_linears(model))
-        stack.enter_context(torch.inference_mode())
+        stage = stack.enter_context(engine_modes(model, cache))
         if routes is not None:
             stack.enter_context(routing.recording(model))
+        core = EngineStep(stage, packer, schedule, responses, seeds, offsets, params, vocab_size, groups, slots,
+                          stats, record_log_probs, routes)
         while (step := schedule.next_step(lag)) is not None or peers is not None:
             if peers is not None and not _any_peer_running(peers, step is not None, device):
                 break
             if step is None:  # drained: take part in the peers' expert all-to-alls until they are too
                 stage.forward(*packer.idle())
                 continue
-            tokens, layout, keep = packer.pack(step, responses.last_token)
-            logits = stage.forward(tokens, layout, keep)
-            step_rows = torch.tensor(step.rows, device=device)
-            if routes is not None:
-                routes.write(step, step_rows, layout)
-            counters = torch.tensor(step.counters, device=device)
-            sampled = chosen = None
-            if logits is not None:
-                sampled = _decided_once(sample_next(logits[:, :vocab_size], params, seeds[step_rows],
-                                                    counters + offsets[step_rows]), groups.tp)
-                if record_log_probs:
-                    chosen = _decided_once(chosen_log_probs(logits[:, :vocab_size], sampled, params.temperature), groups.tp)
-            if record_log_probs:
-                chosen = broadcast_from_last_stage(chosen, (len(step.rows),), torch.float32, device, groups.pp)
-            responses.record(step, broadcast_from_last_stage(sampled, (len(step.rows),), torch.long, device, groups.pp),
-                             step_rows, counters, chosen)
-            if params.eos_ids:
-                schedule.note_alive(lambda copied=platform.copy_to_host_async(responses.alive): copied().tolist())
-            stats.count(step, tokens.shape[1], slots)
+            core.run(step)
     generated = responses.result(stats, routes)
     if session is not None:
         totals = generated.total_lengths.tolist()

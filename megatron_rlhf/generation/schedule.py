@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Deque, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Deque, List, Optional, Sequence, Set, Tuple, Union
 
 FREE = -1
 
@@ -65,6 +65,28 @@ class SlotSchedule:
         # (step, the row in each slot then, a function giving each slot's alive flag after that step)
         self._pending: Deque[Tuple[int, List[int], Callable[[], Sequence[bool]]]] = collections.deque()
         self.step = 0
+        self.ended: List[Tuple[int, int]] = []  # (row, slot) of each row that left its slot, in order
+        # Free slots a homeless row takes last: their caches hold trajectories expected back
+        # (with ``keep_freed``, every slot its row left is, until the owner says otherwise).
+        self.reserved: Set[int] = set()
+        self.keep_freed = False
+
+    def add(self, lengths: Sequence[int], limits: Sequence[int], homes: Sequence[Optional[int]],
+            cached: Sequence[int]) -> List[int]:
+        """More rows, waiting after the others (an open engine run); their row numbers."""
+        first = len(self.lengths)
+        self.lengths += lengths
+        self.limits += limits
+        self.homes += homes
+        self.cached += cached
+        self.waiting.extend(range(first, len(self.lengths)))
+        return list(range(first, len(self.lengths)))
+
+    def _free(self, slot: int) -> None:
+        self.ended.append((self.row_in[slot], slot))
+        self.row_in[slot] = FREE
+        if self.keep_freed:
+            self.reserved.add(slot)
 
     @property
     def drained(self) -> bool:
@@ -82,14 +104,14 @@ class SlotSchedule:
             _, held, flags = self._pending.popleft()
             for slot, alive in enumerate(flags()):
                 if not alive and self.row_in[slot] == held[slot] != FREE:
-                    self.row_in[slot] = FREE
+                    self._free(slot)
 
     def next_step(self, lag: int = 0) -> Optional[ScheduledStep]:
         """Retire the rows that are done, admit waiting prompts to the free slots; the step to run,
         or None when every row is done."""
         for slot, row in enumerate(self.row_in):  # ended by length: known here
             if row != FREE and self.produced[slot] >= self.limits[row]:
-                self.row_in[slot] = FREE
+                self._free(slot)
         self.learn_ended(lag)
         admitted = self._admit()
         decoding = [s for s, row in enumerate(self.row_in) if row != FREE and s not in admitted]
@@ -110,15 +132,17 @@ class SlotSchedule:
     def _admit(self) -> List[int]:
         admitted, budget = [], self.prefill_tokens
         called_home = {self.homes[r] for r in self.waiting} - {None}
-        for slot, row in enumerate(self.row_in):
-            if row != FREE or not self.waiting:
-                continue
+        free = [slot for slot, row in enumerate(self.row_in) if row == FREE]
+        for slot in sorted(free, key=lambda slot: slot in self.reserved):  # reserved slots last
+            if not self.waiting:
+                break
             row = self._waiting_for(slot, called_home)
             if row is None:
                 continue
             if admitted and self.lengths[row] - self.cached[row] > budget:
                 break
             self.waiting.remove(row)
+            self.reserved.discard(slot)
             self.row_in[slot], self.served[slot], self.produced[slot], self.fed[slot] = row, row, 0, 0
             budget -= self.lengths[row] - self.cached[row]
             admitted.append(slot)

@@ -7,6 +7,7 @@ value model's values of the rows kept. Every phase returns its rows and metrics.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -17,7 +18,7 @@ from megatron_rlhf import ppo
 from megatron_rlhf.config.schema import RLHFConfig
 from megatron_rlhf.data import PromptDataset, Tokenizer
 from megatron_rlhf.data.prompts import prompt_text
-from megatron_rlhf.generation import CacheSession, SamplingParams, generate
+from megatron_rlhf.generation import CacheSession, OpenRun, SamplingParams, generate
 from megatron_rlhf.memory import KV_CACHE
 from megatron_rlhf.models.batches import action_mask
 from megatron_rlhf.models.routing import ROUTES
@@ -204,6 +205,14 @@ class RolloutCollector:
         generation.batch_size allows), in the ledger while it lives."""
         return CacheSession(min(rows, self.config.generation.batch_size or rows), self.config.sequence_tokens,
                             self._ledger_record)
+
+    @contextlib.contextmanager
+    def open_run(self, rows: int, sampling: SamplingParams):
+        """An engine run of the (resident) policy that ``rows`` trajectories' turns join as they
+        come (generation/open_run.py), its KV cache kept across their turns and in the ledger."""
+        with self.cache_session(rows) as session, OpenRun(self.roles["policy"].model, sampling, self.vocab_size,
+                                                          session) as run:
+            yield run
 
     def _ledger_record(self, cache):
         return self.roles["policy"].memory.holding(KV_CACHE, [cache.storage], "generate")

@@ -53,6 +53,11 @@ class EnvironmentPool:
             raise
         self.history: Dict[int, List[Tuple[str, Any]]] = {}  # each live trajectory's answered calls
         self.lost: Dict[int, str] = {}  # trajectories whose rebuild failed -> why
+        self._requests: Dict[int, Request] = {}  # by ticket, until polled
+        self._queues: Dict[int, List[int]] = {}  # per worker, the tickets not yet sent
+        self._ready: List[Tuple[int, Outcome]] = []  # answered, not yet polled
+        self._next_ticket = 0
+        self.begin()
 
     def _new_worker(self) -> _Worker:
         return _Worker(self.spec, self.timeout_s, self.options)
@@ -62,53 +67,99 @@ class EnvironmentPool:
 
     def call(self, requests: List[Request]) -> List[Outcome]:
         """Answer every request, each trajectory's in order, the workers side by side."""
-        outcomes: List[Optional[Outcome]] = [None] * len(requests)
-        timeouts, answered = 0, False  # the environment blocks when its first calls all time out
-        queues: Dict[int, List[int]] = {}
-        for i, (trajectory, _, _) in enumerate(requests):
-            if trajectory in self.lost:
-                outcomes[i] = ("exited", self.lost[trajectory])
-            else:
-                queues.setdefault(self._home(trajectory), []).append(i)
-        while any(queues.values()) or any(w.task is not None for w in self.workers):
-            for w, worker in enumerate(self.workers):
-                if worker.task is None and queues.get(w):
-                    worker.task = queues[w].pop(0)
-                    trajectory, kind, payload = requests[worker.task]
-                    worker.deadline = time.monotonic() + self.timeout_s
-                    worker.conn.send((kind, trajectory, payload))
-            busy = [w for w in self.workers if w.task is not None]
-            wait([w.conn for w in busy], timeout=max(0.0, min(w.deadline for w in busy) - time.monotonic()))
-            for worker in busy:
-                i = worker.task
-                trajectory, kind, payload = requests[i]
-                if worker.conn.poll():
-                    try:
-                        outcome = worker.conn.recv()
-                    except EOFError:
-                        outcome = ("exited", f"ended its worker process (exit code {worker.process.wait()})")
-                elif time.monotonic() >= worker.deadline:
-                    outcome = ("timeout", f"took over {self.timeout_s:g}s (rollout.env_timeout_s)")
-                else:
-                    continue
-                worker.task = None
-                outcomes[i] = outcome
-                timeouts += outcome[0] == "timeout"
-                answered = answered or outcome[0] != "timeout"
-                if not answered and timeouts >= BLOCKED_AFTER * len(self.workers):  # as the reward pool stops
-                    self._give_up(queues, outcomes, timeouts)
-                if outcome[0] == "ok":
-                    self.history.setdefault(trajectory, []).append((kind, payload))
-                elif outcome[0] in ("timeout", "exited"):
-                    self._replace(worker, trajectory)
-        return outcomes
+        self.begin()
+        tickets = self.submit(requests)
+        answered: Dict[int, Outcome] = {}
+        while len(answered) < len(tickets):
+            answered.update(self.poll(None))
+        return [answered[t] for t in tickets]
 
-    def _give_up(self, queues: Dict[int, List[int]], outcomes: List[Optional[Outcome]], timeouts: int) -> None:
+    # -- calls answered as they come: submit, then poll ------------------------------------------
+
+    def begin(self) -> None:
+        """A new batch: an environment blocks when the batch's first calls all time out."""
+        self._timeouts, self._answered = 0, False
+
+    @property
+    def outstanding(self) -> int:
+        """Requests submitted and not yet answered by :meth:`poll`."""
+        return len(self._requests)
+
+    def submit(self, requests: List[Request]) -> List[int]:
+        """Queue ``requests`` (each trajectory's after its earlier ones); their tickets, in order."""
+        tickets = []
+        for trajectory, kind, payload in requests:
+            ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+            self._requests[ticket] = (trajectory, kind, payload)
+            if trajectory in self.lost:
+                self._ready.append((ticket, ("exited", self.lost[trajectory])))
+            else:
+                self._queues.setdefault(self._home(trajectory), []).append(ticket)
+            tickets.append(ticket)
+        return tickets
+
+    def poll(self, timeout: Optional[float] = 0.0) -> List[Tuple[int, Outcome]]:
+        """The outcomes answered so far, by ticket: waits up to ``timeout`` seconds for a first one
+        (None: until one comes, while any is outstanding)."""
+        until = None if timeout is None else time.monotonic() + timeout
+        while not self._ready and self._requests:
+            self._send_queued()
+            busy = [w for w in self.workers if w.task is not None]
+            if not busy:
+                break
+            deadline = min(w.deadline for w in busy)
+            if until is not None:
+                deadline = min(deadline, until)
+            wait([w.conn for w in busy], timeout=max(0.0, deadline - time.monotonic()))
+            self._collect(busy)
+            if until is not None and time.monotonic() >= until:
+                break
+        self._send_queued()  # the next calls run while the caller works
+        ready, self._ready = self._ready, []
+        for ticket, _ in ready:
+            del self._requests[ticket]
+        return ready
+
+    def _send_queued(self) -> None:
+        for w, worker in enumerate(self.workers):
+            if worker.task is None and self._queues.get(w):
+                worker.task = self._queues[w].pop(0)
+                trajectory, kind, payload = self._requests[worker.task]
+                worker.deadline = time.monotonic() + self.timeout_s
+                worker.conn.send((kind, trajectory, payload))
+
+    def _collect(self, busy: List[_Worker]) -> None:
+        """The answers (or time-outs) of the ``busy`` workers that have one."""
+        for worker in busy:
+            ticket = worker.task
+            trajectory, kind, payload = self._requests[ticket]
+            if worker.conn.poll():
+                try:
+                    outcome = worker.conn.recv()
+                except EOFError:
+                    outcome = ("exited", f"ended its worker process (exit code {worker.process.wait()})")
+            elif time.monotonic() >= worker.deadline:
+                outcome = ("timeout", f"took over {self.timeout_s:g}s (rollout.env_timeout_s)")
+            else:
+                continue
+            worker.task = None
+            self._ready.append((ticket, outcome))
+            self._timeouts += outcome[0] == "timeout"
+            self._answered = self._answered or outcome[0] != "timeout"
+            if not self._answered and self._timeouts >= BLOCKED_AFTER * len(self.workers):  # as the reward pool stops
+                self._give_up()
+            if outcome[0] == "ok":
+                self.history.setdefault(trajectory, []).append((kind, payload))
+            elif outcome[0] in ("timeout", "exited"):
+                self._replace(worker, trajectory)
+
+    def _give_up(self) -> None:
         """Answer every request not yet sent: the environment's first calls all timed out."""
-        for queue in queues.values():
-            for i in queue:
-                outcomes[i] = ("timeout", f"was not made: the first {timeouts} calls of the batch all timed out "
-                                          f"(rollout.env_timeout_s={self.timeout_s:g}s), nothing answered: the environment blocks")
+        for queue in self._queues.values():
+            for ticket in queue:
+                self._ready.append((ticket, ("timeout", f"was not made: the first {self._timeouts} calls of the batch all "
+                                                        f"timed out (rollout.env_timeout_s={self.timeout_s:g}s), nothing "
+                                                        f"answered: the environment blocks")))
             queue.clear()
 
     def _replace(self, worker: _Worker, failed: int) -> None:

@@ -1,20 +1,23 @@
 """Multi-turn rollouts: the policy writes a turn, the environment answers, the policy writes again.
 
 Per policy replica, over its rows: every trajectory starts (the environment's first observation
-appended to the prompt), then each turn the engine generates for every trajectory still going, and
-the environment steps each one (its calls concurrent in worker processes, on the replica's first
-rank, the results sent to its other ranks). A turn ends at an end token, at one of
-``rollout.stop``'s tokens, or at ``max_tokens_per_turn``; a trajectory at the environment's
-``done``, at ``max_turns``, at ``max_trajectory_tokens`` or when its environment fails (counted,
-with the reason). A reply after the last turn is not appended: a trajectory ends with the model's
-tokens. Each turn's tokens draw from the response's own stream (keyed by the turn), so the rollout
-does not depend on the layout or on which trajectories share a turn's batch.
+appended to the prompt), then its turns alternate with its environment's replies. Without lockstep
+(``rollout.overlap_turns``, the default) a trajectory whose turn ends goes to its environment while
+the engine decodes the others, and its next turn joins the running batch as soon as the reply
+comes (generation/open_run.py); in lockstep every trajectory's turn runs, then every call. The
+environment's calls run concurrently in worker processes on the replica's first rank, each answer
+sent to its other ranks as it comes. A turn ends at an end token, at one of ``rollout.stop``'s
+tokens, or at ``max_tokens_per_turn``; a trajectory at the environment's ``done``, at
+``max_turns``, at ``max_trajectory_tokens`` or when its environment fails (counted, with the
+reason). A reply after the last turn is not appended: a trajectory ends with the model's tokens.
+Each turn's tokens draw from the response's own stream (keyed by the turn), so the rollout does
+not depend on the layout, on the schedule of turns or on which trajectories share a step.
 
-The engine keeps each trajectory's KV cache across its turns (a cache session for the batch,
-generation/session.py): a continuing trajectory feeds only the environment's reply and its own
-last token. With fewer decode slots (generation.batch_size) than trajectories, a slot freed by a
-trajectory whose turn ended is given to a waiting one, and the first loses its cache: its next
-turn prefills its prefix again (``rollout/prefix_recomputed`` counts those prefills).
+The engine keeps each trajectory's KV cache across its turns (a cache session): a continuing
+trajectory feeds only the environment's reply and its own last token. A slot a trajectory left is
+kept for it while other slots are free; with fewer decode slots (generation.batch_size) than
+trajectories a waiting row takes it, and the trajectory's next turn prefills its prefix again
+(``rollout/prefix_recomputed`` counts those prefills).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.config.schema import RLHFConfig
 from megatron_rlhf.errors import RunError
-from megatron_rlhf.generation import CacheSession, SamplingParams, stream_seeds
+from megatron_rlhf.generation import SamplingParams, stream_seeds
 from megatron_rlhf.models.decoder import global_rank, groups_of
 from megatron_rlhf.rollout.env_pool import EnvironmentPool
 from megatron_rlhf.rollout.record import COUNTED_METRICS
@@ -77,68 +80,80 @@ class MultiTurn:
         the per-turn rewards ``turn_rewards``) and the metrics."""
         groups = groups_of(collector.roles["policy"].model)
         counts = dict.fromkeys(TURN_COUNTS, 0.0)
-        env_s = 0.0
         lengths = mine["prompt_lengths"].tolist()
         trajectories = [Trajectory(row[:n].tolist(), self._new_id()) for row, n in zip(mine["tokens"].cpu(), lengths)]
-        rows = [{"prompt": text, **row} for text, row in zip(texts, fields)]
-        started = time.perf_counter()
-        self._environment_calls(trajectories, [("start", row) for row in rows], groups, counts, last_turn=False)
-        env_s += time.perf_counter() - started
+        calls = _ReplicaCalls(self, groups, trajectories)
+        calls.submit([(i, "start", {"prompt": text, **row}) for i, (text, row) in enumerate(zip(texts, fields))])
         turn_params = dataclasses.replace(sampling, max_new_tokens=self.turn_tokens,
                                           eos_ids=tuple(dict.fromkeys(sampling.eos_ids + self.stop_ids)))
-        with collector.cache_session(len(trajectories)) as session:
-            for turn in range(self.config.rollout.max_turns):
-                live = [i for i, t in enumerate(trajectories) if not t.done]
-                if not live:
-                    break
-                turns = self._generate(collector, session, trajectories, live, mine["seeds"], turn, turn_params, counts)
-                started = time.perf_counter()
-                last = turn == self.config.rollout.max_turns - 1
-                self._environment_calls([trajectories[i] for i in live], [("step", t) for t in turns], groups, counts, last)
-                env_s += time.perf_counter() - started
+        with collector.open_run(len(trajectories), turn_params) as engine:
+            self._serve(engine, calls, trajectories, mine["seeds"], turn_params, counts)
+        counts["rollout/slot_occupancy"] = engine.stats.sampled / max(engine.stats.slot_steps, 1)
         self._release(trajectories, groups)
         if _every_one_failed(trajectories, mine["seeds"].device):
             first = next((t.failure for t in trajectories if t.failure), "failure was on another rank")
             raise EnvironmentFailure(f"environment {self.spec}: every trajectory of the batch failed; the first "
                                      f"{first}", collective=True)
         out = _rows(trajectories, mine["prompt_index"], self.tokenizer.pad_id)
-        return out, self._metrics(trajectories, counts, env_s)
+        return out, self._metrics(trajectories, counts, calls.waited_s)
 
     def _new_id(self) -> int:
         self.next_id += 1
         return self.next_id
 
-    def _generate(self, collector, session: CacheSession, trajectories: List[Trajectory], live: List[int],
-                  seeds: torch.Tensor, turn: int, params: SamplingParams, counts: Dict[str, float]) -> List[dict]:
-        """One turn of the model for the ``live`` trajectories (each up to the turn's limit or the
-        context's end); appends its tokens; returns each turn as the environment sees it."""
-        device = seeds.device
-        prefixes = [trajectories[i].tokens for i in live]
-        width = max(len(p) for p in prefixes)
-        tokens = torch.full((len(live), width), self.tokenizer.pad_id, dtype=torch.long)
-        for row, prefix in enumerate(prefixes):
-            tokens[row, : len(prefix)] = torch.tensor(prefix)
-        live_seeds = seeds[torch.tensor(live, device=device)]
-        # Turn 0 draws as a single response would; every later turn from its own stream.
-        turn_seeds = live_seeds if turn == 0 else stream_seeds(live_seeds, turn).to(device)
-        sub = {"tokens": tokens.to(device), "prompt_lengths": torch.tensor([len(p) for p in prefixes], device=device),
-               "seeds": turn_seeds}
-        limits = [min(self.turn_tokens, self.context - len(p)) for p in prefixes]
-        gen = collector.engine(sub, params, max_new_tokens=limits, session=session,
-                               keys=[trajectories[i].index for i in live])
-        counts["rollout/prefix_recomputed"] += sum(trajectories[i].turns > 0 for i in live) - gen.stats.resumed
-        out = []
-        for row, i in enumerate(live):
-            t = trajectories[i]
-            p, r = len(prefixes[row]), int(gen.response_lengths[row])
-            ids = self._cut_at_stop(gen.tokens[row, p : p + r].tolist())
-            if len(t.tokens) + len(ids) >= self.context:  # the context is full: the trajectory ends
-                t.done = True
-                counts["rollout/context_truncated"] += 1
-            t.append_model(ids)
-            out.append({"text": self.tokenizer.decode(ids), "token_ids": ids, "index": turn,
-                        "ended": bool(ids) and ids[-1] in params.eos_ids})
-        return out
+    def _serve(self, engine, calls: "_ReplicaCalls", trajectories: List[Trajectory], seeds: torch.Tensor,
+               params: SamplingParams, counts: Dict[str, float]) -> None:
+        """The turns' schedule, until every trajectory is done: answers applied as they come, the
+        next turns started (at once, or in lockstep once every turn and call is over), one engine
+        step, the turns that ended sent to their environments."""
+        position = {t.index: i for i, t in enumerate(trajectories)}
+        lockstep = not self.config.rollout.overlap_turns
+        ready: List[int] = []  # trajectories whose next turn may start
+        while True:
+            # Wait for an answer only with nothing to run (never with expert-parallel peers to keep pace with).
+            block = not engine.busy and calls.outstanding and (not ready or lockstep) and engine.peers is None
+            for i, kind, answer in calls.arrivals(block):
+                if self._answered(trajectories[i], kind, answer, counts):
+                    ready.append(i)
+                else:
+                    engine.release(trajectories[i].index)
+            if ready and not (lockstep and (engine.busy or calls.outstanding)):
+                self._start_turns(engine, trajectories, sorted(ready), seeds, counts)
+                ready = []
+            active = engine.busy or calls.outstanding > 0 or bool(ready)
+            ended = engine.step(active) if active or engine.peers is not None else None
+            if ended is None:
+                return
+            for key, ids in ended:
+                i = position[key]
+                self._turn_ended(trajectories[i], ids, counts)
+                calls.submit([(i, "step", self._turn_view(trajectories[i], ids, params))])
+
+    def _start_turns(self, engine, trajectories: List[Trajectory], ready: List[int], seeds: torch.Tensor,
+                     counts: Dict[str, float]) -> None:
+        """The next turn of each of ``ready`` joins the engine's rows, drawing from its own stream
+        (turn 0 as a single response would, every later turn from the turn's own)."""
+        picked = [trajectories[i] for i in ready]
+        own = seeds[torch.tensor(ready, device=seeds.device)]
+        turns = torch.tensor([t.turns for t in picked], device=seeds.device)
+        turn_seeds = torch.where(turns == 0, own, stream_seeds(own, turns).to(seeds.device))
+        resumed = engine.add([t.index for t in picked], [t.tokens for t in picked],
+                             [min(self.turn_tokens, self.context - len(t.tokens)) for t in picked], turn_seeds)
+        counts["rollout/prefix_recomputed"] += sum(t.turns > 0 for t in picked) - resumed
+
+    def _turn_ended(self, t: Trajectory, ids: List[int], counts: Dict[str, float]) -> None:
+        """The model's turn ``ids`` appended to ``t`` (cut after a stop string, in place; the
+        context full ends it)."""
+        ids[:] = self._cut_at_stop(ids)
+        if len(t.tokens) + len(ids) >= self.context:  # the context is full: the trajectory ends
+            t.done = True
+            counts["rollout/context_truncated"] += 1
+        t.append_model(ids)
+
+    def _turn_view(self, t: Trajectory, ids: List[int], params: SamplingParams) -> dict:
+        """The turn as the environment sees it."""
+        return {"text": self.tokenizer.decode(ids), "token_ids": ids, "index": t.turns - 1,
+                "ended": bool(ids) and ids[-1] in params.eos_ids}
 
     def _cut_at_stop(self, ids: List[int]) -> List[int]:
         """A turn's ids up to the first token that completes one of the multi-token stop strings
@@ -157,60 +172,54 @@ class MultiTurn:
 
     # -- the environment -------------------------------------------------------------------------
 
-    def _environment_calls(self, trajectories: List[Trajectory], calls: List[tuple], groups, counts, last_turn: bool) -> None:
-        """Start or step each of ``trajectories`` (``calls``: (kind, payload) each; a trajectory
-        already done is not stepped); on the replica's first rank, the results sent to the others."""
-        wanted = [(t, call) for t, call in zip(trajectories, calls) if call[0] == "start" or not t.failure]
-        results = None
-        if _first_rank(groups):
-            results = self._answer(wanted)
-        results = _from_first_rank(results, groups)
-        for (t, (kind, _)), (observation_ids, done, reward, failure, own_counts) in zip(wanted, results):
-            counts["rollout/env_calls"] += 1
-            for name, value in own_counts.items():  # the environment's counts (tool calls, ...)
-                key = ("time/" if name.endswith("_s") else "rollout/") + name
-                counts[key] = counts.get(key, 0.0) + value
-            if failure is not None:
-                status, reason = failure
-                counts["rollout/env_failures"] += 1
-                counts["rollout/env_timeouts"] += status == "timeout"
-                t.fail(f"{kind}: {reason}")
-                continue
-            if reward is not None:
-                t.turn_rewards.append(reward)
-            if done or last_turn or t.done:
-                t.done = True
-                continue
-            ids = t.fitted_observation(observation_ids, self.config.rollout.max_observation_tokens)
-            room = self.context - len(t.tokens) - 1  # a reply with no room for the model to answer ends it
-            if len(ids) > room:
-                t.done = True
-                counts["rollout/context_truncated"] += 1
-                continue
-            t.append_observation(ids)
+    def _answered(self, t: Trajectory, kind: str, answer: tuple, counts: Dict[str, float]) -> bool:
+        """The environment's answer to a start or step of ``t`` applied; whether ``t`` goes on."""
+        observation_ids, done, reward, failure, own_counts = answer
+        counts["rollout/env_calls"] += 1
+        for name, value in own_counts.items():  # the environment's counts (tool calls, ...)
+            key = ("time/" if name.endswith("_s") else "rollout/") + name
+            counts[key] = counts.get(key, 0.0) + value
+        if failure is not None:
+            status, reason = failure
+            counts["rollout/env_failures"] += 1
+            counts["rollout/env_timeouts"] += status == "timeout"
+            t.fail(f"{kind}: {reason}")
+            return False
+        if reward is not None:
+            t.turn_rewards.append(reward)
+        if done or t.turns >= self.config.rollout.max_turns or t.done:
+            t.done = True
+            return False
+        ids = t.fitted_observation(observation_ids, self.config.rollout.max_observation_tokens)
+        room = self.context - len(t.tokens) - 1  # a reply with no room for the model to answer ends it
+        if len(ids) > room:
+            t.done = True
+            counts["rollout/context_truncated"] += 1
+            return False
+        t.append_observation(ids)
+        return True
 
-    def _answer(self, wanted: List[tuple]) -> List[tuple]:
+    def answer(self, kind: str, payload, outcome) -> tuple:
         """(observation ids, done, reward, failure: None or (kind, reason), the environment's
-        counts) per call, from the environment pool."""
+        counts) of one pool outcome, on the replica's first rank."""
+        status, value = outcome
+        if status != "ok":
+            return [], True, None, (status, value), {}
+        observation, done, reward = (value, False, None) if kind == "start" else (value.observation, value.done, value.reward)
+        own_counts = value.info.get("counts", {}) if kind == "step" else {}
+        turn_ids = payload["token_ids"] if kind == "step" else []
+        try:
+            ids = self.encoder.encode(observation, turn_ids, self.tokenizer.eos_ids)
+        except ValueError as e:
+            return [], True, None, ("protocol", f"its observation could not be encoded ({e})"), own_counts
+        return ids, done, reward, None, own_counts
+
+    def environment_pool(self) -> EnvironmentPool:
+        """The pool (started on the first call, on the replica's first rank)."""
         if self.pool is None:
             r = self.config.rollout
             self.pool = EnvironmentPool(self.spec, r.env_workers, r.env_timeout_s, self.options)
-        requests = [(t.index, kind, payload) for t, (kind, payload) in wanted]
-        out = []
-        for (t, (kind, payload)), (status, value) in zip(wanted, self.pool.call(requests)):
-            if status != "ok":
-                out.append(([], True, None, (status, value), {}))
-                continue
-            observation, done, reward = (value, False, None) if kind == "start" else (value.observation, value.done, value.reward)
-            own_counts = value.info.get("counts", {}) if kind == "step" else {}
-            turn_ids = payload["token_ids"] if kind == "step" else []
-            try:
-                ids = self.encoder.encode(observation, turn_ids, self.tokenizer.eos_ids)
-            except ValueError as e:
-                out.append(([], True, None, ("protocol", f"its observation could not be encoded ({e})"), own_counts))
-                continue
-            out.append((ids, done, reward, None, own_counts))
-        return out
+        return self.pool
 
     def _release(self, trajectories: List[Trajectory], groups) -> None:
         if self.pool is not None and _first_rank(groups):
@@ -222,6 +231,50 @@ class MultiTurn:
         return {**counts, "rollout/truncated_observations": float(sum(t.truncated_observations for t in trajectories)),
                 "rollout/turns_mean": sum(t.turns for t in trajectories) / len(trajectories),
                 "rollout/model_token_share": model / max(after_prompt, 1), "time/env_s": env_s}
+
+
+class _ReplicaCalls:
+    """The environment calls of one batch on a policy replica: every rank submits alike, the
+    replica's first rank makes them (the environment pool) and sends each answer to the others as
+    it comes. What every rank knows alike: the calls made and how many are unanswered."""
+
+    def __init__(self, turns: "MultiTurn", groups, trajectories: List[Trajectory]):
+        self.turns, self.groups, self.trajectories = turns, groups, trajectories
+        self.first = _first_rank(groups)
+        self.made: List[Tuple[int, str, object]] = []  # (trajectory position, kind, payload), by call
+        self.tickets: Dict[int, int] = {}  # the pool's ticket -> call (first rank)
+        self.outstanding = 0
+        self.waited_s = 0.0  # time the replica waited for an answer with nothing else to run
+        if self.first:
+            turns.environment_pool().begin()
+
+    def submit(self, calls: List[Tuple[int, str, object]]) -> None:
+        first = len(self.made)
+        self.made += calls
+        self.outstanding += len(calls)
+        if self.first:
+            requests = [(self.trajectories[i].index, kind, payload) for i, kind, payload in calls]
+            for call, ticket in enumerate(self.turns.pool.submit(requests), first):
+                self.tickets[ticket] = call
+
+    def arrivals(self, block: bool) -> List[Tuple[int, str, tuple]]:
+        """The answers come so far (waiting for one with ``block``): (trajectory position, kind,
+        answer) each, on every rank of the replica."""
+        if not self.outstanding:
+            return []
+        started = time.perf_counter()
+        answered = None
+        if self.first:
+            answered = []
+            for ticket, outcome in self.turns.pool.poll(None if block else 0.0):
+                call = self.tickets.pop(ticket)
+                _, kind, payload = self.made[call]
+                answered.append((call, self.turns.answer(kind, payload, outcome)))
+        answered = _from_first_rank(answered, self.groups)
+        if block:
+            self.waited_s += time.perf_counter() - started
+        self.outstanding -= len(answered)
+        return [(self.made[call][0], self.made[call][1], answer) for call, answer in answered]
 
 
 def _every_one_failed(trajectories: List[Trajectory], device: torch.device) -> bool:

@@ -32,3 +32,30 @@ class RaisesAlways:
 
     def step(self, turn):
         raise RuntimeError("the game is broken")
+
+
+class SlowEchoGame:
+    """The agent demo's game, each trajectory's replies late by 0 to 60 ms (decided by its prompt):
+    replies come back in another order than the turns were sent."""
+
+    def __init__(self):
+        import importlib.util
+        import os
+
+        path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny_agent", "env.py")
+        spec = importlib.util.spec_from_file_location("tiny_agent_env", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        self.game = module.EchoGame()
+
+    def start(self, row):
+        import zlib
+
+        self.latency = zlib.crc32(row["prompt"].encode()) % 4 * 0.02
+        return self.game.start(row)
+
+    def step(self, turn):
+        import time
+
+        time.sleep(self.latency)
+        return self.game.step(turn)

@@ -93,6 +93,8 @@ class GenerationEquivalence(Findings):
     turns_kept: tuple[list[list[int]], int]  # the cache kept in 4 slots
     turns_kept_2_slots: tuple[list[list[int]], int]  # in 2 slots for 4 rows
     tp2_pp2_turns_kept: tuple[list[list[int]], int]
+    turns_open: dict[str, tuple[list[list[int]], int]]  # "<slots>_slots_delays_<per row>" -> turns in an open run
+    tp2_pp2_turns_open: tuple[list[list[int]], int]  # 2 slots, delays 5 0 2 9
     tp2_pp2_eos: Generated
     tp2_pp2_eos_by_3: Generated  # 3 rows at a time
     tp2_pp2_eos_packed: Generated  # every linear on packed weights
@@ -447,6 +449,8 @@ class MultiTurn(Findings):
     game_ems_off: GameRun
     game_mbs1: GameRun
     game_policy_tp1: GameRun  # the policy at TP=1 x DP=2 of its own while the run is at TP=2
+    game_lockstep: GameRun  # rollout.overlap_turns false
+    game_2_slots_late_replies: GameRun  # 2 decode slots, replies late by 0-60 ms by trajectory
 
 
 @part

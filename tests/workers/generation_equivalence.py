@@ -10,7 +10,7 @@ from common import save, setup, tiny_arch
 from tests.workers.findings import Generated, GenerationEquivalence
 from megatron.core import parallel_state as ps
 
-from megatron_rlhf.generation import CacheSession, SamplingParams, generate
+from megatron_rlhf.generation import CacheSession, OpenRun, SamplingParams, generate
 from megatron_rlhf.models.decoder import build_model, load_local_state_dict, local_state_dict
 from megatron_rlhf.models.pipeline import forward_backward, gather_vocab_parallel
 from megatron_rlhf.models.sharding import merge_state_dicts, shard_state_dict
@@ -87,6 +87,33 @@ def turns(model, session_slots=None):
     return rows, fed
 
 
+def open_turns(model, slots, delays):
+    """turns()' four turns in an open run: row r's next turn joins ``delays[r]`` engine steps
+    after its turn ended (its reply's latency), so rows come back in another order and join a
+    running batch. Returns each row's tokens, and the tokens fed."""
+    replies = torch.randint(3, VOCAB, (4, 4, 4), generator=torch.Generator().manual_seed(1))
+    rows = [prompts[r, :n].tolist() for r, n in enumerate(lengths.tolist())]
+    limits, turn = [2, 3, 1, 3], [0] * 4
+    due, steps = dict.fromkeys(range(4), 0), 0  # row -> the engine step its next turn joins at
+    session = CacheSession(slots, 64)
+    with OpenRun(model, GREEDY, VOCAB, session) as run:
+        while due or run.busy:
+            joining = sorted(r for r, at in due.items() if at <= steps)
+            if joining:
+                run.add(joining, [rows[r] for r in joining], [limits[r] for r in joining], torch.tensor(joining))
+                for r in joining:
+                    del due[r]
+            steps += 1
+            for r, ids in run.step():
+                rows[r] += ids
+                rows[r] += replies[r, turn[r], : 1 + (r + turn[r]) % 4].tolist()
+                turn[r] += 1
+                if turn[r] < 4:
+                    due[r] = steps + delays[r]
+    session.close()
+    return rows, run.stats.computed_tokens
+
+
 def as_record(g) -> Generated:
     return Generated(tokens=g.tokens.cpu(), response_lengths=g.response_lengths.cpu())
 
@@ -126,6 +153,9 @@ result.nocache_eos = argmax_without_cache(model, with_eos)
 result.turns_prefilled = turns(model)
 result.turns_kept = turns(model, session_slots=4)
 result.turns_kept_2_slots = turns(model, session_slots=2)  # rows take each other's slots: some prefixes again
+# Turns without lockstep: replies of different latencies, 4 and 2 slots (rows join running batches).
+result.turns_open = {f"{slots}_slots_delays_{''.join(map(str, delays))}": open_turns(model, slots, delays)
+                     for slots, delays in ((4, (0, 0, 0, 0)), (4, (5, 0, 2, 9)), (2, (5, 0, 2, 9)), (2, (0, 7, 1, 3)))}
 del model
 
 for tp, pp in ((2, 1), (1, 2), (2, 2)):
@@ -140,6 +170,7 @@ for tp, pp in ((2, 1), (1, 2), (2, 2)):
     result.stats[f"tp{tp}_pp{pp}"] = stats(model)
     if (tp, pp) == (2, 2):
         result.tp2_pp2_turns_kept = turns(model, session_slots=4)
+        result.tp2_pp2_turns_open = open_turns(model, 2, (5, 0, 2, 9))
         result.tp2_pp2_eos = as_record(generate(model, prompts, lengths, with_eos, VOCAB))
         result.tp2_pp2_eos_by_3 = as_record(generate(model, prompts, lengths, with_eos, VOCAB, batch_size=3))
         # The engine's linears: oneDNN on packed weights by default (here every weight, however

@@ -1,6 +1,7 @@
 """Multi-turn rollouts through the real engine on 2 processes: (1) the tiny GRPO demo with an
 environment that never answers gives the single-turn run's iteration; (2) the agent demo's game
-(examples/tiny_agent, TP=2) gives the same rollout and update with EMS off and at micro-batch 1;
+(examples/tiny_agent, TP=2) gives the same rollout and update with EMS off, at micro-batch 1, with the
+policy at its own layout, in lockstep, and in 2 slots with replies late by trajectory;
 (3) an environment that fails every trajectory of one DP rank, then of both; (4) the tiny
 GRPO run with the sandboxed Python tool (tags format) instead of an environment. Saves per rank each
 run's metrics, the rollout (gathered over DP) of the game runs, and the error of the last."""
@@ -23,7 +24,7 @@ SILENT = ENVIRONMENTS + ":Silent"
 
 
 def iteration(config_file: str, tp: int, name: str, environment=None, ems: bool = True, micro_batch_size=None,
-              policy_tp: str = "", **rollout):
+              policy_tp: str = "", slots=None, **rollout):
     os.environ.update(TP=str(tp), ITERATIONS="1", POLICY_TP=policy_tp)
     prepared = prepare(parse_args(["--config", config_file, "--output-dir", os.path.join(OUT_DIR, name)]),
                        int(os.environ["WORLD_SIZE"]))
@@ -33,6 +34,8 @@ def iteration(config_file: str, tp: int, name: str, environment=None, ems: bool 
         if micro_batch_size is not None:
             config.role(role).micro_batch_size = micro_batch_size
     spec = environment or prepared.environment
+    if slots is not None:
+        config.generation.batch_size = slots
     for key, value in rollout.items():
         setattr(config.rollout, key, value)
     setup(tp=tp, seed=config.seed)
@@ -69,4 +72,8 @@ result.game = iteration("examples/tiny_agent/grpo.yaml", 2, "game")
 result.game_ems_off = iteration("examples/tiny_agent/grpo.yaml", 2, "game_ems_off", ems=False)
 result.game_mbs1 = iteration("examples/tiny_agent/grpo.yaml", 2, "game_mbs1", micro_batch_size=1)
 result.game_policy_tp1 = iteration("examples/tiny_agent/grpo.yaml", 2, "game_policy_tp1", policy_tp="1")
+# The schedule of turns: in lockstep; and without it in 2 slots, replies late by 0-60 ms by trajectory.
+result.game_lockstep = iteration("examples/tiny_agent/grpo.yaml", 2, "game_lockstep", overlap_turns=False)
+result.game_2_slots_late_replies = iteration("examples/tiny_agent/grpo.yaml", 2, "game_2_slots_late_replies", slots=2,
+                                             environment=ENVIRONMENTS + ":SlowEchoGame")
 save(result)
