@@ -108,9 +108,16 @@ def _decode(query, keys, values, step: StepLayout, scale) -> torch.Tensor:
     query per slot its per-call set-up costs more than the arithmetic."""
     lo, hi = step.decode_span
     extent = step.decode_bias.shape[-1]
+    kv_heads = keys.shape[1]
+    if 2 * query.shape[0] <= hi - lo:  # few decoding slots in a wide span (turns joining): only theirs read
+        slots = step.slots[step.decode_start :]
+        q = query.view(query.shape[0], kv_heads, -1, query.shape[-1])
+        scores = torch.matmul(q, keys[slots, :, :extent].transpose(-1, -2))
+        scores = scores.mul_(q.shape[-1] ** -0.5 if scale is None else scale).add_(step.decode_bias[step.decode_rows])
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, values[slots, :, :extent]).view(query.shape[0], -1, q.shape[-1])
     every_slot = query.shape[0] == hi - lo  # then the decode slots are lo..hi-1 in order
     q = query if every_slot else query.new_zeros(hi - lo, *query.shape[1:]).index_copy_(0, step.decode_rows, query)
-    kv_heads = keys.shape[1]
     q = q.view(hi - lo, kv_heads, -1, q.shape[-1])  # [span, kv_heads, queries per kv head, dim]
     scores = torch.matmul(q, keys[lo:hi, :, :extent].transpose(-1, -2))
     scores = scores.mul_(q.shape[-1] ** -0.5 if scale is None else scale).add_(step.decode_bias)
