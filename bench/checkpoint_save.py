@@ -34,10 +34,10 @@ def _peak_bytes() -> int:
 
 def worker(hidden: int, layers: int, out: str) -> None:
     """One rank: build ppo_policy, take a step (so Adam has state), save both ways."""
-    import torch
     import torch.distributed as dist
 
-    from megatron_rlhf.checkpoint.optimizer_state import save_owned_state, state_file
+    from megatron_rlhf.checkpoint.optimizer_state import owned_state_file
+    from megatron_rlhf.checkpoint.ppo_state import write_files
     from megatron_rlhf.checkpoint.ppo_state import _layout
     from megatron_rlhf.config import load_config
     from megatron_rlhf.roles.base import build_role
@@ -62,8 +62,8 @@ def worker(hidden: int, layers: int, out: str) -> None:
         dist.barrier()
         before, started = _peak_bytes(), time.perf_counter()
         if side == "per rank":
-            save_owned_state(role.optimizer, role.model, directory, layout)
-            path = state_file(directory, layout)
+            path, state = owned_state_file(role.optimizer, role.model, directory, layout)
+            write_files([(path, state)])
         else:
             path = os.path.join(directory, f"dp_zero_{dist.get_rank()}.pt")
             os.makedirs(directory, exist_ok=True)

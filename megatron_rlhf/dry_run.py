@@ -30,9 +30,11 @@ def host_text(p: Plan, nproc_per_node: int) -> str:
 def checkpoint_text(c: CheckpointPlan) -> str:
     roles = ", ".join(f"{r}: weights {human(k[WEIGHTS])} + optimizer state {human(k[OPTIMIZER_STATE])}"
                       for r, k in c.writer.items())
+    held = ("every role's copy in host memory until the background writer is done" if c.background
+            else "one role at a time in host memory")
     return (f"checkpoint save (every rank writes its own part of the optimizer state, DP rank 0 of each model-parallel "
             f"slice also the slice's weights; nothing gathered): {human(c.other_bytes)} per rank, {human(c.writer_bytes)} "
-            f"on DP rank 0 ({roles}), one role at a time in host memory (peak {human(c.writer_peak)}); "
+            f"on DP rank 0 ({roles}), {held} (peak {human(c.writer_peak)}); "
             f"{human(c.node_bytes)} on the busiest node of {c.nproc_per_node} ranks ({c.writers_per_node} DP rank 0)")
 
 

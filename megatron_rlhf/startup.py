@@ -15,7 +15,7 @@ import warnings
 from typing import Any, Dict, List, Optional
 
 from megatron_rlhf.checkpoint.run_state import (check_resume, completed_iterations, lock_output_dir,
-                                                restore_set_aside, run_identity, set_aside_run)
+                                                remove_partial_saves, restore_set_aside, run_identity, set_aside_run)
 from megatron_rlhf.config import ConfigError, input_problems, load_config
 from megatron_rlhf.config.presets import CHECKPOINT_META_FILE
 from megatron_rlhf.config.schema import ROLE_HEADS, RLHFConfig
@@ -73,6 +73,8 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     _check_writable(output_dir, create=writes)
     if launch_rank0() and writes:
         lock_output_dir(output_dir)
+        for name in remove_partial_saves(output_dir):
+            print(f"removed {name}: a checkpoint save that did not finish (its process ended while writing)", flush=True)
         if restore_set_aside(output_dir):  # a launch that --overwrite'd it died before its first iteration
             warnings.warn(f"{output_dir}: put back the run an --overwrite launch set aside and never replaced")
     if args.resume:

@@ -233,6 +233,15 @@ def test_a_checkpoint_save_that_would_not_fit_the_host_is_refused_before_start_u
     with pytest.raises(ConfigError, match=r"a checkpoint save would hold .* of host memory on this node .* more than "
                                           r"the .* available: checkpoint save \(every rank writes"):
         check_host_memory(config, 2)
+    # Background saves hold every trained role's copy until written: the sum of the roles, not the largest.
+    config.trainer.async_save = True
+    background = checkpoint_plan(config, 2, 2)
+    per_role = [sum(kinds.values()) for kinds in background.writer.values()]
+    assert len(per_role) == 2 and background.writer_peak == sum(per_role) > max(per_role)
+    assert background.node_bytes > saving
+    with pytest.raises(ConfigError, match=r"every role's copy in host memory until the background writer is done"):
+        monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=arenas + saving + 1))
+        check_host_memory(config, 2)  # enough for a save at once, not for a background one
     config.trainer.save_at_end, config.trainer.save_interval = False, 0
     check_host_memory(config, 2)  # no checkpoint: the arenas fit
 

@@ -1,23 +1,78 @@
 """PPO save and resume: identical continuation, resume at another DP, TP or PP, each rank writing
 its own part of the optimizer state, crash-safe saves."""
 
+import glob
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
+import pytest
 import torch
 
-from tests.conftest import REPO
+from megatron_rlhf.checkpoint.ppo_state import intact_checkpoints
+from tests.conftest import REPO, _free_port
 from tests.test_train import metrics, train, without_times
 
 
-def test_a_resumed_run_continues_exactly_as_an_uninterrupted_one(tmp_path):
-    train(tmp_path / "whole", "--iterations", "4")
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """Four iterations of the tiny demo uninterrupted, a checkpoint after each (written at once)."""
+    out = tmp_path_factory.mktemp("whole")
+    config = out / "every_iteration.yaml"
+    config.write_text(f"includes: {REPO / 'examples' / 'tiny' / 'rlhf.yaml'}\ntrainer:\n  save_interval: 1\n")
+    train(out / "run", "--iterations", "4", config=config)
+    return out / "run"
+
+
+def test_a_resumed_run_continues_exactly_as_an_uninterrupted_one(tmp_path, whole):
     train(tmp_path / "split", "--iterations", "2")
     resumed = train(tmp_path / "split", "--iterations", "4", "--resume")
     assert "resumed from" in resumed.stdout and "iter_0000002" in resumed.stdout
-    whole, split = metrics(tmp_path / "whole"), metrics(tmp_path / "split")
+    whole, split = metrics(whole), metrics(tmp_path / "split")
     assert [r["iteration"] for r in split] == [1, 2, 3, 4]
     assert without_times(split) == without_times(whole)
     assert (tmp_path / "split" / "checkpoints" / "latest").read_text() == "iter_0000004"
+
+
+def _checkpoint_files(run, name):
+    """Each file of checkpoint ``name`` with its size and CRC-32 (the manifest), but the trainer
+    state's (it names the run)."""
+    manifest = json.loads((run / "checkpoints" / name / "manifest.json").read_text())
+    return {f: v for f, v in manifest.items() if f != "trainer_state.pt"}
+
+
+def test_background_saves_write_what_saves_at_once_do_and_a_kill_while_writing_keeps_the_last(tmp_path, whole):
+    config = tmp_path / "async.yaml"
+    config.write_text(f"includes: {REPO / 'examples' / 'tiny' / 'rlhf.yaml'}\n"
+                      "trainer:\n  save_interval: 1\n  async_save: true\n")
+    # Written in the background while training goes on: the same metrics and the same bytes.
+    train(tmp_path / "async", "--iterations", "4", config=config)
+    assert without_times(metrics(tmp_path / "async")) == without_times(metrics(whole))
+    for name in ("iter_0000001", "iter_0000002", "iter_0000003", "iter_0000004"):
+        assert _checkpoint_files(tmp_path / "async", name) == _checkpoint_files(whole, name), name
+    assert (tmp_path / "async" / "checkpoints" / "latest").read_text() == "iter_0000004"
+    # kill -9 while the third checkpoint is in flight: latest stays on the second, which verifies,
+    # and the run resumed from it continues as the uninterrupted one.
+    killed = tmp_path / "killed"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+               "-m", "megatron_rlhf.train", "--config", str(config), "--output-dir", str(killed), "--iterations", "4"]
+    proc = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not glob.glob(str(killed / "checkpoints" / ".iter_0000003.tmp-*")) and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (killed / "checkpoints" / "latest").read_text() == "iter_0000002"
+    assert intact_checkpoints(str(killed), checksums=True)[0].endswith("iter_0000002")
+    resumed = train(killed, "--iterations", "4", "--resume", config=config)
+    assert "removed .iter_0000003.tmp-" in resumed.stdout and "resumed from" in resumed.stdout
+    assert without_times(metrics(killed)) == without_times(metrics(whole))
+    assert not glob.glob(str(killed / "checkpoints" / ".iter_*"))
 
 
 def test_resume_at_another_data_parallel_size(tmp_path):
@@ -70,6 +125,8 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(workers):
     (r,) = workers(1, "ppo_checkpoint_crash")
     assert r.error.startswith("iteration 2: writing the checkpoint ") and "iter_0000002 failed: disk full (simulated)" \
         in r.error and r.error.endswith(f"the partial checkpoint was removed; the last complete one, {r.first}, is kept")
+    assert r.background_error.startswith("iteration 2: writing the checkpoint ") and r.background_error.endswith(
+        f"failed: rank 0: disk full (simulated); the partial checkpoint was removed; the last complete one, {r.first}, is kept")
     assert r.latest == r.first and r.latest.endswith("iter_0000001")
     assert r.resumed_iteration == 1
     assert r.listing == ["iter_0000001", "latest"]  # no partial .iter_0000002.tmp-* left filling the disk

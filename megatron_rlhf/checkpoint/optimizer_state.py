@@ -44,14 +44,13 @@ def named_parameters(model) -> Dict[str, torch.nn.Parameter]:
     return to_local_layer_names(dict(unwrap(model).named_parameters()))
 
 
-def save_owned_state(optimizer, model, role_dir: str, layout: dict) -> None:
-    """This rank's part of the distributed optimizer's state (every rank, at once)."""
+def owned_state_file(optimizer, model, role_dir: str, layout: dict) -> Tuple[str, dict]:
+    """This rank's part of the distributed optimizer's state (every rank writes its own, at once),
+    as host copies, and the file it goes to."""
     owned = compat.owned_optimizer_state(optimizer, named_parameters(model))
     state = {key: {"shape": v["shape"], "start": v["start"], "end": v["end"],
                    **{k: v[k].detach().cpu().clone() for k in KINDS}} for key, v in owned.items()}
-    path = state_file(role_dir, layout)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save({"layout": {k: layout[k] for k in ("tp", "pp", "ep", "dp")}, "params": state}, path)
+    return state_file(role_dir, layout), {"layout": {k: layout[k] for k in ("tp", "pp", "ep", "dp")}, "params": state}
 
 
 def same_layout(written: dict, layout: dict) -> bool:

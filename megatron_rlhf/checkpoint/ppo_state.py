@@ -21,21 +21,22 @@ the previous checkpoint complete and ``latest`` pointing to it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.checkpoint.optimizer_state import load_owned_state, same_layout, save_owned_state
+from megatron_rlhf.checkpoint.optimizer_state import load_owned_state, owned_state_file, same_layout
 from megatron_rlhf.checkpoint.model_files import (
     MANIFEST,
     CheckpointError,
     _checksum,
     load_model_shard,
-    save_shard,
+    shard_file,
     verify_checkpoint,
     write_model_meta,
 )
@@ -109,6 +110,9 @@ def _full_weights(model, layout: dict, num_experts) -> Optional[dict]:
     return weights if layout["dp_rank"] == 0 else None
 
 
+Writes = List[Tuple[str, Any]]  # (file, what torch.save writes there), host copies only
+
+
 def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any], output_dir: str,
                         scores: Optional[Dict[str, dict]] = None) -> str:
     """Save the trainable roles and ``trainer_state`` (the controller's state_dict(), with its
@@ -116,63 +120,114 @@ def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any],
     score statistics its model files record (write_model_meta). A write that fails (a
     full disk) removes the partial checkpoint and raises RunError naming it; the previous
     checkpoint and ``latest`` stay as they were."""
-    name = f"iter_{trainer_state['iteration']:07d}"
-    root = checkpoints_dir(output_dir)
-    # Temporary names unique to this run (rank 0's pid), so no other writer can share one.
-    writer = [os.getpid()]
-    dist.broadcast_object_list(writer, src=0)
-    final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp-{writer[0]}")
-    try:
-        _write_checkpoint(roles, trainer_state, root, name, tmp, final, writer[0], scores or {})
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        previous = latest_checkpoint(output_dir)
-        where = f" ({e.filename})" if e.filename else ""
-        raise RunError(f"iteration {trainer_state['iteration']}: writing the checkpoint {final} failed: "
-                       f"{e.strerror or e}{where}; the partial checkpoint was removed; the last complete one, "
-                       f"{previous or 'none'}, is kept") from None
-    return final
+    pending = PendingSave(trainer_state, output_dir)
+    with pending.failing_cleanly():
+        for writes in pending.snapshot(roles, scores or {}):  # one role's copies in host memory at a time
+            write_files(writes)
+    pending.finish(None)
+    return pending.final
 
 
-def _write_checkpoint(roles, trainer_state, root: str, name: str, tmp: str, final: str, writer: int,
-                      scores: Dict[str, dict]) -> None:
-    layout = _layout()
-    rank0 = dist.get_rank() == 0
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    for role_name in [name for name, role in roles.items() if role.trainable]:
-        role = roles[role_name]
-        role_dir = os.path.join(tmp, role_name)
-        common_file = _common_file(role_dir, layout)
-        with role.resident("training"):
-            _refuse_non_finite(role_name, role.model, trainer_state["iteration"])
-            weights = _full_weights(role.model, layout, role.config.model.num_experts)
-            if weights is not None:
-                save_shard(role_dir, layout["tp_rank"], layout["pp_rank"], layout["pp"], weights)
-            if _writes_optimizer(layout):
-                os.makedirs(os.path.dirname(common_file), exist_ok=True)
-                torch.save(role.optimizer.state_dict(), common_file)
-            if role.config.use_distributed_optimizer:
-                save_owned_state(role.optimizer, role.model, role_dir, layout)  # every rank its own part
-        if rank0:
-            param = next(unwrap(role.model).parameters())
-            write_model_meta(role_dir, role.config.model, ROLE_HEADS[role_name], param.dtype, layout["tp"], layout["pp"],
-                             lora=role.config.lora.meta(), scores=scores.get(role_name))
-    dist.barrier()
-    if rank0:
-        torch.save({**trainer_state, "layout": {k: layout[k] for k in ("tp", "pp", "dp", "ep")}},
-                   os.path.join(tmp, "trainer_state.pt"))
-    _write_manifest(tmp, rank0)
-    if rank0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        pointer_tmp = os.path.join(root, f".{LATEST}.tmp-{writer}")
-        with open(pointer_tmp, "w") as f:
-            f.write(name)
-        os.replace(pointer_tmp, os.path.join(root, LATEST))
-    dist.barrier()
+def write_files(writes: Writes) -> None:
+    for path, obj in writes:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(obj, path)
+
+
+class PendingSave:
+    """One checkpoint on its way: :meth:`snapshot` (collective) takes host copies of everything
+    this rank writes, into a temporary directory; the files are written (here or in the
+    background, checkpoint/background.py); :meth:`finish` (collective) adds the trainer state and
+    the manifest, renames the directory and moves ``latest`` to it: a checkpoint is never seen
+    before every rank has written its part."""
+
+    def __init__(self, trainer_state: Dict[str, Any], output_dir: str):
+        self.trainer_state, self.output_dir = trainer_state, output_dir
+        self.name = f"iter_{trainer_state['iteration']:07d}"
+        self.root = checkpoints_dir(output_dir)
+        # Temporary names unique to this run (rank 0's pid), so no other writer can share one.
+        writer = [os.getpid()]
+        dist.broadcast_object_list(writer, src=0)
+        self.writer = writer[0]
+        self.final, self.tmp = os.path.join(self.root, self.name), os.path.join(self.root, f".{self.name}.tmp-{self.writer}")
+        self.layout = _layout()
+        self.rank0 = dist.get_rank() == 0
+
+    @contextlib.contextmanager
+    def failing_cleanly(self):
+        """An OSError while writing: the partial checkpoint removed, RunError naming it."""
+        try:
+            yield
+        except OSError as e:
+            raise self.failed(f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")) from None
+
+    def failed(self, why: str) -> RunError:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        previous = latest_checkpoint(self.output_dir)
+        return RunError(f"iteration {self.trainer_state['iteration']}: writing the checkpoint {self.final} failed: "
+                        f"{why}; the partial checkpoint was removed; the last complete one, {previous or 'none'}, "
+                        f"is kept")
+
+    def snapshot(self, roles: Mapping[str, Any], scores: Dict[str, dict]) -> Iterator[Writes]:
+        """This rank's files of the checkpoint as host copies, one trained role's at a time (each
+        resident while copied; the model metadata, small, written at once by rank 0); collective,
+        so every rank takes every role's."""
+        layout = self.layout
+        if self.rank0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            os.makedirs(self.tmp)
+        dist.barrier()
+        for role_name in [name for name, role in roles.items() if role.trainable]:
+            role = roles[role_name]
+            writes: Writes = []
+            role_dir = os.path.join(self.tmp, role_name)
+            with role.resident("training"):
+                _refuse_non_finite(role_name, role.model, self.trainer_state["iteration"])
+                weights = _full_weights(role.model, layout, role.config.model.num_experts)
+                if weights is not None:
+                    writes.append((shard_file(role_dir, layout["tp_rank"], layout["pp_rank"], layout["pp"]),
+                                   {"model": weights, "checkpoint_version": 3.0}))
+                if _writes_optimizer(layout):
+                    writes.append((_common_file(role_dir, layout), _on_host(role.optimizer.state_dict())))
+                if role.config.use_distributed_optimizer:  # every rank its own part
+                    writes.append(owned_state_file(role.optimizer, role.model, role_dir, layout))
+            if self.rank0:
+                os.makedirs(role_dir, exist_ok=True)
+                param = next(unwrap(role.model).parameters())
+                write_model_meta(role_dir, role.config.model, ROLE_HEADS[role_name], param.dtype, layout["tp"],
+                                 layout["pp"], lora=role.config.lora.meta(), scores=scores.get(role_name))
+            yield writes
+
+    def finish(self, failure: Optional[str]) -> None:
+        """Every rank's files written (``failure``: why one rank's were not, decided together):
+        the trainer state, the manifest, the rename and ``latest``."""
+        dist.barrier()
+        if failure is not None:
+            raise self.failed(failure)
+        with self.failing_cleanly():
+            if self.rank0:
+                torch.save({**self.trainer_state, "layout": {k: self.layout[k] for k in ("tp", "pp", "dp", "ep")}},
+                           os.path.join(self.tmp, "trainer_state.pt"))
+            _write_manifest(self.tmp, self.rank0)
+            if self.rank0:
+                shutil.rmtree(self.final, ignore_errors=True)
+                os.rename(self.tmp, self.final)
+                pointer_tmp = os.path.join(self.root, f".{LATEST}.tmp-{self.writer}")
+                with open(pointer_tmp, "w") as f:
+                    f.write(self.name)
+                os.replace(pointer_tmp, os.path.join(self.root, LATEST))
+        dist.barrier()
+
+
+def _on_host(obj):
+    """``obj`` (a state dict) with every tensor copied to the host."""
+    if torch.is_tensor(obj):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _on_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_host(v) for v in obj)
+    return obj
 
 
 def _write_manifest(root: str, rank0: bool) -> None:

@@ -13,7 +13,7 @@ import shutil
 import time
 import uuid
 import warnings
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
 from megatron_rlhf.config import ConfigError
 from megatron_rlhf.config.schema import RLHFConfig
@@ -43,6 +43,18 @@ def lock_output_dir(output_dir: str) -> None:
     os.ftruncate(fd, 0)
     os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
     _LOCKS[path] = fd
+
+
+def remove_partial_saves(output_dir: str) -> List[str]:
+    """Remove the temporary directories of checkpoint saves whose writer died (the output
+    directory's lock is held: no live writer shares it); the names removed."""
+    import glob
+    import shutil
+
+    found = sorted(glob.glob(os.path.join(output_dir, "checkpoints", ".iter_*.tmp-*")))
+    for path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return [os.path.basename(p) for p in found]
 
 
 def release_output_dir(output_dir: str) -> None:

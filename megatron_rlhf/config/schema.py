@@ -604,6 +604,9 @@ class TrainerConfig:
     progress_bar: bool = True  # a tqdm bar on rank 0 (off when not a terminal)
     save_interval: int = bounded(0, ge=0)  # PPO checkpoint every N iterations (0: only at the end)
     save_at_end: bool = True  # a checkpoint after the last iteration or step
+    # Write PPO checkpoints in a background thread from host copies taken at the save (training
+    # goes on; latest moves once every rank has written; checkpoint/background.py).
+    async_save: bool = False
     resume: Literal["never", "auto"] = "never"  # auto: continue from the output dir's latest checkpoint
     # A NaN or infinite loss or gradient: "stop" the run before the optimizer applies it (the last
     # checkpoint stays the last finite state), or "skip" that optimizer step and count it

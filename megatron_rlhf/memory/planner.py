@@ -385,6 +385,7 @@ class CheckpointPlan:
     other: Dict[str, int]  # trained role -> optimizer_state bytes every other rank writes
     writers_per_node: int  # DP ranks 0 on the busiest node
     nproc_per_node: int
+    background: bool = False  # trainer.async_save: every role's copy held until the writer is done
 
     @property
     def writer_bytes(self) -> int:
@@ -397,14 +398,16 @@ class CheckpointPlan:
 
     @property
     def writer_peak(self) -> int:
-        """Host bytes DP rank 0 of a slice holds at once (one role's copy; the roles are saved in turn)."""
-        return max(sum(kinds.values()) for kinds in self.writer.values())
+        """Host bytes DP rank 0 of a slice holds at once: one role's copy (the roles are saved in
+        turn), or every role's with background saves."""
+        per_role = [sum(kinds.values()) for kinds in self.writer.values()]
+        return sum(per_role) if self.background else max(per_role)
 
     @property
     def node_bytes(self) -> int:
         """The copies on the busiest node during a save (beside the EMS arenas)."""
-        return self.writer_peak * self.writers_per_node + max(self.other.values()) * (
-            self.nproc_per_node - self.writers_per_node)
+        other = sum(self.other.values()) if self.background else max(self.other.values())
+        return self.writer_peak * self.writers_per_node + other * (self.nproc_per_node - self.writers_per_node)
 
 
 def checkpoint_plan(config: RLHFConfig, world_size: int, nproc_per_node: Optional[int] = None) -> CheckpointPlan:
@@ -435,4 +438,4 @@ def checkpoint_plan(config: RLHFConfig, world_size: int, nproc_per_node: Optiona
         writer[name], other[name] = kinds, shared
     ranks_per_node = [range(n, min(n + nproc, world_size)) for n in range(0, world_size, nproc)]
     busiest = max(sum(1 for rank in ranks if (rank // tp) % dp == 0) for ranks in ranks_per_node)
-    return CheckpointPlan(writer, other, busiest, nproc)
+    return CheckpointPlan(writer, other, busiest, nproc, config.trainer.async_save)

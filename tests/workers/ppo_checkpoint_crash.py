@@ -8,6 +8,7 @@ from common import OUT_DIR, reward_pool, save
 from tests.workers.findings import PPOCheckpointCrash
 
 from megatron_rlhf.checkpoint import ppo_state
+from megatron_rlhf.checkpoint.background import BackgroundSaves
 from megatron_rlhf.controller import PPOController
 from megatron_rlhf.errors import RunError
 from megatron_rlhf.memory import MemoryLedger
@@ -40,6 +41,14 @@ try:
     ppo_state.save_ppo_checkpoint(controller.roles, controller.state_dict(), OUT_DIR)
 except RunError as e:
     error = str(e)
+# The same full disk met by the background writer (trainer.async_save): said when the save is drained.
+background_error = None
+background = BackgroundSaves()
+background.save(controller.roles, controller.state_dict(), OUT_DIR)
+try:
+    background.drain()
+except RunError as e:
+    background_error = str(e)
 ppo_state.torch.save = real_save
 
 latest = ppo_state.latest_checkpoint(OUT_DIR)
@@ -55,5 +64,5 @@ def recording_load(*args, **kwargs):
 ppo_state.torch.load = recording_load
 fresh.load_state_dict(ppo_state.load_ppo_checkpoint(fresh.roles, latest))
 ppo_state.torch.load = real_load
-save(PPOCheckpointCrash(error=error, first=first, latest=latest, resumed_iteration=fresh.iteration,
+save(PPOCheckpointCrash(error=error, background_error=background_error, first=first, latest=latest, resumed_iteration=fresh.iteration,
                         listing=sorted(os.listdir(os.path.join(OUT_DIR, "checkpoints"))), map_locations=map_locations))
