@@ -77,9 +77,9 @@ class Collector:
         self.vocab, self.context = vocab, context
 
     @contextlib.contextmanager
-    def open_run(self, rows, params):
+    def open_run(self, rows, params, record_log_probs=False):
         with CacheSession(rows, self.context) as session, OpenRun(self.roles["policy"].model, params, self.vocab,
-                                                                  session) as run:
+                                                                  session, record_log_probs=record_log_probs) as run:
             yield run
 
 

@@ -1,17 +1,22 @@
-"""GRPO against TRL's GRPOTrainer on the same work, side by side in one run, on CPU.
+"""GRPO against TRL's GRPOTrainer on the same work, side by side in one run, on CPU, each side on
+the same cores at its own best.
 
 The task is `make demo-math`'s (examples/tiny_math/grpo.yaml: its tokenizer and ChatML template, 8
 prompts x 8 samples, 6 new tokens, gsm8k + 0.2 x answer_format, 8 optimizer steps of 8 samples per
 iteration, the KL to the reference in the loss at 0.001, lr 1e-3, Adam betas (0.9, 0.95), clip
 0.2, gradient clip 1.0). Both start from the same weights: a tiny Llama written by transformers,
-converted for us by tools/convert_hf_to_megatron.py's converter. Ours runs in several
-configurations (the demo as shipped: TP=1 x DP=2 over two processes; TP=2 over them; TP=1 on one
-process; and the setting matched to TRL's: one process, every role resident, no distributed optimizer); TRL runs on one process.
-Prints seconds per iteration (median of the steady iterations), start-up, the ratio to TRL, and
-the mean reward of the first and last 5 iterations of each.
+converted for us by tools/convert_hf_to_megatron.py's converter.
+
+Every row uses all the machine's cores: TRL runs as a user runs it, one process with torch's
+default threads (one per core); ours as shipped (TP=1 x DP=2: one process per core, one thread
+each), at TP=2, and on one process with a thread per core (EMS on; and matched to TRL: every role
+resident, no distributed optimizer). A secondary row keeps the earlier pairing (TRL held to one
+thread), labelled so. Prints the processor, each row's processes x threads, seconds per
+iteration (median of the steady iterations), start-up (the process's wall time less its
+iterations), the ratio to TRL, and the mean reward of the first and last 5 iterations.
 
     pip install -e .[bench]          # TRL, pinned (not a dependency of the project)
-    python bench/peer_trl.py [--iterations 30] [--json out.json]
+    python bench/peer_trl.py [--iterations 30] [--seeds 1 2 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,17 +33,23 @@ import warnings
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 MATH = os.path.join(REPO, "examples", "tiny_math")
 TRL_VERSION = "1.16.0"
 
-# name -> (processes, environment): each our configuration of the same run.
+from machine import cores, processor  # noqa: E402
+
+CORES = cores()
+TRL = f"TRL GRPOTrainer, 1 process x {CORES} threads (torch's default)"
+TRL_ONE_THREAD = "TRL GRPOTrainer, 1 process x 1 thread (secondary: TRL held to one core)"
+# name -> (processes, threads per process, environment): each our configuration of the same run.
 OURS = {
-    "demo as shipped (TP=1 x DP=2 over 2 processes, EMS on)": (2, {}),
-    "TP=2 over 2 processes, EMS on": (2, {"TP": "2"}),
-    "TP=1, one process, EMS on": (1, {"TP": "1"}),
-    "matched: TP=1, one process, every role resident, no distributed optimizer":
-        (1, {"TP": "1", "USE_DISTRIBUTED_OPTIMIZER": "False", **{f"free_memory_{r}": "False" for r in
-                                                                   ("policy", "reference", "ppo_policy")}}),
+    f"ours as shipped: TP=1 x DP=2, {CORES} processes x 1 thread, EMS on": (CORES, 1, {}),
+    f"ours TP=2, {CORES} processes x 1 thread, EMS on": (CORES, 1, {"TP": str(CORES)}),
+    f"ours TP=1, 1 process x {CORES} threads, EMS on": (1, CORES, {"TP": "1"}),
+    f"ours matched: 1 process x {CORES} threads, every role resident, no distributed optimizer":
+        (1, CORES, {"TP": "1", "USE_DISTRIBUTED_OPTIMIZER": "False", **{f"free_memory_{r}": "False" for r in
+                                                                          ("policy", "reference", "ppo_policy")}}),
 }
 
 
@@ -46,8 +57,11 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iterations", type=int, default=30)
     p.add_argument("--skip", type=int, default=3, help="first iterations left out of the median (warm-up)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1234], help="run every row once per seed (the run's seed)")
     p.add_argument("--json", help="also write the figures to this JSON file")
     p.add_argument("--trl-child", nargs=2, metavar=("HF_DIR", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--trl-threads", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=1234, help=argparse.SUPPRESS)
     return p.parse_args()
 
 
@@ -68,10 +82,10 @@ def weights(directory: str) -> str:
     return os.path.join(directory, "hf")
 
 
-def ours(name: str, procs: int, env: dict, directory: str, args) -> dict:
+def ours(name: str, procs: int, threads: int, env: dict, directory: str, seed: int, args) -> dict:
     config = os.path.join(directory, "ours.yaml")
     with open(config, "w") as f:
-        f.write(f"includes: {os.path.join(MATH, 'grpo.yaml')}\n"
+        f.write(f"includes: {os.path.join(MATH, 'grpo.yaml')}\nseed: {seed}\n"
                 f"data:\n  prompt_file: {os.path.join(MATH, 'train.jsonl')}\n  val_file: null\n"
                 f"  tokenizer:\n    path: {os.path.join(MATH, 'tokenizer')}\n"
                 "trainer:\n  val_before_train: false\n  val_interval: 0\n  tensorboard: false\n  save_at_end: false\n"
@@ -81,7 +95,7 @@ def ours(name: str, procs: int, env: dict, directory: str, args) -> dict:
                "--config", config, "--overwrite", "--output-dir", out, "--iterations", str(args.iterations)]
     started = time.perf_counter()
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+                          env={**os.environ, "OMP_NUM_THREADS": str(threads), **env})
     wall = time.perf_counter() - started
     if proc.returncode:
         sys.exit(f"{name}: {' '.join(command)} failed:\n{proc.stderr[-3000:]}")
@@ -101,7 +115,9 @@ def run_trl(hf_dir: str, args) -> dict:
 
     from megatron_rlhf.rewards.verifiers import answer_format, gsm8k
 
-    torch.set_num_threads(1)
+    if args.trl_threads:
+        torch.set_num_threads(args.trl_threads)
+    threads = torch.get_num_threads()
     with open(os.path.join(MATH, "train.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     dataset = Dataset.from_list([{"prompt": r["messages"], "ground_truth": r["ground_truth"]} for r in rows])
@@ -125,7 +141,7 @@ def run_trl(hf_dir: str, args) -> dict:
             stamps.append(time.perf_counter())
 
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(), use_cpu=True, seed=1234, report_to="none", save_strategy="no", logging_steps=8,
+        output_dir=tempfile.mkdtemp(), use_cpu=True, seed=args.seed, report_to="none", save_strategy="no", logging_steps=8,
         per_device_train_batch_size=8, steps_per_generation=8, gradient_accumulation_steps=1, num_generations=8,
         num_iterations=1, max_completion_length=6, temperature=1.0, beta=0.001, epsilon=0.2, loss_type="dapo",
         learning_rate=1e-3, adam_beta2=0.95, max_grad_norm=1.0, lr_scheduler_type="constant",
@@ -137,17 +153,21 @@ def run_trl(hf_dir: str, args) -> dict:
     iterations = [stamps[i + 7] - (stamps[i - 1] if i else began[0]) for i in range(0, len(stamps), 8)]
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return {"seconds_per_iteration": statistics.median(iterations[args.skip:]), "iterations_s": sum(iterations),
-            "rewards": rewards}
+            "rewards": rewards, "threads": threads}
 
 
-def trl_process(hf_dir: str, directory: str, args) -> dict:
+def trl_process(hf_dir: str, directory: str, threads, seed: int, args) -> dict:
     """run_trl in a process of its own (start-up measured as ours is: the whole process's wall
-    time less its iterations)."""
+    time less its iterations); ``threads`` None: torch's default, as a user runs it."""
     out = os.path.join(directory, "trl.json")
     command = [sys.executable, os.path.abspath(__file__), "--iterations", str(args.iterations), "--skip", str(args.skip),
-               "--trl-child", hf_dir, out]
+               "--seed", str(seed), "--trl-child", hf_dir, out]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if threads:
+        command += ["--trl-threads", str(threads)]
+        env["OMP_NUM_THREADS"] = str(threads)
     started = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - started
     if proc.returncode:
         sys.exit(f"TRL: {' '.join(command)} failed:\n{proc.stderr[-3000:]}")
@@ -155,6 +175,10 @@ def trl_process(hf_dir: str, directory: str, args) -> dict:
         result = json.load(f)
     result["start_up_s"] = wall - result.pop("iterations_s")
     return result
+
+
+def _mean(runs: list, key: str) -> float:
+    return statistics.mean(r[key] for r in runs)
 
 
 def main():
@@ -175,21 +199,25 @@ def main():
     results = {}
     with tempfile.TemporaryDirectory() as directory:
         hf_dir = weights(directory)
-        results["TRL GRPOTrainer, one process"] = trl_process(hf_dir, directory, args)
-        for name, (procs, env) in OURS.items():
-            results[name] = ours(name, procs, env, directory, args)
-    peer = results["TRL GRPOTrainer, one process"]["seconds_per_iteration"]
-    print(f"{args.iterations} iterations each, median of iterations {args.skip + 1}-{args.iterations}, "
-          f"{os.cpu_count()} cores, OMP_NUM_THREADS=1\n")
-    print("| run | s / iteration | vs TRL | start-up s | mean reward first 5 -> last 5 |")
+        for seed in args.seeds:
+            results.setdefault(TRL, []).append(trl_process(hf_dir, directory, None, seed, args))
+            results.setdefault(TRL_ONE_THREAD, []).append(trl_process(hf_dir, directory, 1, seed, args))
+            for name, (procs, threads, env) in OURS.items():
+                results.setdefault(name, []).append(ours(name, procs, threads, env, directory, seed, args))
+    peer = _mean(results[TRL], "seconds_per_iteration")
+    print(f"{processor()}, {CORES} cores; {args.iterations} iterations each, median of iterations "
+          f"{args.skip + 1}-{args.iterations}, seeds {args.seeds} (means over seeds)\n")
+    print("| run | s / iteration | vs TRL (default threads) | start-up s | mean reward first 5 -> last 5 |")
     print("|---|---|---|---|---|")
-    for name, r in results.items():
-        first, last = sum(r["rewards"][:5]) / 5, sum(r["rewards"][-5:]) / 5
-        print(f"| {name} | {r['seconds_per_iteration']:.3f} | {r['seconds_per_iteration'] / peer:.2f}x | "
-              f"{r['start_up_s']:.1f} | {first:.3f} -> {last:.3f} |")
+    for name, runs in results.items():
+        first = statistics.mean(sum(r["rewards"][:5]) / 5 for r in runs)
+        last = statistics.mean(sum(r["rewards"][-5:]) / 5 for r in runs)
+        seconds = _mean(runs, "seconds_per_iteration")
+        print(f"| {name} | {seconds:.3f} | {seconds / peer:.2f}x | {_mean(runs, 'start_up_s'):.1f} | "
+              f"{first:.3f} -> {last:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"processor": processor(), "cores": CORES, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

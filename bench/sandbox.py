@@ -23,6 +23,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from machine import processor  # noqa: E402
 
 from megatron_rlhf.config.schema import SandboxConfig  # noqa: E402
 from megatron_rlhf.agents.sandbox import readiness_problem, run_python  # noqa: E402
@@ -68,14 +71,6 @@ def parallel(code: str, calls: int, width: int) -> dict:
             seconds = list(pool.map(lambda _: _timed(code, settings), range(calls)))
             found[side] = _figures(seconds, time.perf_counter() - started)
     return found
-
-
-def processor() -> str:
-    """The CPU's model name (Linux), else what platform knows."""
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def main() -> None:

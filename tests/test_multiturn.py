@@ -256,6 +256,13 @@ def test_multi_turn_rollouts_through_the_engine(tmp_path):
     assert 0 < base.metrics["rollout/model_token_share"] < 1 and mask.sum() < (tokens[:, 1:] > 0).sum()
     width = int((tokens != 0).sum(dim=1).max())  # the pad id is 0: each run's rows padded to its widest
     # The same with the policy generating at a layout of its own (TP=1 x DP=2 while the run is TP=2).
+    # Rollout correction across turns: the engine's log-prob of each model token is the policy's
+    # (the same weights), 0 at the replies' tokens; the tokens are the game's.
+    corrected = r.game_correction.rollout
+    model_tokens = corrected["mask"] > 0
+    assert torch.equal(corrected["tokens"][:, :width], tokens[:, :width])
+    assert (corrected["behaviour"][model_tokens] - corrected["old"][model_tokens]).abs().max() < 1e-4
+    assert corrected["behaviour"][model_tokens].lt(0).all() and not corrected["behaviour"][~model_tokens].any()
     # ... and whatever the schedule of turns: in lockstep, or in 2 slots with replies late by trajectory.
     assert r.game_2_slots_late_replies.metrics["rollout/prefix_recomputed"] > 0  # slots were taken over
     for name, other in (("EMS off", r.game_ems_off), ("micro-batch 1", r.game_mbs1), ("policy TP=1", r.game_policy_tp1),
@@ -311,7 +318,7 @@ class _ScriptedRun:
         if not active:
             return None
         ended, self.rows = self.rows, []
-        return [(key, list(ids)) for key, ids in ended]
+        return [(key, list(ids), None) for key, ids in ended]
 
 
 class _ScriptedCollector:
@@ -322,7 +329,7 @@ class _ScriptedCollector:
         self.roles = {"policy": types.SimpleNamespace(model=model)}
         self.turns, self.slots = turns, slots
 
-    def open_run(self, rows, params):
+    def open_run(self, rows, params, record_log_probs=False):
         return contextlib.nullcontext(_ScriptedRun(self.turns, self.slots))
 
 

@@ -35,7 +35,7 @@ class OpenRun:
     ``session``; a context manager (the engine's modes held while it is open)."""
 
     def __init__(self, model: torch.nn.Module, params: SamplingParams, vocab_size: int, session: CacheSession,
-                 completion_lag: Optional[int] = None):
+                 completion_lag: Optional[int] = None, record_log_probs: bool = False):
         inner = unwrap(model)
         config = inner.config
         self.device = next(inner.parameters()).device
@@ -48,7 +48,8 @@ class OpenRun:
         slots = session.slots
         self.schedule = SlotSchedule([], slots, [], PREFILL_TOKENS)
         self.schedule.keep_freed = True
-        self.responses = Responses(torch.empty(0, 0, dtype=torch.long), [], slots, session.length, params, self.device)
+        self.responses = Responses(torch.empty(0, 0, dtype=torch.long), [], slots, session.length, params, self.device,
+                                   record_log_probs)
         self.packer = StepPacker(self.responses.tokens, self.schedule.lengths, params.pad_id,
                                  compat.rotary_angles(inner, session.length).to(self.device), config,
                                  pad_to=tp if config.sequence_parallel else 1, scratch_slot=slots)
@@ -59,7 +60,7 @@ class OpenRun:
         self.stats = EngineStats()
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self.core = EngineStep(None, self.packer, self.schedule, self.responses, empty, empty, params, vocab_size,
-                               self.groups, slots, self.stats)
+                               self.groups, slots, self.stats, record_log_probs)
         self.keys: List[Hashable] = []  # per row
         self._modes = contextlib.ExitStack()
 
@@ -99,8 +100,9 @@ class OpenRun:
             if holder == key:
                 self.schedule.reserved.discard(slot)
 
-    def step(self, active: bool = True) -> Optional[List[Tuple[Hashable, List[int]]]]:
-        """One engine step if a row is ready; the rows that ended (key, the tokens sampled).
+    def step(self, active: bool = True) -> Optional[List[Tuple[Hashable, List[int], Optional[List[float]]]]]:
+        """One engine step if a row is ready; the rows that ended (key, the tokens sampled, and
+        with ``record_log_probs`` the engine's log-prob of each).
         ``active``: whether this replica still has work (rows, or rows to come); with expert
         parallelism every peer runs a step while any is active, and None says none is."""
         step = self.schedule.next_step(self.lag)
@@ -114,18 +116,20 @@ class OpenRun:
             self.core.stage.forward(*self.packer.idle())
         return self._ended()
 
-    def _ended(self) -> List[Tuple[Hashable, List[int]]]:
+    def _ended(self) -> List[Tuple[Hashable, List[int], Optional[List[float]]]]:
         ended, self.schedule.ended = self.schedule.ended, []
         if not ended:
             return []
         rows = torch.tensor([row for row, _ in ended], device=self.device)
         tokens = self.responses.tokens[rows].tolist()
         counts = self.responses.response_lengths[rows].tolist()
+        log_probs = None if self.responses.log_probs is None else self.responses.log_probs[rows].tolist()
         self.stats.useful += sum(counts)
         out = []
-        for (row, slot), row_tokens, n in zip(ended, tokens, counts):
+        for i, ((row, slot), row_tokens, n) in enumerate(zip(ended, tokens, counts)):
             start = self.schedule.lengths[row]
             if self.schedule.row_in[slot] == FREE:  # not taken again at once: kept for the row's next turn
                 self.session.holder[slot], self.session.held[slot] = self.keys[row], row_tokens[: start + n - 1]
-            out.append((self.keys[row], row_tokens[start : start + n]))
+            out.append((self.keys[row], row_tokens[start : start + n],
+                        None if log_probs is None else log_probs[i][start : start + n]))
         return out

@@ -180,7 +180,7 @@ class RolloutCollector:
         if self.turns is not None:  # each row's prompt by its dataset row: the policy's cut may be its own
             prompt_of = prompt_of or _prompt_map(prompts)
             columns = [prompt_of[i] for i in mine["prompt_index"].tolist()]
-            return self.turns.run(self, mine, [c[0] for c in columns], [c[1] for c in columns], sampling)
+            return self.turns.run(self, mine, [c[0] for c in columns], [c[1] for c in columns], sampling, record_log_probs)
         gen = self.engine(mine, sampling, record_routes=record_routes, record_log_probs=record_log_probs)
         rows = {"tokens": gen.tokens, "prompt_lengths": gen.prompt_lengths, "response_lengths": gen.response_lengths,
                 "prompt_index": mine["prompt_index"]}
@@ -207,11 +207,11 @@ class RolloutCollector:
                             self._ledger_record)
 
     @contextlib.contextmanager
-    def open_run(self, rows: int, sampling: SamplingParams):
+    def open_run(self, rows: int, sampling: SamplingParams, record_log_probs: bool = False):
         """An engine run of the (resident) policy that ``rows`` trajectories' turns join as they
         come (generation/open_run.py), its KV cache kept across their turns and in the ledger."""
         with self.cache_session(rows) as session, OpenRun(self.roles["policy"].model, sampling, self.vocab_size,
-                                                          session) as run:
+                                                          session, record_log_probs=record_log_probs) as run:
             yield run
 
     def _ledger_record(self, cache):

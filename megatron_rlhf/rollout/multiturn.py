@@ -34,7 +34,7 @@ from megatron_rlhf.errors import RunError
 from megatron_rlhf.generation import SamplingParams, stream_seeds
 from megatron_rlhf.models.decoder import global_rank, groups_of
 from megatron_rlhf.rollout.env_pool import EnvironmentPool
-from megatron_rlhf.rollout.record import COUNTED_METRICS
+from megatron_rlhf.rollout.record import BEHAVIOUR, COUNTED_METRICS
 from megatron_rlhf.roles.rows import SampleRows
 from megatron_rlhf.rollout.trajectory import ObservationEncoder, Trajectory
 
@@ -73,11 +73,12 @@ class MultiTurn:
 
     # -- one batch of trajectories ---------------------------------------------------------------
 
-    def run(self, collector, mine: SampleRows, texts: List[str], fields: List[Dict], sampling: SamplingParams
-            ) -> Tuple[SampleRows, Dict[str, float]]:
+    def run(self, collector, mine: SampleRows, texts: List[str], fields: List[Dict], sampling: SamplingParams,
+            record_log_probs: bool = False) -> Tuple[SampleRows, Dict[str, float]]:
         """Trajectories for the prompt rows ``mine`` (the policy resident; ``texts`` and ``fields``:
-        each row's prompt and data columns); the sample rows (with the loss mask ``action_mask`` and
-        the per-turn rewards ``turn_rewards``) and the metrics."""
+        each row's prompt and data columns); the sample rows (with the loss mask ``action_mask``,
+        the per-turn rewards ``turn_rewards`` and with ``record_log_probs`` the engine's log-prob of
+        each model token, BEHAVIOUR) and the metrics."""
         groups = groups_of(collector.roles["policy"].model)
         counts = dict.fromkeys(TURN_COUNTS, 0.0)
         lengths = mine["prompt_lengths"].tolist()
@@ -86,7 +87,7 @@ class MultiTurn:
         calls.submit([(i, "start", {"prompt": text, **row}) for i, (text, row) in enumerate(zip(texts, fields))])
         turn_params = dataclasses.replace(sampling, max_new_tokens=self.turn_tokens,
                                           eos_ids=tuple(dict.fromkeys(sampling.eos_ids + self.stop_ids)))
-        with collector.open_run(len(trajectories), turn_params) as engine:
+        with collector.open_run(len(trajectories), turn_params, record_log_probs) as engine:
             self._serve(engine, calls, trajectories, mine["seeds"], turn_params, counts)
         counts["rollout/slot_occupancy"] = engine.stats.sampled / max(engine.stats.slot_steps, 1)
         self._release(trajectories, groups)
@@ -94,7 +95,7 @@ class MultiTurn:
             first = next((t.failure for t in trajectories if t.failure), "failure was on another rank")
             raise EnvironmentFailure(f"environment {self.spec}: every trajectory of the batch failed; the first "
                                      f"{first}", collective=True)
-        out = _rows(trajectories, mine["prompt_index"], self.tokenizer.pad_id)
+        out = _rows(trajectories, mine["prompt_index"], self.tokenizer.pad_id, record_log_probs)
         return out, self._metrics(trajectories, counts, calls.waited_s)
 
     def _new_id(self) -> int:
@@ -124,9 +125,9 @@ class MultiTurn:
             ended = engine.step(active) if active or engine.peers is not None else None
             if ended is None:
                 return
-            for key, ids in ended:
+            for key, ids, log_probs in ended:
                 i = position[key]
-                self._turn_ended(trajectories[i], ids, counts)
+                self._turn_ended(trajectories[i], ids, log_probs, counts)
                 calls.submit([(i, "step", self._turn_view(trajectories[i], ids, params))])
 
     def _start_turns(self, engine, trajectories: List[Trajectory], ready: List[int], seeds: torch.Tensor,
@@ -141,14 +142,15 @@ class MultiTurn:
                              [min(self.turn_tokens, self.context - len(t.tokens)) for t in picked], turn_seeds)
         counts["rollout/prefix_recomputed"] += sum(t.turns > 0 for t in picked) - resumed
 
-    def _turn_ended(self, t: Trajectory, ids: List[int], counts: Dict[str, float]) -> None:
-        """The model's turn ``ids`` appended to ``t`` (cut after a stop string, in place; the
-        context full ends it)."""
+    def _turn_ended(self, t: Trajectory, ids: List[int], log_probs: Optional[List[float]],
+                    counts: Dict[str, float]) -> None:
+        """The model's turn ``ids`` (with the engine's ``log_probs`` of them, or None) appended to
+        ``t`` (cut after a stop string, in place; the context full ends it)."""
         ids[:] = self._cut_at_stop(ids)
         if len(t.tokens) + len(ids) >= self.context:  # the context is full: the trajectory ends
             t.done = True
             counts["rollout/context_truncated"] += 1
-        t.append_model(ids)
+        t.append_model(ids, None if log_probs is None else log_probs[: len(ids)])
 
     def _turn_view(self, t: Trajectory, ids: List[int], params: SamplingParams) -> dict:
         """The turn as the environment sees it."""
@@ -302,17 +304,20 @@ def _from_first_rank(value, groups):
     return box[0]
 
 
-def _rows(trajectories: List[Trajectory], prompt_index: torch.Tensor, pad_id: int) -> SampleRows:
+def _rows(trajectories: List[Trajectory], prompt_index: torch.Tensor, pad_id: int, behaviour: bool) -> SampleRows:
     """Sample rows of the trajectories: tokens [B, S], prompt and response lengths [B], the loss
-    mask ``action_mask`` [B, S-1] (1 where the action emitted a model token), turn rewards [B]."""
+    mask ``action_mask`` [B, S-1] (1 where the action emitted a model token), turn rewards [B];
+    with ``behaviour`` the engine's log-prob of each action [B, S-1] (0 where no model token)."""
     width = max(len(t.tokens) for t in trajectories)
     tokens = torch.full((len(trajectories), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(trajectories), width, dtype=torch.float32)
+    log_probs = torch.zeros(len(trajectories), width, dtype=torch.float32)
     for row, t in enumerate(trajectories):
         tokens[row, : len(t.tokens)] = torch.tensor(t.tokens)
         mask[row, : len(t.mask)] = torch.tensor(t.mask, dtype=torch.float32)
+        log_probs[row, : len(t.behaviour)] = torch.tensor(t.behaviour, dtype=torch.float32)
     device = prompt_index.device
-    return {
+    rows = {
         "tokens": tokens.to(device),
         "prompt_lengths": torch.tensor([t.prompt_length for t in trajectories], device=device),
         "response_lengths": torch.tensor([len(t.tokens) - t.prompt_length for t in trajectories], device=device),
@@ -320,3 +325,6 @@ def _rows(trajectories: List[Trajectory], prompt_index: torch.Tensor, pad_id: in
         "turn_rewards": torch.tensor([sum(t.turn_rewards) for t in trajectories], dtype=torch.float32, device=device),
         "prompt_index": prompt_index,
     }
+    if behaviour:  # the token at position p is the action at p - 1's
+        rows[BEHAVIOUR] = log_probs[:, 1:].to(device)
+    return rows

@@ -67,6 +67,7 @@ class Trajectory:
     def __init__(self, prompt_ids: Sequence[int], index: int):
         self.tokens: List[int] = list(prompt_ids)
         self.mask: List[int] = [0] * len(prompt_ids)
+        self.behaviour: List[float] = [0.0] * len(prompt_ids)  # the engine's log-prob of each model token
         self.prompt_length = len(prompt_ids)
         self.index = index  # the trajectory's id in the environment pool
         self.turns = 0
@@ -75,9 +76,10 @@ class Trajectory:
         self.turn_rewards: List[float] = []
         self.truncated_observations = 0
 
-    def append_model(self, ids: Sequence[int]) -> None:
+    def append_model(self, ids: Sequence[int], log_probs: Optional[Sequence[float]] = None) -> None:
         self.tokens += ids
         self.mask += [1] * len(ids)
+        self.behaviour += list(log_probs) if log_probs is not None else [0.0] * len(ids)
         self.turns += 1
 
     def fitted_observation(self, ids: Sequence[int], limit: int) -> List[int]:
@@ -92,6 +94,7 @@ class Trajectory:
         """Environment ids (fitted) with loss mask 0."""
         self.tokens += ids
         self.mask += [0] * len(ids)
+        self.behaviour += [0.0] * len(ids)
 
     def fail(self, reason: str) -> None:
         self.failure, self.done = reason, True

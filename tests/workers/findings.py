@@ -451,6 +451,7 @@ class MultiTurn(Findings):
     game_mbs1: GameRun
     game_policy_tp1: GameRun  # the policy at TP=1 x DP=2 of its own while the run is at TP=2
     game_lockstep: GameRun  # rollout.overlap_turns false
+    game_correction: GameRun  # algorithm.rollout_correction truncate: with the behaviour and old log-probs
     game_2_slots_late_replies: GameRun  # 2 decode slots, replies late by 0-60 ms by trajectory
 
 

@@ -104,7 +104,7 @@ def open_turns(model, slots, delays):
                 for r in joining:
                     del due[r]
             steps += 1
-            for r, ids in run.step():
+            for r, ids, _ in run.step():
                 rows[r] += ids
                 rows[r] += replies[r, turn[r], : 1 + (r + turn[r]) % 4].tolist()
                 turn[r] += 1

@@ -24,7 +24,7 @@ SILENT = ENVIRONMENTS + ":Silent"
 
 
 def iteration(config_file: str, tp: int, name: str, environment=None, ems: bool = True, micro_batch_size=None,
-              policy_tp: str = "", slots=None, **rollout):
+              policy_tp: str = "", slots=None, correction=None, **rollout):
     os.environ.update(TP=str(tp), ITERATIONS="1", POLICY_TP=policy_tp)
     prepared = prepare(parse_args(["--config", config_file, "--output-dir", os.path.join(OUT_DIR, name)]),
                        int(os.environ["WORLD_SIZE"]))
@@ -36,6 +36,8 @@ def iteration(config_file: str, tp: int, name: str, environment=None, ems: bool 
     spec = environment or prepared.environment
     if slots is not None:
         config.generation.batch_size = slots
+    if correction is not None:
+        config.algorithm.rollout_correction.mode = correction
     for key, value in rollout.items():
         setattr(config.rollout, key, value)
     setup(tp=tp, seed=config.seed)
@@ -48,8 +50,10 @@ def iteration(config_file: str, tp: int, name: str, environment=None, ems: bool 
         turns.close()
     r = captured["rollout"]
     cut = controller.role_set.cut
-    rows = cut.gather({"tokens": r.tokens, "mask": r.action_mask, "scores": r.scores, "advantages": r.advantages},
-                      prepared.tokenizer.pad_id)
+    fields = {"tokens": r.tokens, "mask": r.action_mask, "scores": r.scores, "advantages": r.advantages}
+    if r.behaviour_log_probs is not None:
+        fields.update(behaviour=r.behaviour_log_probs, old=r.old_log_probs)
+    rows = cut.gather(fields, prepared.tokenizer.pad_id)
     return GameRun(metrics=metrics, rollout={k: v.cpu() for k, v in rows.items()})
 
 
@@ -74,6 +78,8 @@ result.game_mbs1 = iteration("examples/tiny_agent/grpo.yaml", 2, "game_mbs1", mi
 result.game_policy_tp1 = iteration("examples/tiny_agent/grpo.yaml", 2, "game_policy_tp1", policy_tp="1")
 # The schedule of turns: in lockstep; and without it in 2 slots, replies late by 0-60 ms by trajectory.
 result.game_lockstep = iteration("examples/tiny_agent/grpo.yaml", 2, "game_lockstep", overlap_turns=False)
+# Rollout correction: the engine's log-prob of every model token recorded across the turns.
+result.game_correction = iteration("examples/tiny_agent/grpo.yaml", 2, "game_correction", correction="truncate")
 result.game_2_slots_late_replies = iteration("examples/tiny_agent/grpo.yaml", 2, "game_2_slots_late_replies", slots=2,
                                              environment=ENVIRONMENTS + ":SlowEchoGame")
 save(result)
