@@ -33,6 +33,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_rlhf.checkpoint import load_model_shard  # noqa: E402
 from megatron_rlhf.checkpoint.convert import hf_to_megatron  # noqa: E402
@@ -42,7 +43,8 @@ from megatron_rlhf.generation import SamplingParams, generate  # noqa: E402
 from megatron_rlhf.models.batches import length_grouped  # noqa: E402
 from megatron_rlhf.models.decoder import build_model, load_local_state_dict  # noqa: E402
 from megatron_rlhf.runtime import destroy_distributed, get_platform, init_distributed  # noqa: E402
-from megatron_rlhf.runtime.cpu_linears import KERNEL_VARIABLE  # noqa: E402
+from megatron_rlhf.runtime.cpu_linears import KERNEL_VARIABLE, chosen_kernel  # noqa: E402
+from machine import processor  # noqa: E402
 
 PAD = 0
 WORKLOADS = {
@@ -221,7 +223,8 @@ def compare(ours, hf, w, args) -> dict:
                      "model": f"h{args.hidden}, {args.layers} layers, {args.heads} heads ({args.kv_heads} kv), "
                               f"ffn {args.ffn}, vocab {args.vocab}, {args.precision}", "device": str(device),
                      "slots": w.slots, "hf_batch": w.hf_batch or w.prompts, "repeats": args.repeats,
-                     "threads": torch.get_num_threads()},
+                     "threads": torch.get_num_threads(), "processor": processor(),
+                     "engine_linears": chosen_kernel() if device.type == "cpu" else "torch"},
         "ours_useful_tokens_per_s": useful / ours_s,
         "transformers_useful_tokens_per_s": sum(len(r) for r in hf_rows) / hf_s,
         "ratio": (useful / ours_s) / (sum(len(r) for r in hf_rows) / hf_s),

@@ -220,9 +220,10 @@ def test_reinforce_returns_run_across_the_environments_tokens():
 # -- through the engine, on 2 processes ------------------------------------------------------------
 
 def _numbers(metrics):
-    """The metrics a rollout's numbers decide: not times, nor the slots' occupancy (it follows when
-    each reply came back, as the schedule does; the tokens do not)."""
-    return {k: v for k, v in metrics.items() if not k.startswith("time/") and k != "rollout/slot_occupancy"}
+    """The metrics a rollout's numbers decide: not times, nor how the work was scheduled."""
+    from megatron_rlhf.rollout.record import SCHEDULE_METRICS
+
+    return {k: v for k, v in metrics.items() if not k.startswith("time/") and k not in SCHEDULE_METRICS}
 
 
 def test_multi_turn_rollouts_through_the_engine(tmp_path):

@@ -32,7 +32,9 @@ def metrics(out: Path):
 
 
 def without_times(rows):
-    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
+    from megatron_rlhf.rollout.record import SCHEDULE_METRICS
+
+    return [{k: v for k, v in row.items() if not k.startswith("time/") and k not in SCHEDULE_METRICS} for row in rows]
 
 
 @pytest.fixture(scope="module")

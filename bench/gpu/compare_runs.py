@@ -1,5 +1,5 @@
-"""Compare two runs' metrics.jsonl row by row, every key but the wall times (time/*): the
-invariance check of EMS on against off. Exit status 1, naming the first difference, if they differ.
+"""Compare two runs' metrics.jsonl row by row, every key but the wall times (time/*) and how the
+work was scheduled (rollout/record.py's SCHEDULE_METRICS): the invariance check of EMS on against off. Exit status 1, naming the first difference, if they differ.
 
     python bench/gpu/compare_runs.py RUN_A RUN_B
 """
@@ -8,11 +8,15 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+from megatron_rlhf.rollout.record import SCHEDULE_METRICS  # noqa: E402
+
 
 def metrics(run_dir: str) -> list:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
+    return [{k: v for k, v in row.items() if not k.startswith("time/") and k not in SCHEDULE_METRICS} for row in rows]
 
 
 def main() -> int:
@@ -25,7 +29,7 @@ def main() -> int:
             key = next(k for k in sorted(set(x) | set(y)) if x.get(k) != y.get(k))
             print(f"row {i} (iteration {x.get('iteration')}): {key} = {x.get(key)} against {y.get(key)}")
             return 1
-    print(f"identical: {len(a)} rows, every key but time/*")
+    print(f"identical: {len(a)} rows, every key but time/* and {', '.join(SCHEDULE_METRICS)}")
     return 0
 
 

@@ -88,6 +88,10 @@ COUNTED_METRICS = ("reward/failures", "reward/timeouts", "rollout/env_calls", "r
                    "rollout/context_truncated", "rollout/partial_dropped", "rollout/partial_resumed")
 
 
+# How the work was scheduled, not what it computed: they follow the layout, the decode slots and
+# when each environment's reply came (like time/*), where every other metric stays the same.
+SCHEDULE_METRICS = ("rollout/slot_occupancy",)
+
 # An environment's own counts (agents/protocol.py: info["counts"]) are counts too.
 COUNTED_PREFIXES = ("rollout/tool_", "rollout/env_")
 

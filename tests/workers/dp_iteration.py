@@ -16,6 +16,7 @@ from tests.workers.findings import DPIteration, Iteration
 from megatron_rlhf.checkpoint.model_files import save_shard, write_model_meta
 from megatron_rlhf.controller import PPOController
 from megatron_rlhf.memory import MemoryLedger
+from megatron_rlhf.rollout.record import SCHEDULE_METRICS
 from megatron_rlhf.models.decoder import groups_of, local_state_dict
 from megatron_rlhf.models.sharding import merge_state_dicts
 from megatron_rlhf.rollout.multiturn import MultiTurn
@@ -78,7 +79,8 @@ def iteration(config_file: str, tp: int, name: str, loaded: bool = False, before
     if turns is not None:
         turns.close()
     digest = {k: float(v.double().sum()) for k, v in full_weights(controller.roles["ppo_policy"]).items()}
-    return Iteration(metrics={k: v for k, v in metrics.items() if not k.startswith("time/")}, weights=digest)
+    return Iteration(metrics={k: v for k, v in metrics.items() if not k.startswith("time/") and k not in SCHEDULE_METRICS},
+                     weights=digest)
 
 
 result = DPIteration.to_fill()
