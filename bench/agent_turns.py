@@ -31,14 +31,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from generation import PAD, add_model_arguments, random_llama  # noqa: E402
+from generation import PAD, add_model_arguments, converted_llama  # noqa: E402
 
-from megatron_rlhf.checkpoint import load_model_shard  # noqa: E402
-from megatron_rlhf.checkpoint.convert import hf_to_megatron  # noqa: E402
-from megatron_rlhf.checkpoint.model_files import read_model_meta  # noqa: E402
 from megatron_rlhf.config.schema import ParallelConfig, RLHFConfig  # noqa: E402
 from megatron_rlhf.generation import CacheSession, OpenRun, SamplingParams  # noqa: E402
-from megatron_rlhf.models.decoder import build_model, load_local_state_dict  # noqa: E402
 from megatron_rlhf.rollout.multiturn import MultiTurn  # noqa: E402
 from megatron_rlhf.runtime import destroy_distributed, get_platform, init_distributed  # noqa: E402
 
@@ -133,12 +129,8 @@ def main():
     transformers.logging.set_verbosity_error()
     init_distributed(ParallelConfig(1, 1), seed=args.seed)
     longest = args.prompt + max(args.turns) * (args.turn_tokens + args.reply)
+    _, model = converted_llama(args, longest)
     with tempfile.TemporaryDirectory() as tmp:
-        random_llama(args, os.path.join(tmp, "hf"), longest)
-        hf_to_megatron(os.path.join(tmp, "hf"), os.path.join(tmp, "mg"))
-        arch, _ = read_model_meta(os.path.join(tmp, "mg"))
-        model = build_model(arch, ParallelConfig(1, 1), "lm", precision=args.precision)
-        load_local_state_dict(model, load_model_shard(os.path.join(tmp, "mg"), arch, "lm", 1, 0, 1, 0))
         with open(os.path.join(tmp, "env.py"), "w") as f:
             f.write(textwrap.dedent(ENVIRONMENT.format(slow_s=args.slow_s, slow_share=args.slow_share,
                                                        fast_s=args.fast_s, vocab=args.vocab, reply=args.reply)))

@@ -99,6 +99,18 @@ def random_llama(args, directory: str, positions: int):
     return model
 
 
+def converted_llama(args, positions: int):
+    """The random Llama (transformers') and the same weights as our model, converted by the
+    project's converter: (transformers' model, ours)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = random_llama(args, os.path.join(tmp, "hf"), positions)
+        hf_to_megatron(os.path.join(tmp, "hf"), os.path.join(tmp, "mg"))
+        arch, _ = read_model_meta(os.path.join(tmp, "mg"))
+        ours = build_model(arch, ParallelConfig(1, 1), "lm", precision=args.precision)
+        load_local_state_dict(ours, load_model_shard(os.path.join(tmp, "mg"), arch, "lm", 1, 0, 1, 0))
+    return hf, ours
+
+
 def choose_eos(ours, prompts, lengths, args) -> int:
     """The token that first appears within the first half of the most greedy responses (a pilot
     run of our engine without EOS on a few prompts): random weights have no end token of their
@@ -265,12 +277,7 @@ def main():
     device = get_platform().device
     chosen = workloads(args)
     longest = max(w.max_prompt + w.new_tokens for _, w in chosen)
-    with tempfile.TemporaryDirectory() as tmp:
-        hf = random_llama(args, os.path.join(tmp, "hf"), longest)
-        hf_to_megatron(os.path.join(tmp, "hf"), os.path.join(tmp, "mg"))
-        arch, meta = read_model_meta(os.path.join(tmp, "mg"))
-        ours = build_model(arch, ParallelConfig(1, 1), "lm", precision=args.precision)
-        load_local_state_dict(ours, load_model_shard(os.path.join(tmp, "mg"), arch, "lm", 1, 0, 1, 0))
+    hf, ours = converted_llama(args, longest)
     hf = hf.to(device=device, dtype=torch.bfloat16 if args.precision == "bf16" else torch.float32)
     warm = torch.randint(3, args.vocab, (2, 8))
     generate(ours, warm, torch.tensor([8, 5]), SamplingParams(4, greedy=True, pad_id=PAD), args.vocab)

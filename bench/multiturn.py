@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import warnings
 
 import torch
@@ -28,14 +27,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from generation import PAD, add_model_arguments, random_llama, timed  # noqa: E402
+from generation import PAD, add_model_arguments, converted_llama, timed  # noqa: E402
 
-from megatron_rlhf.checkpoint import load_model_shard  # noqa: E402
-from megatron_rlhf.checkpoint.convert import hf_to_megatron  # noqa: E402
-from megatron_rlhf.checkpoint.model_files import read_model_meta  # noqa: E402
 from megatron_rlhf.config.schema import ParallelConfig  # noqa: E402
 from megatron_rlhf.generation import CacheSession, SamplingParams, generate  # noqa: E402
-from megatron_rlhf.models.decoder import build_model, load_local_state_dict  # noqa: E402
 from megatron_rlhf.runtime import destroy_distributed, get_platform, init_distributed  # noqa: E402
 
 
@@ -108,12 +103,7 @@ def main():
     transformers.logging.set_verbosity_error()
     init_distributed(ParallelConfig(1, 1), seed=args.seed)
     longest = args.prompt + args.model_tokens + (max(args.turns) - 1) * args.reply
-    with tempfile.TemporaryDirectory() as tmp:
-        random_llama(args, os.path.join(tmp, "hf"), longest)
-        hf_to_megatron(os.path.join(tmp, "hf"), os.path.join(tmp, "mg"))
-        arch, _ = read_model_meta(os.path.join(tmp, "mg"))
-        model = build_model(arch, ParallelConfig(1, 1), "lm", precision=args.precision)
-        load_local_state_dict(model, load_model_shard(os.path.join(tmp, "mg"), arch, "lm", 1, 0, 1, 0))
+    _, model = converted_llama(args, longest)
     generate(model, torch.randint(3, args.vocab, (2, 8)), torch.tensor([8, 5]), SamplingParams(4, greedy=True, pad_id=PAD),
              args.vocab)  # warm-up
     results = [measure(model, turns, args) for turns in sorted(args.turns)]

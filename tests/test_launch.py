@@ -216,6 +216,25 @@ def test_dry_run_of_llama2_70b_on_4_nodes_of_8_gpus_matches_the_formulas(tmp_pat
     assert "on the busiest node of 8 ranks (8 DP rank 0)" in line
 
 
+def test_dry_run_of_llama31_8b_on_8_gpus_says_each_ranks_checkpoint_share(tmp_path):
+    """The launcher's Llama-3.1-8B preset (TP=2, DP=4 on one node of 8): every rank writes 1/4 of
+    its slice's optimizer state, DP rank 0 of each TP slice also the slice's weights, nothing
+    gathered; the node holds two DP rank 0 (ranks 0 and 1)."""
+    result = subprocess.run(["bash", str(RUN_PPO)], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env=_env(DRY_RUN="1", MODEL_SIZE="llama3.1-8b", NNODES="1", GPUS_PER_NODE="8"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("checkpoint save"))
+    per_rank = float(re.search(r"gathered\): ([\d.]+) GiB per rank", line).group(1))
+    first = float(re.search(r"per rank, ([\d.]+) GiB on DP rank 0", line).group(1))
+    weights = [float(w) for w in re.findall(r"weights ([\d.]+) GiB", line)]
+    states = [float(o) for o in re.findall(r"optimizer state ([\d.]+) GiB", line)]
+    assert len(weights) == len(states) == 2  # ppo_policy and ppo_value
+    assert abs(first - (sum(weights) + per_rank)) <= 0.02  # DP rank 0: its share of the state plus the weights
+    assert abs(sum(states) - per_rank) <= 0.02 and abs(states[0] - 6 * weights[0] / 4) <= 0.02  # 12 B / 2 B / DP=4
+    assert "(2 DP rank 0)" in line and "one role at a time in host memory" in line
+    assert (per_rank, first) == (21.70, 36.17)  # as docs/guide/checkpoints.md quotes it
+
+
 def test_a_checkpoint_save_that_would_not_fit_the_host_is_refused_before_start_up(monkeypatch):
     import types
 

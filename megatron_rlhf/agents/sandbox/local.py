@@ -88,10 +88,48 @@ def _wait(process: subprocess.Popen, seconds: float) -> Optional[int]:
 
 def _kill_session(process: subprocess.Popen) -> None:
     """Kill the call's session: the interpreter (or bubblewrap, whose namespace dies with it) and
-    anything left running."""
+    anything left running, and return once none of them runs. The processes inside bubblewrap's
+    session of their own are killed by name too: the namespace's end reaches them only after
+    bubblewrap has gone, a moment later."""
+    inside = _descendants(process.pid)
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    for pid in inside:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     _wait(process, 5.0)
+    deadline = time.monotonic() + 5.0
+    while any(_running(pid) for pid in inside) and time.monotonic() < deadline:
+        time.sleep(0.01)
     process.stdout.close()
+
+
+def _descendants(root: int) -> List[int]:
+    """The processes below ``root`` (from /proc: each process's parent)."""
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    parents[int(name)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], [root]
+    while frontier:
+        below = [pid for pid, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, already dead, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
