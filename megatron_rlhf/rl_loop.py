@@ -16,12 +16,10 @@ from megatron_rlhf.startup import Prepared, check_host_memory
 
 def _run_iterations(controller, log, prepared: Prepared, validations: list, history: list) -> None:
     """Validation before training, the iterations (each validated at the interval), checkpoints."""
-    from megatron_rlhf.checkpoint.background import BackgroundSaves
-    from megatron_rlhf.checkpoint.ppo_state import save_ppo_checkpoint
+    from megatron_rlhf.checkpoint.background import CheckpointSaves
 
     config = prepared.config
-    background = BackgroundSaves() if config.trainer.async_save else None
-    save = background.save if background is not None else save_ppo_checkpoint
+    saves = CheckpointSaves(config.trainer.async_save)
     interval, val_interval = config.trainer.save_interval, config.trainer.val_interval
     if config.trainer.val_before_train and controller.iteration == 0:
         validations.append(controller.validate())
@@ -35,13 +33,11 @@ def _run_iterations(controller, log, prepared: Prepared, validations: list, hist
         log.log(metrics, config.ppo.iterations, controller.last_samples)
         if log.enabled:  # the new run has an iteration: the run --overwrite set aside goes
             drop_set_aside(prepared.output_dir)
-        if background is not None:
-            background.poll()  # the save in flight finished once every rank wrote its files
+        saves.poll()  # a save in flight finished once every rank wrote its files
         last = controller.iteration == config.ppo.iterations
         if (interval and controller.iteration % interval == 0) or (last and config.trainer.save_at_end):
-            save(controller.roles, {**controller.state_dict(), "run": prepared.run}, prepared.output_dir)
-    if background is not None:
-        background.drain()
+            saves.save(controller.roles, {**controller.state_dict(), "run": prepared.run}, prepared.output_dir)
+    saves.drain()
 
 
 def _ranks_elsewhere(progress_dir: str, iteration: int, phase: str) -> str:

@@ -90,7 +90,7 @@ class ToolEnvironment:
         self.tools, self.parser = load_tool_set(tuple(tools), parser, tuple(mcp_servers), mcp_dir, tool_timeout_s)
         self.workers = max_parallel_calls
         self.timeout_s = tool_timeout_s
-        self.allowed = None  # the row's tools (start), None: every tool
+        self.callable = list(self.tools)  # the tools the row may call (start): all, or those its column names
         settings = SandboxConfig(**(sandbox or {}))
         self.unsafe = settings.unsafe
         configure_sandbox(settings)
@@ -100,7 +100,8 @@ class ToolEnvironment:
         from megatron_rlhf.data.rows import row_tools
 
         column = row_tools(row.get("tools"))
-        self.allowed = set(column) if column and isinstance(column[0], str) else None
+        named = set(column) if column and isinstance(column[0], str) else None
+        self.callable = [name for name in self.tools if named is None or name in named]
         return None
 
     def step(self, turn: Turn) -> StepResult:
@@ -126,10 +127,9 @@ class ToolEnvironment:
         """Each call's reply, in order; the calls that can run run side by side."""
         replies: List[Any] = []
         for call in calls:
-            callable_here = [n for n in self.tools if self.allowed is None or n in self.allowed]
-            tool = self.tools.get(call.name) if call.name in callable_here else None
+            tool = self.tools.get(call.name) if call.name in self.callable else None
             try:
-                problem = (f"there is no tool {call.name!r}; the tools are {', '.join(callable_here)}" if tool is None
+                problem = (f"there is no tool {call.name!r}; the tools are {', '.join(self.callable)}" if tool is None
                            else argument_problem(tool, call.arguments))
             except RecursionError:
                 problem = f"the arguments of {call.name} are nested too deeply to read"

@@ -5,7 +5,7 @@ resident while copied: checkpoint/ppo_state.py's PendingSave.snapshot); a thread
 files. The writer never reads a role's memory, so roles are offloaded, onloaded and trained
 while it writes without changing what it writes, and it holds no device or page-locked memory:
 only the copies, in ordinary host memory, until written. After every iteration the ranks check
-together whether all have written (:meth:`BackgroundSaves.poll`); then the trainer state and the
+together whether all have written (:meth:`CheckpointSaves.poll`); then the trainer state and the
 manifest are added and ``latest`` moves to the new checkpoint. The next save, and the end of the
 run, wait for the one in flight (:meth:`drain`). A process killed while writing leaves ``latest``
 on the previous complete checkpoint; its partial directory is removed at the next start.
@@ -19,20 +19,25 @@ from typing import Any, Dict, List, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.checkpoint.ppo_state import PendingSave, Writes, write_files
+from megatron_rlhf.checkpoint.ppo_state import PendingSave, Writes, os_error_text, save_ppo_checkpoint, write_files
 
 
-class BackgroundSaves:
-    """At most one checkpoint in flight; every method is collective (every rank calls it)."""
+class CheckpointSaves:
+    """A loop's checkpoint saves: written at once (``in_background`` false: :meth:`poll` and
+    :meth:`drain` have nothing to do), or by a thread with at most one checkpoint in flight.
+    Every method is collective (every rank calls it)."""
 
-    def __init__(self):
+    def __init__(self, in_background: bool):
+        self.in_background = in_background
         self.pending: Optional[PendingSave] = None
         self.thread: Optional[threading.Thread] = None
         self.error: Optional[str] = None
 
     def save(self, roles: Mapping[str, Any], trainer_state: Dict[str, Any], output_dir: str,
              scores: Optional[Dict[str, dict]] = None) -> str:
-        """Start writing the checkpoint of ``trainer_state``'s iteration; its final directory."""
+        """Save (or start writing) the checkpoint of ``trainer_state``'s iteration; its final directory."""
+        if not self.in_background:
+            return save_ppo_checkpoint(roles, trainer_state, output_dir, scores)
         self.drain()
         pending = PendingSave(trainer_state, output_dir)
         with pending.failing_cleanly():
@@ -46,7 +51,7 @@ class BackgroundSaves:
         try:
             write_files(writes)
         except OSError as e:
-            self.error = f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+            self.error = os_error_text(e)
         except Exception as e:  # noqa: BLE001 - reported by the main thread, collectively
             self.error = f"{type(e).__name__}: {e}"
 

@@ -128,6 +128,11 @@ def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any],
     return pending.final
 
 
+def os_error_text(e: OSError) -> str:
+    """What an OSError of a write says, with the file it names."""
+    return f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+
+
 def write_files(writes: Writes) -> None:
     for path, obj in writes:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -159,7 +164,7 @@ class PendingSave:
         try:
             yield
         except OSError as e:
-            raise self.failed(f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")) from None
+            raise self.failed(os_error_text(e)) from None
 
     def failed(self, why: str) -> RunError:
         shutil.rmtree(self.tmp, ignore_errors=True)

@@ -6,6 +6,7 @@ train.prepare before any process group or model exists."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -48,9 +49,6 @@ def lock_output_dir(output_dir: str) -> None:
 def remove_partial_saves(output_dir: str) -> List[str]:
     """Remove the temporary directories of checkpoint saves whose writer died (the output
     directory's lock is held: no live writer shares it); the names removed."""
-    import glob
-    import shutil
-
     found = sorted(glob.glob(os.path.join(output_dir, "checkpoints", ".iter_*.tmp-*")))
     for path in found:
         shutil.rmtree(path, ignore_errors=True)

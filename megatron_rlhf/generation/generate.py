@@ -208,6 +208,16 @@ class _Routes:
         return table.masked_fill(beyond[:, :, None, None], -1)
 
 
+def slot_cache(model: torch.nn.Module, slots: int, length: int, scratch: bool) -> SlotKVCache:
+    """The KV cache of ``slots`` decode slots of ``length`` positions for this rank's layers and
+    heads; ``scratch``: one slot more, for padding (sequence parallelism) and idle steps (experts)."""
+    inner = unwrap(model)
+    config, tp = inner.config, groups_of(model).tp.size()
+    return SlotKVCache(len(compat.attention_layers(inner)), slots + scratch, length,
+                       (config.num_query_groups or config.num_attention_heads) // tp, config.kv_channels,
+                       config.params_dtype, next(inner.parameters()).device)
+
+
 @contextlib.contextmanager
 def engine_modes(model: torch.nn.Module, cache: SlotKVCache):
     """The model as the engine runs it: eval mode, its pipeline stage over ``cache`` (yielded),
@@ -357,9 +367,7 @@ def generate(
     peers = _expert_parallel_peers(model)
 
     def new_cache() -> SlotKVCache:
-        return SlotKVCache(len(compat.attention_layers(inner)), slots + (packer.pad_to > 1 or peers is not None),
-                           cache_length, config.num_query_groups // tp if config.num_query_groups else config.num_attention_heads // tp,
-                           config.kv_channels, config.params_dtype, device)
+        return slot_cache(model, slots, cache_length, packer.pad_to > 1 or peers is not None)
 
     cache = session.cache_for(new_cache) if session is not None else new_cache()
     stats = EngineStats(resumed=sum(n > 0 for n in cached or []))

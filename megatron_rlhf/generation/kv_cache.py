@@ -103,24 +103,25 @@ def _prefill_after(query, keys, values, group: PrefillGroup, scale, out) -> None
 
 
 def _decode(query, keys, values, step: StepLayout, scale) -> torch.Tensor:
-    """Attention of each decode token [D, heads, dim] over its slot's positions so far, over the
-    slots decode_span covers (a view of the cache). Two batched matmuls rather than SDPA: at one
-    query per slot its per-call set-up costs more than the arithmetic."""
+    """Attention of each decode token [D, heads, dim] over its slot's positions so far: over the
+    slots decode_span covers (a view of the cache), or, when the decoding slots are at most half of
+    that span, over theirs gathered. Two batched matmuls rather than SDPA: at one query per slot
+    its per-call set-up costs more than the arithmetic."""
     lo, hi = step.decode_span
     extent = step.decode_bias.shape[-1]
-    kv_heads = keys.shape[1]
     if 2 * query.shape[0] <= hi - lo:  # few decoding slots in a wide span (turns joining): only theirs read
         slots = step.slots[step.decode_start :]
-        q = query.view(query.shape[0], kv_heads, -1, query.shape[-1])
-        scores = torch.matmul(q, keys[slots, :, :extent].transpose(-1, -2))
-        scores = scores.mul_(q.shape[-1] ** -0.5 if scale is None else scale).add_(step.decode_bias[step.decode_rows])
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, values[slots, :, :extent]).view(query.shape[0], -1, q.shape[-1])
-    every_slot = query.shape[0] == hi - lo  # then the decode slots are lo..hi-1 in order
-    q = query if every_slot else query.new_zeros(hi - lo, *query.shape[1:]).index_copy_(0, step.decode_rows, query)
-    q = q.view(hi - lo, kv_heads, -1, q.shape[-1])  # [span, kv_heads, queries per kv head, dim]
-    scores = torch.matmul(q, keys[lo:hi, :, :extent].transpose(-1, -2))
-    scores = scores.mul_(q.shape[-1] ** -0.5 if scale is None else scale).add_(step.decode_bias)
+        q, bias, picked = query, step.decode_bias[step.decode_rows], None
+        keys, values = keys[slots, :, :extent], values[slots, :, :extent]  # gathered: a copy of theirs only
+    else:  # a view of the span; a slot not decoding computes a row that is dropped
+        every_slot = query.shape[0] == hi - lo  # then the decode slots are lo..hi-1 in order
+        q = query if every_slot else query.new_zeros(hi - lo, *query.shape[1:]).index_copy_(0, step.decode_rows, query)
+        keys, values = keys[lo:hi, :, :extent], values[lo:hi, :, :extent]
+        bias, picked = step.decode_bias, None if every_slot else step.decode_rows
+    rows, kv_heads = q.shape[0], keys.shape[1]
+    q = q.view(rows, kv_heads, -1, q.shape[-1])  # [rows, kv_heads, queries per kv head, dim]
+    scores = torch.matmul(q, keys.transpose(-1, -2))
+    scores = scores.mul_(q.shape[-1] ** -0.5 if scale is None else scale).add_(bias)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    attended = torch.matmul(probs, values[lo:hi, :, :extent]).view(hi - lo, -1, q.shape[-1])
-    return attended if every_slot else attended.index_select(0, step.decode_rows)
+    attended = torch.matmul(probs, values).view(rows, -1, q.shape[-1])
+    return attended if picked is None else attended.index_select(0, picked)

@@ -18,8 +18,7 @@ from typing import Hashable, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_rlhf.generation.generate import (PREFILL_TOKENS, EngineStats, EngineStep, Responses, _any_peer_running,
-                                               _expert_parallel_peers, engine_modes)
-from megatron_rlhf.generation.kv_cache import SlotKVCache
+                                               _expert_parallel_peers, engine_modes, slot_cache)
 from megatron_rlhf.generation.packing import StepPacker
 from megatron_rlhf.generation.sampling import SamplingParams
 from megatron_rlhf.generation.schedule import FREE, SlotSchedule
@@ -53,10 +52,8 @@ class OpenRun:
         self.packer = StepPacker(self.responses.tokens, self.schedule.lengths, params.pad_id,
                                  compat.rotary_angles(inner, session.length).to(self.device), config,
                                  pad_to=tp if config.sequence_parallel else 1, scratch_slot=slots)
-        self.cache = session.cache_for(lambda: SlotKVCache(
-            len(compat.attention_layers(inner)), slots + (self.packer.pad_to > 1 or self.peers is not None),
-            session.length, (config.num_query_groups or config.num_attention_heads) // tp, config.kv_channels,
-            config.params_dtype, self.device))
+        self.cache = session.cache_for(lambda: slot_cache(model, slots, session.length,
+                                                          self.packer.pad_to > 1 or self.peers is not None))
         self.stats = EngineStats()
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self.core = EngineStep(None, self.packer, self.schedule, self.responses, empty, empty, params, vocab_size,

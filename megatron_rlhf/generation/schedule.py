@@ -72,15 +72,14 @@ class SlotSchedule:
         self.keep_freed = False
 
     def add(self, lengths: Sequence[int], limits: Sequence[int], homes: Sequence[Optional[int]],
-            cached: Sequence[int]) -> List[int]:
-        """More rows, waiting after the others (an open engine run); their row numbers."""
+            cached: Sequence[int]) -> None:
+        """More rows, waiting after the others (an open engine run)."""
         first = len(self.lengths)
         self.lengths += lengths
         self.limits += limits
         self.homes += homes
         self.cached += cached
         self.waiting.extend(range(first, len(self.lengths)))
-        return list(range(first, len(self.lengths)))
 
     def _free(self, slot: int) -> None:
         self.ended.append((self.row_in[slot], slot))

@@ -165,8 +165,7 @@ def _resumed(prepared, roles, ledger_path: str) -> int:
 def _steps(prepared, stage: Stage, roles, order, done: int, log: RunLog) -> list:
     """The steps after ``done``: each trained, validated at trainer.val_interval and after the
     last, logged on rank 0, and saved at trainer.save_interval and at the end."""
-    from megatron_rlhf.checkpoint.background import BackgroundSaves
-    from megatron_rlhf.checkpoint.ppo_state import save_ppo_checkpoint
+    from megatron_rlhf.checkpoint.background import CheckpointSaves
     from megatron_rlhf.checkpoint.run_state import drop_set_aside
 
     trainer, validating = prepared.config.trainer, prepared.val_dataset is not None
@@ -176,8 +175,7 @@ def _steps(prepared, stage: Stage, roles, order, done: int, log: RunLog) -> list
             log.record(before)
             log.write(" | ".join(["validation before training"] + _figures(before, "val/")), 0)
     history = []
-    background = BackgroundSaves() if trainer.async_save else None
-    save = background.save if background is not None else save_ppo_checkpoint
+    saves = CheckpointSaves(trainer.async_save)
     for iteration in range(done + 1, order.total_steps + 1):
         started = time.perf_counter()
         roles.progress.iteration = roles.ledger.iteration = iteration
@@ -194,14 +192,12 @@ def _steps(prepared, stage: Stage, roles, order, done: int, log: RunLog) -> list
             log.write(" | ".join([f"step {iteration:>4}/{order.total_steps}"] + stage.line(metrics)
                                  + _figures(metrics, "val/") + [f"{metrics['time/iteration_s']:.1f}s"]), 1)
             drop_set_aside(prepared.output_dir)  # the new run has a step: the run --overwrite set aside goes
-        if background is not None:
-            background.poll()
+        saves.poll()
         if (trainer.save_interval and iteration % trainer.save_interval == 0) or (last and trainer.save_at_end):
             rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-            save(roles.roles, {"iteration": iteration, "rng": rng, "run": prepared.run}, prepared.output_dir,
-                 stage.recorded_scores())
-    if background is not None:
-        background.drain()
+            saves.save(roles.roles, {"iteration": iteration, "rng": rng, "run": prepared.run}, prepared.output_dir,
+                       stage.recorded_scores())
+    saves.drain()
     return history
 
 

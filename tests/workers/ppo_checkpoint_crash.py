@@ -8,7 +8,7 @@ from common import OUT_DIR, reward_pool, save
 from tests.workers.findings import PPOCheckpointCrash
 
 from megatron_rlhf.checkpoint import ppo_state
-from megatron_rlhf.checkpoint.background import BackgroundSaves
+from megatron_rlhf.checkpoint.background import CheckpointSaves
 from megatron_rlhf.controller import PPOController
 from megatron_rlhf.errors import RunError
 from megatron_rlhf.memory import MemoryLedger
@@ -43,7 +43,7 @@ except RunError as e:
     error = str(e)
 # The same full disk met by the background writer (trainer.async_save): said when the save is drained.
 background_error = None
-background = BackgroundSaves()
+background = CheckpointSaves(in_background=True)
 background.save(controller.roles, controller.state_dict(), OUT_DIR)
 try:
     background.drain()

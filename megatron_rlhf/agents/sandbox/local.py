@@ -110,14 +110,8 @@ def _kill_session(process: subprocess.Popen) -> None:
 
 def _descendants(root: int) -> List[int]:
     """The processes below ``root`` (from /proc: each process's parent)."""
-    parents = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    parents[int(name)] = int(f.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
+    parents = {int(name): int(fields[1]) for name in os.listdir("/proc")
+               if name.isdigit() and (fields := _stat(int(name)))}
     found, frontier = [], [root]
     while frontier:
         below = [pid for pid, parent in parents.items() if parent in frontier]
@@ -128,8 +122,14 @@ def _descendants(root: int) -> List[int]:
 
 def _running(pid: int) -> bool:
     """Whether ``pid`` still runs (a zombie, already dead, does not)."""
+    fields = _stat(pid)
+    return bool(fields) and fields[0] != b"Z"
+
+
+def _stat(pid: int) -> List[bytes]:
+    """/proc/<pid>/stat's fields after the command name (state, parent, ...); [] once it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+            return f.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
-        return False
+        return []
