@@ -194,8 +194,6 @@ def six_role_peak(arch, parallel, args, platform, free_memory: bool):
         "peak_allocated": max(s.get("peak_allocated", s.get("rss", 0)) for s in stats),
         "peak_reserved": max(s.get("peak_reserved", s.get("rss", 0)) for s in stats),
     }
-    # megatron's modules hold reference cycles: without a collection this run's roles would still
-    # hold the device through the next run (which measured them: 52 GiB "on" after 37 GiB "off").
     del roles, role, ledger
     gc.collect()
     platform.empty_cache()
@@ -249,8 +247,11 @@ def main():
     del role
 
     if not args.no_six_roles:
-        off = six_role_peak(arch, parallel, args, platform, free_memory=False)
+        # EMS on first: megatron's DDP keeps its gradient hooks in autograd nodes, where Python's
+        # collector cannot see the cycle back to the model, so no role is ever freed; EMS on leaves
+        # its roles offloaded (nothing on the device), EMS off would leave all of them resident.
         on = six_role_peak(arch, parallel, args, platform, free_memory=True)
+        off = six_role_peak(arch, parallel, args, platform, free_memory=False)
         figures["six_roles"] = {"ems_off": off, "ems_on": on}
         label = "allocated/reserved" if platform.name == "cuda" else "RSS"
         say(f"\nsix roles colocated: peak resident role state {off['peak_resident_state_bytes'] / MiB:.1f} MiB "

@@ -51,6 +51,8 @@ def test_after_every_offload_allocated_and_reserved_bytes_return_to_their_level(
         (alloc0, reserved0), (alloc1, _), (alloc2, reserved2) = rnd.before, rnd.during, rnd.after
         print(f"round {i}: allocated {alloc0 / MiB:.1f} -> {alloc1 / MiB:.1f} -> {alloc2 / MiB:.1f} MiB, "
               f"reserved {reserved0 / MiB:.1f} -> {reserved2 / MiB:.1f} MiB (state {rnd.state / MiB:.1f} MiB)")
+    for rnd in r.rounds:
+        (alloc0, reserved0), (alloc1, _), (alloc2, reserved2) = rnd.before, rnd.during, rnd.after
         assert alloc1 - alloc0 >= rnd.state > 100 * MiB
         # A first round may leave megatron's small lazily built tensors (under 1 MiB); the allocator
         # keeps at most one 2 MiB small-block segment for them.
@@ -67,12 +69,16 @@ def test_six_roles_peak_is_the_largest_phase_not_the_sum(workers):
     transient = {p.role: p.peak - p.onloaded for p in off.phases}
     for p in on.phases:
         print(f"{p.role:<11} before onload {p.start / MiB:7.1f}  state {p.state / MiB:7.1f}  "
-              f"onloaded {p.onloaded / MiB:7.1f}  peak {p.peak / MiB:7.1f} MiB (transient {transient[p.role] / MiB:.1f})")
+              f"onloaded {p.onloaded / MiB:7.1f}  peak {p.peak / MiB:7.1f} MiB (transient {transient[p.role] / MiB:.1f}); "
+              f"the onload requested {p.requested} bytes for {p.state} of state")
+    for p in on.phases:
         assert p.start <= MiB, p  # every role off the device before each phase
-        assert abs(p.onloaded - p.start - p.state) <= MiB, p  # the onload brought exactly its state
+        assert abs(p.requested - p.state) <= 64 * 1024, p  # the onload brought exactly its state
     peak_on, peak_off = (max(p.peak for p in run.phases) for run in (on, off))
-    largest_phase = max(p.state + transient[p.role] for p in on.phases)
-    print(f"peak with EMS {peak_on / MiB:.1f} MiB (largest state + transient {largest_phase / MiB:.1f}); "
+    # A phase's level: its state as the allocator counts it (blocks a little over the requests) and
+    # the transient of its work.
+    largest_phase = max(p.onloaded - p.start + transient[p.role] for p in on.phases)
+    print(f"peak with EMS {peak_on / MiB:.1f} MiB (largest onloaded state + transient {largest_phase / MiB:.1f}); "
           f"without {peak_off / MiB:.1f} MiB (sum of states {total_state / MiB:.1f})")
     assert peak_on <= largest_phase + 2 * MiB
     assert peak_off >= total_state > peak_on

@@ -68,3 +68,28 @@ def capture_rollouts(controller) -> dict:
 
 
 REWARDS_FOR_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rewards_for_tests.py")
+
+
+def warm_up_gpu_libraries(arch, parallel, tokens) -> None:
+    """Let the process build what CUDA libraries keep for its life, so that a level measured after
+    this is a real level: cuBLAS and cuBLASLt take workspaces from the caching allocator per handle
+    (one per thread: autograd's backward runs on its own) and stream at their first GEMM, 68-72 MiB
+    on an H100. A throwaway role of ``arch`` trains a step with each head kind and is offloaded (a
+    role with megatron's DDP is never collected: its gradient hooks live in autograd nodes)."""
+    import gc
+
+    from megatron_rlhf.config.schema import RoleConfig
+    from megatron_rlhf.models.decoder import build_model
+    from megatron_rlhf.models.training import next_token_loss, scalar_regression_loss, wrap_for_training
+    from megatron_rlhf.roles.base import assemble_role
+
+    for name, head, loss in (("ppo_policy", "lm", next_token_loss), ("ppo_value", "scalar", scalar_regression_loss)):
+        rc = RoleConfig(precision="bf16", lr=1e-5, free_memory=True)
+        model, optimizer = wrap_for_training(build_model(arch, parallel, head, precision="bf16"), rc)
+        role = assemble_role(name, rc, model, optimizer)
+        with role.resident("training"):
+            role.train_step([{"tokens": tokens}], loss)
+        del role, model, optimizer
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()

@@ -2,7 +2,7 @@
 allocated AND reserved bytes return to their level before the onload (empty_cache on)."""
 
 import torch
-from common import save, setup, tiny_arch
+from common import save, setup, tiny_arch, warm_up_gpu_libraries
 from tests.workers.findings import EMSGPU, GPURound
 
 from megatron_rlhf.config.schema import RoleConfig
@@ -21,11 +21,7 @@ role.memory.offload()
 # ballast, so that "the level before" is a real level.
 ballast = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
 tokens = torch.randint(0, arch.vocab_size, (2, 256), device="cuda")
-# cuBLAS and cuBLASLt take their workspaces from the caching allocator at a stream's first GEMM
-# and keep them for the process (68 MiB on an H100): made here, they are part of "the level before".
-x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-torch.nn.functional.linear(x, x.detach()[:64]).sum().backward()
-del x
+warm_up_gpu_libraries(arch, parallel, tokens)  # their workspaces are part of "the level before"
 
 
 def levels():

@@ -6,7 +6,7 @@ the level before any role was built."""
 import gc
 
 import torch
-from common import save, setup, tiny_arch
+from common import save, setup, tiny_arch, warm_up_gpu_libraries
 from tests.workers.findings import Colocated, ColocatedPhase, EMSSixRolesGPU
 
 from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, TRAINABLE_ROLES, RoleConfig
@@ -19,11 +19,16 @@ parallel = setup(1, 1)
 arch = tiny_arch(hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16, num_query_groups=4,
                  num_layers=4, vocab_size=8192)
 tokens = torch.randint(0, arch.vocab_size, (2, 256), device="cuda")
+warm_up_gpu_libraries(arch, parallel, tokens)  # their workspaces are part of every baseline
 
 
 def allocated() -> int:
     torch.cuda.synchronize()
     return torch.cuda.memory_allocated()
+
+
+def requested() -> int:
+    return torch.cuda.memory_stats()["requested_bytes.all.current"]
 
 
 def colocate(free_memory: bool) -> Colocated:
@@ -43,9 +48,9 @@ def colocate(free_memory: bool) -> Colocated:
         phases = []
         for name, role in roles.items():
             torch.cuda.reset_peak_memory_stats()
-            start = allocated()
+            start, asked = allocated(), requested()
             with role.resident("training" if role.trainable else "inference"):
-                onloaded = allocated()
+                onloaded, asked = allocated(), requested() - asked
                 state = sum(role.memory.resident_bytes()[k] for k in LEDGER_KINDS)
                 if role.trainable:
                     role.train_step([{"tokens": tokens}], next_token_loss if role.head == "lm" else scalar_regression_loss)
@@ -53,7 +58,7 @@ def colocate(free_memory: bool) -> Colocated:
                     role.forward([{"tokens": tokens}])
                 torch.cuda.synchronize()
             phases.append(ColocatedPhase(role=name, start=start - baseline, onloaded=onloaded - baseline, state=state,
-                                         peak=torch.cuda.max_memory_allocated() - baseline))
+                                         requested=asked, peak=torch.cuda.max_memory_allocated() - baseline))
     with_all = {}
     for name, role in roles.items():
         role.memory.onload()

@@ -266,6 +266,9 @@ class ColocatedPhase(Findings):
     start: int  # allocated before the onload (above the baseline)
     onloaded: int
     state: int  # the role's state bytes (ledger count)
+    # bytes the onload asked the allocator for: "allocated" also counts what a block has over a
+    # request (the caching allocator hands out a whole block when under 1 MiB of it would be left)
+    requested: int
     peak: int
 
 
