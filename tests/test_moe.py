@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from megatron_rlhf.config.families import arch_from_hf_config  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
 from tests.helpers.hf_families import assert_outputs_match, assert_round_trip, converted_for_equivalence, greedy_cases  # noqa: E402
 
 # Qwen3-MoE with renormalised top-2 and a dense first layer; Mixtral (every layer experts); Qwen3-MoE
@@ -286,17 +287,43 @@ def test_the_moe_demo_runs_with_a_pipeline_stage_that_has_no_experts(tmp_path):
         assert 0 <= r["policy/moe/replay_moved"] < 1
 
 
-def test_a_resumed_moe_run_continues_exactly_as_an_uninterrupted_one(tmp_path, moe_demo):
+def test_a_resumed_moe_run_continues_exactly_as_an_uninterrupted_one_and_at_another_expert_layout(tmp_path, moe_demo):
+    import shutil
+
     from tests.test_train import metrics, train, without_times
 
     moe = {"config": "examples/tiny/moe.yaml", "env": MOE_DEMO_ENV}
     train(tmp_path / "split", "--iterations", "2", **moe)
+    for name in ("ep2", "ep1"):
+        shutil.copytree(tmp_path / "split", tmp_path / name)
     train(tmp_path / "split", "--iterations", "4", "--resume", **moe)
     assert without_times(metrics(tmp_path / "split")) == without_times(metrics(moe_demo / "True")[:4])
-    refused = train(tmp_path / "split", "--iterations", "5", "--resume", config=moe["config"],
-                    env={**MOE_DEMO_ENV, "EP": "1"}, check=False)
+    # The EP=2 checkpoint at EP=1: each expert's Adam moments come from the EP rank that held it, and
+    # the optimizer chain is rebuilt (at EP=2 the experts have an optimizer of their own, at EP=1 they
+    # share the dense one's groups). Against the same checkpoint resumed at EP=2, both with the
+    # reference loaded from it (a seeded reference would be another network at another layout).
+    reference = tmp_path / "reference"
+    shutil.copytree(tmp_path / "ep2" / "checkpoints" / "iter_0000002" / "ppo_policy", reference,
+                    ignore=shutil.ignore_patterns("optim"))
+    config = tmp_path / "moe.yaml"
+    config.write_text(f"includes: {REPO / moe['config']}\nreference:\n  load: {reference}\n")
+    for name, ep in (("ep2", "2"), ("ep1", "1")):
+        train(tmp_path / name, "--iterations", "4", "--resume", "--allow-config-change", config=config,
+              env={**MOE_DEMO_ENV, "EP": ep})
+    at_ep2, at_ep1 = (without_times(metrics(tmp_path / name))[2:] for name in ("ep2", "ep1"))
+    assert [r["iteration"] for r in at_ep1] == [3, 4] and at_ep1[0]["kl/mean"] == 0.0  # the resumed policy
+    for mine, theirs in zip(at_ep1, at_ep2):
+        for key, value in theirs.items():
+            if not key.startswith("weight_sync/"):
+                assert abs(mine[key] - value) <= 1e-5 * max(1.0, abs(value)), (key, mine[key], value)
+    # An optimizer whose state is per model-parallel rank (not the distributed one) is refused by name.
+    fixed = {**MOE_DEMO_ENV, "USE_DISTRIBUTED_OPTIMIZER": "False"}
+    train(tmp_path / "fixed", "--iterations", "1", config=moe["config"], env=fixed)
+    refused = train(tmp_path / "fixed", "--iterations", "2", "--resume", config=moe["config"], env={**fixed, "EP": "1"},
+                    check=False)
     said = refused.stdout + refused.stderr
-    assert refused.returncode != 0 and "written at TP=1 PP=1 EP=2; resume with the same TP, PP and EP" in said
+    assert refused.returncode != 0 and "written at TP=1 PP=1 EP=2; resume with the same TP, PP and EP (its optimizer " \
+        "(not the distributed one) is per model-parallel rank)" in said
     assert "parallel.expert_model_parallel_size (environment variable EP=1)" in said  # the key that changed
     assert "tensor_model_parallel_size" not in said
 

@@ -12,7 +12,7 @@
           optim/mp_rank_TT_PPP.pt              the optimizer's common state (DP rank 0)
           optim/state_tTT_pPPP_eEEE_dDDDDD.pt  each rank's own part of the distributed optimizer's
                                                state, written by every rank at once, nothing gathered
-                                               (optimizer_state.py: resumes at any TP, PP and DP)
+                                               (optimizer_state.py: resumes at any TP, PP, EP and DP)
 
 A checkpoint is written into a hidden temporary directory by every rank, renamed into place by
 rank 0 once all ranks are done, and only then named in ``latest``: a save that dies midway leaves
@@ -22,6 +22,7 @@ the previous checkpoint complete and ``latest`` pointing to it.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -30,7 +31,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.checkpoint.optimizer_state import load_owned_state, owned_state_file, same_layout
+from megatron_rlhf.checkpoint.optimizer_state import common_state_for, load_owned_state, owned_state_file, same_layout
 from megatron_rlhf.checkpoint.model_files import (
     MANIFEST,
     CheckpointError,
@@ -280,9 +281,7 @@ def _refuse_non_finite(role_name: str, model, iteration: int) -> None:
 
 def reshardable(role_config) -> Optional[str]:
     """Why a trained role's checkpoint resumes only at the TP, PP and EP it was written at, or None
-    (it resumes at any layout: the distributed optimizer's dense state is cut as its weights)."""
-    if role_config.model.num_experts:
-        return "its experts' optimizer state"
+    (it resumes at any layout: the distributed optimizer's state is cut as its weights)."""
     if role_config.lora.enabled:
         return "its LoRA adapters' optimizer state"
     if not role_config.use_distributed_optimizer:
@@ -297,7 +296,7 @@ def check_layout(path: str, trainer_state: Dict[str, Any], tp: int, pp: int, ep:
     the setting, for the message."""
     then = {"TP": trainer_state["layout"]["tp"], "PP": trainer_state["layout"]["pp"], "EP": trainer_state["layout"].get("ep", 1)}
     now = {"TP": tp, "PP": pp, "EP": ep}
-    if then != now and (fixed or then["EP"] != now["EP"]):
+    if then != now and fixed:
         names = ["TP", "PP"] + (["EP"] if then["EP"] > 1 or ep > 1 else [])  # EP named where experts are split
         sizes = {n: " ".join(f"{k}={v[k]}" for k in names) for n, v in (("then", then), ("now", now))}
         why = f" ({fixed} is per model-parallel rank)" if fixed else ""
@@ -316,10 +315,19 @@ def _load_parameter_state(role, role_dir: str, written: dict, layout: dict, head
                 values["step"] = values["step"].clone()
 
 
+def _common_state(role, role_dir: str, layout: dict, same: bool):
+    """The optimizer's common state (hyperparameters, step): this rank's file at the layout it was
+    written at; at another, rebuilt for this optimizer's groups from every written rank's."""
+    if same:
+        return torch.load(_common_file(role_dir, layout), map_location="cpu", weights_only=False)
+    files = sorted(glob.glob(os.path.join(role_dir, "optim", "mp_rank_*.pt")))
+    return common_state_for(role.optimizer, [torch.load(f, map_location="cpu", weights_only=False) for f in files])
+
+
 def load_ppo_checkpoint(roles: Mapping[str, Any], path: str) -> Dict[str, Any]:
     """Restore the trainable roles from checkpoint ``path`` and return the trainer state saved with
-    them (for the controller's load_state_dict; collective). Written at any TP, PP and DP, but at
-    its own TP, PP and EP where a role's state is tied to them (reshardable). Everything is read to
+    them (for the controller's load_state_dict; collective). Written at any TP, PP, EP and DP, but
+    at its own TP, PP and EP where a role's state is tied to them (reshardable). Everything is read to
     the CPU first, whatever device wrote it."""
     layout = _layout()
     state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
@@ -331,15 +339,13 @@ def load_ppo_checkpoint(roles: Mapping[str, Any], path: str) -> Dict[str, Any]:
     for role_name in trained:
         role = roles[role_name]
         role_dir = os.path.join(path, role_name)
-        # The common state (hyperparameters, step) is every rank's alike: this rank's, or the first's.
-        common_file = _common_file(role_dir, layout if same else {**written, "tp_rank": 0, "pp_rank": 0, "ep_rank": 0})
         # no_grad: fp32 main params can be views of the (grad-requiring) parameters.
         with role.resident("training"), torch.no_grad():
             shard = load_model_shard(role_dir, role.config.model, ROLE_HEADS[role_name], layout["tp"],
                                      layout["tp_rank"], layout["pp"], layout["pp_rank"], layout["ep"], layout["ep_rank"])
             load_local_state_dict(role.model, shard)
             compat.reload_main_params(role.optimizer)
-            role.optimizer.load_state_dict(torch.load(common_file, map_location="cpu", weights_only=False))
+            role.optimizer.load_state_dict(_common_state(role, role_dir, layout, same))
             if role.config.use_distributed_optimizer:
                 _load_parameter_state(role, role_dir, written, layout, ROLE_HEADS[role_name])
     return state

@@ -30,7 +30,7 @@ from megatron_rlhf.runtime.megatron_compat.engine import (attention_layers, atte
                                                           set_rope_inv_freq)
 from megatron_rlhf.runtime.megatron_compat.imports import bind_router_gemm, import_megatron
 from megatron_rlhf.runtime.megatron_compat.optimizer import (adam_state, inner_optimizers, main_param_tensors,
-                                                             owned_optimizer_state, reload_main_params,
+                                                             owned_optimizer_state, param_groups, reload_main_params,
                                                              unclipped_grad_norm)
 from megatron_rlhf.runtime.megatron_compat.resharding import (reshard_part, reshard_receives,
                                                               sequential_experts_resharded)
@@ -57,7 +57,7 @@ __all__ = [
     "ANCHORS", "CHECKED_MEGATRON_CORE_VERSIONS", "MegatronInternalsChanged", "Site", "adam_state", "attention_layers",
     "attention_replaced", "bind_router_gemm", "buffer_grad_storage", "buffer_param_storage", "buffer_params", "check",
     "ddp_buffers", "fixed_address_settings", "free_grad_buffers", "import_megatron", "inner_optimizers",
-    "linear_matmuls_replaced", "main_param_tensors", "raise_if_changed", "reload_main_params",
+    "linear_matmuls_replaced", "main_param_tensors", "param_groups", "raise_if_changed", "reload_main_params",
     "reshard_part", "reshard_receives", "restore_grad_buffers", "rotary_angles", "owned_optimizer_state",
     "sequential_experts_resharded", "set_rope_inv_freq", "site_problems", "unclipped_grad_norm",
     "vocab_parallel_cross_entropy", "wire_grad_sync",

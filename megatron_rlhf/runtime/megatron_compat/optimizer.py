@@ -26,12 +26,23 @@ ANCHORS: Dict[str, Tuple[Site, ...]] = {
         Site("optimizer/distrib_optimizer.py", "self.model_param_gbuf_map"),
         Site("optimizer/optimizer.py", "def reload_model_params("),
     ),
+    # checkpoint/optimizer_state.py:common_state_for matches groups by these, but where experts live.
+    "param_groups": (
+        Site("optimizer/optimizer.py", "param_group_identifier_keys = ('wd_mult', 'lr_mult', 'is_expert_parallel', 'is_decoupled_lr')"),
+        Site("tensor_parallel/layers.py", "self.expert_parallel = config.expert_model_parallel_size > 1"),
+    ),
 }
 
 
 def inner_optimizers(optimizer) -> List:
     """The megatron optimizers inside a ChainedOptimizer (or the optimizer itself)."""
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def param_groups(inner) -> List[dict]:
+    """The torch.optim parameter groups of one megatron optimizer (none for the stub a pipeline
+    stage without such parameters has)."""
+    return list(getattr(getattr(inner, "optimizer", None), "param_groups", None) or [])
 
 
 def main_param_tensors(inner) -> List[torch.Tensor]:
