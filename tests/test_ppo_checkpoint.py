@@ -112,6 +112,25 @@ def test_resume_at_another_data_tensor_or_pipeline_layout_continues_as_at_its_ow
                     assert abs(mine[key] - value) <= 1e-5 * max(1.0, abs(value)), (name, key, mine[key], value)
 
 
+def test_lora_adapters_resume_at_another_tensor_layout_as_at_their_own(tmp_path):
+    import shutil
+
+    # The LoRA demo at TP=1 x DP=2, resumed at its own layout and at TP=2: a column-parallel linear's
+    # B (and a row-parallel one's A) is cut as its weight, the other factor replicated, and so are
+    # their Adam moments; the base comes back from the checkpoint (the reference shares it).
+    lora = "examples/tiny/grpo_lora.yaml"
+    train(tmp_path / "own", "--iterations", "2", env={"TP": "1"}, config=lora)
+    shutil.copytree(tmp_path / "own", tmp_path / "tp2")
+    for name, tp in (("own", "1"), ("tp2", "2")):
+        train(tmp_path / name, "--iterations", "4", "--resume", "--allow-config-change", env={"TP": tp}, config=lora)
+    at_own, at_tp2 = (without_times(metrics(tmp_path / name))[2:] for name in ("own", "tp2"))
+    assert [r["iteration"] for r in at_tp2] == [3, 4]
+    for mine, theirs in zip(at_tp2, at_own):
+        for key, value in theirs.items():
+            if not key.startswith("weight_sync/"):
+                assert abs(mine[key] - value) <= 1e-5 * max(1.0, abs(value)), (key, mine[key], value)
+
+
 def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(workers):
     (r,) = workers(1, "ppo_checkpoint_crash")
     assert r.error.startswith("iteration 2: writing the checkpoint ") and "iter_0000002 failed: disk full (simulated)" \

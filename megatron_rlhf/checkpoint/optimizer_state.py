@@ -12,8 +12,8 @@ written at, by concatenating them; at another TP, PP or EP, by joining the old T
 full tensor (an expert's from the EP rank that held it) and cutting the new one with the weights'
 own rules (sharding.merge_tensor / shard_state_dict / experts_of_rank), so the moments follow their
 weights exactly. The common state (hyperparameters and step per parameter group) is rebuilt for the
-new optimizer's own groups (``common_state_for``). LoRA adapters resume at their own TP, PP and EP
-(any DP).
+new optimizer's own groups (``common_state_for``). LoRA adapters alike: each factor is cut as the
+weights' rules cut it (models/sharding.py).
 """
 
 from __future__ import annotations

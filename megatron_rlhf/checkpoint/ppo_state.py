@@ -282,8 +282,6 @@ def _refuse_non_finite(role_name: str, model, iteration: int) -> None:
 def reshardable(role_config) -> Optional[str]:
     """Why a trained role's checkpoint resumes only at the TP, PP and EP it was written at, or None
     (it resumes at any layout: the distributed optimizer's state is cut as its weights)."""
-    if role_config.lora.enabled:
-        return "its LoRA adapters' optimizer state"
     if not role_config.use_distributed_optimizer:
         return "its optimizer (not the distributed one)"
     return None
