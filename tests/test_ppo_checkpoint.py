@@ -142,6 +142,12 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(workers):
     assert r.listing == ["iter_0000001", "latest"]  # no partial .iter_0000002.tmp-* left filling the disk
     # Every file of a resume is read to the CPU first (a GPU run's tensors never land on one device).
     assert r.map_locations and set(r.map_locations) == {"cpu"}
+    # While a background save writes, the writer holds only its own host copies (no role's storage,
+    # no EMS host arena, nothing page-locked) and every role stays off the device.
+    assert r.writer_holds["tensors"] > 0 and r.writer_holds["bytes"] > 0, r.writer_holds
+    assert not r.writer_holds["shares_role_memory"] and not r.writer_holds["pinned"], r.writer_holds
+    assert r.resident_while_writing and not any(r.resident_while_writing.values()), r.resident_while_writing
+    assert r.held_save.endswith("iter_0000001")  # it completed once let go
 
 
 def test_dp2_resume_with_reward_normalisation_continues_the_uninterrupted_run(tmp_path):

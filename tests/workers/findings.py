@@ -390,6 +390,12 @@ class PPOCheckpointCrash(Findings):
     resumed_iteration: int
     listing: list[str]  # the checkpoints directory
     map_locations: list  # torch.load's map_location of every load
+    # A background save held in flight: the writer's tensors (count, bytes, whether any shares a
+    # role's device storage or EMS host arena, whether any is page-locked), every role's resident
+    # bytes meanwhile, and the checkpoint it finished.
+    writer_holds: dict
+    resident_while_writing: dict[str, int]
+    held_save: str
 
 
 @part

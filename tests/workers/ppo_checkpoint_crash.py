@@ -2,11 +2,14 @@
 checkpoint complete, `latest` pointing to it, and loadable. Run with 1 process (TP=1)."""
 
 import os
+import threading
+import time
 
 import torch
 from common import OUT_DIR, reward_pool, save
 from tests.workers.findings import PPOCheckpointCrash
 
+from megatron_rlhf.checkpoint import background as background_module
 from megatron_rlhf.checkpoint import ppo_state
 from megatron_rlhf.checkpoint.background import CheckpointSaves
 from megatron_rlhf.controller import PPOController
@@ -64,5 +67,61 @@ def recording_load(*args, **kwargs):
 ppo_state.torch.load = recording_load
 fresh.load_state_dict(ppo_state.load_ppo_checkpoint(fresh.roles, latest))
 ppo_state.torch.load = real_load
+listing = sorted(os.listdir(os.path.join(OUT_DIR, "checkpoints")))
+
+
+def tensors_in(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_in(v)
+
+
+def role_memory_spans(roles):
+    """Address ranges of every role's storages (device or host) and EMS host arenas."""
+    spans = []
+    for role in roles.values():
+        for kind in ("weights", "grads", "main_params", "optimizer_state"):
+            for t in role.memory.tensors(kind):
+                storage = t.untyped_storage()
+                if storage.nbytes():
+                    spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+        for mover in role.memory._movers.values():
+            if mover._arena is not None:
+                spans.append((mover._arena.data_ptr(), mover._arena.data_ptr() + mover._arena.numel()))
+    return spans
+
+
+# A background save held in flight (its writer waits): what does the writer hold?
+release, held = threading.Event(), []
+
+
+def held_write(writes):
+    held.append(writes)
+    release.wait()
+    real_write(writes)
+
+
+real_write, background_module.write_files = background_module.write_files, held_write
+saves = CheckpointSaves(in_background=True)
+saves.save(fresh.roles, fresh.state_dict(), OUT_DIR)
+while not held:
+    time.sleep(0.01)
+spans = role_memory_spans(fresh.roles)
+written = [t for _, obj in held[0] for t in tensors_in(obj)]
+shares = any(t.untyped_storage().nbytes() and any(a < t.untyped_storage().data_ptr() + t.untyped_storage().nbytes()
+                                                    and t.untyped_storage().data_ptr() < b for a, b in spans)
+             for t in written)
+writer_holds = {"tensors": len(written), "bytes": sum(t.untyped_storage().nbytes() for t in written),
+                "shares_role_memory": shares, "pinned": any(t.is_pinned() for t in written)}
+resident = {name: sum(role.memory.resident_bytes().values()) for name, role in fresh.roles.items()}
+release.set()
+saves.drain()
+background_module.write_files = real_write
 save(PPOCheckpointCrash(error=error, background_error=background_error, first=first, latest=latest, resumed_iteration=fresh.iteration,
-                        listing=sorted(os.listdir(os.path.join(OUT_DIR, "checkpoints"))), map_locations=map_locations))
+                        listing=listing, map_locations=map_locations, writer_holds=writer_holds,
+                        resident_while_writing=resident, held_save=ppo_state.latest_checkpoint(OUT_DIR)))
