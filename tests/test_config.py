@@ -541,6 +541,8 @@ def test_partial_rollouts_and_rollout_correction_are_refused_by_name_where_they_
                                     "algorithm: {rollout_correction: {mode: mask, level: sequence, threshold: 3}}\n")),
                      world_size=1)
     assert ok.rollout.partial.pool_groups(ok.ppo.rollout_batch_size) == 96 and not ok.rollout.multi_turn
+    with pytest.raises(ConfigError, match="rollout.partial.chunk_turns: counts turns of trajectories with an environment"):
+        load_config(str(tiny_setup(tmp_path, "rollout: {partial: {enabled: true, chunk_turns: 2}}\n")), world_size=1)
     assert ok.algorithm.rollout_correction.band == (1 / 3, 3.0)
     # Unused: partial settings while it is off, correction settings while it is off.
     with pytest.raises(ConfigError) as err:
@@ -549,13 +551,15 @@ def test_partial_rollouts_and_rollout_correction_are_refused_by_name_where_they_
     text = str(err.value)
     assert "rollout.partial.over_sample: set, but rollout.partial.enabled is false" in text
     assert "algorithm.rollout_correction.threshold: set, but algorithm.rollout_correction.mode is off" in text
-    # Not modelled: with an environment; a band for truncate; a pool that does not split over DP.
-    top = ("rollout: {environment: env.py:Game, max_trajectory_tokens: 200, partial: {enabled: true, over_sample: 1.01}}\n"
+    # Not modelled: a chunk of tokens with an environment; a band for truncate; a pool that does not split over DP.
+    top = ("rollout: {environment: env.py:Game, max_trajectory_tokens: 200, partial: {enabled: true, over_sample: 1.01, "
+           "chunk_tokens: 4}}\n"
            "algorithm: {rollout_correction: {mode: truncate, threshold_low: 0.5}}\nppo: {rollout_batch_size: 4}\n")
     with pytest.raises(ConfigError) as err:
         load_config(str(tiny_setup(tmp_path, top)), world_size=2)
     text = str(err.value)
-    assert "rollout.partial.enabled: not supported with multi-turn rollouts yet" in text
+    assert "rollout.partial.chunk_tokens: with an environment a trajectory is held at a turn's start, so a chunk is " \
+        "counted in turns: set rollout.partial.chunk_turns instead" in text
     assert "algorithm.rollout_correction.mode: not supported" not in text  # the engine records agents' tokens too
     assert "algorithm.rollout_correction.threshold_low: only mask keeps a band" in text
     assert "1.01 x ppo.rollout_batch_size=4 = 5 prompts in flight, x samples_per_prompt=1 = 5 responses, do not split over DP=2" in text

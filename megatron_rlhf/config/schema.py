@@ -386,16 +386,22 @@ class PartialRolloutConfig:
     held with the run's state and resumed first by the next iteration's weights. A group whose first
     tokens are more than ``max_staleness`` weight versions older than the update is dropped (counted)."""
 
-    enabled: bool = False  # partial rollouts on (single-turn; see the section)
+    enabled: bool = False  # partial rollouts on (single-turn, or trajectories with an environment)
     over_sample: float = bounded(2.0, ge=1)  # prompts in flight per iteration, as a multiple of ppo.rollout_batch_size
     # weight versions a held group's first tokens may lag the update; older: dropped
     max_staleness: int = bounded(2, ge=0)
     # Tokens each response generates between the checks for ended groups (each check ends a
     # generate() call: finer stops cost more calls); None: max_new_tokens / 4.
     chunk_tokens: Optional[int] = bounded(None, ge=1)
+    # With an environment (rollout/partial_turns.py): turns each trajectory takes between the
+    # checks (a held trajectory waits at a turn's start); None: 1.
+    chunk_turns: Optional[int] = bounded(None, ge=1)
 
     def chunk(self, generation: "GenerationConfig") -> int:
         return self.chunk_tokens or max(1, generation.max_new_tokens // 4)
+
+    def turns_per_chunk(self) -> int:
+        return self.chunk_turns or 1
 
     def pool_groups(self, rollout_batch_size: int) -> int:
         """Prompts in flight (held and new) each round."""

@@ -25,6 +25,7 @@ from megatron_rlhf.models.routing import ROUTES
 from megatron_rlhf.roles import inference
 from megatron_rlhf.roles.role_set import RoleSet
 from megatron_rlhf.rollout.partial import PartialRollouts
+from megatron_rlhf.rollout.partial_turns import PartialTrajectories
 from megatron_rlhf.rollout.record import BEHAVIOUR, Collected, Prompts, Rollout, is_counted, merged_metrics
 from megatron_rlhf.roles.rows import SampleRows, cat_rows, trimmed
 from megatron_rlhf.rollout.scoring import Scorer
@@ -49,7 +50,9 @@ class RolloutCollector:
         self.sampling = SamplingParams.from_config(config.generation, tokenizer.eos_ids, tokenizer.pad_id)
         # The engine's log-probs of its tokens, for rollout correction (partial rollouts record them anyway).
         self.records_behaviour = config.algorithm.rollout_correction.mode != "off"
-        self.partial = PartialRollouts(config, self) if config.rollout.partial.enabled else None
+        self.partial = None
+        if config.rollout.partial.enabled:
+            self.partial = (PartialRollouts if turns is None else PartialTrajectories)(config, self)
 
     # -- an iteration's rollout ------------------------------------------------------------------
 
@@ -63,7 +66,8 @@ class RolloutCollector:
         for round_ in range(rounds):
             if self.partial is not None:
                 rows, generated = self.partial.rows(dataset, iteration, round_)
-                rows["action_mask"] = action_mask(rows["tokens"].shape[1], rows["prompt_lengths"], rows["response_lengths"])
+                if "action_mask" not in rows:  # a trajectory's comes with it (its environment's tokens masked)
+                    rows["action_mask"] = action_mask(rows["tokens"].shape[1], rows["prompt_lengths"], rows["response_lengths"])
                 texts, fields = _prompt_columns(dataset, rows["prompt_index"])
             else:
                 batch = dataset.next_batch(cfg.ppo.rollout_batch_size, self.roles.cut.rank, self.roles.cut.size)
@@ -143,12 +147,12 @@ class RolloutCollector:
 
         rows = self.roles.at_layout("policy", run, prompts.columns())
         if self.turns is not None and self.roles.cuts["policy"] != self.roles.cut:
-            out = self._as_run_share(out)
+            out = self.as_run_share(out)
         if "action_mask" not in rows:
             rows["action_mask"] = action_mask(rows["tokens"].shape[1], rows["prompt_lengths"], rows["response_lengths"])
         return rows, out
 
-    def _as_run_share(self, metrics: Dict[str, float]) -> Dict[str, float]:
+    def as_run_share(self, metrics: Dict[str, float]) -> Dict[str, float]:
         """Turn metrics measured on the policy's own DP share, as this rank's share of the run's:
         counts summed over the policy's DP ranks and spread evenly over the run's (the run adds
         them up again), the others averaged over the policy's (equal shares)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -79,56 +79,94 @@ class MultiTurn:
         each row's prompt and data columns); the sample rows (with the loss mask ``action_mask``,
         the per-turn rewards ``turn_rewards`` and with ``record_log_probs`` the engine's log-prob of
         each model token, BEHAVIOUR) and the metrics."""
-        groups = groups_of(collector.roles["policy"].model)
-        counts = dict.fromkeys(TURN_COUNTS, 0.0)
         lengths = mine["prompt_lengths"].tolist()
-        trajectories = [Trajectory(row[:n].tolist(), self._new_id()) for row, n in zip(mine["tokens"].cpu(), lengths)]
-        calls = _ReplicaCalls(self, groups, trajectories)
-        calls.submit([(i, "start", {"prompt": text, **row}) for i, (text, row) in enumerate(zip(texts, fields))])
-        turn_params = dataclasses.replace(sampling, max_new_tokens=self.turn_tokens,
-                                          eos_ids=tuple(dict.fromkeys(sampling.eos_ids + self.stop_ids)))
-        with collector.open_run(len(trajectories), turn_params, record_log_probs) as engine:
-            self._serve(engine, calls, trajectories, mine["seeds"], turn_params, counts)
-        counts["rollout/slot_occupancy"] = engine.stats.sampled / max(engine.stats.slot_steps, 1)
-        self._release(trajectories, groups)
-        if _every_one_failed(trajectories, mine["seeds"].device):
-            first = next((t.failure for t in trajectories if t.failure), "failure was on another rank")
-            raise EnvironmentFailure(f"environment {self.spec}: every trajectory of the batch failed; the first "
-                                     f"{first}", collective=True)
-        out = _rows(trajectories, mine["prompt_index"], self.tokenizer.pad_id, record_log_probs)
-        return out, self._metrics(trajectories, counts, calls.waited_s)
+        trajectories = [Trajectory(row[:n].tolist(), self.new_id()) for row, n in zip(mine["tokens"].cpu(), lengths)]
+        metrics = self.play(collector, trajectories, self.starts(trajectories, texts, fields), mine["seeds"], sampling,
+                            record_log_probs)
+        return trajectory_rows(trajectories, mine["prompt_index"], self.tokenizer.pad_id, record_log_probs), metrics
 
-    def _new_id(self) -> int:
+    def new_id(self) -> int:
         self.next_id += 1
         return self.next_id
 
+    @staticmethod
+    def starts(trajectories: List[Trajectory], texts: List[str], fields: List[Dict]) -> List[Tuple[int, str, dict]]:
+        """The first call of each new trajectory (its environment's start), recorded in it."""
+        calls = []
+        for i, (t, text, row) in enumerate(zip(trajectories, texts, fields)):
+            t.calls.append(("start", {"prompt": text, **row}))
+            calls.append((i, "start", t.calls[-1][1]))
+        return calls
+
+    def play(self, collector, trajectories: List[Trajectory], starts: List[Tuple[int, str, object]],
+             seeds: torch.Tensor, sampling: SamplingParams, record_log_probs: bool,
+             replays: Sequence[Tuple[int, str, object]] = (), chunk_turns: Optional[int] = None,
+             enough: Optional[Callable[[List[Trajectory]], bool]] = None) -> Dict[str, float]:
+        """Play ``trajectories`` (the policy resident; ``seeds``: their streams) from the new ones'
+        ``starts`` and the resumed ones' ``replays`` (the calls they made, made again to rebuild
+        their environments: rollout/partial_turns.py). Until every one is done; with
+        ``chunk_turns``, in chunks of that many turns each, ending after the first chunk where
+        ``enough(trajectories)`` (collective; those not done then wait at a turn's start). The metrics."""
+        groups = groups_of(collector.roles["policy"].model)
+        counts = dict.fromkeys(TURN_COUNTS, 0.0)
+        calls = _ReplicaCalls(self, groups, trajectories)
+        calls.submit(starts)
+        calls.submit(list(replays), replay=True)
+        turn_params = dataclasses.replace(sampling, max_new_tokens=self.turn_tokens,
+                                          eos_ids=tuple(dict.fromkeys(sampling.eos_ids + self.stop_ids)))
+        with collector.open_run(len(trajectories), turn_params, record_log_probs) as engine:
+            limit, parked = chunk_turns, []
+            while True:
+                parked = self._serve(engine, calls, trajectories, seeds, turn_params, counts, parked, limit)
+                if chunk_turns is None or enough(trajectories):
+                    break
+                limit += chunk_turns
+        counts["rollout/slot_occupancy"] = engine.stats.sampled / max(engine.stats.slot_steps, 1)
+        self._release(trajectories, groups)
+        if _every_one_failed(trajectories, seeds.device):
+            first = next((t.failure for t in trajectories if t.failure), "failure was on another rank")
+            raise EnvironmentFailure(f"environment {self.spec}: every trajectory of the batch failed; the first "
+                                     f"{first}", collective=True)
+        return self._metrics(trajectories, counts, calls.waited_s)
+
     def _serve(self, engine, calls: "_ReplicaCalls", trajectories: List[Trajectory], seeds: torch.Tensor,
-               params: SamplingParams, counts: Dict[str, float]) -> None:
-        """The turns' schedule, until every trajectory is done: answers applied as they come, the
+               params: SamplingParams, counts: Dict[str, float], ready: List[int],
+               turn_limit: Optional[int] = None) -> List[int]:
+        """The turns' schedule, from the trajectories ``ready`` to start a turn until every
+        trajectory is done or has taken ``turn_limit`` turns: answers applied as they come, the
         next turns started (at once, or in lockstep once every turn and call is over), one engine
-        step, the turns that ended sent to their environments."""
+        step, the turns that ended sent to their environments. Returns the trajectories that
+        stopped at the limit (ready for their next turn)."""
         position = {t.index: i for i, t in enumerate(trajectories)}
         lockstep = not self.config.rollout.overlap_turns
-        ready: List[int] = []  # trajectories whose next turn may start
+        ready, parked = list(ready), []  # trajectories whose next turn may start; those at the limit
         while True:
             # Wait for an answer only with nothing to run (never with expert-parallel peers to keep pace with).
             block = not engine.busy and calls.outstanding and (not ready or lockstep) and engine.peers is None
-            for i, kind, answer in calls.arrivals(block):
-                if self._answered(trajectories[i], kind, answer, counts):
-                    ready.append(i)
+            for i, kind, answer, replayed in calls.arrivals(block):
+                t = trajectories[i]
+                goes_on = self._replayed(t, answer, counts) if replayed else self._answered(t, kind, answer, counts)
+                if goes_on is None:
+                    continue  # more of its calls to replay
+                if not goes_on:
+                    engine.release(t.index)
+                elif turn_limit is not None and t.turns - t.turns_before >= turn_limit:
+                    parked.append(i)
                 else:
-                    engine.release(trajectories[i].index)
+                    ready.append(i)
             if ready and not (lockstep and (engine.busy or calls.outstanding)):
                 self._start_turns(engine, trajectories, sorted(ready), seeds, counts)
                 ready = []
             active = engine.busy or calls.outstanding > 0 or bool(ready)
             ended = engine.step(active) if active or engine.peers is not None else None
             if ended is None:
-                return
+                return sorted(parked)
             for key, ids, log_probs in ended:
                 i = position[key]
                 self._turn_ended(trajectories[i], ids, log_probs, counts)
-                calls.submit([(i, "step", self._turn_view(trajectories[i], ids, params))])
+                view = self._turn_view(trajectories[i], ids, params)
+                trajectories[i].calls.append(("step", view))
+                calls.submit([(i, "step", view)])
 
     def _start_turns(self, engine, trajectories: List[Trajectory], ready: List[int], seeds: torch.Tensor,
                      counts: Dict[str, float]) -> None:
@@ -201,6 +239,22 @@ class MultiTurn:
         t.append_observation(ids)
         return True
 
+    def _replayed(self, t: Trajectory, answer: tuple, counts: Dict[str, float]) -> Optional[bool]:
+        """An answer to one of the calls that rebuild a resumed ``t``'s environment (its own answer
+        was applied when first made): None while more are to come, then whether ``t`` goes on."""
+        failure = answer[3]
+        counts["rollout/env_replayed_calls"] += 1
+        t.replaying -= 1
+        if t.failure is not None:
+            return None  # an earlier call failed it (and released it)
+        if failure is not None:
+            status, reason = failure
+            counts["rollout/env_failures"] += 1
+            counts["rollout/env_timeouts"] += status == "timeout"
+            t.fail(f"rebuilding its environment: {reason}")
+            return False
+        return None if t.replaying > 0 else True
+
     def answer(self, kind: str, payload, outcome) -> tuple:
         """(observation ids, done, reward, failure: None or (kind, reason), the environment's
         counts) of one pool outcome, on the replica's first rank."""
@@ -231,7 +285,7 @@ class MultiTurn:
         model = sum(sum(t.mask) for t in trajectories)
         after_prompt = sum(len(t.tokens) - t.prompt_length for t in trajectories)
         return {**counts, "rollout/truncated_observations": float(sum(t.truncated_observations for t in trajectories)),
-                "rollout/turns_mean": sum(t.turns for t in trajectories) / len(trajectories),
+                "rollout/turns_mean": sum(t.turns for t in trajectories) / max(len(trajectories), 1),
                 "rollout/model_token_share": model / max(after_prompt, 1), "time/env_s": env_s}
 
 
@@ -244,14 +298,17 @@ class _ReplicaCalls:
         self.turns, self.groups, self.trajectories = turns, groups, trajectories
         self.first = _first_rank(groups)
         self.made: List[Tuple[int, str, object]] = []  # (trajectory position, kind, payload), by call
+        self.replays: set = set()  # the calls that rebuild a resumed trajectory's environment
         self.tickets: Dict[int, int] = {}  # the pool's ticket -> call (first rank)
         self.outstanding = 0
         self.waited_s = 0.0  # time the replica waited for an answer with nothing else to run
         if self.first:
             turns.environment_pool().begin()
 
-    def submit(self, calls: List[Tuple[int, str, object]]) -> None:
+    def submit(self, calls: List[Tuple[int, str, object]], replay: bool = False) -> None:
         first = len(self.made)
+        if replay:
+            self.replays.update(range(first, first + len(calls)))
         self.made += calls
         self.outstanding += len(calls)
         if self.first:
@@ -259,9 +316,9 @@ class _ReplicaCalls:
             for call, ticket in enumerate(self.turns.pool.submit(requests), first):
                 self.tickets[ticket] = call
 
-    def arrivals(self, block: bool) -> List[Tuple[int, str, tuple]]:
+    def arrivals(self, block: bool) -> List[Tuple[int, str, tuple, bool]]:
         """The answers come so far (waiting for one with ``block``): (trajectory position, kind,
-        answer) each, on every rank of the replica."""
+        answer, whether the call was a replay) each, on every rank of the replica."""
         if not self.outstanding:
             return []
         started = time.perf_counter()
@@ -276,7 +333,7 @@ class _ReplicaCalls:
         if block:
             self.waited_s += time.perf_counter() - started
         self.outstanding -= len(answered)
-        return [(self.made[call][0], self.made[call][1], answer) for call, answer in answered]
+        return [(self.made[call][0], self.made[call][1], answer, call in self.replays) for call, answer in answered]
 
 
 def _every_one_failed(trajectories: List[Trajectory], device: torch.device) -> bool:
@@ -285,7 +342,7 @@ def _every_one_failed(trajectories: List[Trajectory], device: torch.device) -> b
     counts = torch.tensor([sum(bool(t.failure) for t in trajectories), len(trajectories)], device=device)
     if dist.is_initialized():
         dist.all_reduce(counts)
-    return int(counts[0]) == int(counts[1])
+    return 0 < int(counts[1]) == int(counts[0])
 
 
 def _first_rank(groups) -> bool:
@@ -304,7 +361,7 @@ def _from_first_rank(value, groups):
     return box[0]
 
 
-def _rows(trajectories: List[Trajectory], prompt_index: torch.Tensor, pad_id: int, behaviour: bool) -> SampleRows:
+def trajectory_rows(trajectories: List[Trajectory], prompt_index: torch.Tensor, pad_id: int, behaviour: bool) -> SampleRows:
     """Sample rows of the trajectories: tokens [B, S], prompt and response lengths [B], the loss
     mask ``action_mask`` [B, S-1] (1 where the action emitted a model token), turn rewards [B];
     with ``behaviour`` the engine's log-prob of each action [B, S-1] (0 where no model token)."""

@@ -85,7 +85,8 @@ class Rollout:
 # means; times are added over rounds).
 COUNTED_METRICS = ("reward/failures", "reward/timeouts", "rollout/env_calls", "rollout/env_failures",
                    "rollout/env_timeouts", "rollout/truncated_observations", "rollout/prefix_recomputed",
-                   "rollout/context_truncated", "rollout/partial_dropped", "rollout/partial_resumed")
+                   "rollout/context_truncated", "rollout/partial_dropped", "rollout/partial_resumed",
+                   "rollout/env_replayed_calls")
 
 
 # How the work was scheduled, not what it computed: they follow the layout, the decode slots and

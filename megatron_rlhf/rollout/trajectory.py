@@ -9,7 +9,8 @@ ever tokenised again, so the ids the model was trained on are the ids it produce
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import copy
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from megatron_rlhf.agents.protocol import Messages, Observation
 
@@ -62,24 +63,49 @@ class ObservationEncoder:
 
 class Trajectory:
     """The token buffer of one trajectory: ``tokens`` (prompt first), ``mask`` (1 per model
-    token, 0 per prompt or environment token), and what happened (turns, why it ended, rewards)."""
+    token, 0 per prompt or environment token), and what happened (turns, why it ended, rewards).
+    For partial rollouts also the iteration each model token was sampled in (``versions``, -1
+    elsewhere) and the environment calls answered so far (``calls``: replayed to rebuild its
+    environment when it resumes in another iteration)."""
 
-    def __init__(self, prompt_ids: Sequence[int], index: int):
+    # What a trajectory held between iterations keeps (state / from_state): all but its pool id.
+    _KEPT = ("tokens", "mask", "behaviour", "versions", "prompt_length", "turns", "done", "failure", "turn_rewards",
+             "truncated_observations", "calls")
+
+    def __init__(self, prompt_ids: Sequence[int], index: int, version: int = 0):
         self.tokens: List[int] = list(prompt_ids)
         self.mask: List[int] = [0] * len(prompt_ids)
         self.behaviour: List[float] = [0.0] * len(prompt_ids)  # the engine's log-prob of each model token
+        self.versions: List[int] = [-1] * len(prompt_ids)
+        self.version = version  # the iteration whose weights sample its next tokens
         self.prompt_length = len(prompt_ids)
         self.index = index  # the trajectory's id in the environment pool
         self.turns = 0
+        self.turns_before = 0  # turns taken in earlier iterations (resumed)
         self.done = False
         self.failure: Optional[str] = None  # why the environment failed it (counted)
         self.turn_rewards: List[float] = []
         self.truncated_observations = 0
+        self.calls: List[Tuple[str, Any]] = []  # (kind, payload) of every call made
+        self.replaying = 0  # calls still to be answered that rebuild its environment (resumed)
+
+    def state(self) -> Dict[str, Any]:
+        """What resumes it in another iteration (plain values, for the run's checkpoint)."""
+        return {name: getattr(self, name) for name in self._KEPT}
+
+    @classmethod
+    def from_state(cls, state: Dict[str, Any], index: int, version: int) -> "Trajectory":
+        t = cls([], index, version)
+        for name in cls._KEPT:
+            setattr(t, name, copy.deepcopy(state[name]))
+        t.turns_before = t.turns
+        return t
 
     def append_model(self, ids: Sequence[int], log_probs: Optional[Sequence[float]] = None) -> None:
         self.tokens += ids
         self.mask += [1] * len(ids)
         self.behaviour += list(log_probs) if log_probs is not None else [0.0] * len(ids)
+        self.versions += [self.version] * len(ids)
         self.turns += 1
 
     def fitted_observation(self, ids: Sequence[int], limit: int) -> List[int]:
@@ -95,6 +121,7 @@ class Trajectory:
         self.tokens += ids
         self.mask += [0] * len(ids)
         self.behaviour += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
 
     def fail(self, reason: str) -> None:
         self.failure, self.done = reason, True

@@ -59,3 +59,24 @@ class SlowEchoGame:
 
         time.sleep(self.latency)
         return self.game.step(turn)
+
+
+class UnevenEchoGame:
+    """The agent demo's game, over 1 to 4 moves as the prompt decides (a group's trajectories end
+    together, the groups at different turns); every reply depends on the moves before it."""
+
+    def __init__(self):
+        self.game = SlowEchoGame().game
+
+    def start(self, row):
+        import zlib
+
+        self.moves = 1 + zlib.crc32(row["prompt"].encode()) % 4
+        self.made = 0
+        return self.game.start(row)
+
+    def step(self, turn):
+        observation, _, reward, info = self.game.step(turn)
+        self.made += 1
+        done = self.made >= self.moves
+        return (None if done else observation), done, reward, info

@@ -485,6 +485,12 @@ class PartialRollouts(Findings):
     resume: ResumedRun
 
 
+@findings_of("partial_trajectories")
+class PartialTrajectories(Findings):
+    lr0: FrozenRun  # one_go: the trained trajectories played in one go (tokens, action_mask, behaviour)
+    resume: ResumedRun
+
+
 
 # -- The stages before RL (SFT, reward models, DPO) ----------------------------------------------
 

@@ -1,0 +1,94 @@
+"""Partial rollouts with an environment (rollout/partial_turns.py) on the agent demo's game over 1 to
+4 moves (environments_for_tests.py:UnevenEchoGame: every reply depends on the moves before it),
+2x over-sampling, TIS, a turn per chunk, 3 iterations of 4 prompts x 4 trajectories. On 2
+processes (DP=2) the policy also generates at its own layout (TP=2) and no role's memory is freed.
+
+- lr0: ppo_policy's learning rate 0 (the weights never change): every trained trajectory (all
+  ranks'), and the same trajectories played in one go from their prompts and seeds;
+- resume: trained; a checkpoint after iteration 2 (unfinished trajectories held in it), and a new
+  controller that loads it and runs iteration 3."""
+
+import copy
+import os
+
+import torch
+from common import OUT_DIR, reward_pool, save, setup
+from tests.workers.findings import FrozenRun, PartialTrajectories, ResumedRun
+
+from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint, save_ppo_checkpoint
+from megatron_rlhf.controller import PPOController
+from megatron_rlhf.memory import MemoryLedger
+from megatron_rlhf.rollout.collector import _prompt_columns
+from megatron_rlhf.rollout.multiturn import MultiTurn
+from megatron_rlhf.startup import prepare
+from megatron_rlhf.train import parse_args
+
+WORLD = int(os.environ["WORLD_SIZE"])
+GAME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "environments_for_tests.py") + ":UnevenEchoGame"
+os.environ.update(TP="1", ITERATIONS="3", ROLLOUT_BATCH_SIZE="4", SAMPLES_PER_PROMPT="4")
+if WORLD == 2:
+    os.environ.update({"POLICY_TP": "2", **{f"free_memory_{r}": "False" for r in ("policy", "reference", "ppo_policy")}})
+
+
+def controller_for(name: str, lr=None):
+    prepared = prepare(parse_args(["--config", "examples/tiny_agent/grpo.yaml", "--output-dir",
+                                   os.path.join(OUT_DIR, name), "--overwrite"]), WORLD)
+    config = prepared.config
+    config.rollout.environment = GAME
+    config.rollout.partial.enabled, config.rollout.partial.over_sample = True, 2.0
+    config.algorithm.rollout_correction.mode = "truncate"
+    if lr is not None:
+        config.ppo_policy.lr = lr
+    setup(tp=1, seed=config.seed)
+    turns = MultiTurn(config, prepared.tokenizer, GAME, False)
+    controller = PPOController(config, copy.deepcopy(prepared.dataset), prepared.tokenizer,
+                               reward_pool(prepared.reward_functions), MemoryLedger(None), turns=turns)
+    return prepared, controller
+
+
+def capture_rows(controller) -> list:
+    """Every round's trained trajectories, all ranks' (in DP-rank order)."""
+    captured, partial = [], controller.collector.partial
+    rows_of = partial.rows
+
+    def spy(*args):
+        rows, metrics = rows_of(*args)
+        captured.append({k: v.cpu() for k, v in controller.role_set.cut.gather(rows, 0).items()})
+        return rows, metrics
+
+    partial.rows = spy
+    return captured
+
+
+def figures(metrics: dict) -> dict:
+    """The metrics but times, how turns were scheduled and the bytes a weight sync moved."""
+    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "weight_sync/")) and k != "rollout/slot_occupancy"}
+
+
+def in_one_go(controller, dataset, rows: dict) -> dict:
+    """The trajectories of ``rows`` played in one go from their prompts and seeds."""
+    collector = controller.collector
+    beyond = torch.arange(rows["tokens"].shape[1])[None, :] >= rows["prompt_lengths"][:, None]
+    mine = {"tokens": rows["tokens"].masked_fill(beyond, collector.sampling.pad_id), "prompt_lengths": rows["prompt_lengths"],
+            "seeds": rows["seeds"], "prompt_index": rows["prompt_index"]}
+    texts, fields = _prompt_columns(dataset, rows["prompt_index"])
+    with controller.role_set.resident("policy", "inference"):
+        out, _ = collector.turns.run(collector, mine, texts, fields, collector.sampling, record_log_probs=True)
+    return {k: out[k].cpu() for k in ("tokens", "action_mask", "behaviour_log_probs", "response_lengths")}
+
+
+prepared, frozen = controller_for("lr0", lr=0.0)
+trained = capture_rows(frozen)
+metrics = [figures(frozen.step()) for _ in range(3)]
+lr0 = FrozenRun(metrics=metrics, rows=trained, one_go=[in_one_go(frozen, prepared.dataset, rows) for rows in trained])
+
+prepared, whole = controller_for("whole")
+steps = [figures(whole.step()) for _ in range(2)]
+checkpoint = save_ppo_checkpoint(whole.roles, {**whole.state_dict(), "run": prepared.run}, prepared.output_dir)
+held = whole.collector.partial.held or []
+steps.append(figures(whole.step()))
+_, resumed = controller_for("resumed")
+resumed.load_state_dict(load_ppo_checkpoint(resumed.roles, checkpoint))
+save(PartialTrajectories(lr0=lr0, resume=ResumedRun(whole=steps, resumed=[figures(resumed.step())],
+                                                    held_groups=len(held) // 4,
+                                                    held_unfinished=sum(not h["state"]["done"] for h in held))))
