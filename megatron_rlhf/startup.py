@@ -121,15 +121,25 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
 
 
 def _check_held_groups(config: RLHFConfig, resume_from: str, prompts: int) -> None:
-    """The groups a partial-rollout checkpoint holds answer prompts the prompt file still has."""
+    """The groups a partial-rollout checkpoint holds are of this run's kind (responses, or
+    trajectories with an environment: rollout/partial_turns.py) and answer prompts the prompt file
+    still has."""
     import torch
 
     state = torch.load(os.path.join(resume_from, "trainer_state.pt"), map_location="cpu", weights_only=False)
     held = (state.get("partial") or {}).get("held")
-    if held is not None and int(held["prompt_index"].max()) >= prompts:
+    if held is None:
+        return
+    trajectories = isinstance(held, list)
+    if trajectories != config.rollout.multi_turn:
+        raise ConfigError(f"{resume_from} holds partial rollouts {'with' if trajectories else 'without'} an environment, "
+                          f"and this run has {'none' if trajectories else 'one'} ({config.at('rollout.environment')}); "
+                          "resume as it was written, or start again with --overwrite")
+    last = max(h["prompt_index"] for h in held) if trajectories else int(held["prompt_index"].max())
+    if last >= prompts:
         raise ConfigError(f"{config.at('data.prompt_file')}: {prompts} prompts, but {resume_from} holds partial "
-                          f"rollouts of prompt {int(held['prompt_index'].max()) + 1} (the file it was written with "
-                          "was longer); resume with that file, or start again with --overwrite")
+                          f"rollouts of prompt {last + 1} (the file it was written with was longer); resume with that "
+                          "file, or start again with --overwrite")
 
 
 def _stage_rows(config: RLHFConfig, tokenizer, world_size: int):

@@ -533,7 +533,7 @@ def copy_config(config, lora):
     return other
 
 
-def test_resuming_partial_rollouts_of_prompts_a_shorter_file_lacks_is_refused(tmp_path):
+def test_resuming_partial_rollouts_of_prompts_a_shorter_file_lacks_or_of_another_kind_is_refused(tmp_path):
     from megatron_rlhf.startup import _check_held_groups
 
     config = load_config(TINY, world_size=2)
@@ -543,6 +543,15 @@ def test_resuming_partial_rollouts_of_prompts_a_shorter_file_lacks_is_refused(tm
     _check_held_groups(config, str(path), 71)
     with pytest.raises(ConfigError, match=r"data.prompt_file.*: 64 prompts, but .* holds partial rollouts of prompt 71 \("
                                           r"the file it was written with was longer\)"):
+        _check_held_groups(config, str(path), 64)
+    # Held trajectories (written with an environment) are refused by a run without one, and the
+    # held prompts of trajectories are checked alike.
+    torch.save({"partial": {"held": [{"prompt_index": 3}, {"prompt_index": 70}]}}, path / "trainer_state.pt")
+    with pytest.raises(ConfigError, match=r"holds partial rollouts with an environment, and this run has none"):
+        _check_held_groups(config, str(path), 71)
+    config.rollout.environment = "env.py:Game"
+    _check_held_groups(config, str(path), 71)
+    with pytest.raises(ConfigError, match=r"64 prompts, but .* holds partial rollouts of prompt 71 \("):
         _check_held_groups(config, str(path), 64)
 
 
