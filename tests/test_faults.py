@@ -32,13 +32,14 @@ def prepared(out, *flags):
     return prepare(parse_args(["--config", TINY, "--output-dir", str(out), *flags]), 2)
 
 
-def fake_checkpoint(out, name, config, tp=2, run=None):
-    """A checkpoint directory as save_ppo_checkpoint leaves it (trainer state and manifest only)."""
+def fake_checkpoint(out, name, config, tp=2, run=None, **layout):
+    """A checkpoint directory as save_ppo_checkpoint leaves it (trainer state and manifest only);
+    ``layout``: other sizes it was written at (dp, ep)."""
     from megatron_rlhf.checkpoint.model_files import _checksum
 
     path = out / "checkpoints" / name
     path.mkdir(parents=True)
-    torch.save({"iteration": int(name[-7:]), "layout": {"tp": tp, "pp": 1, "dp": 1}, "run": run or run_identity(config)},
+    torch.save({"iteration": int(name[-7:]), "layout": {"tp": tp, "pp": 1, "dp": 1, **layout}, "run": run or run_identity(config)},
                path / "trainer_state.pt")
     file = path / "trainer_state.pt"
     (path / "manifest.json").write_text(json.dumps({"trainer_state.pt": {"bytes": file.stat().st_size,

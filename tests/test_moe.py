@@ -316,14 +316,28 @@ def test_a_resumed_moe_run_continues_exactly_as_an_uninterrupted_one_and_at_anot
         for key, value in theirs.items():
             if not key.startswith("weight_sync/"):
                 assert abs(mine[key] - value) <= 1e-5 * max(1.0, abs(value)), (key, mine[key], value)
-    # An optimizer whose state is per model-parallel rank (not the distributed one) is refused by name.
-    fixed = {**MOE_DEMO_ENV, "USE_DISTRIBUTED_OPTIMIZER": "False"}
-    train(tmp_path / "fixed", "--iterations", "1", config=moe["config"], env=fixed)
-    refused = train(tmp_path / "fixed", "--iterations", "2", "--resume", config=moe["config"], env={**fixed, "EP": "1"},
-                    check=False)
-    said = refused.stdout + refused.stderr
-    assert refused.returncode != 0 and "written at TP=1 PP=1 EP=2; resume with the same TP, PP and EP (its optimizer " \
-        "(not the distributed one) is per model-parallel rank)" in said
+
+
+def test_a_checkpoint_whose_optimizer_is_per_model_parallel_rank_is_refused_at_another_expert_layout(tmp_path, monkeypatch):
+    """Not the distributed optimizer: its state is per model-parallel rank, refused at start-up
+    naming both layouts and the key that changed."""
+    from megatron_rlhf.checkpoint.model_files import CheckpointError
+    from megatron_rlhf.config.loader import load_config
+    from megatron_rlhf.startup import prepare
+    from megatron_rlhf.train import parse_args
+    from tests.test_faults import fake_checkpoint
+
+    monkeypatch.setenv("USE_DISTRIBUTED_OPTIMIZER", "False")
+    written = load_config(str(REPO / "examples" / "tiny" / "moe.yaml"), world_size=2)
+    out = tmp_path / "out"
+    fake_checkpoint(out, "iter_0000001", written, tp=1, dp=2, ep=2)
+    monkeypatch.setenv("EP", "1")
+    with pytest.raises(CheckpointError) as refused:
+        prepare(parse_args(["--config", str(REPO / "examples" / "tiny" / "moe.yaml"), "--output-dir", str(out),
+                            "--resume"]), 2)
+    said = str(refused.value)
+    assert "written at TP=1 PP=1 EP=2; resume with the same TP, PP and EP (its optimizer (not the distributed one) is " \
+        "per model-parallel rank)" in said
     assert "parallel.expert_model_parallel_size (environment variable EP=1)" in said  # the key that changed
     assert "tensor_model_parallel_size" not in said
 

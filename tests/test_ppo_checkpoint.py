@@ -115,14 +115,16 @@ def test_resume_at_another_data_tensor_or_pipeline_layout_continues_as_at_its_ow
 def test_lora_adapters_resume_at_another_tensor_layout_as_at_their_own(tmp_path):
     import shutil
 
-    # The LoRA demo at TP=1 x DP=2, resumed at its own layout and at TP=2: a column-parallel linear's
-    # B (and a row-parallel one's A) is cut as its weight, the other factor replicated, and so are
+    # The LoRA demo at TP=1 x DP=2, its checkpoint of iteration 2 resumed at TP=2 against the run
+    # that went on (a resume at its own layout is that run exactly): a column-parallel linear's B
+    # (and a row-parallel one's A) is cut as its weight, the other factor replicated, and so are
     # their Adam moments; the base comes back from the checkpoint (the reference shares it).
-    lora = "examples/tiny/grpo_lora.yaml"
-    train(tmp_path / "own", "--iterations", "2", env={"TP": "1"}, config=lora)
+    lora = tmp_path / "lora.yaml"
+    lora.write_text(f"includes: {REPO / 'examples' / 'tiny' / 'grpo_lora.yaml'}\ntrainer:\n  save_interval: 2\n")
+    train(tmp_path / "own", "--iterations", "4", env={"TP": "1"}, config=lora)
     shutil.copytree(tmp_path / "own", tmp_path / "tp2")
-    for name, tp in (("own", "1"), ("tp2", "2")):
-        train(tmp_path / name, "--iterations", "4", "--resume", "--allow-config-change", env={"TP": tp}, config=lora)
+    (tmp_path / "tp2" / "checkpoints" / "latest").write_text("iter_0000002")
+    train(tmp_path / "tp2", "--iterations", "4", "--resume", "--allow-config-change", env={"TP": "2"}, config=lora)
     at_own, at_tp2 = (without_times(metrics(tmp_path / name))[2:] for name in ("own", "tp2"))
     assert [r["iteration"] for r in at_tp2] == [3, 4]
     for mine, theirs in zip(at_tp2, at_own):
