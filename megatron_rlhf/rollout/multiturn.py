@@ -220,11 +220,7 @@ class MultiTurn:
             key = ("time/" if name.endswith("_s") else "rollout/") + name
             counts[key] = counts.get(key, 0.0) + value
         if failure is not None:
-            status, reason = failure
-            counts["rollout/env_failures"] += 1
-            counts["rollout/env_timeouts"] += status == "timeout"
-            t.fail(f"{kind}: {reason}")
-            return False
+            return _failed(t, kind, failure, counts)
         if reward is not None:
             t.turn_rewards.append(reward)
         if done or t.turns >= self.config.rollout.max_turns or t.done:
@@ -248,11 +244,7 @@ class MultiTurn:
         if t.failure is not None:
             return None  # an earlier call failed it (and released it)
         if failure is not None:
-            status, reason = failure
-            counts["rollout/env_failures"] += 1
-            counts["rollout/env_timeouts"] += status == "timeout"
-            t.fail(f"rebuilding its environment: {reason}")
-            return False
+            return _failed(t, "rebuilding its environment", failure, counts)
         return None if t.replaying > 0 else True
 
     def answer(self, kind: str, payload, outcome) -> tuple:
@@ -334,6 +326,16 @@ class _ReplicaCalls:
             self.waited_s += time.perf_counter() - started
         self.outstanding -= len(answered)
         return [(self.made[call][0], self.made[call][1], answer, call in self.replays) for call, answer in answered]
+
+
+def _failed(t: Trajectory, what: str, failure: Tuple[str, str], counts: Dict[str, float]) -> bool:
+    """``t`` failed in its environment (``failure``: the outcome's kind and reason), counted; False:
+    it does not go on."""
+    status, reason = failure
+    counts["rollout/env_failures"] += 1
+    counts["rollout/env_timeouts"] += status == "timeout"
+    t.fail(f"{what}: {reason}")
+    return False
 
 
 def _every_one_failed(trajectories: List[Trajectory], device: torch.device) -> bool:

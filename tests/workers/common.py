@@ -53,6 +53,28 @@ def reward_pool(functions):
     return RewardPool(functions if isinstance(functions, dict) else {functions: 1.0}, num_workers=1)
 
 
+def capture_partial_rows(controller) -> list:
+    """Every round's rows of the controller's partial rollouts, all ranks' (in DP-rank order)."""
+    captured, partial = [], controller.collector.partial
+    rows_of = partial.rows
+
+    def spy(*args):
+        rows, metrics = rows_of(*args)
+        captured.append({k: v.cpu() for k, v in controller.role_set.cut.gather(rows, 0).items()})
+        return rows, metrics
+
+    partial.rows = spy
+    return captured
+
+
+def computed_metrics(metrics: dict) -> dict:
+    """An iteration's metrics but those that follow the layout or the schedule: times, the bytes a
+    weight sync moved, how turns shared the decode slots."""
+    from megatron_rlhf.rollout.record import SCHEDULE_METRICS
+
+    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "weight_sync/")) and k not in SCHEDULE_METRICS}
+
+
 def capture_rollouts(controller) -> dict:
     """``captured["rollout"]``: the Rollout of the controller's latest iteration (as its advantages
     are computed)."""

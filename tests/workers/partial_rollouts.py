@@ -16,7 +16,7 @@ import copy
 import os
 
 import torch
-from common import OUT_DIR, reward_pool, save, setup
+from common import OUT_DIR, capture_partial_rows, computed_metrics, reward_pool, save, setup
 from tests.workers.findings import FrozenRun, PartialRollouts, ResumedRun
 
 from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint, save_ppo_checkpoint
@@ -45,25 +45,6 @@ def controller_for(name: str, lr=None):
     return prepared, controller
 
 
-def capture_rows(controller) -> list:
-    """Every round's rows of the partial rollouts, all ranks' (in DP-rank order)."""
-    captured, partial = [], controller.collector.partial
-    rows_of = partial.rows
-
-    def spy(*args):
-        rows, metrics = rows_of(*args)
-        captured.append({k: v.cpu() for k, v in controller.role_set.cut.gather(rows, 0).items()})
-        return rows, metrics
-
-    partial.rows = spy
-    return captured
-
-
-def figures(metrics: dict) -> dict:
-    """The metrics but times and the bytes a weight sync moved (those depend on the layouts)."""
-    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "weight_sync/"))}
-
-
 def in_one_go(controller, rows: dict) -> dict:
     """The responses of ``rows`` generated in one call (their seeds, generation.max_new_tokens)."""
     collector = controller.collector
@@ -77,18 +58,18 @@ def in_one_go(controller, rows: dict) -> dict:
 
 # lr 0: resumed responses against one go.
 _, frozen = controller_for("lr0", lr=0.0)
-trained = capture_rows(frozen)
-lr0 = FrozenRun(metrics=[figures(frozen.step()) for _ in range(3)], rows=trained,
+trained = capture_partial_rows(frozen)
+lr0 = FrozenRun(metrics=[computed_metrics(frozen.step()) for _ in range(3)], rows=trained,
                 one_go=[in_one_go(frozen, rows) for rows in trained])
 
 # Resume from a checkpoint holding unfinished groups.
 prepared, whole = controller_for("whole")
-steps = [figures(whole.step()) for _ in range(2)]
+steps = [computed_metrics(whole.step()) for _ in range(2)]
 checkpoint = save_ppo_checkpoint(whole.roles, {**whole.state_dict(), "run": prepared.run}, prepared.output_dir)
 held = whole.collector.partial.held
-steps.append(figures(whole.step()))
+steps.append(computed_metrics(whole.step()))
 _, resumed = controller_for("resumed")
 resumed.load_state_dict(load_ppo_checkpoint(resumed.roles, checkpoint))
-save(PartialRollouts(lr0=lr0, resume=ResumedRun(whole=steps, resumed=[figures(resumed.step())],
+save(PartialRollouts(lr0=lr0, resume=ResumedRun(whole=steps, resumed=[computed_metrics(resumed.step())],
                                                 held_groups=0 if held is None else len(held["seeds"]) // 4,
                                                 held_unfinished=0 if held is None else int((held["ended"] == 0).sum()))))

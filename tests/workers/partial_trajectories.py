@@ -12,7 +12,7 @@ import copy
 import os
 
 import torch
-from common import OUT_DIR, reward_pool, save, setup
+from common import OUT_DIR, capture_partial_rows, computed_metrics, reward_pool, save, setup
 from tests.workers.findings import FrozenRun, PartialTrajectories, ResumedRun
 
 from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint, save_ppo_checkpoint
@@ -46,25 +46,6 @@ def controller_for(name: str, lr=None):
     return prepared, controller
 
 
-def capture_rows(controller) -> list:
-    """Every round's trained trajectories, all ranks' (in DP-rank order)."""
-    captured, partial = [], controller.collector.partial
-    rows_of = partial.rows
-
-    def spy(*args):
-        rows, metrics = rows_of(*args)
-        captured.append({k: v.cpu() for k, v in controller.role_set.cut.gather(rows, 0).items()})
-        return rows, metrics
-
-    partial.rows = spy
-    return captured
-
-
-def figures(metrics: dict) -> dict:
-    """The metrics but times, how turns were scheduled and the bytes a weight sync moved."""
-    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "weight_sync/")) and k != "rollout/slot_occupancy"}
-
-
 def in_one_go(controller, dataset, rows: dict) -> dict:
     """The trajectories of ``rows`` played in one go from their prompts and seeds."""
     collector = controller.collector
@@ -78,17 +59,17 @@ def in_one_go(controller, dataset, rows: dict) -> dict:
 
 
 prepared, frozen = controller_for("lr0", lr=0.0)
-trained = capture_rows(frozen)
-metrics = [figures(frozen.step()) for _ in range(3)]
+trained = capture_partial_rows(frozen)
+metrics = [computed_metrics(frozen.step()) for _ in range(3)]
 lr0 = FrozenRun(metrics=metrics, rows=trained, one_go=[in_one_go(frozen, prepared.dataset, rows) for rows in trained])
 
 prepared, whole = controller_for("whole")
-steps = [figures(whole.step()) for _ in range(2)]
+steps = [computed_metrics(whole.step()) for _ in range(2)]
 checkpoint = save_ppo_checkpoint(whole.roles, {**whole.state_dict(), "run": prepared.run}, prepared.output_dir)
 held = whole.collector.partial.held or []
-steps.append(figures(whole.step()))
+steps.append(computed_metrics(whole.step()))
 _, resumed = controller_for("resumed")
 resumed.load_state_dict(load_ppo_checkpoint(resumed.roles, checkpoint))
-save(PartialTrajectories(lr0=lr0, resume=ResumedRun(whole=steps, resumed=[figures(resumed.step())],
+save(PartialTrajectories(lr0=lr0, resume=ResumedRun(whole=steps, resumed=[computed_metrics(resumed.step())],
                                                     held_groups=len(held) // 4,
                                                     held_unfinished=sum(not h["state"]["done"] for h in held))))
