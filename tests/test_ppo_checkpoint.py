@@ -155,8 +155,15 @@ def test_a_save_that_dies_midway_leaves_the_previous_checkpoint(workers):
 def test_dp2_resume_with_reward_normalisation_continues_the_uninterrupted_run(tmp_path):
     # The running reward moments are those of the whole rollout, the same on every DP rank, so
     # the checkpoint (written by rank 0) holds what every rank had.
+    # The uninterrupted run's checkpoint of iteration 2, resumed in a copy of its directory.
+    import shutil
+
     env = {"TP": "1", "NORMALIZE_REWARD": "True", "ROLLOUT_BATCH_SIZE": "16"}
-    train(tmp_path / "whole", "--iterations", "3", env=env)
-    train(tmp_path / "split", "--iterations", "2", env=env)
-    train(tmp_path / "split", "--iterations", "3", "--resume", env=env)
+    config = tmp_path / "every_other.yaml"
+    config.write_text(f"includes: {REPO / 'examples' / 'tiny' / 'rlhf.yaml'}\ntrainer:\n  save_interval: 2\n")
+    train(tmp_path / "whole", "--iterations", "3", env=env, config=config)
+    shutil.copytree(tmp_path / "whole", tmp_path / "split")
+    (tmp_path / "split" / "checkpoints" / "latest").write_text("iter_0000002")
+    train(tmp_path / "split", "--iterations", "3", "--resume", env=env, config=config)
+    assert [r["iteration"] for r in metrics(tmp_path / "split")] == [1, 2, 3]
     assert without_times(metrics(tmp_path / "split")) == without_times(metrics(tmp_path / "whole"))
