@@ -297,9 +297,9 @@ def check_layout(path: str, trainer_state: Dict[str, Any], tp: int, pp: int, ep:
     if then != now and fixed:
         names = ["TP", "PP"] + (["EP"] if then["EP"] > 1 or ep > 1 else [])  # EP named where experts are split
         sizes = {n: " ".join(f"{k}={v[k]}" for k in names) for n, v in (("then", then), ("now", now))}
-        why = f" ({fixed} is per model-parallel rank)" if fixed else ""
         raise CheckpointError(f"{path}: written at {sizes['then']}; resume with the same {', '.join(names[:-1])} and "
-                              f"{names[-1]}{why} (now {sizes['now']}{', ' + where if where else ''}); DP may differ")
+                              f"{names[-1]} ({fixed} is per model-parallel rank) (now {sizes['now']}"
+                              f"{', ' + where if where else ''}); DP may differ")
 
 
 def _load_parameter_state(role, role_dir: str, written: dict, layout: dict, head: str) -> None:
