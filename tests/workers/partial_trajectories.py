@@ -1,6 +1,7 @@
-"""Partial rollouts with an environment (rollout/partial_turns.py) on the agent demo's game over 1 to
-4 moves (environments_for_tests.py:UnevenEchoGame: every reply depends on the moves before it),
-2x over-sampling, TIS, a turn per chunk, 3 iterations of 4 prompts x 4 trajectories. On 2
+"""Partial rollouts with an environment (rollout/partial_turns.py): examples/tiny_agent/grpo_partial.yaml
+(2x over-sampling, TIS, a turn per chunk) with the demo's game over 1 to 4 moves
+(environments_for_tests.py:UnevenEchoGame: every reply depends on the moves before it), 3
+iterations of 4 prompts x 4 trajectories. On 2
 processes (DP=2) the policy also generates at its own layout (TP=2) and no role's memory is freed.
 
 - lr0: ppo_policy's learning rate 0 (the weights never change): every trained trajectory (all
@@ -31,12 +32,10 @@ if WORLD == 2:
 
 
 def controller_for(name: str, lr=None):
-    prepared = prepare(parse_args(["--config", "examples/tiny_agent/grpo.yaml", "--output-dir",
+    prepared = prepare(parse_args(["--config", "examples/tiny_agent/grpo_partial.yaml", "--output-dir",
                                    os.path.join(OUT_DIR, name), "--overwrite"]), WORLD)
     config = prepared.config
     config.rollout.environment = GAME
-    config.rollout.partial.enabled, config.rollout.partial.over_sample = True, 2.0
-    config.algorithm.rollout_correction.mode = "truncate"
     if lr is not None:
         config.ppo_policy.lr = lr
     setup(tp=1, seed=config.seed)
