@@ -382,7 +382,9 @@ def test_a_trajectory_that_lost_its_cache_slot_is_counted_and_the_context_ends_a
                 return " >"
             def step(self, turn):
                 return "b", False, None, {}
-    """, slots=1, max_turns=3, max_trajectory_tokens=8)
+    """, slots=1, max_turns=3, max_trajectory_tokens=8, overlap_turns=False)
+    # In lockstep, so that who loses the slot does not depend on when each reply came (without it,
+    # a quick reply lets the first trajectory take its slot back before the second starts).
     # 4 prompt tokens, "a" + end, "b", then room for one token only: "a" (the turn's limit), the
     # context is full and the trajectory ends.
     assert rows["tokens"][0].tolist() == [1, 4] + tok.encode(" >") + tok.encode("a") + [2] + tok.encode("b") + tok.encode("a")
