@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from megatron_rlhf.models.decoder import global_rank, groups_of
 from megatron_rlhf.rollout.env_pool import EnvironmentPool
 from megatron_rlhf.rollout.record import BEHAVIOUR, COUNTED_METRICS
 from megatron_rlhf.roles.rows import SampleRows
-from megatron_rlhf.rollout.trajectory import ObservationEncoder, Trajectory
+from megatron_rlhf.rollout.trajectory import ObservationEncoder, Trajectory, start_call
 
 TURN_COUNTS = tuple(k for k in COUNTED_METRICS if k.startswith("rollout/"))
 
@@ -81,37 +81,31 @@ class MultiTurn:
         each model token, BEHAVIOUR) and the metrics."""
         lengths = mine["prompt_lengths"].tolist()
         trajectories = [Trajectory(row[:n].tolist(), self.new_id()) for row, n in zip(mine["tokens"].cpu(), lengths)]
-        metrics = self.play(collector, trajectories, self.starts(trajectories, texts, fields), mine["seeds"], sampling,
-                            record_log_probs)
+        for t, text, row in zip(trajectories, texts, fields):
+            t.calls.append(start_call(text, row))
+        metrics = self.play(collector, trajectories, mine["seeds"], sampling, record_log_probs)
         return trajectory_rows(trajectories, mine["prompt_index"], self.tokenizer.pad_id, record_log_probs), metrics
 
     def new_id(self) -> int:
         self.next_id += 1
         return self.next_id
 
-    @staticmethod
-    def starts(trajectories: List[Trajectory], texts: List[str], fields: List[Dict]) -> List[Tuple[int, str, dict]]:
-        """The first call of each new trajectory (its environment's start), recorded in it."""
-        calls = []
-        for i, (t, text, row) in enumerate(zip(trajectories, texts, fields)):
-            t.calls.append(("start", {"prompt": text, **row}))
-            calls.append((i, "start", t.calls[-1][1]))
-        return calls
-
-    def play(self, collector, trajectories: List[Trajectory], starts: List[Tuple[int, str, object]],
-             seeds: torch.Tensor, sampling: SamplingParams, record_log_probs: bool,
-             replays: Sequence[Tuple[int, str, object]] = (), chunk_turns: Optional[int] = None,
+    def play(self, collector, trajectories: List[Trajectory], seeds: torch.Tensor, sampling: SamplingParams,
+             record_log_probs: bool, chunk_turns: Optional[int] = None,
              enough: Optional[Callable[[List[Trajectory]], bool]] = None) -> Dict[str, float]:
-        """Play ``trajectories`` (the policy resident; ``seeds``: their streams) from the new ones'
-        ``starts`` and the resumed ones' ``replays`` (the calls they made, made again to rebuild
-        their environments: rollout/partial_turns.py). Until every one is done; with
+        """Play ``trajectories`` (the policy resident; ``seeds``: their streams): a new one from its
+        start, a resumed one (turns taken in an earlier iteration: rollout/partial_turns.py) from
+        every call it made, made again to rebuild its environment. Until every one is done; with
         ``chunk_turns``, in chunks of that many turns each, ending after the first chunk where
         ``enough(trajectories)`` (collective; those not done then wait at a turn's start). The metrics."""
         groups = groups_of(collector.roles["policy"].model)
         counts = dict.fromkeys(TURN_COUNTS, 0.0)
         calls = _ReplicaCalls(self, groups, trajectories)
-        calls.submit(starts)
-        calls.submit(list(replays), replay=True)
+        calls.submit([(i, *t.calls[0]) for i, t in enumerate(trajectories) if not t.turns_before])
+        for i, t in enumerate(trajectories):
+            if t.turns_before:
+                t.replaying = len(t.calls)
+                calls.submit([(i, kind, payload) for kind, payload in t.calls], replay=True)
         turn_params = dataclasses.replace(sampling, max_new_tokens=self.turn_tokens,
                                           eos_ids=tuple(dict.fromkeys(sampling.eos_ids + self.stop_ids)))
         with collector.open_run(len(trajectories), turn_params, record_log_probs) as engine:

@@ -28,16 +28,16 @@ from megatron_rlhf.rollout.record import BEHAVIOUR, Prompts
 from megatron_rlhf.roles.rows import RowCut, SampleRows, cat_rows, trimmed
 
 
-class PartialRollouts:
-    """The held groups (every rank holds all of them, on the host) and the rounds that resume them."""
+class HeldGroups:
+    """What partial rollouts keep in the run's state (checkpointed): the groups held for the next
+    round, every rank all of them, on the host (None: none). Of responses here, of trajectories
+    with an environment (rollout/partial_turns.py)."""
 
     def __init__(self, config, collector):
         self.config = config
         self.collector = collector
         self.roles = collector.roles
-        self.held: Optional[SampleRows] = None
-
-    # -- the run's state -------------------------------------------------------------------------
+        self.held = None
 
     def state_dict(self) -> Dict:
         return {"held": self.held}
@@ -47,7 +47,17 @@ class PartialRollouts:
 
     @property
     def held_groups(self) -> int:
-        return 0 if self.held is None else len(self.held["seeds"]) // self.config.generation.samples_per_prompt
+        return 0 if self.held is None else self._held_rows() // self.config.generation.samples_per_prompt
+
+    def _held_rows(self) -> int:
+        raise NotImplementedError
+
+
+class PartialRollouts(HeldGroups):
+    """The held groups of responses (SampleRows) and the rounds that resume them."""
+
+    def _held_rows(self) -> int:
+        return len(self.held["seeds"])
 
     # -- a round ---------------------------------------------------------------------------------
 

@@ -21,38 +21,26 @@ iterations is the one of one go.
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_rlhf.rollout.multiturn import trajectory_rows
+from megatron_rlhf.rollout.partial import HeldGroups
 from megatron_rlhf.rollout.record import Prompts
-from megatron_rlhf.rollout.trajectory import Trajectory
+from megatron_rlhf.rollout.trajectory import Trajectory, start_call
 from megatron_rlhf.roles.rows import SampleRows, trimmed
 
 Held = Dict  # a held trajectory: {"state": Trajectory.state(), "seed": int, "prompt_index": int}
 
 
-class PartialTrajectories:
-    """The held trajectories (every rank holds all of them, on the host) and the rounds that
-    resume them; ``collector.turns`` plays them."""
+class PartialTrajectories(HeldGroups):
+    """The held trajectories (a list of Held, in pool order, a group's adjacent) and the rounds
+    that resume them; ``collector.turns`` plays them."""
 
-    def __init__(self, config, collector):
-        self.config, self.collector, self.roles = config, collector, collector.roles
-        self.held: Optional[List[Held]] = None  # in pool order, a group's trajectories adjacent
-
-    # -- the run's state -------------------------------------------------------------------------
-
-    def state_dict(self) -> Dict:
-        return {"held": self.held}
-
-    def load_state_dict(self, state: Dict) -> None:
-        self.held = state["held"]
-
-    @property
-    def held_groups(self) -> int:
-        return 0 if self.held is None else len(self.held) // self.config.generation.samples_per_prompt
+    def _held_rows(self) -> int:
+        return len(self.held)
 
     # -- a round ---------------------------------------------------------------------------------
 
@@ -121,7 +109,7 @@ class PartialTrajectories:
                                                            prompts.seeds.tolist(), prompts.prompt_index.tolist(),
                                                            prompts.texts, prompts.fields):
             t = Trajectory(row[:length].tolist(), 0)
-            t.calls.append(("start", {"prompt": text, **fields}))
+            t.calls.append(start_call(text, fields))
             new.append({"state": t.state(), "seed": seed, "prompt_index": index})
         return new
 
@@ -132,14 +120,6 @@ class PartialTrajectories:
         samples, need = cfg.generation.samples_per_prompt, cfg.ppo.rollout_batch_size
         trajectories = [Trajectory.from_state(e["state"], turns.new_id(), iteration) for e in entries]
         live = [i for i, t in enumerate(trajectories) if not t.done]
-        playing = [trajectories[i] for i in live]
-        starts, replays = [], []
-        for position, t in enumerate(playing):
-            if t.turns == 0 and len(t.calls) == 1:  # new: its start
-                starts.append((position, *t.calls[0]))
-            else:  # resumed: every call it made, made again
-                t.replaying = len(t.calls)
-                replays += [(position, kind, payload) for kind, payload in t.calls]
         chunks = 0
 
         def enough(_) -> bool:
@@ -149,8 +129,8 @@ class PartialTrajectories:
             return int(ended.view(-1, samples).all(dim=1).sum()) >= need or bool(ended.all())
 
         seeds = torch.tensor([entries[i]["seed"] for i in live], dtype=torch.long, device=self.collector.device)
-        metrics = turns.play(self.collector, playing, starts, seeds, self.collector.sampling, record_log_probs=True,
-                             replays=replays, chunk_turns=cfg.rollout.partial.turns_per_chunk(), enough=enough)
+        metrics = turns.play(self.collector, [trajectories[i] for i in live], seeds, self.collector.sampling,
+                             record_log_probs=True, chunk_turns=cfg.rollout.partial.turns_per_chunk(), enough=enough)
         played = [{**e, "state": t.state()} for e, t in zip(entries, trajectories)]
         return played, chunks, metrics
 

@@ -61,11 +61,17 @@ class ObservationEncoder:
         return closing + self.tokenizer.encode_text(full[len(self._base):])
 
 
+def start_call(prompt: str, fields: Dict[str, Any]) -> Tuple[str, Dict[str, Any]]:
+    """A trajectory's first call: its environment's start, with the prompt and the row's data
+    columns (agents/protocol.py)."""
+    return "start", {"prompt": prompt, **fields}
+
+
 class Trajectory:
     """The token buffer of one trajectory: ``tokens`` (prompt first), ``mask`` (1 per model
     token, 0 per prompt or environment token), and what happened (turns, why it ended, rewards).
     For partial rollouts also the iteration each model token was sampled in (``versions``, -1
-    elsewhere) and the environment calls answered so far (``calls``: replayed to rebuild its
+    elsewhere) and the environment calls it made (``calls``: made again to rebuild its
     environment when it resumes in another iteration)."""
 
     # What a trajectory held between iterations keeps (state / from_state): all but its pool id.
