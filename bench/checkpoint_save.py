@@ -37,8 +37,8 @@ def worker(hidden: int, layers: int, out: str) -> None:
     import torch.distributed as dist
 
     from megatron_rlhf.checkpoint.optimizer_state import owned_state_file
-    from megatron_rlhf.checkpoint.ppo_state import write_files
-    from megatron_rlhf.checkpoint.ppo_state import _layout
+    from megatron_rlhf.checkpoint.run_checkpoint import write_files
+    from megatron_rlhf.checkpoint.run_checkpoint import _layout
     from megatron_rlhf.config import load_config
     from megatron_rlhf.roles.base import build_role
     from megatron_rlhf.runtime import init_distributed

@@ -15,11 +15,9 @@ role brought onto the device only for its phase (EMS). Every rank runs this same
 
 from __future__ import annotations
 
-import random
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -33,11 +31,18 @@ from megatron_rlhf.roles.role_set import Progress, RoleSet
 from megatron_rlhf.roles.update import PPOUpdate
 from megatron_rlhf.rollout.collector import RolloutCollector
 from megatron_rlhf.rollout.record import Rollout, is_counted
-from megatron_rlhf.rollout.scoring import Scorer
+from megatron_rlhf.rollout.scoring import Scorer, rule_reward_pool
 from megatron_rlhf.rollout.validation import Validator
+from megatron_rlhf.run_log import rl_label, rl_line, rl_summary, validation_parts
+from megatron_rlhf.runtime.host_groups import host_group
+from megatron_rlhf.stages.steps import Steps
 
 
-class PPOController:
+class PPOController(Steps):
+    """RL as a stage of the run loop (stages/steps.py): a step is one iteration."""
+
+    noun, unit = "iteration", "iter"
+
     def __init__(
         self,
         config: RLHFConfig,
@@ -69,7 +74,25 @@ class PPOController:
         )
         self.score_moments = ppo.RunningMoments()
         self.iteration = 0
-        self.last_samples = []  # a few rows of the latest rollout: prompt, response, score, ground truth
+        self.samples = []  # a few rows of the latest rollout: prompt, response, score, ground truth
+        self.total, self.validates = config.ppo.iterations, self.validator is not None
+        self.label = rl_label(config)
+        self.reward_pool, self.turns = reward_pool, turns
+
+    @classmethod
+    def for_run(cls, prepared, ledger: MemoryLedger, progress_dir: str, overlap_budget: Optional[int]) -> "PPOController":
+        """With the rule rewards' pool and the multi-turn runner (with an environment): close() ends both."""
+        from megatron_rlhf.rollout.multiturn import MultiTurn
+
+        config = prepared.config
+        turns = None if prepared.environment is None else \
+            MultiTurn(config, prepared.tokenizer, prepared.environment, config.data.apply_chat_template)
+        return cls(config, prepared.dataset, prepared.tokenizer, rule_reward_pool(config, prepared.reward_functions),
+                   ledger, overlap_budget, prepared.val_dataset, progress_dir, turns)
+
+    def close(self) -> None:
+        for started in filter(None, (self.reward_pool, self.turns)):
+            started.close()
 
     @property
     def phase(self) -> str:
@@ -82,11 +105,12 @@ class PPOController:
 
     # -- one iteration -------------------------------------------------------------------------
 
-    def step(self) -> Dict[str, float]:
-        """Run the next iteration; returns its metrics (the same on every rank)."""
+    def step(self, iteration: Optional[int] = None) -> Dict[str, float]:
+        """Run the next iteration (``iteration``, when given, says which it is); returns its
+        metrics (the same on every rank)."""
+        assert iteration in (None, self.iteration + 1), (iteration, self.iteration)
         self.iteration += 1
         self.ledger.iteration = self.iteration
-        start = time.perf_counter()
         self._mark("rollout")
         collected = self.collector.collect(self.dataset, self.iteration)
         rollout = collected.rollout
@@ -105,42 +129,42 @@ class PPOController:
         metrics = self._dp_mean(metrics)
         if isinstance(self.kl_controller, ppo.AdaptiveKLController):
             self.kl_controller.update(metrics["kl/sequence_mean"], self.config.rollout_samples)  # responses, as verl counts them
-        end = time.perf_counter()
         metrics["time/generate_s"] = generate_s
         metrics["time/weight_sync_s"], metrics["weight_sync/bytes"] = sync_s, float(synced_bytes)
-        metrics["time/iteration_s"] = end - start
-        self.last_samples = collected.samples
+        self.samples = collected.samples
         return {"iteration": self.iteration, **metrics}
 
     def validate(self) -> Dict[str, float]:
         """The validation metrics of the current policy (rollout/validation.py)."""
         return self.validator.validate(self.iteration)
 
+    # -- what the run prints ---------------------------------------------------------------------
+
+    line, validation_line = staticmethod(rl_line), staticmethod(validation_parts)
+
+    def summary(self, history: List[Dict[str, float]], seconds: float, validations: List[Dict[str, float]]) -> List[str]:
+        return rl_summary(history, seconds, validations, self.samples)
+
     # -- resumable state ----------------------------------------------------------------------
 
     def state_dict(self) -> Dict:
-        """Everything besides the trained roles that the next iteration depends on."""
+        """Everything besides the trained roles and the random state that the next iteration depends on."""
         return {
-            "iteration": self.iteration,
             "kl_coef": self.kl_controller.value,
             "score_moments": self.score_moments.state_dict(),
             "dataset": self.dataset.state_dict(),
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
             "partial": self.collector.partial.state_dict() if self.collector.partial is not None else None,
         }
 
-    def load_state_dict(self, state: Dict) -> None:
-        """Continue from ``state`` (after checkpoint.ppo_state.load_ppo_checkpoint restored the
-        trained roles): the serving roles that copy or reshard their weights are served the
-        restored ones (those sharing storage already run on them)."""
+    def load_state_dict(self, state: Dict, iteration: int) -> None:
+        """Continue after ``iteration`` from ``state`` (the trained roles restored by the run
+        loop): the serving roles that copy or reshard their weights are served the restored ones
+        (those sharing storage already run on them)."""
         self.role_set.sync(whole=True)
-        self.iteration = self.ledger.iteration = state["iteration"]
+        self.iteration = self.ledger.iteration = iteration
         self.kl_controller.value = state["kl_coef"]
         self.score_moments.load_state_dict(state["score_moments"])
         self.dataset.load_state_dict(state["dataset"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        torch.set_rng_state(state["rng"]["torch"])
         if self.collector.partial is not None:
             self.collector.partial.load_state_dict(state.get("partial") or {"held": None})
 
@@ -208,7 +232,7 @@ class PPOController:
         if self.role_set.cut.size == 1:
             return metrics
         names = [None] * self.role_set.cut.size
-        dist.all_gather_object(names, sorted(metrics), group=self.role_set.cut.group)
+        dist.all_gather_object(names, sorted(metrics), group=host_group(self.role_set.cut.group))
         keys = sorted(set().union(*names))
         local = torch.tensor([[metrics.get(k, 0.0), float(k in metrics)] for k in keys], dtype=torch.float64,
                              device=self.collector.device)

@@ -13,7 +13,7 @@ import yaml
 from megatron_rlhf.config import input_problems, load_config, validate
 from megatron_rlhf.config.presets import AUTO
 from megatron_rlhf.config.names import STAGES
-from megatron_rlhf.config.schema import RL_ONLY_KEYS, RL_ONLY_SECTIONS, ROLE_HEADS, ROLE_NAMES, RLHFConfig
+from megatron_rlhf.config.schema import RL_ONLY_KEYS, RL_ONLY_SECTIONS, ROLE_HEADS, ROLE_NAMES, RLHFConfig, stage_layers
 from megatron_rlhf.config.validation import weight_sharing_notes
 from megatron_rlhf.memory.manager import EMSSwitches
 from megatron_rlhf.memory.manager import OPTIMIZER_STATE, WEIGHTS
@@ -207,7 +207,7 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
             kinds = [k for k in kinds if k != "weights"] + [f"(weights are {owner}'s)"]
         lines.append(
             f"{role:<11}{network:<14}{_count(params):>9}  {ROLE_HEADS[role]:<8}{rc.precision:<6}"
-            f"{arch.num_layers // config.layout_of(role).pipeline_model_parallel_size:>13}{str(rc.micro_batch_size):>7}{global_batch:>8}{accum:>7}  {optimizer:<11}"
+            f"{len(stage_layers(arch.num_layers, config.layout_of(role).pipeline_model_parallel_size, 0)):>13}{str(rc.micro_batch_size):>7}{global_batch:>8}{accum:>7}  {optimizer:<11}"
             f"{', '.join(kinds) or 'nothing'}"
         )
         if config.has_own_layout(role):

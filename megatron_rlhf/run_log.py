@@ -1,6 +1,6 @@
 """Rank 0's outputs of a run, any stage: metrics.jsonl (one object per iteration or optimizer
-step), TensorBoard, Weights & Biases, the progress bar and the printed lines (RunLog); RL's
-lines and end-of-run summary (RLRunLog)."""
+step), samples.jsonl, TensorBoard, Weights & Biases, the progress bar and the printed lines
+(RunLog); RL's lines and end-of-run summary."""
 
 from __future__ import annotations
 
@@ -58,6 +58,17 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in finite.items() if k != "iteration" and v is not None}, step=metrics["iteration"])
 
+    def step(self, metrics: dict, line: str, samples: list = ()) -> None:
+        """One step: metrics.jsonl (and TensorBoard, W&B), samples.jsonl (a few rows: prompt,
+        response, score, ground truth), the printed line."""
+        if not self.enabled:
+            return
+        self.record(metrics)
+        if samples:
+            with open(self.samples_path, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps({"iteration": metrics["iteration"], **s}, default=str) + "\n" for s in samples)
+        self.write(line, 1)
+
     def write(self, line: str, advance: int) -> None:
         if self.bar is not None:
             self.bar.update(advance)
@@ -74,49 +85,34 @@ class RunLog:
             self.wandb.finish()
 
 
-class RLRunLog(RunLog):
-    """RunLog's lines for RL: one per iteration (reward, KL, losses, ...), validation's."""
-
-    def __init__(self, output_dir: str, config: RLHFConfig, enabled: bool, resumed_at: int = 0):
-        label = config.algorithm.advantage_estimator.upper().replace("_PLUS_PLUS", "++").replace("GAE", "PPO")
-        super().__init__(output_dir, config, enabled, config.ppo.iterations, label, resumed_at)
-
-    def log(self, metrics: dict, total: int, samples: list = ()) -> None:
-        """One iteration: metrics.jsonl (and TensorBoard, W&B), samples.jsonl (a few rows: prompt,
-        response, score, ground truth), the printed line."""
-        if not self.enabled:
-            return
-        self.record(metrics)
-        with open(self.samples_path, "a", encoding="utf-8") as f:
-            f.writelines(json.dumps({"iteration": metrics["iteration"], **s}, default=str) + "\n" for s in samples)
-        parts = [f"iter {metrics['iteration']:>4}/{total}", f"reward {metrics['reward/mean']:.3f}",
-                 f"kl {metrics['kl/mean']:+.4f}", f"loss/policy {metrics['loss/policy']:+.4f}"]
-        if "loss/value" in metrics:  # GAE only
-            parts.append(f"loss/value {metrics['loss/value']:.4f}")
-        if "sampling/dropped_groups" in metrics:  # dynamic sampling
-            parts.append(f"dropped {metrics['sampling/dropped_groups']:.0f}")
-        if metrics.get("reward/failures"):
-            failing = [k.split("/")[1] for k, v in metrics.items() if k.startswith("reward/") and k.endswith("/failures")
-                       and k.count("/") == 2 and v]
-            parts.append(f"reward failures {metrics['reward/failures']:.0f}" + (f" ({', '.join(failing)})" if failing else ""))
-        if "rollout/turns_mean" in metrics:  # multi-turn
-            parts += [f"turns {metrics['rollout/turns_mean']:.1f}", f"env failures {metrics['rollout/env_failures']:.0f}",
-                      f"masked {1 - metrics['rollout/model_token_share']:.0%}"]
-        if "rollout/tool_calls" in metrics:  # tools
-            parts.append(f"tool calls {metrics['rollout/tool_calls']:.0f} ({metrics['rollout/tool_errors']:.0f} errors)")
-        parts += [f"len {metrics['response/length_mean']:.1f}", f"{metrics['time/iteration_s']:.1f}s"]
-        parts += _validation_parts(metrics)
-        self.write(" | ".join(parts), 1)
-
-    def log_validation(self, metrics: dict, iteration: int) -> None:
-        """Validation outside an iteration (before training): its own record at ``iteration``."""
-        if not self.enabled:
-            return
-        self.record({"iteration": iteration, **metrics})
-        self.write(" | ".join(["validation before training"] + _validation_parts(metrics)), 0)
+def rl_label(config: RLHFConfig) -> str:
+    """An RL run's name on the progress bar: its estimator (PPO for GAE)."""
+    return config.algorithm.advantage_estimator.upper().replace("_PLUS_PLUS", "++").replace("GAE", "PPO")
 
 
-def _validation_parts(metrics: dict) -> list:
+def rl_line(metrics: dict) -> list:
+    """An RL iteration's printed figures: reward, KL, losses, what the run has (dynamic sampling,
+    reward failures, turns, tools), length, time and validation's."""
+    parts = [f"reward {metrics['reward/mean']:.3f}", f"kl {metrics['kl/mean']:+.4f}",
+             f"loss/policy {metrics['loss/policy']:+.4f}"]
+    if "loss/value" in metrics:  # GAE only
+        parts.append(f"loss/value {metrics['loss/value']:.4f}")
+    if "sampling/dropped_groups" in metrics:  # dynamic sampling
+        parts.append(f"dropped {metrics['sampling/dropped_groups']:.0f}")
+    if metrics.get("reward/failures"):
+        failing = [k.split("/")[1] for k, v in metrics.items() if k.startswith("reward/") and k.endswith("/failures")
+                   and k.count("/") == 2 and v]
+        parts.append(f"reward failures {metrics['reward/failures']:.0f}" + (f" ({', '.join(failing)})" if failing else ""))
+    if "rollout/turns_mean" in metrics:  # multi-turn
+        parts += [f"turns {metrics['rollout/turns_mean']:.1f}", f"env failures {metrics['rollout/env_failures']:.0f}",
+                  f"masked {1 - metrics['rollout/model_token_share']:.0%}"]
+    if "rollout/tool_calls" in metrics:  # tools
+        parts.append(f"tool calls {metrics['rollout/tool_calls']:.0f} ({metrics['rollout/tool_errors']:.0f} errors)")
+    parts += [f"len {metrics['response/length_mean']:.1f}", f"{metrics['time/iteration_s']:.1f}s"]
+    return parts + validation_parts(metrics)
+
+
+def validation_parts(metrics: dict) -> list:
     """``val reward R | val pass@k P`` of the metrics that have validation's figures."""
     passes = [k for k in metrics if k.startswith("val/pass@")]
     if not passes:
@@ -141,3 +137,13 @@ def run_summary(history: list, seconds: float) -> str:
         f"done: {len(history)} iterations in {seconds:.0f}s; mean reward of the first {k} "
         f"{first:.3f}, of the last {k} {last:.3f} ({last - first:+.3f})"
     )
+
+
+def rl_summary(history: list, seconds: float, validations: list, samples: list) -> list:
+    """The lines that end an RL run: the reward's change, validation's, a sample."""
+    lines = [run_summary(history, seconds)]
+    if len(validations) > 1:
+        lines.append(validation_summary(validations[0], validations[-1]))
+    if samples:
+        lines.append(f"sample: {samples[0]['prompt']!r} -> {samples[0]['response']!r}")
+    return lines

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron_rlhf.config import load_config
 from megatron_rlhf.models.training import next_token_loss, scalar_regression_loss
 from megatron_rlhf.runtime import destroy_distributed, init_distributed
+from megatron_rlhf.runtime.host_groups import host_sum
 
 
 def main(argv=None) -> None:
@@ -57,8 +58,7 @@ def main(argv=None) -> None:
         role = roles[name] = build_role(name, config)
         ledger.track(role.memory)
         params = sum(p.numel() for p in role.model.parameters())
-        total = torch.tensor([params])
-        dist.all_reduce(total)  # every rank's shard, DP replicas counted once below
+        total = host_sum([params])  # every rank's shard, DP replicas counted once below
         rc = role.config
         rows = rc.micro_batch_size if rc.token_budget is None else max(1, rc.token_budget // args.seq_length)
         tokens = torch.randint(0, rc.model.vocab_size, (rows * 2 * dp, args.seq_length), generator=gen)

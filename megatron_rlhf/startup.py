@@ -124,10 +124,9 @@ def _check_held_groups(config: RLHFConfig, resume_from: str, prompts: int) -> No
     """The groups a partial-rollout checkpoint holds are of this run's kind (responses, or
     trajectories with an environment: rollout/partial_turns.py) and answer prompts the prompt file
     still has."""
-    import torch
+    from megatron_rlhf.checkpoint.run_checkpoint import read_trainer_state
 
-    state = torch.load(os.path.join(resume_from, "trainer_state.pt"), map_location="cpu", weights_only=False)
-    held = (state.get("partial") or {}).get("held")
+    held = (read_trainer_state(resume_from)["steps"].get("partial") or {}).get("held")
     if held is None:
         return
     trajectories = isinstance(held, list)
@@ -181,7 +180,7 @@ def _resume_point(args: argparse.Namespace, config: RLHFConfig, output_dir: str)
     """(the run's identity, the checkpoint to continue from or None, the iterations it holds): an
     earlier run in the output directory is continued (--resume, trainer.resume: auto), or refused
     unless --overwrite."""
-    from megatron_rlhf.checkpoint.ppo_state import latest_checkpoint
+    from megatron_rlhf.checkpoint.run_checkpoint import latest_checkpoint
 
     run = run_identity(config)
     resume_from, reached = None, 0

@@ -1,6 +1,7 @@
 """The command line of every stage: ``torchrun --nproc_per_node=N -m megatron_rlhf.train --config
 rlhf.yaml [--output-dir DIR]`` runs RL (PPO, GRPO, RLOO, REINFORCE++) or, by the config's
-``stage:``, SFT, a reward model or DPO; ``--dry-run`` plans, ``--check-only`` checks every input.
+``stage:``, SFT, a reward model or DPO; ``--dry-run`` plans, ``--check-only`` checks every input; every stage runs the one run loop
+(run_loop.py).
 
 Writes to the output directory: ``metrics.jsonl`` (one object per iteration or step),
 ``memory.jsonl`` (the EMS ledger), TensorBoard events under ``tensorboard/`` and checkpoints.
@@ -151,14 +152,9 @@ def _main(args: argparse.Namespace) -> Optional[list]:
     except INPUT_ERRORS as e:  # the same input on every rank: one per node says it
         report_and_exit(e, int(os.environ.get("LOCAL_RANK", "0")) == 0)
     try:
-        if prepared.config.stage != "rl":
-            from megatron_rlhf.stages import stage_class
-            from megatron_rlhf.stages.runner import run_stage
+        from megatron_rlhf.run_loop import run
 
-            return run_stage(prepared, stage_class(prepared.config.stage))
-        from megatron_rlhf.rl_loop import run_rl
-
-        return run_rl(prepared)
+        return run(prepared)
     except BaseException as e:
         if launch_rank0() and restore_set_aside(prepared.output_dir):
             print(f"{prepared.output_dir}: the run --overwrite set aside is back in place", file=sys.stderr, flush=True)

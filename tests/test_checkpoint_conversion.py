@@ -145,7 +145,7 @@ def test_a_converted_checkpoint_carries_a_manifest_and_a_damaged_one_is_refused_
 
     tiny_hf(tmp_path / "hf", "lm")
     hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"), tp=2)
-    manifest = json.loads((tmp_path / "mg" / MANIFEST).read_text())
+    manifest = json.loads((tmp_path / "mg" / MANIFEST).read_text())["files"]
     assert any(name.endswith("model_optim_rng.pt") for name in manifest) and "megatron_rlhf_model.json" in manifest
     verify_checkpoint(str(tmp_path / "mg"))
     shard = next((tmp_path / "mg").rglob("model_optim_rng.pt"))

@@ -33,17 +33,16 @@ def prepared(out, *flags):
 
 
 def fake_checkpoint(out, name, config, tp=2, run=None, **layout):
-    """A checkpoint directory as save_ppo_checkpoint leaves it (trainer state and manifest only);
+    """A checkpoint directory as save_checkpoint leaves it (trainer state and manifest only);
     ``layout``: other sizes it was written at (dp, ep)."""
-    from megatron_rlhf.checkpoint.model_files import _checksum
+    from megatron_rlhf.checkpoint.model_files import write_manifest
 
     path = out / "checkpoints" / name
     path.mkdir(parents=True)
-    torch.save({"iteration": int(name[-7:]), "layout": {"tp": tp, "pp": 1, "dp": 1, **layout}, "run": run or run_identity(config)},
+    torch.save({"stage": config.stage, "iteration": int(name[-7:]), "steps": {},
+                "layout": {"tp": tp, "pp": 1, "dp": 1, **layout}, "run": run or run_identity(config)},
                path / "trainer_state.pt")
-    file = path / "trainer_state.pt"
-    (path / "manifest.json").write_text(json.dumps({"trainer_state.pt": {"bytes": file.stat().st_size,
-                                                                         "crc32": _checksum(str(file))}}))
+    write_manifest(str(path))
     (out / "checkpoints" / "latest").write_text(name)
     return path
 
@@ -309,7 +308,7 @@ def test_a_rank_that_does_not_arrive_ends_the_run_with_a_line_naming_the_phase(t
 
 def test_a_reward_error_that_says_timed_out_is_not_taken_for_a_collectives():
     from megatron_rlhf.errors import RewardFunctionError
-    from megatron_rlhf.rl_loop import _peer_problem
+    from megatron_rlhf.run_loop import _peer_problem
 
     said = "the first 4 reward calls of the batch all timed out; ... took over 3s (reward.timeout_s)"
     assert _peer_problem(RewardFunctionError(said), 1800) is None
@@ -321,7 +320,7 @@ def test_a_rank_gone_without_a_word_is_named_as_such(tmp_path, monkeypatch):
     not "its own output says why" (it printed nothing)."""
     import socket
 
-    from megatron_rlhf.rl_loop import _ranks_elsewhere
+    from megatron_rlhf.run_loop import _ranks_elsewhere
 
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
@@ -329,11 +328,12 @@ def test_a_rank_gone_without_a_word_is_named_as_such(tmp_path, monkeypatch):
     (tmp_path / "rank0").write_text(f"3\tppo_policy (training)\t{now:.0f}\t{host}\t{os.getpid()}")
     (tmp_path / "rank1").write_text(f"3\tppo_policy (training)\t{now:.0f}\t{host}\t{ended.pid}")
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
-    said = _ranks_elsewhere(str(tmp_path), 3, "ppo_policy (training)")
+    said = _ranks_elsewhere(str(tmp_path), 3, "ppo_policy (training)", "iteration")
     assert said.startswith(f"rank 1 (pid {ended.pid}) ended in iteration 3, ppo_policy (training), without a word: "
                            "killed (the kernel's out-of-memory killer says so in dmesg) or crashed"), said
     (tmp_path / "rank1").write_text(f"3\tppo_policy (training)\t{now:.0f}\t{host}\t{os.getpid()}")
-    assert _ranks_elsewhere(str(tmp_path), 3, "ppo_policy (training)").startswith("every rank recorded this phase")
+    assert _ranks_elsewhere(str(tmp_path), 3, "ppo_policy (training)", "iteration").startswith(
+        "every rank recorded this phase")
 
 
 def test_overwrite_puts_the_old_run_back_when_the_launch_fails_before_its_first_iteration(tmp_path):
@@ -535,19 +535,21 @@ def copy_config(config, lora):
 
 
 def test_resuming_partial_rollouts_of_prompts_a_shorter_file_lacks_or_of_another_kind_is_refused(tmp_path):
+    from megatron_rlhf.checkpoint.model_files import write_manifest
     from megatron_rlhf.startup import _check_held_groups
 
     config = load_config(TINY, world_size=2)
     path = tmp_path / "iter_0000003"
     path.mkdir()
-    torch.save({"partial": {"held": {"prompt_index": torch.tensor([3, 70, 12])}}}, path / "trainer_state.pt")
+    torch.save({"steps": {"partial": {"held": {"prompt_index": torch.tensor([3, 70, 12])}}}}, path / "trainer_state.pt")
+    write_manifest(str(path))
     _check_held_groups(config, str(path), 71)
     with pytest.raises(ConfigError, match=r"data.prompt_file.*: 64 prompts, but .* holds partial rollouts of prompt 71 \("
                                           r"the file it was written with was longer\)"):
         _check_held_groups(config, str(path), 64)
     # Held trajectories (written with an environment) are refused by a run without one, and the
     # held prompts of trajectories are checked alike.
-    torch.save({"partial": {"held": [{"prompt_index": 3}, {"prompt_index": 70}]}}, path / "trainer_state.pt")
+    torch.save({"steps": {"partial": {"held": [{"prompt_index": 3}, {"prompt_index": 70}]}}}, path / "trainer_state.pt")
     with pytest.raises(ConfigError, match=r"holds partial rollouts with an environment, and this run has none"):
         _check_held_groups(config, str(path), 71)
     config.rollout.environment = "env.py:Game"

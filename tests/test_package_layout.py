@@ -104,7 +104,7 @@ LAYERS = (
     ("rollout", "stages", "smoke"),
     ("controller", "dry_run"),
     ("startup",),
-    ("rl_loop",),
+    ("run_loop",),
     ("train",),
     ("launch",),
     ("plan",),

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from megatron_rlhf.checkpoint.ppo_state import intact_checkpoints
+from megatron_rlhf.checkpoint.run_checkpoint import intact_checkpoints
 from tests.conftest import REPO, _free_port
 from tests.test_train import metrics, train, without_times
 
@@ -30,7 +30,7 @@ def whole(tmp_path_factory):
 def _checkpoint_files(run, name):
     """Each file of checkpoint ``name`` with its size and CRC-32 (the manifest), but the trainer
     state's (it names the run)."""
-    manifest = json.loads((run / "checkpoints" / name / "manifest.json").read_text())
+    manifest = json.loads((run / "checkpoints" / name / "manifest.json").read_text())["files"]
     return {f: v for f, v in manifest.items() if f != "trainer_state.pt"}
 
 

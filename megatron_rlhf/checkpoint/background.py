@@ -1,7 +1,7 @@
 """Checkpoints written while training goes on (``trainer.async_save``).
 
 A save takes host copies of everything its rank writes before it returns (collective, each role
-resident while copied: checkpoint/ppo_state.py's PendingSave.snapshot); a thread then writes the
+resident while copied: checkpoint/run_checkpoint.py's PendingSave.snapshot); a thread then writes the
 files. The writer never reads a role's memory, so roles are offloaded, onloaded and trained
 while it writes without changing what it writes, and it holds no device or page-locked memory:
 only the copies, in ordinary host memory, until written. After every iteration the ranks check
@@ -16,10 +16,10 @@ from __future__ import annotations
 import threading
 from typing import Any, Dict, List, Mapping, Optional
 
-import torch
 import torch.distributed as dist
 
-from megatron_rlhf.checkpoint.ppo_state import PendingSave, Writes, os_error_text, save_ppo_checkpoint, write_files
+from megatron_rlhf.checkpoint.run_checkpoint import PendingSave, Writes, os_error_text, save_checkpoint, write_files
+from megatron_rlhf.runtime.host_groups import every_rank, host_group
 
 
 class CheckpointSaves:
@@ -37,7 +37,7 @@ class CheckpointSaves:
              scores: Optional[Dict[str, dict]] = None) -> str:
         """Save (or start writing) the checkpoint of ``trainer_state``'s iteration; its final directory."""
         if not self.in_background:
-            return save_ppo_checkpoint(roles, trainer_state, output_dir, scores)
+            return save_checkpoint(roles, trainer_state, output_dir, scores)
         self.drain()
         pending = PendingSave(trainer_state, output_dir)
         with pending.failing_cleanly():
@@ -57,7 +57,7 @@ class CheckpointSaves:
 
     def poll(self) -> None:
         """Finish the save in flight if every rank has written its files (no waiting)."""
-        if self.pending is not None and _on_every_rank(not self.thread.is_alive()):
+        if self.pending is not None and every_rank(not self.thread.is_alive()):
             self._finish()
 
     def drain(self) -> None:
@@ -69,13 +69,8 @@ class CheckpointSaves:
     def _finish(self) -> None:
         self.thread.join()
         errors: List[Optional[str]] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, self.error)
+        dist.all_gather_object(errors, self.error, group=host_group())
         failure = next((f"rank {rank}: {error}" for rank, error in enumerate(errors) if error), None)
         pending, self.pending, self.thread = self.pending, None, None
         pending.finish(failure)
 
-
-def _on_every_rank(flag: bool) -> bool:
-    value = torch.tensor([int(flag)])
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return bool(value.item())

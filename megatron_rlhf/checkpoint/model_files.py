@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import shutil
 import struct
 import zlib
@@ -68,6 +69,11 @@ def write_atomically(final_dir: str, fill: Callable[[str], None], overwrite: boo
 
 
 MANIFEST = "manifest.json"
+# The checkpoint format this version writes and reads (manifest.json's "version"): 2 is the first
+# versioned one (a run checkpoint's trainer state of tensors and plain types, loaded weights_only).
+# A manifest without a version is format 1: model files read as ever, run checkpoints refused.
+FORMAT_VERSION = 2
+FORMAT_NAME = "megatron-rlhf"
 
 
 def _checksum(path: str) -> int:
@@ -78,6 +84,11 @@ def _checksum(path: str) -> int:
     return value
 
 
+def manifest_of(files: Dict[str, Dict[str, int]]) -> dict:
+    """manifest.json's content for ``files`` (name -> bytes and crc32), in this version's format."""
+    return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "files": files}
+
+
 def write_manifest(root: str) -> None:
     """manifest.json: every file under ``root`` with its size and CRC-32 (written last: a
     directory with a manifest is complete)."""
@@ -85,19 +96,39 @@ def write_manifest(root: str) -> None:
     manifest = {f: {"bytes": os.path.getsize(os.path.join(root, f)), "crc32": _checksum(os.path.join(root, f))}
                 for f in files if f != MANIFEST}
     with open(os.path.join(root, MANIFEST), "w") as out:
-        json.dump(manifest, out, indent=0)
+        json.dump(manifest_of(manifest), out, indent=0)
 
 
-def verify_checkpoint(path: str, checksums: bool = True) -> None:
-    """Raise CheckpointError naming the first file of checkpoint ``path`` that is missing, of
-    another size or (with ``checksums``) other content than its manifest says."""
+def read_manifest(path: str) -> Tuple[int, Dict[str, Dict[str, int]]]:
+    """(format version, name -> bytes and crc32) of checkpoint ``path``'s manifest; a format this
+    version does not know (another program's, or a newer version's) refused by name."""
     manifest_file = os.path.join(path, MANIFEST)
     try:
         with open(manifest_file) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{manifest_file}: unreadable ({e}); the checkpoint is incomplete") from None
-    for name, expected in manifest.items():
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{manifest_file}: not a megatron-rlhf manifest (a JSON object of files)")
+    if "version" not in manifest and "files" not in manifest:
+        return 1, manifest  # format 1: the files at the top level
+    version, name = manifest.get("version"), manifest.get("format")
+    if name != FORMAT_NAME or not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointError(f"{manifest_file}: format {name!r} version {version!r} is not a megatron-rlhf checkpoint "
+                              f"format; this version reads format {FORMAT_VERSION} ({FORMAT_NAME!r})")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"{manifest_file}: checkpoint format version {version} is newer than this megatron-rlhf "
+                              f"reads ({FORMAT_VERSION}); use the version that wrote it, or a newer one")
+    if not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{manifest_file}: no 'files' object")
+    return version, manifest["files"]
+
+
+def verify_checkpoint(path: str, checksums: bool = True) -> int:
+    """Raise CheckpointError naming the first file of checkpoint ``path`` that is missing, of
+    another size or (with ``checksums``) other content than its manifest says; its format version."""
+    version, files = read_manifest(path)
+    for name, expected in files.items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise CheckpointError(f"{file}: missing")
@@ -106,6 +137,18 @@ def verify_checkpoint(path: str, checksums: bool = True) -> None:
             raise CheckpointError(f"{file}: {size} bytes, the manifest says {expected['bytes']} (truncated or replaced)")
         if checksums and _checksum(file) != expected["crc32"]:
             raise CheckpointError(f"{file}: its content differs from the manifest's checksum (corrupted)")
+    return version
+
+
+def load_plain(path: str, mmap: bool = False):
+    """A checkpoint file's content, tensors and plain types only (torch's ``weights_only``): a
+    file that holds anything else (a pickled callable) is refused without running it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0][:300]
+        raise CheckpointError(f"{path}: holds objects other than tensors and plain types, refused without loading "
+                              f"them (a checkpoint written by megatron-rlhf never does: it was altered) [{first}]") from None
 
 
 def check_readable(path: str) -> None:

@@ -1,5 +1,5 @@
 """The distributed optimizer's state in a checkpoint: every rank writes its own part, and a run
-resumes at any TP, PP, EP and DP (checkpoint/ppo_state.py).
+resumes at any TP, PP, EP and DP (checkpoint/run_checkpoint.py).
 
 Each rank writes ``optim/state_tTT_pPPP_eEEE_dDDDDD.pt``: for every parameter of which its DP rank
 owns a range of the flattened tensor, the range and the fp32 main values and Adam moments over it,
@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_rlhf.checkpoint.model_files import CheckpointError
+from megatron_rlhf.checkpoint.model_files import CheckpointError, load_plain
 from megatron_rlhf.models.sharding import (
     experts_of_rank,
     merge_tensor,
@@ -101,7 +101,7 @@ class _Pieces:
             if self.same and (t, p) != (layout["tp_rank"], layout["pp_rank"]):
                 continue
             try:
-                params = torch.load(path, map_location="cpu", mmap=True, weights_only=False)["params"]
+                params = load_plain(path, mmap=True)["params"]
             except (RuntimeError, EOFError, OSError, KeyError) as err:
                 raise CheckpointError(f"{path}: unreadable ({err}); the checkpoint is damaged") from None
             for key, piece in params.items():

@@ -65,7 +65,7 @@ def release_output_dir(output_dir: str) -> None:
 # a resume may change these freely. The layouts of the roles served the trained roles' weights
 # (policy, value) are among them: their weights come from the checkpoint's trained roles at any layout;
 # so is the run's layout (checkpoint/optimizer_state.py cuts the optimizer state anew; a role whose state
-# is tied to its layout is refused by ppo_state.check_layout, naming why).
+# is tied to its layout is refused by run_checkpoint.check_layout, naming why).
 _FREE_ON_RESUME = ("ppo.iterations", ".epochs", ".max_steps", "trainer.", "generation.batch_size", ".micro_batch_size",
                    "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
                    "parallel.expert_model_parallel_size", "parallel.sequence_parallel",
@@ -99,21 +99,23 @@ def check_resume(path: str, config: RLHFConfig, now: Dict[str, Any], output_dir:
     """The run a resume continues (its id, with ``now``'s fingerprint: run_identity of this config)
     and the iteration the checkpoint is at, after checking that the checkpoint is intact, of this
     TP/PP and of a run with the same settings (unless allowed)."""
-    import torch
-
     from megatron_rlhf.checkpoint.model_files import CheckpointError
     from megatron_rlhf.checkpoint.model_files import verify_checkpoint
-    from megatron_rlhf.checkpoint.ppo_state import check_layout, intact_checkpoints, reshardable
+    from megatron_rlhf.checkpoint.run_checkpoint import check_layout, intact_checkpoints, read_trainer_state, reshardable
 
     try:
         verify_checkpoint(path, checksums=int(os.environ.get("LOCAL_RANK", "0")) == 0)
-        state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
+        state = read_trainer_state(path)
     except (CheckpointError, OSError, RuntimeError, EOFError) as e:
         older = [c for c in intact_checkpoints(output_dir) if c != path]
         advice = (f"the newest intact checkpoint is {older[0]}: to resume from it, write "
                   f"'{os.path.basename(older[0])}' into {os.path.join(os.path.dirname(path), 'latest')}"
                   if older else "no older intact checkpoint exists; start again with --overwrite")
         raise CheckpointError(f"cannot resume from {path}: {e}; {advice}") from None
+    if state["stage"] != config.stage:
+        raise ConfigError(f"{path} is a checkpoint of stage {state['stage']}, and this run is stage {config.stage} "
+                          f"({config.at('stage')}): a stage resumes its own checkpoints only; start a {config.stage} run "
+                          f"from its trained roles' directories (<role>.load), or resume with the config that wrote it")
     par = config.parallel
     sizes = {"tp": "tensor", "pp": "pipeline", "ep": "expert"}
     changed = [f"parallel.{name}_model_parallel_size" for key, name in sizes.items()

@@ -90,6 +90,15 @@ REQUIRED_ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn
 TRAINING_ONLY_ARCH_FIELDS = ("moe_aux_loss_coeff", "moe_z_loss_coeff")
 
 
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """The global layer numbers pipeline stage ``pp_rank`` of ``pp_size`` holds: an even split, as
+    megatron makes it (the one rule of the pipeline split: models, checkpoints, the planner)."""
+    if num_layers % pp_size != 0:
+        raise ValueError(f"PP={pp_size} does not divide num_layers={num_layers}")
+    per_stage = num_layers // pp_size
+    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
+
 @dataclasses.dataclass
 class ModelArchConfig:
     """A decoder of the Llama line: RMSNorm, SwiGLU, RoPE, grouped-query attention, and the
@@ -692,7 +701,7 @@ class DPOConfig(StageConfig):
 
 @dataclasses.dataclass
 class RLHFConfig:
-    # rl: PPO and its kin (rl_loop.py); sft, rm, dpo: the stages before it (megatron_rlhf/stages).
+    # rl: PPO and its kin (controller.py); sft, rm, dpo: the stages before it (megatron_rlhf/stages); every stage runs run_loop.py.
     stage: Literal[STAGES] = "rl"
     seed: int = 1234  # the run's seed: data order, sampling streams, initialisation
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)  # the run's layout (ParallelConfig)

@@ -19,7 +19,7 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
-from megatron_rlhf.config.schema import (EMS_SWITCHES, ROLE_HEADS, ModelArchConfig, RLHFConfig,
+from megatron_rlhf.config.schema import (EMS_SWITCHES, ROLE_HEADS, ModelArchConfig, RLHFConfig, stage_layers,
                                          RoleConfig)
 from megatron_rlhf.memory.manager import GRADS, LEDGER_KINDS as KINDS, MAIN_PARAMS, OPTIMIZER_STATE, PHASE_NEEDS, WEIGHTS, EMSSwitches
 
@@ -33,9 +33,8 @@ def _phases(config: RLHFConfig) -> Tuple[Tuple[str, str, str], ...]:
 
 def _stage_layers(arch: ModelArchConfig, pp: int, pp_rank: int) -> List[int]:
     """Per layer of the stage: 1 where it has experts, 0 where its MLP is dense."""
-    per_stage = arch.num_layers // pp
     pattern = arch.moe_layers() if arch.num_experts else [0] * arch.num_layers
-    return pattern[pp_rank * per_stage : (pp_rank + 1) * per_stage]
+    return [pattern[layer] for layer in stage_layers(arch.num_layers, pp, pp_rank)]
 
 
 def param_numels(arch: ModelArchConfig, head: str, tp: int, pp: int, pp_rank: int,
@@ -175,7 +174,7 @@ def activation_bytes(arch: ModelArchConfig, head: str, micro_batch: int, seq: in
     width = BYTES[precision]
     s, b, h, a = seq, micro_batch, arch.hidden_size, arch.num_attention_heads
     per_layer = s * b * h * (10 + 24 / tp) * width / 2 + 5 * a * s * s * b / tp * width / 2
-    layers = arch.num_layers // pp
+    layers = len(stage_layers(arch.num_layers, pp, 0))
     if arch.num_experts:  # the most loaded stage: its layers with experts
         moe_layers = max(sum(_stage_layers(arch, pp, r)) for r in range(pp))
         per_layer += moe_layers / layers * _expert_activations_extra(arch, s * b, tp, width)
@@ -200,7 +199,7 @@ def _expert_activations_extra(arch: ModelArchConfig, tokens: int, tp: int, width
 def kv_cache_bytes(arch: ModelArchConfig, batch: int, seq: int, tp: int, pp: int, precision: str) -> int:
     """Keys and values of every layer on the stage for ``batch`` sequences of ``seq`` tokens."""
     hd = arch.kv_channels
-    return 2 * (arch.num_layers // pp) * batch * seq * (arch.kv_groups // tp) * hd * BYTES[precision]
+    return 2 * len(stage_layers(arch.num_layers, pp, 0)) * batch * seq * (arch.kv_groups // tp) * hd * BYTES[precision]
 
 
 def reshard_buffer_bytes(config: RLHFConfig, serving: str, world_size: int) -> int:
@@ -223,7 +222,7 @@ def reshard_buffer_bytes(config: RLHFConfig, serving: str, world_size: int) -> i
     if stp > ttp and not arch.num_experts:
         h, hd = arch.hidden_size, arch.kv_channels
         row_parallel = h * arch.num_attention_heads * hd // ttp + h * arch.ffn_hidden_size // ttp
-        copied = arch.num_layers // tpp * row_parallel * BYTES[config.role(trained).precision]
+        copied = len(stage_layers(arch.num_layers, tpp, 0)) * row_parallel * BYTES[config.role(trained).precision]
     return received + copied
 
 
@@ -375,7 +374,7 @@ def recommend(config: RLHFConfig, world_size: int, budget: int, seq_length: Opti
 
 @dataclasses.dataclass
 class CheckpointPlan:
-    """A checkpoint save (checkpoint/ppo_state.py): every rank writes its own part of the
+    """A checkpoint save (checkpoint/run_checkpoint.py): every rank writes its own part of the
     distributed optimizer's state (fp32 main parameters and both Adam moments of the range it owns:
     1/DP of its slice's), and DP rank 0 of each model-parallel slice also the slice's weights; each
     copied to host memory first, one trained role at a time, nothing gathered. Without the

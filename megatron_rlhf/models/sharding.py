@@ -33,6 +33,8 @@ from typing import Dict, List, Set, Tuple
 
 import torch
 
+from megatron_rlhf.config.schema import stage_layers
+
 StateDict = Dict[str, torch.Tensor]
 
 _LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -77,14 +79,6 @@ def to_te_layer_names(state_dict: StateDict, te_keys: Set[str]) -> StateDict:
                 key = fused
         out[key] = value
     return out
-
-
-def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
-    """Global layer numbers held by pipeline stage ``pp_rank`` (even split, as megatron)."""
-    if num_layers % pp_size != 0:
-        raise ValueError(f"PP={pp_size} does not divide num_layers={num_layers}")
-    per_stage = num_layers // pp_size
-    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
 
 
 def _vocab_keys(head: str) -> tuple:
@@ -198,7 +192,8 @@ def stages_of(key: str, num_layers: int, pp_size: int, tied: bool = False) -> Tu
     first and, as its output layer, the last)."""
     match = _LAYER_KEY.match(key)
     if match:
-        return (int(match.group(1)) // (num_layers // pp_size),)
+        layer = int(match.group(1))
+        return tuple(r for r in range(pp_size) if layer in stage_layers(num_layers, pp_size, r))
     if key.startswith("embedding."):
         return (0, pp_size - 1) if tied and key == _VOCAB[0] and pp_size > 1 else (0,)
     return (pp_size - 1,)

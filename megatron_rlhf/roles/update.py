@@ -76,13 +76,8 @@ class PPOUpdate:
                     mbs, _ = micro_batches_of(role.config, lengths[picked], pipelined,
                                               **{k: v[picked] for k, v in everything.items()})
                     result = role.train_step(mbs, loss_fn)
-                    if result["non_finite"] is not None:
-                        if cfg.trainer.on_non_finite == "stop":
-                            raise NonFiniteError(
-                                f"iteration {iteration}: {name}: non-finite {result['non_finite']} in optimizer "
-                                f"step {len(steps) + skipped + 1} (epoch {epoch + 1}); the step was not applied and "
-                                f"nothing of this iteration was saved. Look for extreme rewards or a learning rate "
-                                f"too high ({name}.lr={role.config.lr}); trainer.on_non_finite: skip skips such steps", collective=True)
+                    where = f"iteration {iteration}, optimizer step {len(steps) + skipped + 1} (epoch {epoch + 1})"
+                    if not step_applied(result, cfg, name, where, "extreme rewards or "):
                         skipped += 1
                         continue
                     steps.append(result["metrics"])
@@ -95,3 +90,16 @@ class PPOUpdate:
         router = {f"{prefix}/{k}": sum(r[k] for r in router_losses) / len(router_losses) for k in router_losses[0]} \
             if router_losses else {}
         return {**metrics, **router, f"{prefix}/grad_norm": grad_norm, f"{prefix}/skipped_steps": float(skipped)}
+
+
+def step_applied(result: Dict, config, name: str, where: str, suspects: str = "") -> bool:
+    """Whether an optimizer step of ``name`` (``result``: its train_step's) was applied: a
+    non-finite loss or gradient stops the run (trainer.on_non_finite: stop; ``where``: the step,
+    ``suspects``: causes to look for besides the learning rate) or is skipped (False)."""
+    if result["non_finite"] is None:
+        return True
+    if config.trainer.on_non_finite == "stop":
+        raise NonFiniteError(f"{where}: {name}: non-finite {result['non_finite']}; the step was not applied and nothing "
+                             f"of it was saved. Look for {suspects}a learning rate too high ({name}.lr="
+                             f"{config.role(name).lr}); trainer.on_non_finite: skip skips such steps", collective=True)
+    return False

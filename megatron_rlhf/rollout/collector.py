@@ -30,6 +30,7 @@ from megatron_rlhf.rollout.record import BEHAVIOUR, Collected, Prompts, Rollout,
 from megatron_rlhf.roles.rows import SampleRows, cat_rows, trimmed
 from megatron_rlhf.rollout.scoring import Scorer
 from megatron_rlhf.runtime.platform import get_platform
+from megatron_rlhf.runtime.host_groups import host_group, host_sum
 
 
 SAMPLES_SHOWN = 4  # rows of each iteration the run shows (the printed sample line, samples.jsonl)
@@ -158,10 +159,9 @@ class RolloutCollector:
         them up again), the others averaged over the policy's (equal shares)."""
         own = self.roles.cuts["policy"]
         names = [None] * own.size  # an environment's own counts may be on some ranks only
-        dist.all_gather_object(names, sorted(metrics), group=own.group)
+        dist.all_gather_object(names, sorted(metrics), group=host_group(own.group))
         keys = sorted({k for part in names for k in part})
-        values = torch.tensor([metrics.get(k, 0.0) for k in keys], dtype=torch.float64)
-        dist.all_reduce(values, group=own.group)
+        values = host_sum([metrics.get(k, 0.0) for k in keys], own.group)
         return {k: v / (self.roles.cut.size if is_counted(k) else own.size) for k, v in zip(keys, values.tolist())}
 
     def _prompts_of_the_rollout(self, prompts: Prompts) -> Dict[int, Tuple[str, Dict]]:
@@ -171,7 +171,7 @@ class RolloutCollector:
         if not self.config.has_own_layout("policy") or self.roles.cut.size == 1:
             return mine
         everyone = [None] * self.roles.cut.size
-        dist.all_gather_object(everyone, mine, group=self.roles.cut.group)
+        dist.all_gather_object(everyone, mine, group=host_group(self.roles.cut.group))
         return {i: value for part in everyone for i, value in part.items()}
 
     def generate(self, mine: SampleRows, prompts: Prompts, sampling: SamplingParams, record_routes: bool = False,

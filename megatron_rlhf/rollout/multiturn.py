@@ -37,6 +37,7 @@ from megatron_rlhf.rollout.env_pool import EnvironmentPool
 from megatron_rlhf.rollout.record import BEHAVIOUR, COUNTED_METRICS
 from megatron_rlhf.roles.rows import SampleRows
 from megatron_rlhf.rollout.trajectory import ObservationEncoder, Trajectory, start_call
+from megatron_rlhf.runtime.host_groups import host_group
 
 TURN_COUNTS = tuple(k for k in COUNTED_METRICS if k.startswith("rollout/"))
 
@@ -351,9 +352,9 @@ def _from_first_rank(value, groups):
     """``value`` of the replica's first rank (pipeline stage 0, tensor rank 0) on every rank of it."""
     box = [value]
     if groups.pp.size() > 1:
-        dist.broadcast_object_list(box, src=global_rank(groups.pp, 0), group=groups.pp)
+        dist.broadcast_object_list(box, src=global_rank(groups.pp, 0), group=host_group(groups.pp))
     if groups.tp.size() > 1:
-        dist.broadcast_object_list(box, src=global_rank(groups.tp, 0), group=groups.tp)
+        dist.broadcast_object_list(box, src=global_rank(groups.tp, 0), group=host_group(groups.tp))
     return box[0]
 
 

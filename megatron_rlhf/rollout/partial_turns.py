@@ -31,6 +31,7 @@ from megatron_rlhf.rollout.partial import HeldGroups
 from megatron_rlhf.rollout.record import Prompts
 from megatron_rlhf.rollout.trajectory import Trajectory, start_call
 from megatron_rlhf.roles.rows import SampleRows, trimmed
+from megatron_rlhf.runtime.host_groups import host_group
 
 Held = Dict  # a held trajectory: {"state": Trajectory.state(), "seed": int, "prompt_index": int}
 
@@ -157,7 +158,7 @@ def _gathered(mine: List[Tuple[int, Held]], cut) -> List[Held]:
     everyone = [mine]
     if cut.size > 1:
         everyone = [None] * cut.size
-        dist.all_gather_object(everyone, mine, group=cut.group)
+        dist.all_gather_object(everyone, mine, group=host_group(cut.group))
     return [entry for _, entry in sorted((pair for part in everyone for pair in part), key=lambda pair: pair[0])]
 
 

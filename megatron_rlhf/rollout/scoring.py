@@ -16,6 +16,7 @@ from megatron_rlhf.rewards.pool import RewardPool, check_scores
 from megatron_rlhf.roles import inference
 from megatron_rlhf.roles.role_set import RoleSet
 from megatron_rlhf.roles.rows import SampleRows
+from megatron_rlhf.runtime.host_groups import host_group
 
 
 def scores_here() -> bool:
@@ -24,6 +25,16 @@ def scores_here() -> bool:
     from megatron.core import parallel_state as ps
 
     return ps.get_model_parallel_group().rank() == 0
+
+
+def rule_reward_pool(config: RLHFConfig, functions: Optional[Dict[str, float]]) -> Optional[RewardPool]:
+    """The rule rewards' worker pool on the ranks that score (scores_here), else None; its workers
+    load the functions (checked at start-up) while the roles are built."""
+    if not functions or not scores_here():
+        return None
+    r = config.reward
+    return RewardPool(functions, num_workers=r.num_workers, timeout_s=r.timeout_s, failure_score=r.failure_score,
+                      wait=False)
 
 
 def overlong_penalty(config: RLHFConfig, rows: SampleRows) -> torch.Tensor:
@@ -97,7 +108,7 @@ class Scorer:
             except RewardFunctionError as e:  # the peers learn it too, so none waits for scores
                 result = [e]
         if group.size() > 1:
-            dist.broadcast_object_list(result, src=dist.get_global_rank(group, 0), group=group)
+            dist.broadcast_object_list(result, src=dist.get_global_rank(group, 0), group=host_group(group))
         if isinstance(result[0], RewardFunctionError):
             raise RewardFunctionError(str(result[0]))
         return result[0]

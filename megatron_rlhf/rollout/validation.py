@@ -13,6 +13,7 @@ from megatron_rlhf.data import PromptDataset
 from megatron_rlhf.rollout.collector import RolloutCollector
 from megatron_rlhf.rollout.record import Prompts
 from megatron_rlhf.roles.rows import RowCut
+from megatron_rlhf.runtime.host_groups import host_group
 
 SCORED_COLUMNS = ("tokens", "prompt_lengths", "response_lengths", "action_mask", "turn_rewards")
 VALIDATION_STREAM = -1  # the iteration key of validation's sampling streams (training's are >= 1)
@@ -52,7 +53,7 @@ class Validator:
             scores = scores.view(len(batch["texts"]), k).cpu()
             results += [(str(f.get("data_source") or ""), s.tolist()) for f, s in zip(batch["fields"], scores)]
         gathered = [None] * roles.cut.size
-        dist.all_gather_object(gathered, (results, sum(failures)), group=roles.cut.group)
+        dist.all_gather_object(gathered, (results, sum(failures)), group=host_group(roles.cut.group))
         metrics = validation_metrics([r for part, _ in gathered for r in part], k)
         if collector.config.reward.type == "function":  # one rank per replica in the DP group: each counted once
             metrics["val/reward/failures"] = float(sum(f for _, f in gathered))
@@ -64,7 +65,7 @@ def _chunks_in_run_cut(generated: List, cut: RowCut, run_cut: RowCut, device) ->
     cut (every chunk of every rank of ``cut`` gathered, every run DP rank taking its turn)."""
     local = [(batch, {k: v.cpu() for k, v in rows.items()}) for batch, rows in generated]
     gathered = [None] * cut.size
-    dist.all_gather_object(gathered, local, group=cut.group)
+    dist.all_gather_object(gathered, local, group=host_group(cut.group))
     chunks = [c for part in gathered for c in part][run_cut.rank :: run_cut.size]
     return [(batch, {k: v.to(device) for k, v in rows.items()}) for batch, rows in chunks]
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_rlhf.config.schema import ParallelConfig
 from megatron_rlhf.runtime import megatron_compat
+from megatron_rlhf.runtime.host_groups import forget_host_groups, make_host_twins
 from megatron_rlhf.runtime.platform import get_platform
 
 
@@ -28,7 +29,8 @@ def _env_int(name: str, default: int) -> int:
 def init_distributed(layout: ParallelConfig, seed: int = 1234, timeout_s: float = 1800.0) -> None:
     """Start torch.distributed from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR, MASTER_PORT; a single process without them), then megatron's parallel state.
-    Every collective, in every group, gives up after ``timeout_s`` (a rank that never arrives)."""
+    Every collective, in every group, gives up after ``timeout_s`` (a rank that never arrives);
+    each group has a host twin for control collectives (runtime/host_groups.py)."""
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -69,6 +71,9 @@ def init_distributed(layout: ParallelConfig, seed: int = 1234, timeout_s: float 
             expert_model_parallel_size=layout.expert_model_parallel_size,
             distributed_timeout_minutes=timeout_s / 60,  # typed int, used as timedelta(minutes=...)
         )
+    make_host_twins([None, parallel_state.get_data_parallel_group(), parallel_state.get_tensor_model_parallel_group(),
+                     parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_model_parallel_group(),
+                     parallel_state.get_expert_model_parallel_group()], timeout_s)
     set_seed(seed)
 
 
@@ -92,5 +97,25 @@ def destroy_distributed() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     forget_layouts()
+    forget_host_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def random_state() -> dict:
+    """Every generator a run draws from on the host (Python's, NumPy's, torch's CPU one), as plain
+    types and tensors: a checkpoint holds it and loads it with ``weights_only``."""
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+
+
+def restore_random_state(state: dict) -> None:
+    """The generators as ``random_state()`` found them."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["position"], n["has_gauss"],
+                         n["cached_gaussian"]))

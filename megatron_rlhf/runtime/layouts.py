@@ -3,7 +3,8 @@ one layout; a model of another (a serving role at its own TP/PP) is built on a P
 of its own, which megatron-core's models and its resharding take in place of the global groups.
 
 The groups of a layout are made once, on every rank in the same order (``new_group`` is collective
-over the world), numbered as megatron numbers ranks (its RankGenerator, order tp-cp-ep-dp-pp).
+over the world), numbered as megatron numbers ranks (its RankGenerator, order tp-cp-ep-dp-pp), each
+with its host twin for control collectives (runtime/host_groups.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ def layout_groups(tp: int, pp: int, ep: int = 1):
     default expert TP; expert DP = DP / EP)."""
     import torch.distributed as dist
     from megatron.core.parallel_state import RankGenerator
+
+    from megatron_rlhf.runtime.host_groups import make_host_twins
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     key = (tp, pp, ep)
@@ -52,6 +55,7 @@ def layout_groups(tp: int, pp: int, ep: int = 1):
                   tp_ep=group(experts.get_ranks("tp-ep")), tp_ep_pp=group(experts.get_ranks("tp-ep-pp")),
                   expt_dp=group(experts.get_ranks("dp")))
     _BUILT[key] = ProcessGroupCollection(**groups)
+    make_host_twins([groups[kind] for kind in ("dp", "tp", "pp", "mp", "ep")])
     return _BUILT[key]
 
 

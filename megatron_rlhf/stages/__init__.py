@@ -1,21 +1,9 @@
-"""The stages before RL, each a loop file of its own over the shared run (runner.py): supervised
-fine-tuning (sft.py), reward-model training (rm.py) and DPO (dpo.py). ``stage_class(name)`` is the
-one dispatch of the config's ``stage``; ``read_rows`` reads a stage's rows (data/)."""
+"""The stages before RL, each a file of its own over the shared ``Stage`` (stage.py): supervised
+fine-tuning (sft.py), reward-model training (rm.py) and DPO (dpo.py); ``Steps`` (steps.py): what
+every stage, RL's included, says to the one run loop (run_loop.py). ``read_rows`` reads a stage's
+rows (data/)."""
 
 from __future__ import annotations
-
-from megatron_rlhf.config.names import STAGES
-
-
-def stage_class(name: str) -> type:
-    from megatron_rlhf.config.names import registry
-    from megatron_rlhf.stages.dpo import DPOStage
-    from megatron_rlhf.stages.rm import RewardModelStage
-    from megatron_rlhf.stages.sft import SFTStage
-
-    loops = registry(tuple(s for s in STAGES if s != "rl"), "stage",
-                     {"sft": SFTStage, "rm": RewardModelStage, "dpo": DPOStage})
-    return loops[name]
 
 
 def read_rows(config, key: str, tokenizer):

@@ -23,7 +23,7 @@ from megatron_rlhf import preference
 from megatron_rlhf.roles.inference import log_probs
 from megatron_rlhf.stages.batches import padded, pair_micro_batches
 from megatron_rlhf.stages.losses import dpo_loss_fn
-from megatron_rlhf.stages.runner import Stage, dp_share
+from megatron_rlhf.stages.stage import Stage, dp_share
 
 
 class DPOStage(Stage):
@@ -39,10 +39,10 @@ class DPOStage(Stage):
         return pair_micro_batches(self.role.config, [pairs.pairs[i] for i in indices], self.pipelined, self.pad_id,
                                   self.device, columns)
 
-    def step(self, rows: List[int], iteration: int) -> Dict[str, float]:
+    def train_on(self, rows: List[int], iteration: int) -> Dict[str, float]:
         chosen_tokens = sum(self.data.pairs[i].chosen.response_tokens for i in rows)
         self.loss_fn = dpo_loss_fn(self.vocab_size, self.config.dpo, len(rows) / max(chosen_tokens, 1))
-        return super().step(rows, iteration)
+        return super().train_on(rows, iteration)
 
     def validate(self) -> Dict[str, float]:
         rows = self.validation_rows()
@@ -76,6 +76,6 @@ class DPOStage(Stage):
         mine = self._score(pairs, dp_share(indices, cut))
         return cut.gather_tensor(mine)[:count].cpu()
 
-    def line(self, metrics: Dict[str, float]) -> List[str]:
+    def headline(self, metrics: Dict[str, float]) -> List[str]:
         return [f"loss {metrics['loss']:.4f}", f"accuracy {metrics.get('rewards/accuracies', float('nan')):.3f}",
                 f"margin {metrics.get('rewards/margins', float('nan')):+.3f}"]

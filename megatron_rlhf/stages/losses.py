@@ -18,6 +18,7 @@ from megatron_rlhf.config.schema import DPOConfig, RMConfig
 from megatron_rlhf.models.pipeline import LossFn, broadcast_from_last_stage, sum_over
 from megatron_rlhf.models.vocab_parallel import next_token_log_probs
 from megatron_rlhf.stages.batches import chosen_and_rejected
+from megatron_rlhf.runtime.host_groups import host_group
 
 # metric -> the count it is a mean over (a metric sum, summed over the step's micro-batches and ranks)
 MEANS = {
@@ -111,7 +112,7 @@ def step_metrics(per_micro_batch: List[Dict[str, torch.Tensor]], device, pp_grou
 
         from megatron_rlhf.models.decoder import global_rank
 
-        dist.broadcast_object_list(shared, src=global_rank(pp_group, -1), group=pp_group)
+        dist.broadcast_object_list(shared, src=global_rank(pp_group, -1), group=host_group(pp_group))
     names = shared[0]
     local = torch.tensor([sum(float(m[k]) for m in per_micro_batch) for k in names], dtype=torch.float64,
                          device=device) if per_micro_batch else None

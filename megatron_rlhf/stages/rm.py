@@ -17,7 +17,7 @@ from typing import Dict, List
 
 from megatron_rlhf.stages.batches import pair_micro_batches
 from megatron_rlhf.stages.losses import reward_loss_fn
-from megatron_rlhf.stages.runner import Stage
+from megatron_rlhf.stages.stage import Stage
 
 
 class RewardModelStage(Stage):
@@ -45,6 +45,6 @@ class RewardModelStage(Stage):
         return pair_micro_batches(self.role.config, [pairs.pairs[i] for i in indices], self.pipelined, self.pad_id,
                                   self.device, columns)
 
-    def line(self, metrics: Dict[str, float]) -> List[str]:
+    def headline(self, metrics: Dict[str, float]) -> List[str]:
         return [f"loss {metrics['loss']:.4f}", f"accuracy {metrics.get('accuracy', float('nan')):.3f}",
                 f"margin {metrics.get('margin', float('nan')):+.3f}"]

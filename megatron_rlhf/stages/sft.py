@@ -15,7 +15,7 @@ from typing import Dict, List
 
 from megatron_rlhf.stages.batches import row_micro_batches
 from megatron_rlhf.stages.losses import sft_loss_fn
-from megatron_rlhf.stages.runner import Stage
+from megatron_rlhf.stages.stage import Stage
 
 
 class SFTStage(Stage):
@@ -29,5 +29,5 @@ class SFTStage(Stage):
         return row_micro_batches(self.role.config, [demonstrations.rows[i] for i in indices], self.pipelined,
                                  self.pad_id, self.device)
 
-    def line(self, metrics: Dict[str, float]) -> List[str]:
+    def headline(self, metrics: Dict[str, float]) -> List[str]:
         return [f"loss {metrics['loss']:.4f}"]

@@ -115,3 +115,53 @@ def warm_up_gpu_libraries(arch, parallel, tokens) -> None:
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+class StrictCollectives:
+    """Collectives as the device's NCCL groups take them, checked on the CPU: a tensor made on the
+    host (torch.tensor / zeros / ones / full / empty without a device) or a Python object (the
+    ``*_object*`` collectives, a barrier) that megatron_rlhf sends over any group but a host group
+    (runtime/host_groups.py) is a violation, recorded with its call site; the host groups' uses are
+    counted by call site. On a GPU the first kind fails (NCCL takes no CPU tensor); the second moves
+    every control message through the device."""
+
+    FACTORIES = ("tensor", "zeros", "ones", "full", "empty")
+    TENSOR_COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "reduce", "all_gather_into_tensor",
+                          "reduce_scatter_tensor")
+    OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+                          "barrier")
+
+    def __init__(self):
+        from collections import Counter
+
+        self.violations, self.host_sites = [], Counter()
+        for name in self.FACTORIES:
+            setattr(torch, name, self._marking(getattr(torch, name)))
+        for name in self.TENSOR_COLLECTIVES + self.OBJECT_COLLECTIVES:
+            setattr(dist, name, self._checking(name, getattr(dist, name)))
+
+    @staticmethod
+    def _marking(factory):
+        def made(*args, **kwargs):
+            tensor = factory(*args, **kwargs)
+            if kwargs.get("device") is None:
+                tensor._made_on_host = True
+            return tensor
+        return made
+
+    def _checking(self, name, collective):
+        from megatron_rlhf.runtime.host_groups import is_host_group
+
+        def checked(*args, **kwargs):
+            caller = sys._getframe(1)
+            site = f"{os.path.relpath(caller.f_code.co_filename)}:{caller.f_code.co_name}"
+            if "megatron_rlhf" + os.sep in caller.f_code.co_filename:
+                group = kwargs.get("group")
+                if is_host_group(group):
+                    self.host_sites[site] += 1
+                elif name in self.OBJECT_COLLECTIVES:
+                    self.violations.append(f"{site}:{caller.f_lineno}: {name} on a device group")
+                elif any(getattr(a, "_made_on_host", False) for a in args if torch.is_tensor(a)):
+                    self.violations.append(f"{site}:{caller.f_lineno}: {name} of a host tensor on a device group")
+            return collective(*args, **kwargs)
+        return checked

@@ -32,5 +32,5 @@ served = []
 while untouched.consumed < dataset.consumed:
     served += untouched.next_batch(config.ppo.rollout_batch_size, 0, 1)["texts"]
 rollout = captured["rollout"]
-save(DynamicSampling(prompts=[s["prompt"] for s in controller.last_samples], scores=rollout.scores.cpu(), metrics=metrics,
+save(DynamicSampling(prompts=[s["prompt"] for s in controller.samples], scores=rollout.scores.cpu(), metrics=metrics,
                      served=served, advantages=rollout.advantages.cpu(), mask=rollout.action_mask.cpu()))

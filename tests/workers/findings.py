@@ -511,3 +511,13 @@ class StageRun(Findings):
 @findings_of("stage_invariance")
 class StageInvariance(Findings):
     runs: dict[str, StageRun]  # cut (layout, micro-batches, EMS, resume) -> its run
+
+
+# -- Collectives ---------------------------------------------------------------------------------
+
+@findings_of("host_collectives")
+class HostCollectives(Findings):
+    runs: list  # the runs made through the run's own entry, by name, each to its end
+    violations: list  # "file:line: what" of every collective NCCL would refuse or a control one on a device group
+    host_sites: dict  # "file:function" of every collective on a host group -> how many
+    metrics: dict  # run name -> its metrics (each step's)

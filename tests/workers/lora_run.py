@@ -16,7 +16,7 @@ from common import OUT_DIR, capture_rollouts, reward_pool, save, setup
 from tests.workers.findings import LoRARun
 
 from megatron_rlhf.checkpoint.peft import write_peft_adapter
-from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint, save_ppo_checkpoint
+from megatron_rlhf.checkpoint.run_checkpoint import save_checkpoint
 from megatron_rlhf.controller import PPOController
 from megatron_rlhf.memory import MemoryLedger
 from megatron_rlhf.memory.manager import OPTIMIZER_STATE, WEIGHTS
@@ -26,6 +26,7 @@ from megatron_rlhf.roles import inference
 from megatron_rlhf.roles.base import build_role
 from megatron_rlhf.startup import prepare
 from megatron_rlhf.train import parse_args
+from megatron_rlhf.run_loop import checkpoint_state, resume
 
 os.environ.update(TP="1", ITERATIONS="2", PRECISION="fp32")
 
@@ -60,7 +61,7 @@ before = params(trained)
 captured = capture_rollouts(whole)
 steps = [figures(whole.step())]
 rollout = captured["rollout"]
-checkpoint = save_ppo_checkpoint(roles, {**whole.state_dict(), "run": prepared.run}, prepared.output_dir)
+checkpoint = save_checkpoint(roles, checkpoint_state(whole, prepared.run), prepared.output_dir)
 at_checkpoint = params(trained)
 steps.append(figures(whole.step()))
 after = params(trained)
@@ -92,6 +93,6 @@ result.load_lora_equal = loaded.keys() == at_checkpoint.keys() and all(torch.equ
 del from_peft
 
 _, resumed = controller_for("resumed")
-resumed.load_state_dict(load_ppo_checkpoint(resumed.roles, checkpoint))
+resume(resumed, checkpoint)
 result.whole, result.resumed = steps, [figures(resumed.step())]
 save(result)

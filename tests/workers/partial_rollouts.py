@@ -19,12 +19,13 @@ import torch
 from common import OUT_DIR, capture_partial_rows, computed_metrics, reward_pool, save, setup
 from tests.workers.findings import FrozenRun, PartialRollouts, ResumedRun
 
-from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint, save_ppo_checkpoint
+from megatron_rlhf.checkpoint.run_checkpoint import save_checkpoint
 from megatron_rlhf.controller import PPOController
 from megatron_rlhf.generation import generate
 from megatron_rlhf.memory import MemoryLedger
 from megatron_rlhf.startup import prepare
 from megatron_rlhf.train import parse_args
+from megatron_rlhf.run_loop import checkpoint_state, resume
 
 WORLD = int(os.environ["WORLD_SIZE"])
 os.environ.update(TP="1", ITERATIONS="3", PRECISION="fp32")
@@ -65,11 +66,11 @@ lr0 = FrozenRun(metrics=[computed_metrics(frozen.step()) for _ in range(3)], row
 # Resume from a checkpoint holding unfinished groups.
 prepared, whole = controller_for("whole")
 steps = [computed_metrics(whole.step()) for _ in range(2)]
-checkpoint = save_ppo_checkpoint(whole.roles, {**whole.state_dict(), "run": prepared.run}, prepared.output_dir)
+checkpoint = save_checkpoint(whole.roles, checkpoint_state(whole, prepared.run), prepared.output_dir)
 held = whole.collector.partial.held
 steps.append(computed_metrics(whole.step()))
 _, resumed = controller_for("resumed")
-resumed.load_state_dict(load_ppo_checkpoint(resumed.roles, checkpoint))
+resume(resumed, checkpoint)
 save(PartialRollouts(lr0=lr0, resume=ResumedRun(whole=steps, resumed=[computed_metrics(resumed.step())],
                                                 held_groups=0 if held is None else len(held["seeds"]) // 4,
                                                 held_unfinished=0 if held is None else int((held["ended"] == 0).sum()))))

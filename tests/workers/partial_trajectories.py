@@ -16,13 +16,14 @@ import torch
 from common import OUT_DIR, capture_partial_rows, computed_metrics, reward_pool, save, setup
 from tests.workers.findings import FrozenRun, PartialTrajectories, ResumedRun
 
-from megatron_rlhf.checkpoint.ppo_state import load_ppo_checkpoint, save_ppo_checkpoint
+from megatron_rlhf.checkpoint.run_checkpoint import save_checkpoint
 from megatron_rlhf.controller import PPOController
 from megatron_rlhf.memory import MemoryLedger
 from megatron_rlhf.rollout.collector import _prompt_columns
 from megatron_rlhf.rollout.multiturn import MultiTurn
 from megatron_rlhf.startup import prepare
 from megatron_rlhf.train import parse_args
+from megatron_rlhf.run_loop import checkpoint_state, resume
 
 WORLD = int(os.environ["WORLD_SIZE"])
 GAME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "environments_for_tests.py") + ":UnevenEchoGame"
@@ -64,11 +65,11 @@ lr0 = FrozenRun(metrics=metrics, rows=trained, one_go=[in_one_go(frozen, prepare
 
 prepared, whole = controller_for("whole")
 steps = [computed_metrics(whole.step()) for _ in range(2)]
-checkpoint = save_ppo_checkpoint(whole.roles, {**whole.state_dict(), "run": prepared.run}, prepared.output_dir)
+checkpoint = save_checkpoint(whole.roles, checkpoint_state(whole, prepared.run), prepared.output_dir)
 held = whole.collector.partial.held or []
 steps.append(computed_metrics(whole.step()))
 _, resumed = controller_for("resumed")
-resumed.load_state_dict(load_ppo_checkpoint(resumed.roles, checkpoint))
+resume(resumed, checkpoint)
 save(PartialTrajectories(lr0=lr0, resume=ResumedRun(whole=steps, resumed=[computed_metrics(resumed.step())],
                                                     held_groups=len(held) // 4,
                                                     held_unfinished=sum(not h["state"]["done"] for h in held))))

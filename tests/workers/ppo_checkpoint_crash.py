@@ -10,7 +10,7 @@ from common import OUT_DIR, reward_pool, save
 from tests.workers.findings import PPOCheckpointCrash
 
 from megatron_rlhf.checkpoint import background as background_module
-from megatron_rlhf.checkpoint import ppo_state
+from megatron_rlhf.checkpoint import run_checkpoint
 from megatron_rlhf.checkpoint.background import CheckpointSaves
 from megatron_rlhf.controller import PPOController
 from megatron_rlhf.errors import RunError
@@ -18,6 +18,7 @@ from megatron_rlhf.memory import MemoryLedger
 from megatron_rlhf.runtime import init_distributed
 from megatron_rlhf.startup import prepare
 from megatron_rlhf.train import parse_args
+from megatron_rlhf.run_loop import checkpoint_state, resume
 
 os.environ["TP"] = "1"
 prepared = prepare(parse_args(["--config", "examples/tiny/rlhf.yaml", "--output-dir", OUT_DIR]), 1)
@@ -26,7 +27,7 @@ config.ppo.rollout_batch_size = 8
 init_distributed(config.parallel, seed=config.seed)
 controller = PPOController(config, dataset, tokenizer, reward_pool(prepared.reward_functions), MemoryLedger(None))
 controller.step()
-first = ppo_state.save_ppo_checkpoint(controller.roles, controller.state_dict(), OUT_DIR)
+first = run_checkpoint.save_checkpoint(controller.roles, checkpoint_state(controller, None), OUT_DIR)
 controller.step()
 
 real_save = torch.save
@@ -38,23 +39,23 @@ def failing_save(obj, path, *args, **kwargs):
     return real_save(obj, path, *args, **kwargs)
 
 
-ppo_state.torch.save = failing_save
+run_checkpoint.torch.save = failing_save
 error = None
 try:
-    ppo_state.save_ppo_checkpoint(controller.roles, controller.state_dict(), OUT_DIR)
+    run_checkpoint.save_checkpoint(controller.roles, checkpoint_state(controller, None), OUT_DIR)
 except RunError as e:
     error = str(e)
 # The same full disk met by the background writer (trainer.async_save): said when the save is drained.
 background_error = None
 background = CheckpointSaves(in_background=True)
-background.save(controller.roles, controller.state_dict(), OUT_DIR)
+background.save(controller.roles, checkpoint_state(controller, None), OUT_DIR)
 try:
     background.drain()
 except RunError as e:
     background_error = str(e)
-ppo_state.torch.save = real_save
+run_checkpoint.torch.save = real_save
 
-latest = ppo_state.latest_checkpoint(OUT_DIR)
+latest = run_checkpoint.latest_checkpoint(OUT_DIR)
 fresh = PPOController(config, dataset, tokenizer, controller.collector.scorer.reward_pool, MemoryLedger(None))
 real_load, map_locations = torch.load, []
 
@@ -64,9 +65,9 @@ def recording_load(*args, **kwargs):
     return real_load(*args, **kwargs)
 
 
-ppo_state.torch.load = recording_load
-fresh.load_state_dict(ppo_state.load_ppo_checkpoint(fresh.roles, latest))
-ppo_state.torch.load = real_load
+run_checkpoint.torch.load = recording_load
+resume(fresh, latest)
+run_checkpoint.torch.load = real_load
 listing = sorted(os.listdir(os.path.join(OUT_DIR, "checkpoints")))
 
 
@@ -108,7 +109,7 @@ def held_write(writes):
 
 real_write, background_module.write_files = background_module.write_files, held_write
 saves = CheckpointSaves(in_background=True)
-saves.save(fresh.roles, fresh.state_dict(), OUT_DIR)
+saves.save(fresh.roles, checkpoint_state(fresh, None), OUT_DIR)
 while not held:
     time.sleep(0.01)
 spans = role_memory_spans(fresh.roles)
@@ -124,4 +125,4 @@ saves.drain()
 background_module.write_files = real_write
 save(PPOCheckpointCrash(error=error, background_error=background_error, first=first, latest=latest, resumed_iteration=fresh.iteration,
                         listing=listing, map_locations=map_locations, writer_holds=writer_holds,
-                        resident_while_writing=resident, held_save=ppo_state.latest_checkpoint(OUT_DIR)))
+                        resident_while_writing=resident, held_save=run_checkpoint.latest_checkpoint(OUT_DIR)))

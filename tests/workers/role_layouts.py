@@ -14,7 +14,7 @@ from tests.workers.findings import LoRAServed, RoleLayoutRun, RoleLayouts
 
 from megatron.core import parallel_state as ps
 
-from megatron_rlhf.checkpoint import ppo_state
+from megatron_rlhf.checkpoint import run_checkpoint
 from megatron_rlhf.checkpoint.model_files import save_shard, write_model_meta
 from megatron_rlhf.config.validation import validate
 from megatron_rlhf.controller import PPOController
@@ -25,6 +25,7 @@ from megatron_rlhf.rewards.pool import RewardPool
 from megatron_rlhf.runtime import init_distributed
 from megatron_rlhf.startup import prepare
 from megatron_rlhf.train import parse_args
+from megatron_rlhf.run_loop import checkpoint_state, resume
 
 os.environ.update(TP="2", ITERATIONS="1", ROLLOUT_BATCH_SIZE="8", PRECISION="fp32")
 prepared = prepare(parse_args(["--config", "examples/tiny/rlhf.yaml", "--output-dir", OUT_DIR]),
@@ -88,11 +89,11 @@ _, result.mixed_ems_off = iteration(mixed(base), greedy=False, free_memory=False
 # Resume: a checkpoint after the first iteration, loaded by a fresh controller, continues the run;
 # the policy at its own layout is served the restored weights, not its starting ones.
 interrupted, _ = iteration(mixed(base), greedy=False)
-path = ppo_state.save_ppo_checkpoint(interrupted.roles, interrupted.state_dict(), OUT_DIR)
+path = run_checkpoint.save_checkpoint(interrupted.roles, checkpoint_state(interrupted, None), OUT_DIR)
 result.resume_whole = without_times(interrupted.step())
 resumed = PPOController(mixed(base), copy.deepcopy(prepared.dataset), prepared.tokenizer, interrupted.collector.scorer.reward_pool,
                         MemoryLedger(None))
-resumed.load_state_dict(ppo_state.load_ppo_checkpoint(resumed.roles, path))
+resume(resumed, path)
 result.resume_resumed = without_times(resumed.step())
 
 # LoRA (the GRPO LoRA demo): the policy at TP=1 (DP=2), served ppo_policy's frozen base once and its

@@ -13,15 +13,15 @@ from common import OUT_DIR, rank, save, setup
 from tests.workers.findings import StageInvariance, StageRun
 
 from megatron_rlhf.checkpoint.model_files import full_tensors, save_shard, write_model_meta
-from megatron_rlhf.checkpoint.ppo_state import latest_checkpoint, load_ppo_checkpoint, save_ppo_checkpoint
+from megatron_rlhf.checkpoint.run_checkpoint import latest_checkpoint, save_checkpoint
 from megatron_rlhf.config import load_config
 from megatron_rlhf.config.schema import ROLE_HEADS
 from megatron_rlhf.data import build_tokenizer
-from megatron_rlhf.data.epochs import EpochOrder
 from megatron_rlhf.memory import MemoryLedger
 from megatron_rlhf.models.decoder import local_state_dict
 from megatron_rlhf.roles.role_set import RoleSet
-from megatron_rlhf.stages import read_rows, stage_class
+from megatron_rlhf.run_loop import checkpoint_state, resume, steps_class
+from megatron_rlhf.stages import read_rows
 
 PIPELINE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny_pipeline")
 STEPS = 3
@@ -57,14 +57,13 @@ def built(stage_name, tp, pp, environment):
     config = load_config(os.path.join(PIPELINE, f"{stage_name}.yaml"), world_size=2)
     tokenizer = build_tokenizer(config.data.tokenizer)
     roles = RoleSet(config, MemoryLedger(None), tokenizer.pad_id)
-    stage = stage_class(stage_name)(config, roles, tokenizer, read_rows(config, "data.train_file", tokenizer),
+    stage = steps_class(stage_name)(config, roles, tokenizer, read_rows(config, "data.train_file", tokenizer),
                                     read_rows(config, "data.val_file", tokenizer))
-    order = EpochOrder.of(config, len(stage.data))
-    return roles, stage, order
+    return roles, stage
 
 
-def saved(roles, output, step):
-    save_ppo_checkpoint(roles.roles, {"iteration": step, "run": {}}, output)
+def saved(stage, output):
+    save_checkpoint(stage.role_set.roles, checkpoint_state(stage, None), output)
     return latest_checkpoint(output)
 
 
@@ -85,15 +84,15 @@ def seed_checkpoint(role, root):
 def run(stage_name, name, tp, pp, environment, stop_at=None):
     """STEPS steps at this cut (with ``stop_at``: that many, a checkpoint, newly built roles that
     load it, then the rest), validation and the trained weights."""
-    roles, stage, order = built(stage_name, tp, pp, environment)
-    steps = [stage.step(order.step_rows(i), i + 1) for i in range(stop_at or STEPS)]
+    roles, stage = built(stage_name, tp, pp, environment)
+    steps = [stage.step(i) for i in range(1, (stop_at or STEPS) + 1)]
     if stop_at:
-        checkpoint = saved(roles, os.path.join(OUT_DIR, stage_name, "stopped"), stop_at)
-        roles, stage, order = built(stage_name, tp, pp, environment)
-        load_ppo_checkpoint(roles.roles, checkpoint)
-        steps += [stage.step(order.step_rows(i), i + 1) for i in range(stop_at, STEPS)]
+        checkpoint = saved(stage, os.path.join(OUT_DIR, stage_name, "stopped"))
+        roles, stage = built(stage_name, tp, pp, environment)
+        resume(stage, checkpoint)
+        steps += [stage.step(i) for i in range(stop_at + 1, STEPS + 1)]
     validation = stage.validate()
-    checkpoint = saved(roles, os.path.join(OUT_DIR, stage_name, name), STEPS)
+    checkpoint = saved(stage, os.path.join(OUT_DIR, stage_name, name))
     return StageRun(steps=steps, validation=validation, weights=weights(checkpoint, stage.trained))
 
 
@@ -102,7 +101,7 @@ setup(1, 1)
 validation_file()
 torch.distributed.barrier()
 for stage_name in ("rm", "dpo"):
-    roles, stage, _ = built(stage_name, 1, 1, {"MICRO_BATCH_SIZE": "1"})
+    roles, stage = built(stage_name, 1, 1, {"MICRO_BATCH_SIZE": "1"})
     with roles.resident(stage.trained, "inference"):
         os.environ[LOAD[stage_name]] = seed_checkpoint(stage.role, os.path.join(OUT_DIR, stage_name, "start"))
     for name, (tp, pp, environment) in {**CUTS, **EXTRA_CUTS.get(stage_name, {})}.items():

@@ -1,14 +1,18 @@
-"""PPO checkpoints: everything needed to continue a run as if it had never stopped.
+"""Run checkpoints, every stage's: everything needed to continue a run as if it had never stopped.
 
     OUTPUT/checkpoints/
       latest                          the name of the newest complete checkpoint (written last)
       iter_0000010/
-        trainer_state.pt              the controller's state (iteration, KL coefficient, running
-                                      reward moments, data position, RNG states), the layout it
-                                      was written at and the run (id, config fingerprint)
-        manifest.json                 every file's size and CRC-32, written last
-        ppo_policy/, ppo_value/       model checkpoints (model_files.py layout: loadable at any
-                                      TP/PP, convertible to Hugging Face) plus optim/:
+        trainer_state.pt              the run loop's state (run_loop.checkpoint_state: the stage,
+                                      the steps done, the stage's own state, the random state, the
+                                      run's id and config fingerprint) and the layout it was
+                                      written at; tensors and plain types only, loaded weights_only
+        manifest.json                 the format and its version, every file's size and CRC-32,
+                                      written last
+        <trained role>/               each trained role (RL: ppo_policy, ppo_value; sft and dpo:
+                                      policy; rm: reward): a model checkpoint (model_files.py
+                                      layout: loadable at any TP/PP, convertible to Hugging Face)
+                                      plus optim/:
           optim/mp_rank_TT_PPP.pt              the optimizer's common state (DP rank 0)
           optim/state_tTT_pPPP_eEEE_dDDDDD.pt  each rank's own part of the distributed optimizer's
                                                state, written by every rank at once, nothing gathered
@@ -16,7 +20,9 @@
 
 A checkpoint is written into a hidden temporary directory by every rank, renamed into place by
 rank 0 once all ranks are done, and only then named in ``latest``: a save that dies midway leaves
-the previous checkpoint complete and ``latest`` pointing to it.
+the previous checkpoint complete and ``latest`` pointing to it. Nothing read back runs code: every
+file loads with torch's ``weights_only``, and a checkpoint of an unknown or newer format is
+refused by name (model_files.read_manifest).
 """
 
 from __future__ import annotations
@@ -33,10 +39,14 @@ import torch.distributed as dist
 
 from megatron_rlhf.checkpoint.optimizer_state import common_state_for, load_owned_state, owned_state_file, same_layout
 from megatron_rlhf.checkpoint.model_files import (
+    FORMAT_VERSION,
     MANIFEST,
     CheckpointError,
     _checksum,
     load_model_shard,
+    load_plain,
+    manifest_of,
+    read_manifest,
     shard_file,
     verify_checkpoint,
     write_model_meta,
@@ -46,8 +56,10 @@ from megatron_rlhf.errors import NonFiniteError, RunError
 from megatron_rlhf.models.decoder import load_local_state_dict, local_state_dict, unwrap
 from megatron_rlhf.models.sharding import experts_renumbered
 from megatron_rlhf.runtime import megatron_compat as compat
+from megatron_rlhf.runtime.host_groups import host_group
 
 LATEST = "latest"
+TRAINER_STATE = "trainer_state.pt"
 
 
 def checkpoints_dir(output_dir: str) -> str:
@@ -62,7 +74,7 @@ def latest_checkpoint(output_dir: str) -> Optional[str]:
     with open(pointer) as f:
         name = f.read().strip()
     path = os.path.join(checkpoints_dir(output_dir), name)
-    if not os.path.isfile(os.path.join(path, "trainer_state.pt")):
+    if not os.path.isfile(os.path.join(path, TRAINER_STATE)):
         raise CheckpointError(f"{pointer} names {name}, which is not a complete checkpoint")
     return path
 
@@ -105,7 +117,7 @@ def _full_weights(model, layout: dict, num_experts) -> Optional[dict]:
         weights = experts_renumbered(weights, num_experts, layout["ep"], layout["ep_rank"])
         everyone = [None] * layout["ep"]
         dist.all_gather_object(everyone, {k: v for k, v in weights.items() if ".local_experts." in k},
-                               group=ps.get_expert_model_parallel_group())
+                               group=host_group(ps.get_expert_model_parallel_group()))
         for experts in everyone:
             weights.update(experts)
     return weights if layout["dp_rank"] == 0 else None
@@ -114,10 +126,10 @@ def _full_weights(model, layout: dict, num_experts) -> Optional[dict]:
 Writes = List[Tuple[str, Any]]  # (file, what torch.save writes there), host copies only
 
 
-def save_ppo_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any], output_dir: str,
+def save_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any], output_dir: str,
                         scores: Optional[Dict[str, dict]] = None) -> str:
-    """Save the trainable roles and ``trainer_state`` (the controller's state_dict(), with its
-    ``iteration``) after that iteration (collective: every rank calls it); ``scores``: role -> the
+    """Save the trainable roles and ``trainer_state`` (run_loop.checkpoint_state, with its
+    ``iteration``) after that step (collective: every rank calls it); ``scores``: role -> the
     score statistics its model files record (write_model_meta). A write that fails (a
     full disk) removes the partial checkpoint and raises RunError naming it; the previous
     checkpoint and ``latest`` stay as they were."""
@@ -153,7 +165,7 @@ class PendingSave:
         self.root = checkpoints_dir(output_dir)
         # Temporary names unique to this run (rank 0's pid), so no other writer can share one.
         writer = [os.getpid()]
-        dist.broadcast_object_list(writer, src=0)
+        dist.broadcast_object_list(writer, src=0, group=host_group())
         self.writer = writer[0]
         self.final, self.tmp = os.path.join(self.root, self.name), os.path.join(self.root, f".{self.name}.tmp-{self.writer}")
         self.layout = _layout()
@@ -182,7 +194,7 @@ class PendingSave:
         if self.rank0:
             shutil.rmtree(self.tmp, ignore_errors=True)
             os.makedirs(self.tmp)
-        dist.barrier()
+        dist.barrier(group=host_group())
         for role_name in [name for name, role in roles.items() if role.trainable]:
             role = roles[role_name]
             writes: Writes = []
@@ -207,13 +219,13 @@ class PendingSave:
     def finish(self, failure: Optional[str]) -> None:
         """Every rank's files written (``failure``: why one rank's were not, decided together):
         the trainer state, the manifest, the rename and ``latest``."""
-        dist.barrier()
+        dist.barrier(group=host_group())
         if failure is not None:
             raise self.failed(failure)
         with self.failing_cleanly():
             if self.rank0:
                 torch.save({**self.trainer_state, "layout": {k: self.layout[k] for k in ("tp", "pp", "dp", "ep")}},
-                           os.path.join(self.tmp, "trainer_state.pt"))
+                           os.path.join(self.tmp, TRAINER_STATE))
             _write_manifest(self.tmp, self.rank0)
             if self.rank0:
                 shutil.rmtree(self.final, ignore_errors=True)
@@ -222,7 +234,7 @@ class PendingSave:
                 with open(pointer_tmp, "w") as f:
                     f.write(self.name)
                 os.replace(pointer_tmp, os.path.join(self.root, LATEST))
-        dist.barrier()
+        dist.barrier(group=host_group())
 
 
 def _on_host(obj):
@@ -243,16 +255,16 @@ def _write_manifest(root: str, rank0: bool) -> None:
     if rank0:
         files = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, names in os.walk(root) for f in names)
     shared = [files]
-    dist.broadcast_object_list(shared, src=0)
+    dist.broadcast_object_list(shared, src=0, group=host_group())
     files = shared[0]
     mine = {f: _checksum(os.path.join(root, f)) for f in files[dist.get_rank() :: dist.get_world_size()]}
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine, group=host_group())
     if rank0:
         sums = {k: v for part in everyone for k, v in part.items()}
         manifest = {f: {"bytes": os.path.getsize(os.path.join(root, f)), "crc32": sums[f]} for f in files}
         with open(os.path.join(root, MANIFEST), "w") as out:
-            json.dump(manifest, out, indent=0)
+            json.dump(manifest_of(manifest), out, indent=0)
 
 
 def intact_checkpoints(output_dir: str, checksums: bool = False):
@@ -317,18 +329,29 @@ def _common_state(role, role_dir: str, layout: dict, same: bool):
     """The optimizer's common state (hyperparameters, step): this rank's file at the layout it was
     written at; at another, rebuilt for this optimizer's groups from every written rank's."""
     if same:
-        return torch.load(_common_file(role_dir, layout), map_location="cpu", weights_only=False)
+        return load_plain(_common_file(role_dir, layout))
     files = sorted(glob.glob(os.path.join(role_dir, "optim", "mp_rank_*.pt")))
-    return common_state_for(role.optimizer, [torch.load(f, map_location="cpu", weights_only=False) for f in files])
+    return common_state_for(role.optimizer, [load_plain(f) for f in files])
 
 
-def load_ppo_checkpoint(roles: Mapping[str, Any], path: str) -> Dict[str, Any]:
+def read_trainer_state(path: str) -> Dict[str, Any]:
+    """Checkpoint ``path``'s trainer state (run_loop.checkpoint_state and the layout), after its
+    format: a run checkpoint of another format version than this one's is refused by name."""
+    version, _ = read_manifest(path)
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: a run checkpoint of format {version}, written by an earlier megatron-rlhf; this "
+                              f"version resumes format {FORMAT_VERSION} only. Its trained roles' directories load as "
+                              "model checkpoints (<role>.load): start a new run from them")
+    return load_plain(os.path.join(path, TRAINER_STATE))
+
+
+def load_checkpoint(roles: Mapping[str, Any], path: str) -> Dict[str, Any]:
     """Restore the trainable roles from checkpoint ``path`` and return the trainer state saved with
-    them (for the controller's load_state_dict; collective). Written at any TP, PP, EP and DP, but
+    them (for run_loop.resume; collective). Written at any TP, PP, EP and DP, but
     at its own TP, PP and EP where a role's state is tied to them (reshardable). Everything is read to
     the CPU first, whatever device wrote it."""
     layout = _layout()
-    state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=False)
+    state = read_trainer_state(path)
     written = {"ep": 1, **state["layout"]}
     trained = [name for name, role in roles.items() if role.trainable]
     fixed = next((why for why in (reshardable(roles[name].config) for name in trained) if why), None)
