@@ -365,6 +365,11 @@ class RoleMemory:
         self._emit("onload", phase)
         try:
             yield
+        except BaseException:
+            # The phase failed (a collective timed out mid-step): its half-accumulated gradients are
+            # abandoned with it, and the failure itself is what the run reports.
+            self._backward_since_step = False
+            raise
         finally:
             self.offload()
             self._emit("offload", phase)

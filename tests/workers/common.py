@@ -165,3 +165,47 @@ class StrictCollectives:
                     self.violations.append(f"{site}:{caller.f_lineno}: {name} of a host tensor on a device group")
             return collective(*args, **kwargs)
         return checked
+
+
+def runs_in_one_world() -> None:
+    """Runs through run_loop.run, one after another in this process: each run's end tears down
+    megatron's groups but keeps the world (torchrun's store takes no second rendezvous in one
+    process; the next run's start-up makes its groups again)."""
+    from megatron_rlhf import runtime, smoke
+
+    def keep_the_world():
+        from megatron.core import parallel_state
+
+        from megatron_rlhf.runtime.layouts import forget_layouts
+
+        parallel_state.destroy_model_parallel()
+        forget_layouts()
+
+    runtime.destroy_distributed = smoke.destroy_distributed = keep_the_world
+
+
+def run_config(config: str, output: str, *flags: str, **environment: str):
+    """``config`` run to its end through the run's own entry (startup.prepare, run_loop.run) with
+    ``environment`` set for it: (each step's metrics, what rank 0 printed)."""
+    import contextlib
+    import io
+
+    from megatron_rlhf.run_loop import run
+    from megatron_rlhf.startup import prepare
+    from megatron_rlhf.train import parse_args
+
+    before = {k: os.environ.get(k) for k in environment}
+    os.environ.update(environment)
+    try:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            prepared = prepare(parse_args(["--config", config, "--output-dir", output, *flags]),
+                               int(os.environ["WORLD_SIZE"]))
+            metrics = run(prepared)
+        return metrics, printed.getvalue()
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

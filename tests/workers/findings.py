@@ -521,3 +521,10 @@ class HostCollectives(Findings):
     violations: list  # "file:line: what" of every collective NCCL would refuse or a control one on a device group
     host_sites: dict  # "file:function" of every collective on a host group -> how many
     metrics: dict  # run name -> its metrics (each step's)
+
+
+@findings_of("stage_runs")
+class StageRuns(Findings):
+    metrics: dict  # "STAGE:plain" / "STAGE:auto_overlap" -> each step's metrics (run_loop.run's)
+    printed: dict  # the same keys -> what rank 0 printed
+    auto_choice: dict  # stage -> free_memory_auto.json of its auto run

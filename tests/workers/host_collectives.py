@@ -7,29 +7,12 @@ there but by NCCL itself)."""
 
 import os
 
-from common import OUT_DIR, StrictCollectives, save
+from common import OUT_DIR, StrictCollectives, run_config, runs_in_one_world, save
 from tests.workers.findings import HostCollectives
 
 checker = StrictCollectives()  # before megatron_rlhf's modules take torch's functions
 
-from megatron_rlhf import runtime, smoke  # noqa: E402
-from megatron_rlhf.run_loop import run  # noqa: E402
-from megatron_rlhf.startup import prepare  # noqa: E402
-from megatron_rlhf.train import parse_args  # noqa: E402
-
-
-def keep_the_world():
-    """Each run's end tears down megatron's groups but keeps the world: torchrun's store takes no
-    second rendezvous in one process (the next run's start-up makes its groups again)."""
-    from megatron.core import parallel_state
-
-    from megatron_rlhf.runtime.layouts import forget_layouts
-
-    parallel_state.destroy_model_parallel()
-    forget_layouts()
-
-
-runtime.destroy_distributed = smoke.destroy_distributed = keep_the_world
+from megatron_rlhf import smoke  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -40,27 +23,17 @@ RUNS = {  # name -> (config, environment); with one process (one GPU) the policy
 }
 BACKGROUND_SAVES = "trainer:\n  save_interval: 1\n  async_save: true\n  progress_bar: false\n  tensorboard: false\n"
 
+runs_in_one_world()
 result = HostCollectives(runs=[], violations=checker.violations, host_sites=checker.host_sites, metrics={})
 for name, (config, environment) in RUNS.items():
-    os.environ.update(environment)
     path = os.path.join(OUT_DIR, name.split(",")[0] + ".yaml")
     with open(path, "w") as f:
         f.write(f"includes: {os.path.join(REPO, config)}\n{BACKGROUND_SAVES}")
-    output = os.path.join(OUT_DIR, name.split(",")[0])
-    prepared = prepare(parse_args(["--config", path, "--output-dir", output, "--iterations", "2"]),
-                       WORLD)
-    result.metrics[name] = run(prepared)
+    result.metrics[name], _ = run_config(path, os.path.join(OUT_DIR, name.split(",")[0]), "--iterations", "2",
+                                         **environment)
     result.runs.append(name)
-    for variable in environment:
-        del os.environ[variable]
 smoke.main(["--config", os.path.join(REPO, "examples/tiny/rlhf.yaml"), "--steps", "1",
             "--output-dir", os.path.join(OUT_DIR, "smoke")])
 result.runs.append("smoke")
 result.host_sites = dict(checker.host_sites)
-
-
-from megatron_rlhf.runtime import init_distributed  # noqa: E402
-from megatron_rlhf.config.schema import ParallelConfig  # noqa: E402
-
-init_distributed(ParallelConfig())  # save()'s barrier: the smoke test tore the world down
 save(result)
