@@ -12,8 +12,7 @@ import yaml
 
 from megatron_rlhf.config import input_problems, load_config, validate
 from megatron_rlhf.config.presets import AUTO
-from megatron_rlhf.config.names import STAGES
-from megatron_rlhf.config.schema import RL_ONLY_KEYS, RL_ONLY_SECTIONS, ROLE_HEADS, ROLE_NAMES, RLHFConfig, stage_layers
+from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, RLHFConfig, stage_layers
 from megatron_rlhf.config.validation import weight_sharing_notes
 from megatron_rlhf.memory.manager import EMSSwitches
 from megatron_rlhf.memory.manager import OPTIMIZER_STATE, WEIGHTS
@@ -109,11 +108,10 @@ def resolved_config_text(config: RLHFConfig) -> str:
     tree = config.settings()
     for role in set(ROLE_NAMES) - set(config.roles):  # the algorithm does not run them
         tree.pop(role)
-    stages = [s for s in STAGES if s != "rl"]
-    unread = [s for s in stages if s != config.stage] + (list(RL_ONLY_SECTIONS) if config.stage != "rl" else [])
-    for section in unread:  # what the run's stage does not read (validation refuses them set)
-        tree.pop(section)
-    for key in RL_ONLY_KEYS if config.stage != "rl" else ("data.train_file",):
+    sections, keys = config.unread_settings()
+    for section in sections:  # what the run's stage does not read (validation refuses them set)
+        tree.pop(section, None)
+    for key in keys:
         section, name = key.split(".")
         tree[section].pop(name)
     return yaml.safe_dump(tree, sort_keys=False, default_flow_style=False).rstrip()

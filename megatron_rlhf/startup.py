@@ -64,10 +64,8 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     if args.iterations is not None:
         if args.iterations < 1:
             raise ConfigError(f"--iterations: must be >= 1, got {args.iterations}")
-        if config.stage == "rl":
-            config.ppo.iterations = args.iterations
-        else:  # a stage's optimizer steps
-            config.stage_config.max_steps = args.iterations
+        section, key = config.steps_key.split(".")
+        setattr(getattr(config, section), key, args.iterations)
     check_host_memory(config, world_size)
     output_dir = args.output_dir or config.trainer.output_dir
     _check_writable(output_dir, create=writes)

@@ -768,8 +768,24 @@ class RLHFConfig:
 
     @property
     def stage_config(self) -> Optional["StageConfig"]:
-        """The section of a stage before RL (sft, rm or dpo); None for RL."""
-        return None if self.stage == "rl" else getattr(self, self.stage)
+        """The section of a stage before RL (sft, rm or dpo); None for RL (it has none)."""
+        return getattr(self, self.stage, None)
+
+    @property
+    def steps_key(self) -> str:
+        """The key that bounds the run's steps (what --iterations sets): RL's iterations, or a
+        stage's optimizer steps (its epochs bound them too)."""
+        return "ppo.iterations" if self.stage == "rl" else f"{self.stage}.max_steps"
+
+    def unread_settings(self) -> tuple:
+        """(sections, keys) the run's stage does not read: for RL the stages' sections and keys
+        (STAGE_ONLY_KEYS); for a stage before RL, RL's (RL_ONLY_SECTIONS, RL_ONLY_KEYS), the other
+        stages' sections and the roles it does not build. Validation refuses each one set, by name;
+        the dry run leaves them out."""
+        others = tuple(s for s in STAGES if s not in ("rl", self.stage))
+        if self.stage == "rl":  # RL's sections are the schema's own, read
+            return others, STAGE_ONLY_KEYS
+        return RL_ONLY_SECTIONS + others + tuple(r for r in ROLE_NAMES if r not in self.roles), RL_ONLY_KEYS
 
     @property
     def phase_order(self) -> tuple:

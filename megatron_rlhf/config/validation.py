@@ -11,8 +11,8 @@ from typing import Dict, List, Optional, Tuple
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
 from megatron_rlhf.config.names import (GROUP_ESTIMATORS, LORA_TARGETS, LOSS_AGG_MODE_OF, PLAIN_TEXT_PARSERS,
-                                        SANDBOX_KIND_KEYS, STAGES)
-from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, RL_ONLY_KEYS, RL_ONLY_SECTIONS,
+                                        SANDBOX_KIND_KEYS)
+from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS,
                                          ROLE_HEADS, ROLE_NAMES, SERVED_WEIGHTS, SERVING_ROLES,
                                          RLHFConfig)
 
@@ -742,15 +742,9 @@ def _stage_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
 
 
 def _unread_keys(config: RLHFConfig) -> List[str]:
-    """Keys set that the run's stage does not read: for RL the stages' sections; for a stage before
-    RL, RL's sections and keys (RL_ONLY_SECTIONS, RL_ONLY_KEYS), the other stages' sections and the
-    roles it does not build. Each refused by name, never ignored."""
-    if config.stage == "rl":
-        unread, keys = tuple(s for s in STAGES if s != "rl"), ()
-    else:
-        unread = RL_ONLY_SECTIONS + tuple(s for s in STAGES if s not in ("rl", config.stage)) + \
-            tuple(role for role in ROLE_NAMES if role not in config.roles)
-        keys = RL_ONLY_KEYS
+    """Keys set that the run's stage does not read (RLHFConfig.unread_settings), each refused by
+    name, never ignored."""
+    unread, keys = config.unread_settings()
     problems = []
     for key in sorted(k for k in config.origin if k):
         head = key.split(".")[0]
