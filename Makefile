@@ -7,6 +7,12 @@ TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The demos write under DEMO_OUTPUTS (each into its own default directory, --overwrite'ing only its
+# own earlier run) and read nothing the shell exports: a real run's OUTPUT_DIR, POLICY_LOAD, TP,
+# ITERATIONS, ... never reach them (a clean environment).
+DEMO_OUTPUTS ?= outputs
+DEMO_ENV = env -i PATH="$$PATH" HOME="$$HOME" TMPDIR="$${TMPDIR:-/tmp}" LANG=C.UTF-8 OMP_NUM_THREADS=1
+DEMO_RUN = $(DEMO_ENV) $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.train --overwrite
 
 .PHONY: install demo demo-grpo demo-moe demo-math demo-agent demo-pipeline test clean
 
@@ -26,18 +32,15 @@ examples/tiny/prompts.jsonl: examples/tiny/make_prompts.py
 	$(PYTHON) examples/tiny/make_prompts.py $@
 
 demo: $(STAMP) examples/tiny/prompts.jsonl
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.train \
-		--config examples/tiny/rlhf.yaml --overwrite
+	$(DEMO_RUN) --config examples/tiny/rlhf.yaml --output-dir $(DEMO_OUTPUTS)/demo
 
 # The same demo without a critic: GRPO (examples/tiny/grpo.yaml).
 demo-grpo: $(STAMP) examples/tiny/prompts.jsonl
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.train \
-		--config examples/tiny/grpo.yaml --overwrite
+	$(DEMO_RUN) --config examples/tiny/grpo.yaml --output-dir $(DEMO_OUTPUTS)/demo-grpo
 
 # GRPO on a mixture of experts, the experts split over the processes (examples/tiny/moe.yaml).
 demo-moe: $(STAMP) examples/tiny/prompts.jsonl
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.train \
-		--config examples/tiny/moe.yaml --overwrite
+	$(DEMO_RUN) --config examples/tiny/moe.yaml --output-dir $(DEMO_OUTPUTS)/demo-moe
 
 # GRPO with verifiable rewards: a Hugging Face tokenizer with a chat template, chat rows with ground
 # truth, the built-in verifier, validation (examples/tiny_math/grpo.yaml). Its inputs are committed;
@@ -46,14 +49,12 @@ examples/tiny_math/train.jsonl: examples/tiny_math/make_data.py | $(STAMP)
 	$(PY) examples/tiny_math/make_data.py
 
 demo-math: $(STAMP) examples/tiny_math/train.jsonl
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.train \
-		--config examples/tiny_math/grpo.yaml --overwrite
+	$(DEMO_RUN) --config examples/tiny_math/grpo.yaml --output-dir $(DEMO_OUTPUTS)/demo-math
 
 # An agent: GRPO where the policy plays a 4-turn game against an environment whose replies say the
 # next correct move; only the policy's tokens are trained (examples/tiny_agent/grpo.yaml).
 demo-agent: $(STAMP) examples/tiny/prompts.jsonl
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.train \
-		--config examples/tiny_agent/grpo.yaml --overwrite
+	$(DEMO_RUN) --config examples/tiny_agent/grpo.yaml --output-dir $(DEMO_OUTPUTS)/demo-agent
 
 # From preferences to a policy: SFT, a reward model from pairs labelled by a hidden rule, PPO against
 # it and DPO on the same pairs, each scored on the hidden rule (examples/tiny_pipeline/run_pipeline.sh).
@@ -61,7 +62,7 @@ examples/tiny_pipeline/pairs.jsonl: examples/tiny_pipeline/make_data.py
 	$(PYTHON) examples/tiny_pipeline/make_data.py examples/tiny_pipeline
 
 demo-pipeline: $(STAMP) examples/tiny_pipeline/pairs.jsonl
-	BIN=$(VENV)/bin NPROC=$(NPROC) bash examples/tiny_pipeline/run_pipeline.sh
+	$(DEMO_ENV) BIN=$(VENV)/bin NPROC=$(NPROC) OUT=$(DEMO_OUTPUTS)/pipeline bash examples/tiny_pipeline/run_pipeline.sh
 
 test: $(STAMP)
 	bash tests/helpers/setup_slurm.sh

@@ -6,7 +6,7 @@ fatal: the checkpoints usually live only on the cluster."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -54,10 +54,11 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def load_for_planning(config_file: str, world_size: Optional[int] = None) -> Tuple[RLHFConfig, int]:
-    """The config validated for ``world_size`` (default: TP*PP), and that world size. The files it
-    names are not checked: planning needs none of them."""
-    config = load_config(config_file, check_inputs=False)
+def load_for_planning(config_file: str, world_size: Optional[int] = None,
+                      overrides: Sequence[str] = ()) -> Tuple[RLHFConfig, int]:
+    """The config (``overrides``: key=value over it) validated for ``world_size`` (default: TP*PP),
+    and that world size. The files it names are not checked: planning needs none of them."""
+    config = load_config(config_file, check_inputs=False, overrides=overrides)
     par = config.parallel
     world_size = world_size or par.tensor_model_parallel_size * par.pipeline_model_parallel_size
     validate(config, world_size, check_inputs=False)
@@ -227,12 +228,13 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
 
 
 def dry_run(config_file: str, world_size: Optional[int] = None, nproc_per_node: Optional[int] = None,
-            gpu_memory: Optional[int] = None, seq_length: Optional[int] = None, memory_only: bool = False) -> int:
+            gpu_memory: Optional[int] = None, seq_length: Optional[int] = None, memory_only: bool = False,
+            overrides: Sequence[str] = ()) -> int:
     """Print the plan of a launch on ``world_size`` processes (default: TP*PP): the resolved config,
     the layout and the memory per role (``memory_only``: the memory alone). Returns 0, or 1 when
     ``gpu_memory`` is given and the run cannot fit. Raises ConfigError for a config or layout the
     run would refuse."""
-    config, world_size = load_for_planning(config_file, world_size)
+    config, world_size = load_for_planning(config_file, world_size, overrides)
     text, fits = memory_report(config, world_size, gpu_memory, seq_length, nproc_per_node)
     if memory_only:
         print(text)

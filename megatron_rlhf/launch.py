@@ -30,10 +30,10 @@ from megatron_rlhf.config.loader import read_checkpoint_meta, read_config
 from megatron_rlhf.config.names import STAGES, registry
 from megatron_rlhf.config.presets import AUTO
 
-# The launch defaults every preset starts from (a cluster node of 8 GPUs, the recipe's batch sizes).
-_DEFAULTS = dict(NNODES=1, GPUS_PER_NODE=8, ROLLOUT_BATCH_SIZE=512, TRAIN_GLOBAL_BATCH_SIZE=128, TRAIN_MICRO_BATCH_SIZE=2,
-                 INFERENCE_MICRO_BATCH_SIZE=8, GENERATION_BATCH_SIZE=32, ITERATIONS=1000, MAX_PROMPT_LENGTH=1024,
-                 MAX_NEW_TOKENS=512, TOKENIZER_TYPE="hf", PRECISION="bf16")
+# The launch defaults every preset starts from: a cluster node of 8 GPUs. What a recipe sets (batch
+# sizes, lengths, iterations, precision) stays the recipe's: a launcher default would override it
+# silently (the GSM8K recipe's 1024 new tokens became 512).
+_DEFAULTS = dict(NNODES=1, GPUS_PER_NODE=8)
 # The end of a turn of the instruction-tuned checkpoints (a bare tokenizer.json names no end token).
 _LLAMA3 = dict(_DEFAULTS, EOS_TOKEN="<|eot_id|>")
 _QWEN = dict(_DEFAULTS, EOS_TOKEN="<|im_end|>")

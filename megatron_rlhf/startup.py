@@ -14,8 +14,9 @@ import tempfile
 import warnings
 from typing import Any, Dict, List, Optional
 
-from megatron_rlhf.checkpoint.run_state import (check_resume, completed_iterations, lock_output_dir,
-                                                remove_partial_saves, restore_set_aside, run_identity, set_aside_run)
+from megatron_rlhf.checkpoint.run_state import (check_overwrite, check_resume, completed_iterations, lock_output_dir,
+                                                record_run, remove_partial_saves, restore_set_aside, run_identity,
+                                                set_aside_run)
 from megatron_rlhf.config import ConfigError, input_problems, load_config
 from megatron_rlhf.config.presets import CHECKPOINT_META_FILE
 from megatron_rlhf.config.schema import ROLE_HEADS, RLHFConfig
@@ -56,7 +57,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     writes = not args.check_only
 
     chosen_kernel()  # read again by every generation: a bad value is refused here, not at the first one
-    config = load_config(args.config, world_size=world_size, check_inputs=False)
+    config = load_config(args.config, world_size=world_size, check_inputs=False, overrides=args.overrides)
     problems = input_problems(config, needs_prompts=True)
     if problems:
         raise ConfigError("missing input:\n  " + "\n  ".join(problems))
@@ -96,8 +97,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     if config.stage != "rl":
         dataset, val_dataset = _stage_rows(config, tokenizer, world_size)
         _check_stage_steps(config, len(dataset), resume_from, reached)
-        if args.overwrite and launch_rank0() and writes:
-            set_aside_run(output_dir)
+        _claim(output_dir, config, args.overwrite and writes, writes)
         return Prepared(config, output_dir, tokenizer, dataset, val_dataset, None, resume_from, run)
     tools = _tool_specs(config)  # loaded, and their sandbox tried, once for both files
     dataset = _dataset(config, "data.prompt_file", tokenizer, tools)
@@ -113,9 +113,17 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     environment = _environment(config, tokenizer) if config.rollout.multi_turn else None
     if launch_rank0():
         _show_inputs(config, tokenizer, dataset)
-    if args.overwrite and launch_rank0() and writes:
-        set_aside_run(output_dir)  # dropped after the first iteration, put back if the launch fails before
+    _claim(output_dir, config, args.overwrite and writes, writes)
     return Prepared(config, output_dir, tokenizer, dataset, val_dataset, functions, resume_from, run, environment)
+
+
+def _claim(output_dir: str, config: RLHFConfig, overwrite: bool, writes: bool) -> None:
+    """Every input checked: the earlier run set aside (``overwrite``; dropped after the first
+    iteration, put back if the launch fails before) and the directory recorded as this config's run."""
+    if launch_rank0() and writes:
+        if overwrite:
+            set_aside_run(output_dir)
+        record_run(output_dir, config)
 
 
 def _check_held_groups(config: RLHFConfig, resume_from: str, prompts: int) -> None:
@@ -182,7 +190,9 @@ def _resume_point(args: argparse.Namespace, config: RLHFConfig, output_dir: str)
 
     run = run_identity(config)
     resume_from, reached = None, 0
-    if not args.overwrite:  # --overwrite clears the old run last, once every input below has been checked
+    if args.overwrite:  # it clears the old run last, once every input below has been checked
+        check_overwrite(output_dir, config)
+    else:
         latest = latest_checkpoint(output_dir)
         done = completed_iterations(os.path.join(output_dir, "metrics.jsonl"))
         if config.trainer.resume == "auto" and latest is not None:
@@ -306,10 +316,18 @@ LONG_GROUND_TRUTH = 10_000
 def _check_reward_columns(config: RLHFConfig, functions: Dict[str, float], dataset) -> None:
     """Every column a reward function needs is in every row of ``dataset``, and a built-in
     verifier's ground truths are answers it can compare (a string or number, or a list of them)."""
-    from megatron_rlhf.rewards.contract import load_reward_function, required_fields
+    from megatron_rlhf.rewards.contract import (TRL_ARGUMENTS, load_reward_function, required_fields,
+                                                unsupported_arguments)
 
     key = "reward.function" if config.reward.functions is None else "reward.functions"
-    needs = {spec: required_fields(load_reward_function(spec, "/")) for spec in functions}
+    loaded = {spec: load_reward_function(spec, "/") for spec in functions}
+    for spec, fn in loaded.items():
+        if unsupported_arguments(fn):
+            raise ConfigError(f"{config.at(key)}: {spec} takes TRL's arguments and requires "
+                              f"{', '.join(unsupported_arguments(fn))}, which no trainer here passes; it is given "
+                              f"{' and '.join(TRL_ARGUMENTS)} and the row's columns by keyword: give the others a "
+                              "default or drop them")
+    needs = {spec: required_fields(fn) for spec, fn in loaded.items()}
     verifier = any(spec.startswith("megatron_rlhf.rewards.verifiers:") and "ground_truth" in n for spec, n in needs.items())
     warned_long = False
     for index in range(len(dataset)):

@@ -26,6 +26,9 @@ from megatron_rlhf.units import parse_bytes, positive_int
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="megatron_rlhf.train", description="PPO training with megatron-core roles and EMS.")
     parser.add_argument("--config", help="the top config file (rlhf.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="set a config key over the files, checked as they are (ppo.kl_coef=0.05, policy.lr=1e-6; "
+                             "a YAML value; a relative path is the working directory's)")
     parser.add_argument("--explain", metavar="KEY", help="print one config key's entry (type, default, allowed values, "
                                                           "meaning, the stages that read it) and exit")
     parser.add_argument("--output-dir", help="where metrics, the memory ledger and TensorBoard go (default: trainer.output_dir)")
@@ -71,7 +74,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     try:
         world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or None
         nproc = args.nproc_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None
-        return dry_run(args.config, world_size, nproc, args.gpu_memory)
+        return dry_run(args.config, world_size, nproc, args.gpu_memory, overrides=args.overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

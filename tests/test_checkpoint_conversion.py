@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from megatron_rlhf.checkpoint.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
 from megatron_rlhf.checkpoint.model_files import CheckpointError  # noqa: E402
+from tests.conftest import REPO  # noqa: E402
 from tests.helpers.hf_families import all_tensors, hf_outputs, make_hf_model  # noqa: E402
 
 
@@ -179,3 +180,40 @@ def test_a_score_head_of_two_labels_is_refused_as_such(tmp_path):
     with pytest.raises(CheckpointError, match="a score head of 2 labels; only one label is supported"):
         hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"))
     assert not (tmp_path / "mg").exists()
+
+
+def test_a_path_that_is_not_a_model_checkpoint_is_named_for_what_it_is(tmp_path):
+    """Where a model checkpoint is expected (a role's load, the converter's --megatron-dir): a path
+    that does not exist, a run's output directory, its `latest` pointer, an iteration folder (its
+    roles named), a Hugging Face directory, each said as what it is, with what to name instead."""
+    import subprocess
+    import sys
+
+    from megatron_rlhf.config.validation import not_a_model_checkpoint
+
+    run = tmp_path / "run"
+    iteration = run / "checkpoints" / "iter_0000002"
+    for role in ("ppo_policy", "ppo_value"):
+        (iteration / role).mkdir(parents=True)
+        (iteration / role / "megatron_rlhf_model.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("iter_0000002")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    cases = {
+        tmp_path / "no" / "ckpt": f"{tmp_path}/no/ckpt: no such file or directory ({tmp_path}/no does not exist either)",
+        run: f"{run} is a run's output directory, not a model checkpoint: name a trained role's directory in its latest "
+             f"checkpoint, {iteration}/<role>",
+        run / "checkpoints" / "latest": f"{run}/checkpoints/latest is a run's pointer to its newest checkpoint: name a "
+                                        f"trained role's directory in it, {iteration}/<role>",
+        iteration: f"{iteration} holds the model checkpoints of ppo_policy, ppo_value (a run checkpoint's iteration "
+                   f"folder): name one of them, e.g. {iteration}/ppo_policy",
+        tmp_path / "hf": f"{tmp_path}/hf is a Hugging Face model directory (no megatron_rlhf_model.json); write one with "
+                         "tools/convert_hf_to_megatron.py",
+    }
+    for path, said in cases.items():
+        assert not_a_model_checkpoint(str(path)) == said
+    converted = subprocess.run([sys.executable, str(REPO / "tools" / "convert_megatron_to_hf.py"), "--megatron-dir",
+                                str(run / "checkpoints" / "latest"), "--output", str(tmp_path / "out")],
+                               capture_output=True, text=True)
+    assert converted.returncode == 2 and converted.stderr == \
+        f"error: --megatron-dir: {cases[run / 'checkpoints' / 'latest']}\n"

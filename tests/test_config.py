@@ -670,3 +670,46 @@ def test_preset_auto_takes_the_architecture_of_the_checkpoint_a_role_starts_from
     assert "policy.model.preset: auto takes the architecture from ppo_policy.load's converted checkpoint, but " \
            "ppo_policy.load is not set; convert it (tools/convert_hf_to_megatron.py) or name a preset" in str(err.value)
     assert "missing num_layers" not in str(err.value)  # said once, by its cause
+
+
+# --- key=value on the command line, and keys that would do nothing -------------------------------
+
+def test_command_line_overrides_are_checked_as_the_files_keys_are(tmp_path, monkeypatch):
+    """``key=value`` after the config: typed as an environment variable's value (or a YAML list or
+    mapping), over every file and variable, with the same checks (an unknown key, a wrong type, a
+    value out of its domain each named with "the command line"), and in the run's fingerprint."""
+    from megatron_rlhf.checkpoint.run_state import run_identity
+
+    top = str(REPO / "examples" / "tiny" / "grpo.yaml")
+    monkeypatch.setenv("KL_COEF", "0.2")
+    config = load_config(top, world_size=2, overrides=["ppo.kl_coef=0.05", "ppo_policy.lr=2e-5",
+                                                        "policy.model={init_method_std: 0.05}", "ppo_policy.model={init_method_std: 0.05}",
+                                                        "trainer.output_dir=runs/mine"])
+    assert (config.ppo.kl_coef, config.ppo_policy.lr, config.policy.model.init_method_std) == (0.05, 2e-5, 0.05)
+    assert config.policy.model.hidden_size == load_config(top, world_size=2).policy.model.hidden_size  # merged
+    assert config.at("ppo.kl_coef").startswith("the command line") and config.path_of("trainer.output_dir") == "runs/mine"
+    assert run_identity(config)["fingerprint"] != run_identity(load_config(top, world_size=2))["fingerprint"]
+    with pytest.raises(ConfigError) as refused:
+        load_config(top, world_size=2, overrides=["ppo.kl_cof=1", "ppo_policy.lr=fast", "ppo.clip_ratio=-1"])
+    said = str(refused.value)
+    assert "the command line: ppo.kl_cof: unknown key; did you mean 'kl_coef'?" in said
+    assert "the command line: ppo_policy.lr: expected float, got str 'fast'" in said
+    assert "the command line: ppo.clip_ratio" in said
+    with pytest.raises(ConfigError, match=r"the command line: 'ppo.kl_coef': expected KEY=VALUE"):
+        load_config(top, world_size=2, overrides=["ppo.kl_coef"])
+
+
+@pytest.mark.parametrize("config, key, said", [
+    ("examples/tiny/grpo.yaml", "policy.lr", "set ppo_policy.lr instead (policy runs its weights)"),
+    ("examples/tiny/grpo.yaml", "reference.clip_grad", "remove it (reference is frozen; trained: ppo_policy)"),
+    ("examples/tiny/rlhf.yaml", "value.weight_decay", "set ppo_value.weight_decay instead (value runs its weights)"),
+    ("examples/tiny_pipeline/dpo.yaml", "reference.lr", "remove it (reference is frozen; trained: policy)"),
+])
+def test_a_trained_roles_key_on_a_role_the_stage_does_not_train_is_refused_with_the_key_that_does(config, key, said):
+    from megatron_rlhf.config.reference import explain
+
+    with pytest.raises(ConfigError, match=rf"the command line: {key}: stage \w+ does not train {key.split('.')[0]}, "
+                                          rf"so {key} would do nothing; {said.replace('(', '[(]').replace(')', '[)]')}"):
+        load_config(str(REPO / config), world_size=2, overrides=[f"{key}=0.5"])
+    assert "in rl set ppo_policy.lr (policy runs its weights)" in explain("policy.lr")
+    assert "read by: sft, dpo, where policy is trained" in explain("policy.lr")

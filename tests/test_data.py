@@ -105,6 +105,43 @@ def test_parquet_rows_and_a_file_that_is_not_parquet(tmp_path):
         open_rows(str(tmp_path / "other.parquet"), None)
 
 
+def test_a_verl_format_parquet_file_runs_the_math_recipe_as_verl_writes_it(tmp_path, monkeypatch):
+    """Rows as verl's data preprocessing writes them (a chat under 'prompt', the ground truth under
+    'reward_model.ground_truth', 'ability' and 'extra_info' beside): the math demo's config takes the
+    file as it is (start-up checks pass), its verifiers score against that ground truth, and a row
+    whose two ground truths differ is refused by file and row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megatron_rlhf.config import ConfigError
+    from megatron_rlhf.rewards.contract import call
+    from megatron_rlhf.rewards.verifiers import gsm8k
+    from megatron_rlhf.startup import prepare
+    from megatron_rlhf.train import parse_args
+    from tests.conftest import REPO
+
+    source = [json.loads(line) for line in (REPO / "examples" / "tiny_math" / "train.jsonl").read_text().splitlines()]
+    verl = [{"data_source": row["data_source"], "prompt": row["messages"], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": row["ground_truth"]},
+             "extra_info": {"split": "train", "index": i}} for i, row in enumerate(source)]
+    pq.write_table(pa.Table.from_pylist(verl), tmp_path / "train.parquet")
+    monkeypatch.setenv("PROMPT_FILE", str(tmp_path / "train.parquet"))
+    args = ["--config", str(REPO / "examples" / "tiny_math" / "grpo.yaml"), "--output-dir", str(tmp_path / "out"),
+            "--check-only"]
+    prepared = prepare(parse_args(args), 2)
+    prompt, fields = prepared.dataset.rows.prompt_and_fields(0)
+    assert prompt == source[0]["messages"] and fields["ground_truth"] == source[0]["ground_truth"]
+    assert fields["extra_info"] == {"split": "train", "index": 0} and fields["ability"] == "math"
+    right = f"#### {source[0]['ground_truth']}"
+    assert call(gsm8k, ["q", "q"], [right, "#### 999"], [fields, fields]) == [{"score": 1.0}, {"score": 0.0}]
+    for i, row in enumerate(verl):  # both columns, agreeing but in row 4
+        row["ground_truth"] = "not the same" if i == 3 else row["reward_model"]["ground_truth"]
+    pq.write_table(pa.Table.from_pylist(verl), tmp_path / "train.parquet")
+    with pytest.raises((ConfigError, ValueError), match=r"train.parquet: row 4: 'ground_truth' 'not the same' and "
+                                                        r"'reward_model.ground_truth' '.*' differ"):
+        prepare(parse_args(args), 2)
+
+
 def test_batches_split_over_data_parallel_ranks_and_reshuffle_each_pass(tmp_path):
     prompts = [f"{'a' * (1 + i % 4)}" for i in range(10)]
     tok = CharTokenizer("a")

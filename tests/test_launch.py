@@ -78,7 +78,7 @@ def test_run_ppo_refuses_bad_inputs_before_launching(tmp_path):
         "(environment variable PP=3): 3 does not divide policy, reference, reward, value, ppo_policy, ppo_value's "
         "num_layers=80",
         "NNODES=4: a multi-node launch needs MASTER_ADDR",
-        f"(environment variable POLICY_LOAD={tmp_path}/no/such/ckpt): {tmp_path}/no/such/ckpt is not a model checkpoint",
+        f"(environment variable POLICY_LOAD={tmp_path}/no/such/ckpt): {tmp_path}/no/such/ckpt: no such file or directory",
         "REWARD_LOAD is not set",
         "data.tokenizer.path (environment variable TOKENIZER, not set): tokenizer type 'hf' needs a Hugging Face model directory",
         f"(environment variable PROMPT_FILE={tmp_path}/prompts.jsonl): {tmp_path}/prompts.jsonl: no such file",
@@ -411,3 +411,77 @@ def test_run_ppo_launches_the_stages_before_rl_by_stage(tmp_path):
     mismatch = _run_ppo(tmp_path, STAGE="dpo", MODEL_SIZE="tiny", CONFIG=str(REPO / "examples" / "llama2" / "rm.yaml"),
                         TRAIN_FILE=str(pipeline / "pairs.jsonl"), CHECK_ONLY="1")
     assert mismatch.returncode == 2 and "runs stage: rm; set CONFIG to a recipe of stage dpo" in mismatch.stderr
+
+
+# -- The demos own their output ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("target, config, directory", [("demo", "examples/tiny/rlhf.yaml", "demo"),
+                                                       ("demo-math", "examples/tiny_math/grpo.yaml", "demo-math")])
+def test_a_demo_reads_nothing_the_shell_exports_and_writes_only_its_own_directory(tmp_path, target, config, directory):
+    """`make demo` after `export OUTPUT_DIR=$PWD/runs/grpo POLICY_LOAD=... ITERATIONS=...` (a real
+    run's set-up, the README's): the demo's launch sees none of them and writes to its own
+    directory (the launch recorded by a stand-in torchrun)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / ".installed").touch()
+    torchrun = venv / "bin" / "torchrun"
+    torchrun.write_text(f"#!/bin/sh\nenv > {tmp_path}/launch.env\necho \"$@\" > {tmp_path}/launch.args\n")
+    torchrun.chmod(0o755)
+    exported = {"OUTPUT_DIR": str(tmp_path / "runs" / "grpo"), "POLICY_LOAD": str(tmp_path / "ckpt"), "ITERATIONS": "7",
+                "TP": "4", "PROMPT_FILE": str(tmp_path / "mine.jsonl")}
+    made = subprocess.run(["make", "-o", "examples/tiny/prompts.jsonl", "-o", "examples/tiny_math/train.jsonl",
+                           f"VENV={venv}", f"DEMO_OUTPUTS={tmp_path / 'demos'}", target],
+                          cwd=REPO, env={**os.environ, **exported}, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    seen = dict(line.split("=", 1) for line in (tmp_path / "launch.env").read_text().splitlines() if "=" in line)
+    assert not set(exported) & set(seen), "the demo's launch saw the shell's variables"
+    assert (tmp_path / "launch.args").read_text().split() == [
+        "--nproc_per_node=2", "-m", "megatron_rlhf.train", "--overwrite", "--config", config,
+        "--output-dir", f"{tmp_path / 'demos'}/{directory}"]
+
+
+def test_overwrite_replaces_only_a_run_of_the_same_config_file(tmp_path):
+    """--overwrite of a directory that holds another config's run (or one that records none) is
+    refused by name before anything is removed; a run of the same config file is replaced."""
+    from megatron_rlhf.config import ConfigError
+    from megatron_rlhf.startup import prepare
+    from megatron_rlhf.train import parse_args
+
+    def launch(config, *flags):
+        return prepare(parse_args(["--config", str(REPO / config), "--output-dir", str(tmp_path / "out"), *flags]), 2)
+
+    launch("examples/tiny/grpo.yaml")  # a run of grpo.yaml starts here (run.json)
+    (tmp_path / "out" / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    with pytest.raises(ConfigError, match=rf"out holds a run of {REPO}/examples/tiny/grpo.yaml \(stage rl\); --overwrite "
+                                          r"replaces only a run of this config file \(.*rlhf.yaml\), nothing was removed"):
+        launch("examples/tiny/rlhf.yaml", "--overwrite")
+    assert (tmp_path / "out" / "metrics.jsonl").exists()
+    from megatron_rlhf.checkpoint.run_state import drop_set_aside
+
+    launch("examples/tiny/grpo.yaml", "--overwrite")  # the same config: replaced
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+    drop_set_aside(str(tmp_path / "out"))  # as the new run's first iteration does
+    (tmp_path / "out" / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    (tmp_path / "out" / "run.json").unlink()
+    with pytest.raises(ConfigError, match=r"holds a run \(metrics.jsonl\) that records no config file"):
+        launch("examples/tiny/grpo.yaml", "--overwrite")
+
+
+def test_the_launcher_sets_only_what_a_launch_needs_and_a_recipe_keeps_its_own_defaults(monkeypatch):
+    """MODEL_SIZE's defaults are the launch's (nodes, GPUs, parallel sizes, end token), never a
+    recipe's: the GSM8K recipe's 1024 new tokens and 512 prompt tokens stay as it says."""
+    from megatron_rlhf.config.loader import read_config
+    from megatron_rlhf.launch import LAUNCH_PRESETS, resolve_environment
+
+    recipe_variables = {"MAX_NEW_TOKENS", "MAX_PROMPT_LENGTH", "ROLLOUT_BATCH_SIZE", "TRAIN_GLOBAL_BATCH_SIZE",
+                        "GENERATION_BATCH_SIZE", "ITERATIONS", "PRECISION", "TOKENIZER_TYPE"}
+    for size in set(LAUNCH_PRESETS) - {"tiny"}:  # tiny's are its model's (its 256 positions)
+        env = {"MODEL_SIZE": size}
+        assert resolve_environment(env, str(REPO / "examples" / "qwen2.5"), str(REPO)) == []
+        assert not recipe_variables & set(env), (size, recipe_variables & set(env))
+    env = {"MODEL_SIZE": "qwen2.5-7b"}
+    resolve_environment(env, str(REPO / "examples" / "qwen2.5"), str(REPO))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config, _ = read_config(str(REPO / "examples" / "qwen2.5" / "grpo_gsm8k.yaml"))
+    assert (config.generation.max_new_tokens, config.data.max_prompt_length) == (1024, 512)

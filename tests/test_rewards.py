@@ -47,6 +47,16 @@ def exits(prompts, responses):
 def dies(prompts, responses):
     print("about to die")
     os._exit(7)
+
+def trl_style(completions, ground_truth, **kwargs):  # TRL's convention: every argument by keyword
+    assert kwargs["prompts"] == ["p"] * len(completions) or kwargs["prompts"] == ["q"]
+    return [float(c == t) + 0.25 * (kwargs["data_source"][i] == "a") for i, (c, t) in enumerate(zip(completions, ground_truth))]
+
+def trl_prompts(prompts, completions):
+    return [float(len(p) + len(c)) for p, c in zip(prompts, completions)]
+
+def trl_needs_ids(completions, completion_ids):
+    return [0.0 for c in completions]
 '''
 
 
@@ -90,6 +100,32 @@ def test_fields_sub_scores_and_weights(rules):
     assert scores.tolist() == [1.0 + 0.5 * 1, 0.0 + 0.5 * 1]
     assert metrics["reward/exact"] == 0.5 and metrics["reward/parts"] == 1.0 and metrics["reward/parts/source_is_a"] == 0.5
     assert metrics["reward/failures"] == 0 and metrics["reward/timeouts"] == 0
+
+
+def test_a_trl_style_function_is_called_by_keyword_as_trl_calls_it(rules, tmp_path):
+    """A function whose signature names ``completions`` gets every argument by keyword, as TRL's
+    trainers pass them (prompts, completions, the row's columns); one that requires what no trainer
+    here passes (TRL's completion_ids) is refused at start-up by name."""
+    pool = RewardPool({rules("trl_style"): 1.0, rules("trl_prompts"): 1.0}, num_workers=1)
+    try:
+        scores, metrics = pool.score(["p", "q"], ["7", "8"], [{"ground_truth": "7", "data_source": "a"},
+                                                            {"ground_truth": "7", "data_source": "b"}])
+    finally:
+        pool.close()
+    assert metrics["reward/failures"] == 0
+    assert metrics["reward/trl_style"] == pytest.approx((1.25 + 0.0) / 2) and metrics["reward/trl_prompts"] == 2.0
+    assert scores.tolist() == [1.25 + 2.0, 0.0 + 2.0]
+    from megatron_rlhf.config import ConfigError
+    from megatron_rlhf.startup import prepare
+    from megatron_rlhf.train import parse_args
+
+    config = tmp_path / "trl.yaml"
+    config.write_text(f"includes: {Path(__file__).parent.parent / 'examples' / 'tiny' / 'rlhf.yaml'}\n"
+                      f"reward:\n  function: {rules('trl_needs_ids')}\n")
+    with pytest.raises(ConfigError, match=r"trl_needs_ids takes TRL's arguments and requires completion_ids, which no "
+                                          r"trainer here passes; it is given prompts and completions and the row's "
+                                          r"columns by keyword"):
+        prepare(parse_args(["--config", str(config), "--output-dir", str(tmp_path / "out"), "--check-only"]), 2)
 
 
 def test_a_call_that_raises_or_hangs_scores_the_failure_score_and_is_counted(rules):

@@ -15,7 +15,7 @@ import torch
 from megatron_rlhf.checkpoint.model_files import CheckpointError, write_manifest
 from megatron_rlhf.config import ConfigError
 from tests.conftest import REPO, _free_port
-from tests.test_faults import TINY, fake_checkpoint, prepared
+from tests.test_faults import fake_checkpoint, prepared
 
 PIPELINE = REPO / "examples" / "tiny_pipeline"
 

@@ -15,11 +15,13 @@ adapter directory (peft's PeftModel.from_pretrained(base, DIR) loads it onto the
 """
 
 import argparse
+import os
 import sys
 
 from megatron_rlhf.checkpoint.convert import DTYPES, megatron_to_hf
 from megatron_rlhf.checkpoint.peft import write_peft_adapter
 from megatron_rlhf.checkpoint.model_files import CheckpointError
+from megatron_rlhf.config.validation import not_a_model_checkpoint
 
 
 def main(argv=None) -> int:
@@ -36,6 +38,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not args.output and not args.peft_output:
         p.error("name --output (a Hugging Face directory), --peft-output (a PEFT adapter directory) or both")
+    if not os.path.isfile(os.path.join(args.megatron_dir, "megatron_rlhf_model.json")):
+        print(f"error: --megatron-dir: {not_a_model_checkpoint(args.megatron_dir)}", file=sys.stderr)
+        return 2
     try:
         if args.peft_output:
             write_peft_adapter(args.megatron_dir, args.peft_output, args.overwrite, args.base_model)

@@ -191,7 +191,38 @@ def completed_iterations(metrics_path: str) -> int:
     return sum(1 for record in read_records(metrics_path) if record.get("iteration", 0) >= 1)
 
 
-RUN_FILES = ("metrics.jsonl", "memory.jsonl", "checkpoints", "tensorboard", "wandb", "free_memory_auto.json")
+RUN_RECORD = "run.json"  # the kind of run a directory holds: its top config file and stage
+RUN_FILES = ("metrics.jsonl", "memory.jsonl", "checkpoints", "tensorboard", "wandb", "free_memory_auto.json",
+             RUN_RECORD)
+
+
+def record_run(output_dir: str, config: RLHFConfig) -> None:
+    """run.json: the top config file and the stage of the run ``output_dir`` now holds."""
+    record = {"config_file": config.origin[""], "stage": config.stage}
+    with open(os.path.join(output_dir, RUN_RECORD + ".tmp"), "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    os.replace(os.path.join(output_dir, RUN_RECORD + ".tmp"), os.path.join(output_dir, RUN_RECORD))
+
+
+def check_overwrite(output_dir: str, config: RLHFConfig) -> None:
+    """--overwrite replaces only a run of the same top config file: a directory that holds another
+    kind of run (a demo's default directory exported for a real run), or a run that records none,
+    is refused by name, nothing removed."""
+    held = [name for name in RUN_FILES if name != RUN_RECORD and os.path.exists(os.path.join(output_dir, name))]
+    if not held:
+        return
+    try:
+        with open(os.path.join(output_dir, RUN_RECORD), encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        record = None
+    if record is not None and record.get("config_file") == config.origin[""]:
+        return
+    what = (f"a run of {record.get('config_file')} (stage {record.get('stage')})" if isinstance(record, dict)
+            else f"a run ({', '.join(held)}) that records no config file")
+    raise ConfigError(f"{output_dir} holds {what}; --overwrite replaces only a run of this config file "
+                      f"({config.origin['']}), nothing was removed: choose another --output-dir, or remove the "
+                      "directory yourself if that run may go")
 SET_ASIDE = ".overwritten"  # the run an --overwrite launch replaces, until its first iteration is done
 
 

@@ -14,7 +14,7 @@ import json
 import os
 import re
 import typing
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -447,11 +447,44 @@ def _models_from_checkpoints(config: RLHFConfig) -> List[str]:
     return problems
 
 
-def read_config(file: str) -> Tuple[RLHFConfig, List[str]]:
-    """The top config file as typed objects, without the cross-key checks, and the problems found
-    building it (unknown keys, wrong types; such keys keep their defaults). Raises ConfigError only
-    for a file that cannot be read at all."""
+# Where a key=value of the command line comes from, for messages; a relative path it gives is the
+# working directory's (path_of joins it to this name's empty directory).
+COMMAND_LINE = "the command line"
+
+
+def override_tree(overrides: Sequence[str]) -> Tuple[Dict, Sources]:
+    """``key=value`` arguments (dotted keys; a value typed as an environment variable's, or a YAML
+    list or mapping: ``ppo.kl_coef=0.05``, ``rollout.stop=[a, b]``) as a tree to merge over the
+    files', each leaf's source the command line."""
+    tree: Dict = {}
+    for text in overrides:
+        key, sep, value = text.partition("=")
+        path = tuple(key.strip().split("."))
+        if not sep or not all(path):
+            raise ConfigError(f"{COMMAND_LINE}: {text!r}: expected KEY=VALUE with a dotted key, e.g. ppo.kl_coef=0.05")
+        try:  # a mapping or list as YAML; a scalar as an environment variable's text is typed
+            parsed = yaml.load(value, Loader=_YamlLoader) if value.strip()[:1] in ("[", "{") else parse_scalar(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{COMMAND_LINE}: {key}: the value {value!r} is not valid YAML ({e})") from None
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{COMMAND_LINE}: {key}: {'.'.join(path[:-1])} is given a value of its own too")
+        node[path[-1]] = parsed
+    sources: Sources = {}
+    return _interpolate_tree(tree, COMMAND_LINE, (), sources), sources
+
+
+def read_config(file: str, overrides: Sequence[str] = ()) -> Tuple[RLHFConfig, List[str]]:
+    """The top config file as typed objects, with ``overrides`` (``key=value`` of the command line)
+    over it, without the cross-key checks, and the problems found building it (unknown keys, wrong
+    types; such keys keep their defaults). Raises ConfigError only for a file that cannot be read
+    at all."""
     tree, sources = load_tree(file)
+    if overrides:
+        over, over_sources = override_tree(overrides)
+        _merge(tree, sources, over, over_sources, ())
     role_keys = sorted(k for k in tree if k in _ROLE_KEYS)
     if role_keys and not any(r in tree for r in ROLE_NAMES):
         raise ConfigError(f"{file}: sets {', '.join(role_keys)}, which belong to one role: this is a role's model "
@@ -488,11 +521,12 @@ def _reference_from_policy(config: RLHFConfig) -> None:
                 config.origin["reference" + key[len("policy"):]] = file
 
 
-def load_config(file: str, world_size: Optional[int] = None, check_inputs: bool = True) -> RLHFConfig:
-    """Load and validate the top config file (see validation.py for the checks); ``check_inputs``
-    False skips the checks that the files it names exist (a dry run on another machine). Every
-    problem is reported at once, in one ConfigError."""
-    config, problems = read_config(file)
+def load_config(file: str, world_size: Optional[int] = None, check_inputs: bool = True,
+                overrides: Sequence[str] = ()) -> RLHFConfig:
+    """Load and validate the top config file with ``overrides`` (``key=value``) over it (see
+    validation.py for the checks); ``check_inputs`` False skips the checks that the files it names
+    exist (a dry run on another machine). Every problem is reported at once, in one ConfigError."""
+    config, problems = read_config(file, overrides)
     if problems:
         # The cross-key checks still run (on defaults where a key was refused): one report of all.
         problems += [p for p in layout_problems(config, world_size) if p not in problems]

@@ -17,8 +17,9 @@ import typing
 from typing import Dict, List, Optional
 
 from megatron_rlhf.config import schema
-from megatron_rlhf.config.schema import (CRITIC_ROLES, RL_ONLY_KEYS, RL_ONLY_SECTIONS, ROLE_NAMES, STAGE_ONLY_KEYS,
-                                         STAGE_ROLES, RLHFConfig)
+from megatron_rlhf.config.schema import (CRITIC_ROLES, RL_ONLY_KEYS, RL_ONLY_SECTIONS, ROLE_NAMES, SERVED_WEIGHTS,
+                                         STAGE_ONLY_KEYS, STAGE_ROLES, STAGE_TRAINED, TRAINABLE_ROLES,
+                                         TRAINED_ROLE_KEYS, RLHFConfig)
 
 STAGES_BEFORE_RL = tuple(STAGE_ROLES)
 
@@ -118,6 +119,19 @@ def _stages_of(role: str) -> str:
                      [s for s, roles in STAGE_ROLES.items() if role in roles])
 
 
+def _role_key_readers(role: str, field: str) -> str:
+    """Who reads ``role``'s key ``field``: the stages that build the role, or for a trained role's
+    key (TRAINED_ROLE_KEYS, lora) those that train it, and what to set where it is served."""
+    if field not in TRAINED_ROLE_KEYS + ("lora",):
+        return _stages_of(role)
+    trained = (["rl (gae only)" if role in CRITIC_ROLES else "rl"] if role in TRAINABLE_ROLES else []) + \
+        [s for s, r in STAGE_TRAINED.items() if r == role]
+    served = f"; in rl set {SERVED_WEIGHTS[role]}.{field} ({role} runs its weights)" if role in SERVED_WEIGHTS else ""
+    if not trained:
+        return f"no stage: {role} is never trained (refused where set){served}"
+    return f"{', '.join(trained)}, where {role} is trained (refused where it is not){served}"
+
+
 def _role_readers() -> List[str]:
     return [f"`{role}`: {_stages_of(role)}" for role in ROLE_NAMES]
 
@@ -168,7 +182,7 @@ def explain(key: str) -> str:
         close = difflib.get_close_matches(key, list(table), n=3)
         raise ValueError(f"{key}: no such key" + (f"; did you mean {', '.join(close)}?" if close else "") +
                          " (the whole reference: docs/config_reference.md)")
-    read_by = _stages_of(role) if wanted.key.startswith("<role>.") else wanted.read_by
+    read_by = _role_key_readers(role, rest.split(".")[0]) if wanted.key.startswith("<role>.") else wanted.read_by
     lines = [f"{key}: {wanted.meaning}", f"  type: {wanted.type}", f"  default: {wanted.default}"]
     if wanted.allowed:
         lines.append(f"  allowed: {wanted.allowed}")

@@ -236,6 +236,11 @@ class LoRAConfig:
 
 # The per-kind EMS switches of a role (RoleConfig fields; EMSSwitches carries the same names).
 EMS_SWITCHES = ("offload_weights", "free_grad_buffers", "offload_optimizer_state")
+# The role keys only a trained role reads (its optimizer, gradients and backward): set on a role the
+# stage does not train they would do nothing, so validation refuses them by name (its LoRA too).
+TRAINED_ROLE_KEYS = ("global_batch_size", "use_distributed_optimizer", "overlap_grad_reduce", "lr", "min_lr",
+                     "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "recompute_activations",
+                     "nccl_ub", "overlap_param_gather", "free_grad_buffers", "offload_optimizer_state")
 
 
 @dataclasses.dataclass

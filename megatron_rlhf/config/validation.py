@@ -12,7 +12,7 @@ from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
 from megatron_rlhf.config.names import (GROUP_ESTIMATORS, LORA_TARGETS, LOSS_AGG_MODE_OF, PLAIN_TEXT_PARSERS,
                                         SANDBOX_KIND_KEYS)
-from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS,
+from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, TRAINED_ROLE_KEYS,
                                          ROLE_HEADS, ROLE_NAMES, SERVED_WEIGHTS, SERVING_ROLES,
                                          RLHFConfig)
 
@@ -141,7 +141,7 @@ def _checks_across_keys(config: RLHFConfig, world_size: Optional[int]) -> List[s
     world, layout = _world_problems(config, world_size)
     if layout is None:  # a size below one: nothing can be checked across keys
         return problems
-    problems += world + _unread_keys(config)
+    problems += world + _unread_keys(config) + _untrained_role_keys(config)
     if config.stage != "rl":
         problems += _stage_problems(config, layout.dp)
     problems += _reward_problems(config) + _algorithm_problems(config)
@@ -741,6 +741,23 @@ def _stage_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
     return problems
 
 
+def _untrained_role_keys(config: RLHFConfig) -> List[str]:
+    """A trained role's key (TRAINED_ROLE_KEYS) set on a role the stage does not train, refused by
+    name with the key that does what was meant, where one does."""
+    problems = []
+    for role in config.roles:
+        if role in config.trainable_roles:
+            continue
+        trained = config.served_weights.get(role)
+        for key in TRAINED_ROLE_KEYS:
+            if f"{role}.{key}" in config.origin:
+                hint = (f"set {trained}.{key} instead ({role} runs its weights)" if trained in config.trainable_roles
+                        else f"remove it ({role} is frozen; trained: {', '.join(config.trainable_roles)})")
+                problems.append(f"{config.at(role + '.' + key)}: stage {config.stage} does not train {role}, so "
+                                f"{role}.{key} would do nothing; {hint}")
+    return problems
+
+
 def _unread_keys(config: RLHFConfig) -> List[str]:
     """Keys set that the run's stage does not read (RLHFConfig.unread_settings), each refused by
     name, never ignored."""
@@ -772,6 +789,36 @@ CHECKS = (
 )
 
 
+def not_a_model_checkpoint(path: str) -> str:
+    """What ``path`` is, given where a model checkpoint (a directory with megatron_rlhf_model.json)
+    was expected, and what to name instead."""
+    meta = "megatron_rlhf_model.json"
+    convert = "write one with tools/convert_hf_to_megatron.py"
+    if not os.path.exists(path):
+        parent = os.path.dirname(os.path.normpath(path))
+        return f"{path}: no such file or directory" + ("" if os.path.isdir(parent) else f" ({parent} does not exist either)")
+    if os.path.basename(os.path.normpath(path)) == "latest" and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            named = os.path.join(os.path.dirname(path), f.read().strip())
+        return f"{path} is a run's pointer to its newest checkpoint: name a trained role's directory in it, {named}/<role>"
+    if not os.path.isdir(path):
+        return f"{path} is a file; a model checkpoint is a directory holding {meta} ({convert})"
+    roles = sorted(d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, meta)))
+    if roles:  # a run checkpoint's iteration folder (iter_N) or a converted set of roles
+        return (f"{path} holds the model checkpoints of {', '.join(roles)} (a run checkpoint's iteration folder): name "
+                f"one of them, e.g. {os.path.join(path, roles[0])}")
+    latest = os.path.join(path, "checkpoints", "latest")
+    if os.path.isfile(latest) or os.path.isfile(os.path.join(path, "latest")):
+        pointer = latest if os.path.isfile(latest) else os.path.join(path, "latest")
+        with open(pointer, encoding="utf-8") as f:
+            named = os.path.join(os.path.dirname(pointer), f.read().strip())
+        return (f"{path} is a run's output directory, not a model checkpoint: name a trained role's directory in "
+                f"its latest checkpoint, {named}/<role>")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return f"{path} is a Hugging Face model directory (no {meta}); {convert}"
+    return f"{path} is not a model checkpoint (no {meta}); {convert}"
+
+
 def input_problems(config: RLHFConfig, needs_prompts: bool = False) -> List[str]:
     """Files the config names that are not on this machine: role checkpoints (``load``), the HF
     tokenizer, the prompt file (and, with ``needs_prompts``, a prompt file not set at all)."""
@@ -785,8 +832,7 @@ def input_problems(config: RLHFConfig, needs_prompts: bool = False) -> List[str]
         load = config.path_of(role + ".load")
         if load is not None and load not in reported and not os.path.isfile(os.path.join(load, "megatron_rlhf_model.json")):
             reported.add(load)
-            missing(role + ".load", f"{load} is not a model checkpoint (no megatron_rlhf_model.json); "
-                    "write one with tools/convert_hf_to_megatron.py")
+            missing(role + ".load", not_a_model_checkpoint(load))
     tokenizer = config.data.tokenizer
     if tokenizer.type == "hf":
         path = config.path_of("data.tokenizer.path")

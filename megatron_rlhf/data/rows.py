@@ -4,7 +4,8 @@ one row group at a time. Opening a file checks every row's prompt (present, of t
 empty), so bad data is found before start-up, named by file and line (JSONL) or row (Parquet).
 
 The prompt column (``data.prompt_key``) holds a string, or a chat: a list of ``{"role", "content"}``
-messages. Every other column travels with the row (ground truth, data source, ...).
+messages. Every other column travels with the row (ground truth, data source, ...); verl's layout
+(the ground truth under ``reward_model.ground_truth``) is read as ours.
 """
 
 from __future__ import annotations
@@ -38,7 +39,20 @@ class RowFile:
     def prompt_and_fields(self, index: int) -> Tuple[Prompt, Dict[str, Any]]:
         row = self.row(index)
         prompt = row.pop(self.key)
-        return prompt, row
+        return prompt, verl_fields(row, self.where(index))
+
+
+def verl_fields(row: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """``row``'s columns, with verl's layout read as ours: the ground truth that verl's data
+    preprocessing writes under ``reward_model.ground_truth`` is the row's ``ground_truth`` (the
+    ``reward_model`` column travels on as it is); both given and different is refused."""
+    nested = row.get("reward_model")
+    if isinstance(nested, dict) and "ground_truth" in nested:
+        if "ground_truth" in row and row["ground_truth"] != nested["ground_truth"]:
+            raise ValueError(f"{where}: 'ground_truth' {row['ground_truth']!r:.60} and 'reward_model.ground_truth' "
+                             f"{nested['ground_truth']!r:.60} differ; keep the one the reward should read")
+        row.setdefault("ground_truth", nested["ground_truth"])
+    return row
 
 
 def open_rows(path: str, prompt_key: Optional[str], prompts: bool = True) -> RowFile:

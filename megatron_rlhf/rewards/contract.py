@@ -4,9 +4,11 @@
 that names it). A function is called as ``fn(prompts, responses, **fields)``: lists of equal
 length (the pool calls it with one response at a time), ``fields`` being the row's other data
 columns (``ground_truth``, ``data_source``, ...), of which it receives those its signature names
-(all of them with ``**kwargs``). It returns one real number per response, or a mapping of named
-sub-scores, each a list of one number per response, with the reward under ``"score"``; the others
-are logged.
+(all of them with ``**kwargs``). A function whose signature names ``completions`` is called as
+TRL calls its reward functions, every argument by keyword: ``fn(prompts=..., completions=...,
+**fields)`` (``prompts`` where it takes it). It returns one real number per response, or a mapping
+of named sub-scores, each a list of one number per response, with the reward under ``"score"``;
+the others are logged.
 """
 
 from __future__ import annotations
@@ -79,15 +81,38 @@ def accepted_fields(fn: RewardFunction, fields: Dict[str, Any]) -> Dict[str, Any
     return {k: v for k, v in fields.items() if k in names}
 
 
-def required_fields(fn: RewardFunction) -> List[str]:
-    """The data columns ``fn`` cannot be called without: its parameters after (prompts,
-    responses) that have no default."""
+# TRL's names of what its trainers pass every reward function by keyword beside the data columns:
+# the first two are passed here too, the others are not (a function that needs one is refused).
+TRL_ARGUMENTS = ("prompts", "completions")
+TRL_UNSUPPORTED = ("completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+def _named(fn: RewardFunction) -> List[inspect.Parameter]:
     try:
-        parameters = list(inspect.signature(fn).parameters.values())
+        parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return []
-    named = [p for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    return [p for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+
+
+def by_keyword(fn: RewardFunction) -> bool:
+    """Whether ``fn`` takes TRL's convention (a parameter named ``completions``: every argument
+    by keyword) rather than ours (``prompts, responses`` by position)."""
+    return any(p.name == "completions" for p in _named(fn))
+
+
+def required_fields(fn: RewardFunction) -> List[str]:
+    """The data columns ``fn`` cannot be called without: its parameters without a default after
+    (prompts, responses), or, called by keyword, besides prompts and completions."""
+    named = _named(fn)
+    if by_keyword(fn):
+        return [p.name for p in named if p.default is inspect.Parameter.empty and p.name not in TRL_ARGUMENTS]
     return [p.name for p in named[2:] if p.default is inspect.Parameter.empty]
+
+
+def unsupported_arguments(fn: RewardFunction) -> List[str]:
+    """TRL's arguments ``fn`` requires that no trainer here passes (TRL_UNSUPPORTED)."""
+    return [name for name in required_fields(fn) if name in TRL_UNSUPPORTED] if by_keyword(fn) else []
 
 
 def call(fn: RewardFunction, prompts: List[str], responses: List[str], fields: List[Dict[str, Any]]) -> List[Dict[str, float]]:
@@ -95,7 +120,11 @@ def call(fn: RewardFunction, prompts: List[str], responses: List[str], fields: L
     ContractError for a result that breaks the contract."""
     columns = sorted({k for row in fields for k in row})
     keywords = accepted_fields(fn, {k: [row.get(k) for row in fields] for k in columns})
-    out = fn(prompts, responses, **keywords)
+    if by_keyword(fn):  # TRL's convention
+        out = fn(**accepted_fields(fn, {"prompts": prompts}), completions=responses,
+                 **{k: v for k, v in keywords.items() if k not in TRL_ARGUMENTS})
+    else:
+        out = fn(prompts, responses, **keywords)
     n = len(responses)
     if isinstance(out, dict):
         if "score" not in out:
