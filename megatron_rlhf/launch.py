@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import Dict, List, Optional, Tuple
 
@@ -119,9 +120,9 @@ def resolve_environment(env: Dict[str, str], config_dir: str, cwd: str, algorith
 Layout = Tuple[int, int, int, int, int, int]  # world size, GPUs per node, TP, PP, DP, EP
 
 
-def check(env: Dict[str, str], config_file: str) -> Tuple[List[str], List[str], Optional[Layout]]:
-    """(errors, missing inputs, layout) of a launch with ``env``. Missing inputs stop a launch but
-    are only warnings for a dry run."""
+def check(env: Dict[str, str], config_file: str, overrides: List[str] = ()) -> Tuple[List[str], List[str], Optional[Layout]]:
+    """(errors, missing inputs, layout) of a launch with ``env`` and ``overrides`` (train's
+    key=value). Missing inputs stop a launch but are only warnings for a dry run."""
     errors: List[str] = []
     missing: List[str] = []
     nodes, per_node = _positive(env, "NNODES", errors), _positive(env, "GPUS_PER_NODE", errors)
@@ -140,7 +141,7 @@ def check(env: Dict[str, str], config_file: str) -> Tuple[List[str], List[str], 
     os.environ.clear()
     os.environ.update(env)  # the config's ${NAME:default} values read the launch's environment
     try:
-        config, problems = read_config(config_file)
+        config, problems = read_config(config_file, overrides)
     except ConfigError as e:
         return errors + [str(e)], missing, None
     finally:
@@ -196,7 +197,7 @@ def main(argv=None) -> int:
         problems.append(f"CONFIG={args.config}: no such file")
     missing, layout = [], None
     if not problems:
-        problems, missing, layout = check(env, config_file)
+        problems, missing, layout = check(env, config_file, [a for a in args.train_args if "=" in a and not a.startswith("-")])
     dry = env.get("DRY_RUN") == "1"
     if dry:
         for m in missing:
@@ -240,21 +241,27 @@ def main(argv=None) -> int:
 
 
 def run_torchrun(command: List[str], env: Dict[str, str], name: str) -> int:
-    """torchrun as this process's child, in a session of its own (killed if this process dies), with
-    the terminal's output; a failed run's own error line repeated last (torchrun prints its report
-    of the failed ranks after it). Ctrl-C reaches only this process: torchrun and its ranks are
-    killed at once (checkpoints are written whole or not at all) and one line says so, status 130.
-    A scheduler's SIGTERM or a hang-up is passed on to torchrun, which stops the ranks."""
+    """torchrun as this process's child, in a session of its own (killed if this process dies), its
+    output and its ranks' passed through but for torchrun's own report of failed ranks (its
+    ChildFailedError traceback and table, which only repeat that a rank failed): a failed run ends
+    with the rank's one ``error:`` line and status 2. Ctrl-C reaches only this process: torchrun
+    and its ranks are killed at once (checkpoints are written whole or not at all) and one line
+    says so, status 130. A scheduler's SIGTERM or a hang-up is passed on to torchrun, which stops
+    the ranks."""
     import signal
     import subprocess
     import tempfile
+    import threading
 
     from megatron_rlhf.train import ERROR_FILE_VARIABLE, die_with_parent
 
     with tempfile.NamedTemporaryFile("r", suffix=".error", encoding="utf-8") as error_file:
         process = subprocess.Popen(command, env=dict(env, **{ERROR_FILE_VARIABLE: error_file.name}),
-                                   start_new_session=True,
+                                   stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True,
                                    preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+        report = TorchrunReport()
+        relay = threading.Thread(target=report.relay, args=(process.stderr, sys.stderr), daemon=True)
+        relay.start()
         received = []
 
         def pass_on(signum, frame):
@@ -265,6 +272,7 @@ def run_torchrun(command: List[str], env: Dict[str, str], name: str) -> int:
             signal.signal(passed_on, pass_on)
         try:
             code = process.wait()
+            relay.join()
         except KeyboardInterrupt:
             process.kill()  # its ranks follow (parent-death signal)
             process.wait()
@@ -274,11 +282,48 @@ def run_torchrun(command: List[str], env: Dict[str, str], name: str) -> int:
         if received:
             print(f"{name}: stopped by {received[0]}, passed on to torchrun; the last checkpoint is kept",
                   file=sys.stderr, flush=True)
-        elif code != 0:
-            reported = error_file.read().strip()
-            print(f"{name}: the run failed (exit status {code})" + (f": {reported}" if reported else ""),
-                  file=sys.stderr, flush=True)
+            return code
+        if code != 0:
+            said = error_file.read().strip()
+            if said and report.held_back:  # the rank's line was the run's last word
+                return 2
+            print(f"{name}: the run failed (exit status {code})" + (f": {said}" if said else ""), file=sys.stderr,
+                  flush=True)
+            if report.held_back and not said:  # no line of ours: torchrun's report is all there is
+                sys.stderr.writelines(report.held_back)
     return code
+
+
+class TorchrunReport:
+    """Passes a torchrun's stderr through, holding back its own report of failed ranks: a
+    traceback ending in ChildFailedError and the table after it (``held_back``)."""
+
+    def __init__(self):
+        self.held_back: List[str] = []
+
+    def relay(self, source, sink) -> None:
+        block: List[str] = []  # a traceback being read: whose it is shows at its last line
+        said = False  # a rank's error: line passed: torchrun's log of stopping the others follows
+        for line in source:
+            if self.held_back or (said and re.match(r"[WE]\d{4} .*torch/distributed/elastic/", line)):
+                self.held_back.append(line)
+            elif block:
+                block.append(line)
+                if not line.startswith((" ", "\t")) and not line.startswith("Traceback"):
+                    if "ChildFailedError" in line:
+                        self.held_back = block
+                    else:
+                        sink.writelines(block)
+                        sink.flush()
+                    block = []
+            elif line.startswith("Traceback (most recent call last):"):
+                block = [line]
+            else:
+                said = said or line.startswith("error:")
+                sink.write(line)
+                sink.flush()
+        sink.writelines(block)
+        sink.flush()
 
 
 if __name__ == "__main__":

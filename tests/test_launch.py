@@ -485,3 +485,17 @@ def test_the_launcher_sets_only_what_a_launch_needs_and_a_recipe_keeps_its_own_d
         monkeypatch.setenv(name, value)
     config, _ = read_config(str(REPO / "examples" / "qwen2.5" / "grpo_gsm8k.yaml"))
     assert (config.generation.max_new_tokens, config.data.max_prompt_length) == (1024, 512)
+
+
+def test_a_run_that_fails_under_the_launcher_ends_with_one_error_line_and_status_2(tmp_path):
+    """A fault after start-up (a learning rate that makes the loss non-finite, given as a key=value
+    after --): the rank's one error: line is the run's last word, without torchrun's report of the
+    failed ranks (its ChildFailedError traceback and table), and the status is 2."""
+    env = _env(MODEL_SIZE="tiny", ITERATIONS="2", OUTPUT_DIR=str(tmp_path / "out"))
+    failed = subprocess.run(["bash", str(RUN_PPO), "--overwrite", "ppo_policy.lr=1e30"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=240)
+    lines = failed.stderr.strip().splitlines()
+    assert failed.returncode == 2, failed.stderr[-3000:]
+    assert [line for line in lines if line.startswith("error:")] == [lines[-1]], failed.stderr[-3000:]
+    assert lines[-1].startswith("error: iteration 1, optimizer step ") and "ppo_policy.lr=1e+30" in lines[-1]
+    assert "Traceback" not in failed.stderr and "ChildFailedError" not in failed.stderr
