@@ -78,3 +78,26 @@ def test_explain_prints_one_key_and_names_the_closest_for_a_typo():
     assert role.returncode == 0 and "read by: rm, where reward is trained (refused where it is not)" in role.stdout
     typo = run("ppo.clip_ratio_cc")
     assert typo.returncode == 2 and typo.stderr.count("error:") == 1 and "did you mean ppo.clip_ratio_c" in typo.stderr
+
+
+def test_every_key_the_trl_and_verl_page_names_here_exists():
+    """The right-hand column of docs/guide/coming-from-trl-and-verl.md names our keys: each is one of
+    the schema's (a role's as <role>.key), so a renamed key cannot leave the page behind."""
+    import re
+
+    from megatron_rlhf.config.reference import entries
+    from megatron_rlhf.config.schema import ROLE_NAMES
+
+    keys = {e.key for e in entries()}
+    page = (REPO / "docs" / "guide" / "coming-from-trl-and-verl.md").read_text()
+    named = set()
+    for row in re.findall(r"^\|.*\| (.*) \|$", page, flags=re.M):
+        named |= {k for k in re.findall(r"`([a-z_]+(?:\.[a-z_*]+)+)", row)}
+    assert len(named) > 40, named
+
+    def known(key: str) -> bool:
+        key = key.removesuffix(".*")
+        role, _, rest = key.partition(".")
+        return key in keys or (role in ROLE_NAMES and f"<role>.{rest}" in keys)
+
+    assert [key for key in sorted(named) if not known(key)] == []
