@@ -216,6 +216,7 @@ def test_overwrite_keeps_the_old_run_when_an_input_is_bad(tmp_path, monkeypatch)
     out = tmp_path / "out"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    (out / "run.json").write_text(json.dumps({"config_file": TINY, "stage": "rl"}))  # the demo's earlier run
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "abc"}\n{"text": "no prompt"}\n')
     monkeypatch.setenv("PROMPT_FILE", str(tmp_path / "prompts.jsonl"))
     with pytest.raises(ValueError, match=r"prompts.jsonl:2: no 'prompt'"):
@@ -348,6 +349,7 @@ def test_overwrite_puts_the_old_run_back_when_the_launch_fails_before_its_first_
                                                                 "tp": 1, "pp": 1}))
     config = tmp_path / "rlhf.yaml"
     config.write_text(f"includes: {TINY}\nreference:\n  load: {wrong}\n")
+    (out / "run.json").write_text(json.dumps({"config_file": str(config), "stage": "rl"}))  # this config's earlier run
     proc = train(out, "--overwrite", config=config, check=False)
     assert proc.returncode != 0 and "does not fit the configured model" in proc.stderr, proc.stderr[-3000:]
     assert (out / "metrics.jsonl").read_text().count("iteration") == 3 and (out / "checkpoints" / "iter_0000003").is_dir()

@@ -14,7 +14,8 @@
 # slurm/run_ppo.sbatch. Every input is checked before anything is launched, by megatron_rlhf.launch
 # (the MODEL_SIZE defaults and the launch checks) and the config's own validation.
 #
-# Variables (default in brackets; MODEL_SIZE sets the ones marked *):
+# Variables (default in brackets; MODEL_SIZE sets the ones marked *; those marked + are the recipe's,
+# which MODEL_SIZE=tiny alone sets, for its tiny model):
 #   MODEL_SIZE               policy preset: 7b, 13b, 70b (Llama-2), llama3.1-8b, llama3.1-70b, qwen2.5-7b,
 #                            qwen2.5-32b, qwen2.5-72b, qwen3-8b, qwen3-32b, the mixtures of experts
 #                            qwen3-30b-a3b, mixtral-8x7b, qwen3-235b-a22b (planned only), or tiny (a random
@@ -40,11 +41,11 @@
 #   free_memory_ppo_policy, free_memory_ppo_value
 #                            EMS: True frees the role's device memory while it is idle; auto: at start-up,
 #                            the fewest switches that make the plan fit the GPU (nothing moves if all fits) [auto]
-#   ROLLOUT_BATCH_SIZE       * prompts per PPO iteration, over all data-parallel ranks
-#   TRAIN_GLOBAL_BATCH_SIZE  * samples per optimizer step;  TRAIN_MICRO_BATCH_SIZE *
-#   INFERENCE_MICRO_BATCH_SIZE * forward micro-batch of the inference roles
-#   GENERATION_BATCH_SIZE    * rows decoded at once per data-parallel rank (bounds the KV cache)
-#   ITERATIONS               * PPO iterations;  MAX_PROMPT_LENGTH, MAX_NEW_TOKENS *
+#   ROLLOUT_BATCH_SIZE       + prompts per PPO iteration, over all data-parallel ranks
+#   TRAIN_GLOBAL_BATCH_SIZE  + samples per optimizer step;  TRAIN_MICRO_BATCH_SIZE +
+#   INFERENCE_MICRO_BATCH_SIZE + forward micro-batch of the inference roles
+#   GENERATION_BATCH_SIZE    + rows decoded at once per data-parallel rank (bounds the KV cache) [32]
+#   ITERATIONS               + PPO iterations;  MAX_PROMPT_LENGTH, MAX_NEW_TOKENS +
 #   PRECISION                bf16 or fp32 [bf16; tiny: fp32]
 #   GPU_MEMORY               device memory per GPU the dry run checks the plan against [80GiB]
 #   MASTER_ADDR, MASTER_PORT rendezvous host and port of a multi-node launch [29500]; RDZV_ID
