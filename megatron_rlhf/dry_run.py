@@ -14,8 +14,7 @@ from megatron_rlhf.config import input_problems, load_config, validate
 from megatron_rlhf.config.presets import AUTO
 from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, RLHFConfig, stage_layers
 from megatron_rlhf.config.validation import weight_sharing_notes
-from megatron_rlhf.memory.manager import EMSSwitches
-from megatron_rlhf.memory.manager import OPTIMIZER_STATE, WEIGHTS
+from megatron_rlhf.memory.kinds import OPTIMIZER_STATE, WEIGHTS, EMSSwitches
 from megatron_rlhf.memory.planner import (KINDS, TRANSIENT, CheckpointPlan, Plan, checkpoint_plan, expert_numels,
                                           micro_batches_per_step, param_numels, plan, recommend)
 from megatron_rlhf.units import human

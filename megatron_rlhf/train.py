@@ -16,11 +16,12 @@ import sys
 import time
 from typing import Any, Optional
 
-from megatron_rlhf.checkpoint.run_state import restore_set_aside
 from megatron_rlhf.config import ConfigError
 from megatron_rlhf.errors import hide_internal_warnings
-from megatron_rlhf.startup import INPUT_ERRORS, launch_rank0, prepare
 from megatron_rlhf.units import parse_bytes, positive_int
+
+# What reads a config only (--explain, --dry-run) imports no torch: startup and the run are imported
+# where a launch needs them.
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,6 +83,8 @@ def _dry_run(args: argparse.Namespace) -> int:
 
 def _check_only(args: argparse.Namespace) -> int:
     """prepare() on its own (one process, nothing written): every input a launch reads, checked."""
+    from megatron_rlhf.startup import INPUT_ERRORS, prepare
+
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 0)) or 1
     try:
         prepared = prepare(args, world_size)
@@ -142,6 +145,8 @@ def main(argv=None) -> Optional[list]:
     try:
         return _main(args)
     except KeyboardInterrupt:  # Ctrl-C: every rank gets it; one says so, none prints a traceback
+        from megatron_rlhf.startup import launch_rank0
+
         if launch_rank0():
             print("interrupted (Ctrl-C); the last checkpoint is kept: --resume continues from it", file=sys.stderr,
                   flush=True)
@@ -149,6 +154,9 @@ def main(argv=None) -> Optional[list]:
 
 
 def _main(args: argparse.Namespace) -> Optional[list]:
+    from megatron_rlhf.checkpoint.run_state import restore_set_aside
+    from megatron_rlhf.startup import INPUT_ERRORS, launch_rank0, prepare
+
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         prepared = prepare(args, world_size)

@@ -101,3 +101,12 @@ def test_every_key_the_trl_and_verl_page_names_here_exists():
         return key in keys or (role in ROLE_NAMES and f"<role>.{rest}" in keys)
 
     assert [key for key in sorted(named) if not known(key)] == []
+
+
+def test_explain_reads_the_schema_alone_without_importing_torch():
+    """`--explain` (and the planner's memory kinds) import no torch: a key's entry in a tenth of a second."""
+    code = ("import sys\nfrom megatron_rlhf.train import main\nfrom megatron_rlhf.memory import kinds, planner\n"
+            "try:\n    main(['--explain', 'ppo.kl_coef'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert done.returncode == 0 and "ppo.kl_coef:" in done.stdout, done.stderr

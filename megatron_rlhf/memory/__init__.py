@@ -1,39 +1,21 @@
-"""EMS: per-role offload/onload of weights, grad buffers and optimizer state; the memory ledger."""
+"""EMS: per-role offload/onload of weights, grad buffers and optimizer state (manager.py); the kinds
+of state and a role's switches (kinds.py, no torch); the memory ledger (ledger.py); the planner and
+free_memory: auto. The names below are imported when first used: planning needs no torch."""
 
-from megatron_rlhf.memory.ledger import MemoryLeak, MemoryLeakWarning, MemoryLedger
-from megatron_rlhf.memory.manager import (
-    GRADS,
-    KV_CACHE,
-    LEDGER_KINDS,
-    RESHARD_BUFFERS,
-    MAIN_PARAMS,
-    OFFLOAD_ORDER,
-    OPTIMIZER_STATE,
-    OTHER,
-    TRANSIENT_KINDS,
-    WEIGHTS,
-    EMSSwitches,
-    FixedAddressesNeeded,
-    GradientsInUse,
-    RoleMemory,
-)
+import importlib
 
-__all__ = [
-    "EMSSwitches",
-    "FixedAddressesNeeded",
-    "GRADS",
-    "GradientsInUse",
-    "KV_CACHE",
-    "RESHARD_BUFFERS",
-    "LEDGER_KINDS",
-    "MAIN_PARAMS",
-    "MemoryLeak",
-    "MemoryLeakWarning",
-    "MemoryLedger",
-    "OFFLOAD_ORDER",
-    "OPTIMIZER_STATE",
-    "OTHER",
-    "RoleMemory",
-    "TRANSIENT_KINDS",
-    "WEIGHTS",
-]
+_HOMES = {
+    "megatron_rlhf.memory.kinds": ("GRADS", "KV_CACHE", "LEDGER_KINDS", "RESHARD_BUFFERS", "MAIN_PARAMS",
+                                   "OFFLOAD_ORDER", "OPTIMIZER_STATE", "OTHER", "TRANSIENT_KINDS", "WEIGHTS",
+                                   "EMSSwitches"),
+    "megatron_rlhf.memory.manager": ("FixedAddressesNeeded", "GradientsInUse", "RoleMemory"),
+    "megatron_rlhf.memory.ledger": ("MemoryLeak", "MemoryLeakWarning", "MemoryLedger"),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+__all__ = sorted(_HOME_OF)
+
+
+def __getattr__(name):
+    if name not in _HOME_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOME_OF[name]), name)

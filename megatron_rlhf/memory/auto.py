@@ -10,7 +10,7 @@ import os
 from typing import Dict, Optional, Tuple
 
 from megatron_rlhf.config.schema import EMS_SWITCHES, RLHFConfig
-from megatron_rlhf.memory.manager import EMSSwitches
+from megatron_rlhf.memory.kinds import EMSSwitches
 from megatron_rlhf.memory.planner import Plan, plan, recommend
 
 CHOICE_FILE = "free_memory_auto.json"

@@ -13,7 +13,8 @@ import warnings
 from typing import Dict, List, Optional, Tuple
 
 from megatron_rlhf.errors import RunError
-from megatron_rlhf.memory.manager import LEDGER_KINDS, TRANSIENT_KINDS, RoleMemory
+from megatron_rlhf.memory.kinds import LEDGER_KINDS, TRANSIENT_KINDS
+from megatron_rlhf.memory.manager import RoleMemory
 from megatron_rlhf.runtime.platform import DevicePlatform, get_platform
 
 

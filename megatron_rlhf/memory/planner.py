@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_rlhf.config.schema import (EMS_SWITCHES, ROLE_HEADS, ModelArchConfig, RLHFConfig, stage_layers,
                                          RoleConfig)
-from megatron_rlhf.memory.manager import GRADS, LEDGER_KINDS as KINDS, MAIN_PARAMS, OPTIMIZER_STATE, PHASE_NEEDS, WEIGHTS, EMSSwitches
+from megatron_rlhf.memory.kinds import GRADS, LEDGER_KINDS as KINDS, MAIN_PARAMS, OPTIMIZER_STATE, PHASE_NEEDS, WEIGHTS, EMSSwitches
 
 TRANSIENT = ("activations", "kv_cache", "reshard_buffers")
 BYTES = {"fp32": 4, "bf16": 2}

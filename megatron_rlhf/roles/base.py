@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from megatron_rlhf.config.schema import REPLAYING_ROLES, ROLE_HEADS, RLHFConfig, RoleConfig
-from megatron_rlhf.memory.manager import WEIGHTS, EMSSwitches, RoleMemory
+from megatron_rlhf.memory.kinds import WEIGHTS, EMSSwitches
+from megatron_rlhf.memory.manager import RoleMemory
 from megatron_rlhf.models import routing
 from megatron_rlhf.models.decoder import build_model, groups_of, load_local_state_dict, local_state_dict, unwrap
 from megatron_rlhf.models.lora import add_adapters, load_adapters

@@ -15,7 +15,7 @@ import contextlib
 
 import torch
 
-from megatron_rlhf.memory.manager import RESHARD_BUFFERS, WEIGHTS
+from megatron_rlhf.memory.kinds import RESHARD_BUFFERS, WEIGHTS
 from megatron_rlhf.models.decoder import unwrap
 from megatron_rlhf.models.lora import has_adapters, is_adapter
 from megatron_rlhf.roles.base import Role
