@@ -119,9 +119,9 @@ def resolved_config_text(config: RLHFConfig) -> str:
 
 def _work_line(config: RLHFConfig) -> str:
     """What the run does: RL's algorithm and rollout, or a stage's steps."""
-    if config.stage != "rl":
+    if config.stage != "rl":  # a stage's work is optimizer steps over rows; RL's an algorithm over prompts
         trained = config.trainable_roles[0]
-        unit = "pairs" if config.rows_per_sample == 2 else "rows"
+        unit = config.sample_unit
         return (f"stage: {config.stage}, roles: {', '.join(config.roles)} ({trained} trained); optimizer steps of "
                 f"{config.role(trained).global_batch_size} {unit} of data.train_file, {config.stage_config.epochs} epoch(s)")
     return (f"algorithm: {config.algorithm.advantage_estimator}, roles: {', '.join(config.roles)}"

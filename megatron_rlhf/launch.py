@@ -153,6 +153,7 @@ def check(env: Dict[str, str], config_file: str, overrides: List[str] = ()) -> T
         errors.append(f"STAGE={stage}, but {config_file} runs stage: {config.stage}; set CONFIG to a recipe of stage "
                       f"{stage} (or leave CONFIG unset: examples/llama2/{STAGE_RECIPES.get(stage, 'rlhf.yaml')})")
     missing += input_problems(config, needs_prompts=True)
+    # RL scores with a reward model it loads; the rm stage trains one
     if needs_checkpoints and config.stage == "rl" and config.reward.type == "model" and not env.get("REWARD_LOAD"):
         missing.append("REWARD_LOAD is not set: the directory of a converted reward model (tools/convert_hf_to_megatron.py); "
                        "a rule reward (reward.type: function) needs none")

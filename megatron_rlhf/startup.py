@@ -86,6 +86,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
             raise ConfigError(f"{config.at('trainer.wandb')}: true, but the wandb package is not installed; install "
                               "it with pip install -e .[wandb] (or pip install wandb), or set wandb: false") from None
     tokenizer = build_tokenizer(config.data.tokenizer, config.path_of("data.tokenizer.path"))
+    # RL's reward and value models may come with a vocabulary of their own; a stage's roles read its ids
     readers = config.model_roles if config.stage != "rl" else [r for r in config.model_roles if ROLE_HEADS[r] == "lm"]
     for role in readers:  # the roles that read the tokenizer's ids
         model_vocab = config.role(role).model.vocab_size
@@ -94,7 +95,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
                 f"{config.source_of(role + '.model')}: {role}.model.vocab_size: {model_vocab} is smaller "
                 f"than the tokenizer's vocabulary ({tokenizer.vocab_size}); use at least {tokenizer.vocab_size}"
             )
-    if config.stage != "rl":
+    if config.stage != "rl":  # the inputs a stage reads: its rows; RL's below: prompts, rewards, environments
         dataset, val_dataset = _stage_rows(config, tokenizer, world_size)
         _check_stage_steps(config, len(dataset), resume_from, reached)
         _claim(output_dir, config, args.overwrite and writes, writes)
@@ -157,7 +158,7 @@ def _stage_rows(config: RLHFConfig, tokenizer, world_size: int):
         val_rows = read_rows(config, "data.val_file", tokenizer) if config.data.val_file else None
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    trained, unit = config.trainable_roles[0], "pairs" if config.rows_per_sample == 2 else "rows"
+    trained, unit = config.trainable_roles[0], config.sample_unit
     step = config.samples_per_step(trained)
     if len(rows) < step:
         raise ConfigError(f"{config.at('data.train_file')}: {len(rows)} {unit}, fewer than one optimizer step of "
@@ -273,7 +274,7 @@ def _check_loaded_checkpoints(config: RLHFConfig) -> None:
                     else check_readable(path)
             except CheckpointError as e:
                 raise ConfigError(f"{config.at(role + '.load')}: {e}") from None
-    if config.reward.normalize and config.stage == "rl":
+    if config.reward.normalize and config.stage == "rl":  # RL scores by a reward model; rm trains one
         from megatron_rlhf.checkpoint.model_files import recorded_scores
 
         if config.reward.type != "model" or not config.reward.load:

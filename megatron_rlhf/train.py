@@ -91,7 +91,7 @@ def _check_only(args: argparse.Namespace) -> int:
     except INPUT_ERRORS as e:  # what a launch's prepare() reports
         print(f"error: {e}", file=sys.stderr)
         return 2
-    unit = "prompts" if prepared.config.stage == "rl" else "pairs" if prepared.config.rows_per_sample == 2 else "rows"
+    unit = prepared.config.sample_unit
     print(f"inputs checked for {world_size} processes: {len(prepared.dataset)} {unit}"
           + (f", {len(prepared.val_dataset)} validation {unit}" if prepared.val_dataset is not None else ""), flush=True)
     return 0

@@ -64,6 +64,8 @@ STAGE_ROLES = {"sft": ("policy",), "rm": ("reward",), "dpo": ("policy", "referen
 STAGE_TRAINED = {"sft": "policy", "rm": "reward", "dpo": "policy"}
 STAGE_PHASES = {"sft": (("train_policy", "policy"),), "rm": (("train_reward", "reward"),),
                 "dpo": (("reference", "reference"), ("train_policy", "policy"))}
+# What one sample of each stage's data is: a prompt (RL), a demonstration row (SFT), a preference pair.
+SAMPLE_UNITS = {"rl": "prompts", "sft": "rows", "rm": "pairs", "dpo": "pairs"}
 # What a stage before RL does not read: RL's sections and RL's prompt data and validation by
 # generation (a key set in one is refused by name; the dry run leaves them out).
 RL_ONLY_SECTIONS = ("generation", "rollout", "ppo", "algorithm", "moe")
@@ -767,7 +769,7 @@ class RLHFConfig:
     def roles(self) -> tuple:
         """The roles the run builds: a stage's before RL (STAGE_ROLES); for RL, all six for GAE,
         no value or ppo_value when critic-free."""
-        if self.stage != "rl":
+        if self.stage != "rl":  # RL's roles follow its estimator (the critic: GAE only)
             return STAGE_ROLES[self.stage]
         return tuple(r for r in ROLE_NAMES if not (self.critic_free and r in CRITIC_ROLES))
 
@@ -796,14 +798,18 @@ class RLHFConfig:
     def phase_order(self) -> tuple:
         """(phase, active role) in the order they run: an RL iteration's (PHASE_ORDER over the roles
         built) or a stage's step (STAGE_PHASES)."""
-        if self.stage != "rl":
-            return STAGE_PHASES[self.stage]
-        return tuple((phase, role) for phase, role in PHASE_ORDER if role in self.model_roles)
+        phases = {"rl": PHASE_ORDER, **STAGE_PHASES}[self.stage]
+        return tuple((phase, role) for phase, role in phases if role in self.model_roles)
 
     @property
     def rows_per_sample(self) -> int:
         """Sequences a sample is: 2 for a preference pair (its chosen and rejected sides), else 1."""
-        return 2 if self.stage in ("rm", "dpo") else 1
+        return 2 if self.sample_unit == "pairs" else 1
+
+    @property
+    def sample_unit(self) -> str:
+        """What one sample of the run's data is, in words (SAMPLE_UNITS): prompts, rows or pairs."""
+        return SAMPLE_UNITS[self.stage]
 
     @property
     def model_roles(self) -> tuple:
@@ -824,18 +830,19 @@ class RLHFConfig:
     @property
     def trainable_roles(self) -> tuple:
         """The roles with an optimizer: ppo_policy (and ppo_value) in RL, a stage's trained role."""
-        if self.stage != "rl":
-            return (STAGE_TRAINED[self.stage],)
-        return tuple(r for r in TRAINABLE_ROLES if r in self.roles)
+        trained = {"rl": TRAINABLE_ROLES, **{s: (r,) for s, r in STAGE_TRAINED.items()}}[self.stage]
+        return tuple(r for r in trained if r in self.roles)
 
     @property
     def served_weights(self) -> Dict[str, str]:
         """SERVED_WEIGHTS restricted to the roles the algorithm runs; with LoRA on ppo_policy, the
         reference too, where it is the base (the same checkpoint, network, precision and layout):
         it shares ppo_policy's base weights, which never change."""
-        served = {s: t for s, t in SERVED_WEIGHTS.items() if s in self.roles} if self.stage == "rl" else {}
-        ref, policy = self.reference, "ppo_policy" if self.stage == "rl" else "policy"  # the trained policy
-        trained = self.role(policy)
+        served = {s: t for s, t in SERVED_WEIGHTS.items() if s in self.roles and t in self.roles}
+        policy = next((r for r in self.trainable_roles if ROLE_HEADS[r] == "lm"), None)  # the trained policy
+        if policy is None:
+            return served
+        ref, trained = self.reference, self.role(policy)
         if trained.lora.enabled and "reference" in self.roles and ref.load == trained.load and \
                 ref.model == trained.model and ref.precision == trained.precision and \
                 self.layout_of("reference") == self.layout_of(policy):
@@ -855,7 +862,7 @@ class RLHFConfig:
     def sequence_tokens(self) -> int:
         """The longest row a rollout holds (a prompt and its response, or a trajectory): the
         engine's KV cache length and the passes' sequence length."""
-        if self.stage != "rl":
+        if self.stage != "rl":  # a stage's rows are whole; RL's a prompt plus what is generated
             return self.stage_config.max_length
         if self.rollout.multi_turn:
             return self.rollout.trajectory_tokens(self.data, self.generation)

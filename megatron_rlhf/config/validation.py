@@ -142,7 +142,7 @@ def _checks_across_keys(config: RLHFConfig, world_size: Optional[int]) -> List[s
     if layout is None:  # a size below one: nothing can be checked across keys
         return problems
     problems += world + _unread_keys(config) + _untrained_role_keys(config)
-    if config.stage != "rl":
+    if config.stage != "rl":  # a stage's batches are of its rows (RL's, of the rollout: _run_problems)
         problems += _stage_problems(config, layout.dp)
     problems += _reward_problems(config) + _algorithm_problems(config)
     missing = [(r, [k for k in REQUIRED_ARCH_FIELDS if getattr(config.role(r).model, k) is None])
@@ -506,7 +506,7 @@ def _run_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
         if longest > limit:
             key, what = ("rollout.max_trajectory_tokens", "a trajectory's tokens") if config.rollout.multi_turn else (
                 "data.max_prompt_length", "max_prompt_length + generation.max_new_tokens")
-            if config.stage != "rl":
+            if config.stage != "rl":  # a stage bounds its rows by max_length
                 key, what = f"{config.stage}.max_length", "max_length"
             bad(key, f"{what} = {longest} exceeds {role}'s max_position_embeddings={limit}")
             break
@@ -714,7 +714,7 @@ def _stage_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
     stage, trained = config.stage, config.trainable_roles[0]
     problems = []
     rc, where = config.role(trained), config.at
-    unit = "pairs" if config.rows_per_sample == 2 else "rows"
+    unit = config.sample_unit
     if rc.global_batch_size is None:
         problems.append(f"{where(trained + '.global_batch_size')}: not set; stage {stage} takes optimizer steps of "
                         f"global_batch_size {unit} of data.train_file")
@@ -841,7 +841,7 @@ def input_problems(config: RLHFConfig, needs_prompts: bool = False) -> List[str]
         elif not os.path.exists(path):
             missing("data.tokenizer.path", f"{path}: no such file or directory (expected a Hugging Face model "
                     "directory with its tokenizer files, or a tokenizer.json)")
-    if config.stage != "rl":
+    if config.stage != "rl":  # a stage reads rows (data.train_file); RL prompts (data.prompt_file)
         if config.data.train_file is None and needs_prompts:
             missing("data.train_file", f"no training rows given; stage {config.stage} reads "
                     + ("chats ('messages') or 'prompt' and 'completion'" if config.stage == "sft"
