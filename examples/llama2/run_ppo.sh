@@ -60,9 +60,9 @@
 #                            sft.yaml, rm.yaml, dpo.yaml]
 #   DRY_RUN=1                print the plan and exit;  CHECK_ONLY=1  check the inputs and exit
 #   MOE_AUX_LOSS_COEFF, MOE_Z_LOSS_COEFF  router losses of a mixture of experts in training [0: off]
-#   ROUTING_REPLAY           off, rollout or old_logprob (README, "Mixtures of experts") [off]
+#   ROUTING_REPLAY           off, rollout or old_logprob (docs/guide/models-and-layouts.md) [off]
 #   LORA_RANK                LoRA adapters of this rank on ppo_policy instead of full training; the
-#                            reference is then the base (README, "LoRA"); set POLICY_LR for them [0: off]
+#                            reference is then the base (docs/guide/lora.md); set POLICY_LR for them [0: off]
 #   LOAD_LORA                a PEFT adapter directory the adapters start from (its rank: LORA_RANK)
 # Anything else rlhf.yaml reads (KL_COEF, POLICY_LR, VALUE_LR, SAVE_INTERVAL, ...) passes through.
 set -euo pipefail
