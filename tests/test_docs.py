@@ -110,3 +110,107 @@ def test_explain_reads_the_schema_alone_without_importing_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert done.returncode == 0 and "ppo.kl_coef:" in done.stdout, done.stderr
+
+
+# -- The commands the docs show ------------------------------------------------------------------
+# Every line of a bash block in the README and the guide, run as far as it can run here: a make
+# target (make -n), a tool or the planner (each flag its parser takes), a stage or RL launch whose
+# files are in the checkout (--check-only at its world size), the launcher (as written with the
+# variables the block exported, up to the user's own files: only those may be missing), a Slurm
+# script (it exists). A synopsis ([--flag]) has each flag checked.
+
+DOCUMENTED = [REPO / "README.md"] + sorted((REPO / "docs" / "guide").glob("*.md"))
+
+
+def documented_commands(paths=DOCUMENTED):
+    """(page, the environment its block exported so far, the command line) of every bash block line."""
+    import shlex
+
+    for page in paths:
+        for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", page.read_text(), flags=re.S):
+            exported = {}
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                if words and words[0] == "export":
+                    exported.update(w.split("=", 1) for w in words[1:])
+                elif words:
+                    yield page.relative_to(REPO), dict(exported), words
+
+
+def _usage(main) -> str:
+    """What ``main(["--help"])`` prints (a tool's or module's parser), run in this process."""
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.suppress(SystemExit):
+        main(["--help"])
+    return printed.getvalue()
+
+
+def _flags_taken(words, usage: str) -> list:
+    """The --flags of ``words`` that ``usage`` (a parser's help) does not name."""
+    flags = [w.split("=")[0] for w in words if w.startswith("--")]
+    return [f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", usage)]
+
+
+def _check_command(env: dict, words: list, tmp_path) -> str:
+    """What is wrong with one documented command, or ''."""
+    import os
+
+    run = lambda argv, **more: subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120,  # noqa: E731
+                                              env={**os.environ, **more})
+    lead = next(i for i, w in enumerate(words) if not re.match(r"^[A-Za-z_]\w*=", w))  # VAR=value command ...
+    assignments, words = dict(w.split("=", 1) for w in words[:lead]), words[lead:]
+    program = words[0]
+    if program == "make":
+        made = run(["make", "-n", f"VENV={tmp_path}/venv", *words[1:]])
+        return "" if made.returncode == 0 else made.stderr
+    if program == "sbatch":
+        return "" if (REPO / words[-1]).is_file() else f"{words[-1]}: no such file"
+    if program == "bash":
+        launched = run(["bash", *words[1:]], **{"PYTHON": sys.executable, **env, **assignments,
+                                                 "CHECK_ONLY": assignments.get("CHECK_ONLY", "1")})
+        errors = [line for line in launched.stderr.splitlines() if line.startswith("error:")]
+        own = [v for v in {**env, **assignments}.values() if v.startswith(("/", "$PWD"))]
+        wrong = [e for e in errors if not any(path.replace("$PWD", "") in e for path in own)]
+        return "\n".join(wrong) if launched.returncode not in (0, 2) or wrong else ""
+    if program == "torchrun" or words[:2] == ["python", "-m"]:
+        module_at = words.index("-m") + 1
+        module, args = words[module_at], words[module_at + 1:]
+        usage = _usage(__import__("importlib").import_module(module).main)
+        unknown = _flags_taken(args, usage)
+        if unknown or any("[" in w for w in args) or module != "megatron_rlhf.train":
+            return f"{module} does not take {unknown}" if unknown else ""
+        config = args[args.index("--config") + 1]
+        if not (REPO / config).is_file():
+            return f"{config}: no such file"
+        nproc = next((w.split("=")[1] for w in words[:module_at] if w.startswith("--nproc_per_node=")), "1")
+        checked = run([sys.executable, "-m", module, *args, "--check-only", "--world-size", nproc, "--output-dir",
+                       str(tmp_path / "out")], **env, **assignments)
+        return "" if checked.returncode == 0 else checked.stderr
+    if program == "python" and words[1].startswith("tools/"):
+        usage = _usage(__import__("runpy").run_path(str(REPO / words[1]), run_name="documented")["main"])
+        unknown = _flags_taken(words[2:], usage)
+        return f"{words[1]} does not take {unknown}" if unknown or not usage else ""
+    return f"a command this test does not know how to check: {' '.join(words)}"
+
+
+def test_every_command_the_docs_show_runs_as_written(tmp_path):
+    commands = list(documented_commands())
+    assert len(commands) >= 15
+    wrong = [f"{page}: {' '.join(words)}: {what}" for page, env, words in commands
+             if (what := _check_command(env, words, tmp_path))]
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_a_command_mistyped_in_the_docs_fails_the_check(tmp_path):
+    """Mutations of documented commands: a flag a tool does not take, a key the schema does not have,
+    a make target that does not exist, a config that is not in the checkout."""
+    for words in (["python", "tools/convert_hf_to_megatron.py", "--hf-dir", "x", "--output", "y", "--tpp", "2"],
+                  ["torchrun", "--nproc_per_node=2", "-m", "megatron_rlhf.train", "--config", "examples/tiny/grpo.yaml",
+                   "ppo.kl_cof=0.005"],
+                  ["make", "demo-nothing"],
+                  ["torchrun", "--nproc_per_node=2", "-m", "megatron_rlhf.train", "--config", "examples/tiny/nope.yaml"],
+                  ["DRY_RUN=1", "MODEL_SIZE=70bb", "bash", "examples/llama2/run_ppo.sh"]):
+        assert _check_command({}, words, tmp_path), words
