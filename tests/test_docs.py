@@ -117,7 +117,7 @@ def test_explain_reads_the_schema_alone_without_importing_torch():
 # target (make -n), a tool or the planner (each flag its parser takes), a stage or RL launch whose
 # files are in the checkout (--check-only at its world size), the launcher (as written with the
 # variables the block exported, up to the user's own files: only those may be missing), a Slurm
-# script (it exists). A synopsis ([--flag]) has each flag checked.
+# script (it exists). The commands run from the repository's root ($PWD). A synopsis ([--flag]) has each flag checked.
 
 DOCUMENTED = [REPO / "README.md"] + sorted((REPO / "docs" / "guide").glob("*.md"))
 
@@ -131,6 +131,7 @@ def documented_commands(paths=DOCUMENTED):
             exported = {}
             for line in block.replace("\\\n", " ").splitlines():
                 words = shlex.split(line, comments=True)
+                words = [w.replace("$PWD", str(REPO)) for w in words]  # the commands run from the root
                 if words and words[0] == "export":
                     exported.update(w.split("=", 1) for w in words[1:])
                 elif words:
@@ -172,8 +173,8 @@ def _check_command(env: dict, words: list, tmp_path) -> str:
         launched = run(["bash", *words[1:]], **{"PYTHON": sys.executable, **env, **assignments,
                                                  "CHECK_ONLY": assignments.get("CHECK_ONLY", "1")})
         errors = [line for line in launched.stderr.splitlines() if line.startswith("error:")]
-        own = [v for v in {**env, **assignments}.values() if v.startswith(("/", "$PWD"))]
-        wrong = [e for e in errors if not any(path.replace("$PWD", "") in e for path in own)]
+        own = [v for v in {**env, **assignments}.values() if v.startswith("/") and not os.path.exists(v)]
+        wrong = [e for e in errors if not any(path in e for path in own)]  # only the user's own files missing
         return "\n".join(wrong) if launched.returncode not in (0, 2) or wrong else ""
     if program == "torchrun" or words[:2] == ["python", "-m"]:
         module_at = words.index("-m") + 1
@@ -189,7 +190,7 @@ def _check_command(env: dict, words: list, tmp_path) -> str:
         checked = run([sys.executable, "-m", module, *args, "--check-only", "--world-size", nproc, "--output-dir",
                        str(tmp_path / "out")], **env, **assignments)
         return "" if checked.returncode == 0 else checked.stderr
-    if program == "python" and words[1].startswith("tools/"):
+    if program == "python" and words[1].startswith(("tools/", "examples/")):
         usage = _usage(__import__("runpy").run_path(str(REPO / words[1]), run_name="documented")["main"])
         unknown = _flags_taken(words[2:], usage)
         return f"{words[1]} does not take {unknown}" if unknown or not usage else ""
