@@ -142,6 +142,44 @@ def test_a_verl_format_parquet_file_runs_the_math_recipe_as_verl_writes_it(tmp_p
         prepare(parse_args(args), 2)
 
 
+TRL_STYLE = """
+def exact_answer(completions, ground_truth, **kwargs):
+    # TRL's convention: every argument by keyword; verl's ground truth arrives as the column.
+    return [float(completion.strip().endswith(str(truth))) for completion, truth in zip(completions, ground_truth)]
+"""
+
+
+def test_the_math_demo_runs_on_verl_parquet_scored_by_a_trl_style_function_given_on_the_command_line(tmp_path):
+    """End to end under torchrun (2 processes, 2 iterations): the math demo's rows as verl writes
+    them, a TRL-style reward function added by key=value after the command: every call of it
+    scored (no failure), its figure logged beside the verifiers'."""
+    import os
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.conftest import REPO, _free_port
+
+    rows = [json.loads(line) for line in (REPO / "examples" / "tiny_math" / "train.jsonl").read_text().splitlines()]
+    pq.write_table(pa.Table.from_pylist([{"prompt": r["messages"], "data_source": r["data_source"],
+                                          "reward_model": {"style": "rule", "ground_truth": r["ground_truth"]}}
+                                         for r in rows]), tmp_path / "train.parquet")
+    (tmp_path / "trl_reward.py").write_text(TRL_STYLE)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+               "-m", "megatron_rlhf.train", "--config", str(REPO / "examples" / "tiny_math" / "grpo.yaml"),
+               "--output-dir", str(tmp_path / "out"), "--iterations", "2",
+               f"reward.functions={{{tmp_path}/trl_reward.py:exact_answer: 0.5}}", "trainer.val_before_train=false"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PROMPT_FILE": str(tmp_path / "train.parquet"),
+                               "PROGRESS_BAR": "False", "TENSORBOARD": "False"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == [1, 2]
+    assert all(m["reward/failures"] == 0 and "reward/exact_answer" in m and "reward/gsm8k" in m for m in metrics)
+
+
 def test_batches_split_over_data_parallel_ranks_and_reshuffle_each_pass(tmp_path):
     prompts = [f"{'a' * (1 + i % 4)}" for i in range(10)]
     tok = CharTokenizer("a")
