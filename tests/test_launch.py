@@ -363,10 +363,10 @@ def test_a_failed_launch_ends_with_the_runs_own_error_line(tmp_path):
     (out / "metrics.jsonl").write_text('{"iteration": 1}\n')  # an earlier run: this launch must not mix into it
     failed = _run_ppo(tmp_path, MODEL_SIZE="tiny", GPUS_PER_NODE="2", ITERATIONS="2", OUTPUT_DIR=str(out),
                       MASTER_PORT=str(_free_port()))
-    assert failed.returncode != 0
-    last = [line for line in failed.stderr.splitlines() if line.strip()][-1]
-    assert last.startswith("run_ppo.sh: the run failed (exit status 1): error: ") and "already holds a run" in last, \
-        failed.stderr[-3000:]
+    assert failed.returncode == 2
+    lines = [line for line in failed.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and "already holds a run" in lines[-1], failed.stderr[-3000:]
+    assert [line for line in lines if "error:" in line] == [lines[-1]] and "Traceback" not in failed.stderr
 
 
 def test_ctrl_c_under_the_launcher_is_one_line_and_status_130(tmp_path):
