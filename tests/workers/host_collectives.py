@@ -32,6 +32,7 @@ for name, (config, environment) in RUNS.items():
     result.metrics[name], _ = run_config(path, os.path.join(OUT_DIR, name.split(",")[0]), "--iterations", "2",
                                          **environment)
     result.runs.append(name)
+os.environ["TP"] = "1"  # a layout every world size has (one GPU too)
 smoke.main(["--config", os.path.join(REPO, "examples/tiny/rlhf.yaml"), "--steps", "1",
             "--output-dir", os.path.join(OUT_DIR, "smoke")])
 result.runs.append("smoke")
