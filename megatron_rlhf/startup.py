@@ -387,7 +387,7 @@ def _check_sandbox(config: RLHFConfig, tools) -> None:
     if settings.unsafe:
         warnings.warn(f"{config.at('rollout.sandbox.kind')}: unsafe_process: model-written code runs without the "
                       "kernel's isolation (an audit hook and limits only); it can reach this machine's files, processes "
-                      "and network (calls counted in rollout/sandbox_unsafe_calls)")
+                      "and network (calls counted in rollout/tool_unsafe_calls)")
         return
     problem = readiness_problem(settings)
     if problem and settings.remote:

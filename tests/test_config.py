@@ -1,4 +1,5 @@
 import os
+import re
 import textwrap
 from pathlib import Path
 
@@ -528,8 +529,8 @@ def test_micro_batches_by_tokens_need_their_budget_hold_the_longest_row_and_run_
 def test_a_system_prompt_without_a_template_and_a_weight_that_is_not_finite_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="data.system_prompt: set, but data.apply_chat_template is false"):
         load_config(str(tiny_setup(tmp_path, "data: {system_prompt: be brief}\n")), world_size=1)
-    for weight, words in ((".nan", "reward.functions: the weight of a.py:f is nan; a weight is a finite number"),
-                          (".inf", "reward.functions: the weight of a.py:f is inf"),
+    for weight, words in ((".nan", r"reward.functions.a.py:f: expected float, got float nan \(a number must be finite\)"),
+                          (".inf", r"reward.functions.a.py:f: expected float, got float inf"),
                           ("'high'", "reward.functions.a.py:f: expected float, got str 'high'")):
         with pytest.raises(ConfigError, match=words):
             load_config(str(tiny_setup(tmp_path, f"reward: {{type: function, functions: {{'a.py:f': {weight}}}}}\n")),
@@ -713,3 +714,16 @@ def test_a_trained_roles_key_on_a_role_the_stage_does_not_train_is_refused_with_
         load_config(str(REPO / config), world_size=2, overrides=[f"{key}=0.5"])
     assert "in rl set ppo_policy.lr (policy runs its weights)" in explain("policy.lr")
     assert "read by: sft, dpo, where policy is trained" in explain("policy.lr")
+
+
+@pytest.mark.parametrize("key, value", [("ppo_policy.lr", "inf"), ("ppo.kl_coef", "nan"), ("ppo.clip_ratio", "-inf")])
+def test_a_number_that_is_not_finite_is_refused_before_start_up(key, value):
+    """An infinite learning rate, a NaN coefficient: refused with the key, not at the first step."""
+    with pytest.raises(ConfigError, match=rf"the command line: {re.escape(key)}: expected float, got float "
+                                          rf"-?{value.lstrip('-')} \(a number must be finite\)"):
+        load_config(str(REPO / "examples" / "tiny" / "grpo.yaml"), world_size=2, overrides=[f"{key}={value}"])
+
+
+def test_a_dpo_beta_that_is_not_finite_is_refused_by_name(tmp_path):
+    with pytest.raises(ConfigError, match=r"dpo.beta: expected float, got float inf \(a number must be finite\)"):
+        load_config(str(REPO / "examples" / "tiny_pipeline" / "dpo.yaml"), world_size=2, overrides=["dpo.beta=inf"])

@@ -457,15 +457,17 @@ def test_a_run_whose_tools_run_code_is_refused_before_start_up_where_the_walls_c
 
 
 def test_calls_without_isolation_are_counted_in_the_metrics():
-    from megatron_rlhf.agents.protocol import Turn
+    from megatron_rlhf.agents.protocol import Turn, checked_step
     from megatron_rlhf.agents.tool_environment import ToolEnvironment
     from megatron_rlhf.agents.sandbox import configure
 
     try:
         env = ToolEnvironment(["megatron_rlhf.agents.sandbox:python"], "tags", sandbox={"kind": "unsafe_process"})
-        result = env.step(Turn("<python>print(2 + 3)</python>", [], 0, True))
-        assert result.observation[0]["content"] == "5\n" and result.info["counts"]["sandbox_unsafe_calls"] == 1
+        # As the environment workers take it: the protocol's checks of a step's result (a count
+        # without the tool_ prefix failed every trajectory that called python).
+        result = checked_step(env.step(Turn("<python>print(2 + 3)</python>", [], 0, True)))
+        assert result.observation[0]["content"] == "5\n" and result.info["counts"]["tool_unsafe_calls"] == 1
         isolated = ToolEnvironment(["megatron_rlhf.agents.sandbox:python"], "tags", sandbox={})
-        assert "sandbox_unsafe_calls" not in isolated.step(Turn("<python>print(1)</python>", [], 0, True)).info["counts"]
+        assert "tool_unsafe_calls" not in isolated.step(Turn("<python>print(1)</python>", [], 0, True)).info["counts"]
     finally:
         configure(SandboxConfig())

@@ -9,7 +9,7 @@ never a failed trajectory.
 It runs in the environment workers (rollout/env_pool.py) like any environment; its step reports
 ``counts`` in its info: ``tool_calls`` (and ``tool_calls/<name>``), ``tool_errors``,
 ``tool_timeouts``, ``tool_s`` (the calls' wall time), and with ``rollout.sandbox.kind:
-unsafe_process`` ``sandbox_unsafe_calls`` (sandboxed calls run without isolation).
+unsafe_process`` ``tool_unsafe_calls`` (sandboxed calls run without isolation).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class ToolEnvironment:
         replies += self._call_all(parsed.calls, counts)
         counts["tool_s"] = time.perf_counter() - started
         if self.unsafe:
-            counts["sandbox_unsafe_calls"] = float(take_unsafe_runs())
+            counts["tool_unsafe_calls"] = float(take_unsafe_runs())
         return StepResult([{"role": "tool", "content": reply} for reply in replies], False, None, {"counts": counts})
 
     def _call_all(self, calls: List[ToolCall], counts: Dict[str, float]) -> List[str]:

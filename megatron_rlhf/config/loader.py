@@ -8,6 +8,7 @@ that does not divide the heads of a model defined in another file) can still nam
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 import difflib
 import json
@@ -299,12 +300,20 @@ def _check_type(value: Any, tp: Any) -> Tuple[bool, Any]:
         return isinstance(value, bool), value
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is float:  # finite: an infinite learning rate or beta would only fail at the first step
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         return ok, float(value) if ok else value
     if tp is str:
         return isinstance(value, str), value
     return isinstance(value, tp), value
+
+
+def _shown(value: Any) -> str:
+    """A refused value as a message shows it."""
+    if value is None:
+        return "nothing (empty)"
+    finite = not isinstance(value, float) or math.isfinite(value)
+    return f"{type(value).__name__} {value!r}" + ("" if finite else " (a number must be finite)")
 
 
 def build(cls: type, data: Any, sources: Sources, path: KeyPath, top_file: str, problems: List[str],
@@ -349,9 +358,9 @@ def build(cls: type, data: Any, sources: Sources, path: KeyPath, top_file: str, 
         entries = _bad_entries(value, tp)
         if entries:  # each wrong entry of a mapping, named where it was set (an include's may be fine)
             problems.extend(f"{located(where(key_path + (k,)), dotted(key_path + (k,)))}: expected {_type_name(inner)}, "
-                            f"got {type(v).__name__} {v!r}" for k, v, inner in entries)
+                            f"got {_shown(v)}" for k, v, inner in entries)
             continue
-        shown = "nothing (empty)" if value is None else f"{type(value).__name__} {value!r}"
+        shown = _shown(value)
         if isinstance(value, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?e\d+", value.strip(), re.I):
             shown += f" (YAML reads an exponent without a sign as text: write {value.lower().replace('e', 'e+')})"
         problems.append(f"{located(where(key_path), dotted(key_path))}: expected {_type_name(tp)}, got {shown}")

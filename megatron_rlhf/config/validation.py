@@ -4,7 +4,6 @@ roles that must share an architecture. Run before any model is built."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Dict, List, Optional, Tuple
 
@@ -415,10 +414,6 @@ def _reward_problems(config: RLHFConfig) -> List[str]:
             if not spec or ":" not in spec:
                 problems.append(f"{config.at(key)}: reward.type is 'function', so name the rule as 'module:callable' or "
                                 f"'file.py:callable', got {spec!r}")
-        for spec, weight in (reward.functions or {}).items():
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-                problems.append(f"{config.at('reward.functions')}: the weight of {spec} is {weight!r}; a weight is a "
-                                "finite number")
     else:
         for key in ("function", "functions"):
             if getattr(reward, key) is not None:

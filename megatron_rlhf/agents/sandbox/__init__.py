@@ -45,7 +45,7 @@ def configure(settings: SandboxConfig) -> None:
 
 
 def take_unsafe_runs() -> int:
-    """Calls run without isolation since the last call (rollout/sandbox_unsafe_calls)."""
+    """Calls run without isolation since the last call (rollout/tool_unsafe_calls)."""
     with _lock:
         runs, _unsafe_runs[0] = _unsafe_runs[0], 0
     return runs
