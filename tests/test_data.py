@@ -364,13 +364,16 @@ def test_a_tools_column_of_names_shows_and_allows_only_those_of_the_runs_tools(t
     specs = [t.spec for t in run_tools.tools.values()]
     rows = [{"prompt": [{"role": "user", "content": "hi"}], "tools": ["lookup"]},
             {"prompt": [{"role": "user", "content": "hi"}]},
-            {"prompt": [{"role": "user", "content": "hi"}], "tools": ["search"]}]
+            {"prompt": [{"role": "user", "content": "hi"}], "tools": ["search"]},
+            {"prompt": [{"role": "user", "content": "hi"}], "tools": []}]
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     dataset = PromptDataset(open_rows(str(path), None), tok, 4096, 0, chat=True, tools=specs)
     shown = [tok.show(dataset.batch_of([i])["tokens"][0].tolist()) for i in (0, 1)]
     assert '"name": "lookup"' in shown[0] and '"name": "python"' not in shown[0]  # the row's subset only
     assert '"name": "lookup"' in shown[1] and '"name": "python"' in shown[1]  # no column: every tool
+    none = tok.show(dataset.batch_of([3])["tokens"][0].tolist())
+    assert '"name": "lookup"' not in none and '"name": "python"' not in none  # an empty list: no tool shown
     with pytest.raises(ValueError, match=r"rows\.jsonl:3: its 'tools' column names 'search', which the run's tools do "
                                          r"not have \(rollout.tools and rollout.mcp_servers give: lookup, python\)"):
         dataset.check_encodes()
@@ -382,3 +385,6 @@ def test_a_tools_column_of_names_shows_and_allows_only_those_of_the_runs_tools(t
     assert result.info["counts"]["tool_errors"] == 1 and result.info["counts"]["tool_calls"] == 0
     run_tools.start(rows[1])
     assert run_tools.step(Turn(call, [], 0, True)).observation[0]["content"] == "1\n"
+    run_tools.start(rows[3])  # "tools": [] allows none (it allowed every tool)
+    assert run_tools.step(Turn(call, [], 0, True)).observation[0]["content"] == \
+        "error: there is no tool 'python'; this row has no tools"

@@ -96,11 +96,11 @@ class ToolEnvironment:
         configure_sandbox(settings)
 
     def start(self, row: Dict[str, Any]) -> None:
-        """A row whose ``tools`` column names tools may call only those (data/rows.py row_tools)."""
-        from megatron_rlhf.data.rows import row_tools
+        """A row whose ``tools`` column names tools may call only those, none for an empty list
+        (data/rows.py named_tools)."""
+        from megatron_rlhf.data.rows import named_tools, row_tools
 
-        column = row_tools(row.get("tools"))
-        named = set(column) if column and isinstance(column[0], str) else None
+        named = named_tools(row_tools(row.get("tools")))
         self.callable = [name for name in self.tools if named is None or name in named]
         return None
 
@@ -129,7 +129,8 @@ class ToolEnvironment:
         for call in calls:
             tool = self.tools.get(call.name) if call.name in self.callable else None
             try:
-                problem = (f"there is no tool {call.name!r}; the tools are {', '.join(self.callable)}" if tool is None
+                tools = f"the tools are {', '.join(self.callable)}" if self.callable else "this row has no tools"
+                problem = (f"there is no tool {call.name!r}; {tools}" if tool is None
                            else argument_problem(tool, call.arguments))
             except RecursionError:
                 problem = f"the arguments of {call.name} are nested too deeply to read"

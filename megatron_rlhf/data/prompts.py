@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Literal, Optional
 
 import torch
 
-from megatron_rlhf.data.rows import Prompt, RowFile, open_rows, row_tools, with_system_prompt
+from megatron_rlhf.data.rows import Prompt, RowFile, named_tools, open_rows, row_tools, with_system_prompt
 from megatron_rlhf.data.tokenizer import Tokenizer
 
 
@@ -30,15 +30,15 @@ def prompt_text(prompt: Prompt) -> str:
 
 def _shown_tools(run_tools: Optional[List[dict]], column: Optional[List[Any]]) -> List[dict]:
     """The specs a row's prompt shows: the run's and the column's specs, or the run's named by the column."""
-    run_tools = list(run_tools or [])
-    if not column or isinstance(column[0], dict):
+    run_tools, allowed = list(run_tools or []), named_tools(column)
+    if allowed is None:
         return run_tools + list(column or [])
     names = [t["function"]["name"] for t in run_tools]
-    unknown = [name for name in column if name not in names]
+    unknown = [name for name in allowed if name not in names]
     if unknown:
         raise ValueError(f"its 'tools' column names {', '.join(map(repr, unknown))}, which the run's tools do not "
                          f"have (rollout.tools and rollout.mcp_servers give: {', '.join(names) or 'none'})")
-    return [t for t in run_tools if t["function"]["name"] in column]
+    return [t for t in run_tools if t["function"]["name"] in allowed]
 
 
 class PromptDataset:

@@ -260,3 +260,12 @@ def row_tools(value: Any) -> Optional[List[Any]]:
         raise ValueError(f"its 'tools' column must be a list of function specs or of the run's tool names, got "
                          f"{json.dumps(value, default=str)[:80]}")
     return value
+
+
+def named_tools(column: Optional[List[Any]]) -> Optional[List[str]]:
+    """The run's tools a row's ``tools`` column (row_tools) restricts it to: the names it lists, none
+    for an empty list (a row without tools); None where the row is not restricted (no column, or
+    specs to show besides the run's)."""
+    if column is None or (column and isinstance(column[0], dict)):
+        return None
+    return list(column)
