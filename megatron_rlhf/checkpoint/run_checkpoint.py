@@ -149,7 +149,16 @@ def os_error_text(e: OSError) -> str:
 def write_files(writes: Writes) -> None:
     for path, obj in writes:
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_file(obj, path)
+
+
+def save_file(obj, path: str) -> None:
+    """torch.save, a file it cannot open or write an OSError naming it (torch raises RuntimeError
+    for a read-only folder: it must end as a failed save, not a traceback)."""
+    try:
         torch.save(obj, path)
+    except RuntimeError as e:
+        raise OSError(None, str(e).strip().splitlines()[0], path) from None
 
 
 class PendingSave:
@@ -224,8 +233,8 @@ class PendingSave:
             raise self.failed(failure)
         with self.failing_cleanly():
             if self.rank0:
-                torch.save({**self.trainer_state, "layout": {k: self.layout[k] for k in ("tp", "pp", "dp", "ep")}},
-                           os.path.join(self.tmp, TRAINER_STATE))
+                save_file({**self.trainer_state, "layout": {k: self.layout[k] for k in ("tp", "pp", "dp", "ep")}},
+                          os.path.join(self.tmp, TRAINER_STATE))
             _write_manifest(self.tmp, self.rank0)
             if self.rank0:
                 shutil.rmtree(self.final, ignore_errors=True)

@@ -384,6 +384,7 @@ class DynamicSampling(Findings):
 @findings_of("ppo_checkpoint_crash")
 class PPOCheckpointCrash(Findings):
     error: Optional[str]  # the failed save's error
+    read_only_error: Optional[str]  # a save into a folder torch.save cannot write (its RuntimeError)
     background_error: Optional[str]  # the same failure in a background save, when drained
     first: str  # the first checkpoint's path
     latest: str  # latest_checkpoint after the failure

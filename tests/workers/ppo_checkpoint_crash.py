@@ -39,12 +39,25 @@ def failing_save(obj, path, *args, **kwargs):
     return real_save(obj, path, *args, **kwargs)
 
 
+def read_only_save(obj, path, *args, **kwargs):  # what torch.save raises for a folder it cannot write
+    if "trainer_state" in str(path):
+        raise RuntimeError(f"File {path} cannot be opened.")
+    return real_save(obj, path, *args, **kwargs)
+
+
 run_checkpoint.torch.save = failing_save
 error = None
 try:
     run_checkpoint.save_checkpoint(controller.roles, checkpoint_state(controller, None), OUT_DIR)
 except RunError as e:
     error = str(e)
+run_checkpoint.torch.save = read_only_save
+read_only_error = None
+try:
+    run_checkpoint.save_checkpoint(controller.roles, checkpoint_state(controller, None), OUT_DIR)
+except RunError as e:
+    read_only_error = str(e)
+run_checkpoint.torch.save = failing_save
 # The same full disk met by the background writer (trainer.async_save): said when the save is drained.
 background_error = None
 background = CheckpointSaves(in_background=True)
@@ -123,6 +136,6 @@ resident = {name: sum(role.memory.resident_bytes().values()) for name, role in f
 release.set()
 saves.drain()
 background_module.write_files = real_write
-save(PPOCheckpointCrash(error=error, background_error=background_error, first=first, latest=latest, resumed_iteration=fresh.iteration,
+save(PPOCheckpointCrash(error=error, read_only_error=read_only_error, background_error=background_error, first=first, latest=latest, resumed_iteration=fresh.iteration,
                         listing=listing, map_locations=map_locations, writer_holds=writer_holds,
                         resident_while_writing=resident, held_save=run_checkpoint.latest_checkpoint(OUT_DIR)))
