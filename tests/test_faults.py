@@ -588,3 +588,20 @@ def test_a_worker_whose_run_ended_ends_quietly(tmp_path):
     conn.send([(0, "p", "r", {})] * 4)  # the run fails at start-up while the worker scores: it goes away
     conn.close()
     assert worker.wait(timeout=30) == 0 and "Traceback" not in worker.stderr.read()
+
+
+def test_a_torn_ledger_line_is_passed_over_at_resume_and_a_ledger_that_cannot_be_written_is_one_line(tmp_path):
+    """memory.jsonl after a full disk (its last line torn): the resumed run's ledger numbers its
+    moments after the last whole record (it died on the torn line); a ledger write that fails
+    (no room, or no file to write) is a RunError naming the file."""
+    from megatron_rlhf.errors import RunError
+    from megatron_rlhf.memory import MemoryLedger
+
+    path = tmp_path / "memory.jsonl"
+    path.write_text('{"moment": 6, "iteration": 2}\n{"moment": 7, "iteration": 2}\n{"moment": 8, "itera')
+    assert MemoryLedger(str(path)).moments == 8
+    ledger = MemoryLedger(str(tmp_path / "unwritable.jsonl"))
+    (tmp_path / "unwritable.jsonl").mkdir()  # any OSError of the write (ENOSPC alike)
+    with pytest.raises(RunError, match=r"writing the memory ledger .*unwritable.jsonl failed: Is a directory; the last "
+                                       r"complete checkpoint is kept"):
+        ledger.record("phase_end", "iteration")

@@ -52,9 +52,7 @@ class MemoryLedger:
         if path is not None:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             if os.path.exists(path):  # a resumed run appends: number its moments after the old ones
-                with open(path, "rb") as f:
-                    last = f.read().splitlines()[-1:] or [b"{}"]
-                self.moments = json.loads(last[0]).get("moment", -1) + 1
+                self.moments = _last_moment(path) + 1
 
     def track(self, memory: RoleMemory) -> None:
         """Follow this role: its moves are recorded, and it appears in every record set."""
@@ -90,9 +88,12 @@ class MemoryLedger:
         if event == "offload" and active_role in self.roles and self.guard != "off":
             self._check(active_role, phase, stats)
         if self.path is not None:
-            with open(self.path, "a", encoding="utf-8") as f:
-                for r in records:
-                    f.write(json.dumps(r) + "\n")
+            try:
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in records)
+            except OSError as e:  # a full disk: said as the run's one line, the checkpoints kept
+                raise RunError(f"writing the memory ledger {self.path} failed: {e.strerror or e}; the last complete "
+                               "checkpoint is kept (--resume continues from it once there is room)") from None
         return records
 
     def _check(self, role: str, phase: str, stats: Dict[str, int]) -> None:
@@ -133,3 +134,16 @@ class MemoryLedger:
         for r in self.records:
             totals[r["moment"]] = totals.get(r["moment"], 0) + r["resident_bytes"]
         return max(totals.values(), default=0)
+
+
+def _last_moment(path: str) -> int:
+    """The moment of the last whole record of a ledger file (-1 for none): a torn last line, what a
+    full disk or a kill leaves, is passed over (the resume cuts it back)."""
+    with open(path, "rb") as f:
+        lines = f.read().splitlines()
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line).get("moment", -1))
+        except (ValueError, AttributeError):
+            continue
+    return -1
