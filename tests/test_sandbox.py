@@ -356,7 +356,7 @@ class _StandIn(http.server.BaseHTTPRequestHandler):
         answer = service["answer"](request["code"])
         with service["lock"]:
             service["in_flight"] -= 1
-        body = json.dumps(answer).encode()
+        body = answer if isinstance(answer, bytes) else json.dumps(answer).encode()  # bytes: sent as they are
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -398,6 +398,14 @@ def test_the_remote_sandbox_runs_code_as_the_local_one_answers(service):
     service.service["answer"] = lambda code: answers[code]
     assert [run_python(code, settings).status for code in answers] == ["error", "timeout", "output_limit", "unavailable"]
     assert readiness_problem(settings) is not None  # the trial call is answered "broken" here
+    # A service that answers what SandboxFusion never does: named, an answer to the model, no traceback.
+    odd = {"null": b"null", "page": b"<html>502 Bad Gateway</html>", "list": b"[1, 2]"}
+    service.service["answer"] = lambda code: odd[code]
+    said = {code: run_python(code, settings) for code in odd}
+    assert {code: r.status for code, r in said.items()} == {code: "unavailable" for code in odd}
+    assert "its answer is null, not the JSON object SandboxFusion answers" in said["null"].output
+    assert "its answer is not JSON (is " in said["page"].output and "502 Bad Gateway" in said["page"].output
+    assert "its answer is [1, 2], not the JSON object" in said["list"].output
 
 
 def test_the_remote_sandbox_retries_a_dropped_connection_and_bounds_calls_in_flight(service):

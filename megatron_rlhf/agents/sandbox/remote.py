@@ -43,13 +43,20 @@ def _post(url: str, payload: Dict[str, Any], timeout: float) -> Dict[str, Any]:
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read().decode(errors="replace"))
+            text = response.read().decode(errors="replace")
     except urllib.error.HTTPError as e:
         if e.code >= 500 or e.code == 429:
             raise _Retryable(f"HTTP {e.code} {e.reason}") from None
         raise ValueError(f"HTTP {e.code} {e.reason}") from None
     except (urllib.error.URLError, ConnectionError, socket.timeout, http.client.HTTPException, OSError) as e:
         raise _Retryable(str(getattr(e, "reason", e))) from None
+    try:  # a service that is not SandboxFusion (a proxy's page, a null) is named as such
+        answer = json.loads(text)
+    except ValueError:
+        raise ValueError(f"its answer is not JSON (is {url} a SandboxFusion service?): {text[:80]!r}") from None
+    if not isinstance(answer, dict):
+        raise ValueError(f"its answer is {json.dumps(answer)[:80]}, not the JSON object SandboxFusion answers")
+    return answer
 
 
 def run_remote(code: str, settings: SandboxConfig) -> SandboxResult:
