@@ -479,3 +479,18 @@ def test_calls_without_isolation_are_counted_in_the_metrics():
         assert "tool_unsafe_calls" not in isolated.step(Turn("<python>print(1)</python>", [], 0, True)).info["counts"]
     finally:
         configure(SandboxConfig())
+
+
+def test_a_remote_sandbox_that_never_answers_is_refused_at_start_up_after_one_short_try(service, monkeypatch):
+    """A service that takes the connection and never answers: the start-up trial tries once with
+    its own short time-out (it took the run's wall time plus the wait, times every retry: minutes)."""
+    from megatron_rlhf.agents import sandbox
+
+    monkeypatch.setattr(sandbox, "REMOTE_TRIAL_S", 0.2)
+    monkeypatch.setattr(sandbox.remote, "WAIT_BEYOND_S", 0.3)
+    service.service["delay"] = 3.0  # longer than the trial waits
+    url = f"http://127.0.0.1:{service.server_address[1]}"
+    started = time.monotonic()
+    said = readiness_problem(SandboxConfig(kind="remote", url=url, wall_s=30, retries=3))
+    assert said.startswith(f"a trial call to {url} failed") and "timed out" in said
+    assert time.monotonic() - started < 2.0 and service.service["calls"] == 1

@@ -95,6 +95,9 @@ SANDBOXES: Dict[str, Callable[[str, SandboxConfig], SandboxResult]] = registry(
     {"isolated": _run_isolated, "remote": _run_remote, "unsafe_process": _run_unsafe_process})
 
 
+REMOTE_TRIAL_S = 5.0  # the start-up trial call's run time-out on a remote sandbox (one try)
+
+
 def readiness_problem(settings: SandboxConfig) -> Optional[str]:
     """Why calls of ``settings``'s kind cannot run on this machine (a trial call), or None."""
     if settings.unsafe:
@@ -102,7 +105,11 @@ def readiness_problem(settings: SandboxConfig) -> Optional[str]:
     missing = None if settings.remote else isolation.missing_parts()
     if missing:
         return missing
-    trial = run_python("print(6 * 7)", dataclasses.replace(settings, wall_s=max(settings.wall_s, 30.0)))
+    # A local sandbox's first call may wait for the page cache; a service answers at once or not
+    # at all: one try, its own short time-out (a service that never answers is refused in seconds).
+    trial_settings = dataclasses.replace(settings, wall_s=REMOTE_TRIAL_S, retries=0) if settings.remote else \
+        dataclasses.replace(settings, wall_s=max(settings.wall_s, 30.0))
+    trial = run_python("print(6 * 7)", trial_settings)
     if trial.status == "ok" and trial.output == "42\n":
         return None
     said = " ".join(trial.output.split())[-300:] or trial.status
