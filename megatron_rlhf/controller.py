@@ -94,11 +94,6 @@ class PPOController(Steps):
         for started in filter(None, (self.reward_pool, self.turns)):
             started.close()
 
-    @property
-    def phase(self) -> str:
-        """What this rank is doing now (a role's phase, "advantages", "metrics", ...)."""
-        return self.progress.phase
-
     def _mark(self, phase: str) -> None:
         self.progress.iteration = self.iteration
         self.progress.mark(phase)

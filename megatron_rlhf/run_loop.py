@@ -2,7 +2,7 @@
 
     start-up     process groups; free_memory: auto chosen and the overlap budget measured (both
                  from the device memory free on every rank)
-    build        the stage's steps (STEPS: the one dispatch of ``stage``) and their roles
+    build        the stage's steps (steps_class: the one dispatch of ``stage``) and their roles
     resume       the trained roles, the steps' own state and the random state from the checkpoint
     steps        validation before training; each step, validated at trainer.val_interval, logged,
                  saved at trainer.save_interval and at the end (trainer.async_save: in the background)

@@ -45,28 +45,24 @@ def read_only_save(obj, path, *args, **kwargs):  # what torch.save raises for a 
     return real_save(obj, path, *args, **kwargs)
 
 
-run_checkpoint.torch.save = failing_save
-error = None
-try:
-    run_checkpoint.save_checkpoint(controller.roles, checkpoint_state(controller, None), OUT_DIR)
-except RunError as e:
-    error = str(e)
-run_checkpoint.torch.save = read_only_save
-read_only_error = None
-try:
-    run_checkpoint.save_checkpoint(controller.roles, checkpoint_state(controller, None), OUT_DIR)
-except RunError as e:
-    read_only_error = str(e)
-run_checkpoint.torch.save = failing_save
+def error_of_a_save(patched_save, in_background: bool = False):
+    """The RunError's text of a checkpoint save made with torch.save replaced by ``patched_save``
+    (in the background: said when the save is drained), or None."""
+    run_checkpoint.torch.save = patched_save
+    try:
+        saves = CheckpointSaves(in_background=in_background)
+        saves.save(controller.roles, checkpoint_state(controller, None), OUT_DIR)
+        saves.drain()
+    except RunError as e:
+        return str(e)
+    finally:
+        run_checkpoint.torch.save = real_save
+    return None
+
+
+error, read_only_error = error_of_a_save(failing_save), error_of_a_save(read_only_save)
 # The same full disk met by the background writer (trainer.async_save): said when the save is drained.
-background_error = None
-background = CheckpointSaves(in_background=True)
-background.save(controller.roles, checkpoint_state(controller, None), OUT_DIR)
-try:
-    background.drain()
-except RunError as e:
-    background_error = str(e)
-run_checkpoint.torch.save = real_save
+background_error = error_of_a_save(failing_save, in_background=True)
 
 latest = run_checkpoint.latest_checkpoint(OUT_DIR)
 fresh = PPOController(config, dataset, tokenizer, controller.collector.scorer.reward_pool, MemoryLedger(None))
