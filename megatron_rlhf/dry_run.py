@@ -159,6 +159,19 @@ def _own_layout_text(config: RLHFConfig, role: str, world_size: int) -> str:
             "; ".join(f"{s}: {_span(sorted(g[s] for g in groups['pp']))}" for s in range(pp)) + experts + f"; weights {source}")
 
 
+ATTENTION_KINDS = {"fused": "fused (torch scaled_dot_product_attention, no s x s scores)",
+                   "local": "local (megatron's, an s x s mask and scores per layer)"}
+
+
+def attention_text(config: RLHFConfig) -> str:
+    """Which core attention each model role runs (models/attention.py)."""
+    by_kind: Dict[str, List[str]] = {}
+    for role in config.model_roles:
+        by_kind.setdefault(config.role(role).attention, []).append(role)
+    kinds = "; ".join(f"{ATTENTION_KINDS[kind]}: {', '.join(roles)}" for kind, roles in by_kind.items())
+    return f"attention: {kinds} (transformer-engine's own where it is installed)"
+
+
 def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str:
     par = config.parallel
     tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
@@ -217,6 +230,7 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
                          f"{arch.num_experts // config.layout_of(role).expert_model_parallel_size} per EP rank")
         if rc.load:
             lines.append(f"{'':<11}load: {config.path_of(role + '.load')}")
+    lines.append(attention_text(config))
     if config.reward.type == "function":
         named = config.reward.functions or {config.reward.function: 1.0}
         shown = ", ".join(spec if len(named) == 1 else f"{weight:g} x {spec}" for spec, weight in named.items())

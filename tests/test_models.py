@@ -38,7 +38,8 @@ def dp1_steps(tmp_path_factory):
     """One process's steps of every variant the tests below compare against (one launch)."""
     from tests.conftest import run_workers
 
-    return run_workers(tmp_path_factory.mktemp("dp1"), 1, "dp_step", "dist", "local", "dist+recompute")[0]
+    return run_workers(tmp_path_factory.mktemp("dp1"), 1, "dp_step", "dist", "local", "dist+recompute",
+                       "dist+local_attention")[0]
 
 
 def test_dp2_training_step_equals_dp1_on_the_same_global_batch(workers, dp1_steps):
@@ -64,6 +65,35 @@ def test_activation_recompute_trains_as_without(dp1_steps):
     for name, expected in plain.params.items():
         torch.testing.assert_close(recomputed.params[name], expected, rtol=0, atol=1e-6, msg=name)
     assert recomputed.moved > 1e-4
+
+
+def test_fused_attention_trains_as_megatrons_local_attention(dp1_steps):
+    """The default core attention (torch's scaled_dot_product_attention, models/attention.py)
+    against megatron's DotProductAttention: three Adam steps from the same weights. Their gradient
+    norms agree to fp32 rounding; the weights to 2e-5 of the 3e-3 that three steps at lr 1e-3 can move
+    a weight (Adam turns rounding-sized differences of near-zero gradients into sign flips)."""
+    import torch
+
+    fused, local = dp1_steps.runs["dist"], dp1_steps.runs["dist+local_attention"]
+    assert (fused.core_attention, local.core_attention) == ("FusedCoreAttention", "DotProductAttention")
+    assert fused.grad_norms == pytest.approx(local.grad_norms, rel=1e-6)
+    for name, expected in local.params.items():
+        torch.testing.assert_close(fused.params[name], expected, rtol=0, atol=2e-5, msg=name)
+    assert fused.moved > 1e-4
+
+
+def test_fused_attention_keeps_no_score_matrix_in_the_planner():
+    """The planner's activations: the s x s scores only under megatron's local attention."""
+    from megatron_rlhf.config.presets import PRESETS
+    from megatron_rlhf.config.schema import ModelArchConfig
+    from megatron_rlhf.memory.planner import activation_bytes
+
+    arch = ModelArchConfig(**PRESETS["tiny"])
+    def grows(attention):  # doubling the sequence: linear terms double, s x s terms quadruple
+        one, two = (activation_bytes(arch, "scalar", 2, s, 1, 1, "fp32", False, True, attention=attention)
+                    for s in (1024, 2048))
+        return two / one
+    assert grows("fused") == pytest.approx(2.0) and grows("local") > 3.0
 
 
 def test_the_scalar_head_computes_in_fp32_from_bf16_weights():

@@ -289,6 +289,10 @@ class RoleConfig:
     adam_eps: float = bounded(1e-8, gt=0)  # Adam's epsilon
     clip_grad: float = bounded(1.0, ge=0)  # the gradients' global norm is clipped to this (0: off)
     recompute_activations: bool = False  # megatron's full activation recompute: less memory, one more forward
+    # The core attention where transformer-engine is absent (models/attention.py): fused (torch's
+    # scaled_dot_product_attention: causal without a mask, flash or memory-efficient kernels, no
+    # s x s scores kept) or local (megatron's own: an explicit mask and the s x s scores in memory).
+    attention: Literal["fused", "local"] = "fused"
     # megatron settings that keep device addresses fixed for the life of the run; EMS re-allocates
     # storages on every onload, so they are refused while the role's state moves (validation.py).
     cuda_graph_impl: Literal["none", "local", "transformer_engine"] = "none"  # CUDA graphs capture addresses

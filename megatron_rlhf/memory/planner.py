@@ -165,15 +165,21 @@ def _owned_elements(numels: List[int], buffer: int, dp: int, dp_rank: int = 0) -
 
 
 def activation_bytes(arch: ModelArchConfig, head: str, micro_batch: int, seq: int, tp: int, pp: int,
-                     precision: str, recompute: bool, training: bool, padded_vocab: Optional[int] = None) -> int:
+                     precision: str, recompute: bool, training: bool, padded_vocab: Optional[int] = None,
+                     attention: str = "fused") -> int:
     """Estimate of the activations one micro-batch keeps on a stage (Korthikanti et al. 2022,
-    without sequence parallelism, no dropout masks): per layer s*b*h*(10 + 24/TP) * bytes/2
-    plus the attention scores 5*a*s^2*b/TP * bytes/2 (unfused attention), and the fp32 logits.
-    With full recomputation only each layer's input is kept. A forward-only pass keeps about one
-    layer's worth at a time."""
+    without sequence parallelism, no dropout masks): per layer s*b*h*(10 + 24/TP) * bytes/2, the
+    attention's own (local: the scores and probabilities 5*a*s^2*b/TP * bytes/2; fused: each
+    query's fp32 log-sum-exp a*s*b/TP * 4, and a sliding window's s x s booleans), and the fp32
+    logits. With full recomputation only each layer's input is kept. A forward-only pass keeps
+    about one layer's worth at a time."""
     width = BYTES[precision]
     s, b, h, a = seq, micro_batch, arch.hidden_size, arch.num_attention_heads
-    per_layer = s * b * h * (10 + 24 / tp) * width / 2 + 5 * a * s * s * b / tp * width / 2
+    if attention == "local":
+        scores = 5 * a * s * s * b / tp * width / 2
+    else:
+        scores = a * s * b / tp * 4 + (s * s if arch.sliding_window else 0)
+    per_layer = s * b * h * (10 + 24 / tp) * width / 2 + scores
     layers = len(stage_layers(arch.num_layers, pp, 0))
     if arch.num_experts:  # the most loaded stage: its layers with experts
         moe_layers = max(sum(_stage_layers(arch, pp, r)) for r in range(pp))
@@ -287,7 +293,8 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
         rows = config.rollout_samples // rdp
         transient[name] = {
             "activations": in_flight * activation_bytes(rc.model, ROLE_HEADS[name], micro_batch_rows(config, name), seq, rtp, rpp,
-                                                        rc.precision, rc.recompute_activations, trainable, vocab),
+                                                        rc.precision, rc.recompute_activations, trainable, vocab,
+                                                        rc.attention),
             "kv_cache": kv_cache_bytes(rc.model, min(rows, config.generation.batch_size or rows), seq, rtp, rpp,
                                        rc.precision) if name == "policy" and config.stage == "rl" else 0,  # only RL generates
             "reshard_buffers": reshard_buffer_bytes(config, name, world_size),

@@ -141,23 +141,32 @@ class ScalarHead(torch.nn.Module):
         return values, None
 
 
-def layer_spec(arch: ModelArchConfig, config):
-    """transformer-engine layers on GPU when installed, megatron-core's local layers otherwise;
+def layer_spec(arch: ModelArchConfig, config, attention: str = "fused"):
+    """transformer-engine layers on GPU when installed, megatron-core's local layers otherwise
+    (their core attention on torch's fused kernels unless ``attention`` is local: attention.py);
     with experts, megatron's block spec (this stage's layers, each with experts or dense as
     ``config.moe_layer_freq`` says)."""
+    te = get_platform().has_transformer_engine
+    if te and attention == "local":
+        raise ValueError("attention: local: transformer-engine is installed, whose layers bring their own fused "
+                         "attention; megatron's local attention is used only where it is absent (use attention: fused)")
     if arch.num_experts:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=get_platform().has_transformer_engine)
-    if get_platform().has_transformer_engine:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te)
+    elif te:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm)
+        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm)
+    from megatron_rlhf.models.attention import with_core_attention
+
+    return spec if te else with_core_attention(spec, attention)
 
 
 def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
@@ -193,11 +202,13 @@ def build_model(
     post_process: Optional[bool] = None,
     pg_collection=None,
     padded_vocab: Optional[int] = None,
+    attention: str = "fused",
 ) -> torch.nn.Module:
     """This rank's piece of the model (its pipeline stage, its TP shard), on the platform device.
     ``pg_collection``: the process groups of ``parallel`` when it is not the run's layout
     (runtime/layouts.py); ``padded_vocab``: the vocabulary rows (default: padded for ``parallel``'s TP;
-    models that exchange weights across layouts need one size)."""
+    models that exchange weights across layouts need one size); ``attention``: the core attention
+    where transformer-engine is absent (models/attention.py)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
@@ -218,7 +229,7 @@ def build_model(
         post_process = stage == stages - 1
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, config),
+        transformer_layer_spec=layer_spec(arch, config, attention),
         vocab_size=padded_vocab or arch.padded_vocab_size(parallel.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,

@@ -122,7 +122,7 @@ class ModelsEquivalence(Findings):
 @findings_of("dp_step")
 class DPStep(Findings):
     dp: int
-    runs: dict[str, "DPRun"]  # variant ("dist", "local", "dist+recompute") -> its steps
+    runs: dict[str, "DPRun"]  # variant ("dist", "local", "dist+recompute", "dist+local_attention") -> its steps
 
 
 @part
@@ -130,6 +130,8 @@ class DPRun(Findings):
     params: StateDict  # after 3 steps
     moved: float  # the largest change of any parameter
     recompute: Optional[str]  # megatron's recompute_granularity as built
+    core_attention: str  # the class of the first layer's core attention
+    grad_norms: list  # each step's gradient norm
 
 
 @findings_of("gpu_vs_cpu")

@@ -1,0 +1,74 @@
+"""Core attention on torch's fused kernels, where transformer-engine is absent.
+
+megatron-core's local ``DotProductAttention`` materialises the scores [b, heads, s, s] with an
+explicit causal mask and an unfused softmax. :class:`FusedCoreAttention` takes its place in the
+local layer specs and computes the same attention with ``scaled_dot_product_attention`` (flash or
+memory-efficient kernels on a GPU, the flash kernel on CPU): causal without a mask tensor,
+grouped-query heads without copying keys and values, the softmax scale megatron chose for the
+layer, and a sliding window as one [s, s] boolean band for every row and head. Rows are
+right-padded (models/batches.py), so causal attention keeps padding from ever reaching a real
+token: no per-row mask is needed.
+
+The role key ``attention`` chooses it (``fused``, the default) or megatron's own (``local``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.utils import is_layer_window_attention
+
+
+class FusedCoreAttention(DotProductAttention):
+    """megatron's core attention (the same constructor: heads per TP rank, softmax scale, window),
+    on ``scaled_dot_product_attention``. query [sq, b, heads, dim], key/value [sk, b, groups, dim]
+    -> context [sq, b, heads x dim]."""
+
+    def __init__(self, config, layer_number, *args, **kwargs):
+        super().__init__(config, layer_number, *args, **kwargs)
+        if config.softmax_type != "vanilla":
+            raise ValueError(f"attention: fused computes the vanilla softmax, not {config.softmax_type!r}")
+        windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+        self.window = config.window_size if windowed else None  # (tokens before, tokens after)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("attention: fused takes right-padded rows: no packed-sequence parameters or "
+                             "attention bias (megatron's local attention refuses them too)")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
+        if attention_mask is not None:  # megatron's convention: True = masked out
+            mask, causal = ~attention_mask, False
+        elif self.window is not None:
+            mask, causal = window_band(q.shape[2], k.shape[2], self.window, q.device), False
+        else:
+            mask, causal = None, True
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                 scale=self.softmax_scale, enable_gqa=True)
+        return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
+
+
+def window_band(sq: int, sk: int, window, device) -> torch.Tensor:
+    """[sq, sk] True where query i may read key j under megatron's ``window`` (tokens before,
+    tokens after): j - i' at most the tokens after and i' - j at most the tokens before, i' = i + sk - sq.
+    Made per call (s x s booleans, one for every row and head): a kept copy would stay on the device
+    outside what EMS and the ledger count."""
+    i = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    return (j <= i + window[1]) & (i - j <= window[0])
+
+
+def with_core_attention(spec, attention: str):
+    """``spec`` (a layer's ModuleSpec, or a block's TransformerBlockSubmodules) with megatron's
+    local core attention replaced by :class:`FusedCoreAttention` when ``attention`` is fused."""
+    if attention == "local":
+        return spec
+    if attention != "fused":
+        raise ValueError(f"attention must be 'fused' or 'local', got {attention!r}")
+    for layer in getattr(spec, "layer_specs", [spec]):
+        self_attention = layer.submodules.self_attention.submodules
+        if self_attention.core_attention is DotProductAttention:
+            self_attention.core_attention = FusedCoreAttention
+    return spec
+
