@@ -27,8 +27,8 @@ class FusedCoreAttention(DotProductAttention):
 
     def __init__(self, config, layer_number, *args, **kwargs):
         super().__init__(config, layer_number, *args, **kwargs)
-        if config.softmax_type != "vanilla":
-            raise ValueError(f"attention: fused computes the vanilla softmax, not {config.softmax_type!r}")
+        if self.softmax_offset is not None:  # megatron's off-by-one and learnable softmax types
+            raise ValueError(f"attention: fused computes the plain softmax, not softmax_type {config.softmax_type!r}")
         windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
         self.window = config.window_size if windowed else None  # (tokens before, tokens after)
 
