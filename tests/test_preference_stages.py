@@ -244,6 +244,7 @@ def _pairs(tmp_path, rows, max_length=40, chat=False, tokenizer=None):
     ({"prompt": "ab ", "chosen": "cd", "rejected": "ef", "margin": "big"}, "'margin' must be a finite number"),
     ({"prompt": "ab ", "chosen": "cd", "rejected": "ef", "margin": float("nan")}, "'margin' must be a finite number"),
     ({"chosen": "xyz", "rejected": "abc"}, "share no text"),
+    ({"question": "ab ", "chosen": "ab cd", "rejected": "ab ef"}, "no 'prompt' column, but 'question' holds text"),
 ])
 def test_a_bad_preference_row_is_refused_naming_file_and_line(tmp_path, row, problem):
     good = {"prompt": "ab ", "chosen": "cd", "rejected": "ef"}
@@ -263,12 +264,17 @@ def test_preference_rows_of_every_shape_are_read_and_cut_alike(tmp_path):
 
     pairs = _pairs(tmp_path, [{"prompt": "ab ", "chosen": "cd", "rejected": "e", "margin": 1.5},
                               {"chosen": "hi yes", "rejected": "hi no"},
-                              {"prompt": "ab ", "chosen": "cdefghijkl", "rejected": "mnopqrstuvw"}], max_length=8)
-    first, hh, long = pairs.pairs
+                              {"prompt": "ab ", "chosen": "cdefghijkl", "rejected": "mnopqrstuvw"},
+                              {"chosen": "hi  yes", "rejected": "hi  yet"}], max_length=8)
+    first, hh, long, one_word = pairs.pairs
     assert first.chosen.ids == [1, 3, 4, 29, 5, 6, 2] and first.chosen.trained == [0] * 4 + [1] * 3
     assert first.margin == 1.5 and first.rejected.ids[-1] == 2
-    assert hh.chosen.prompt_length == hh.rejected.prompt_length == len("hi ") + 1
-    assert len(long.chosen.ids) == len(long.rejected.ids) == 8 and long.chosen.prompt_length == 4 and pairs.cut == 1
+    # The texts' prompt ends before the space that leads into the answers (TRL's split of HH-RLHF),
+    # and never inside the word they part in.
+    assert hh.chosen.prompt_length == hh.rejected.prompt_length == len("hi") + 1
+    space = hh.chosen.ids[3]  # hh's response starts with the space: " yes"
+    assert one_word.chosen.prompt_length == len("hi") + 1 and one_word.chosen.ids[3:6] == [space, space, 27]
+    assert len(long.chosen.ids) == len(long.rejected.ids) == 8 and long.chosen.prompt_length == 4 and pairs.cut == 2
     tokenizer = HFTokenizer(str(make_tokenizer_dir(tmp_path / "tok")))
     user, answer_a, answer_b = ({"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
                                 {"role": "assistant", "content": "5"})
@@ -281,6 +287,39 @@ def test_preference_rows_of_every_shape_are_read_and_cut_alike(tmp_path):
     ids, trained = sides[0]
     assert ids[: chat.pairs[0].chosen.prompt_length] == tokenizer.encode_prompt([user], chat=True)
     assert tokenizer.decode([i for i, t in zip(ids, trained) if t]).startswith("4")
+    # A multi-turn prompt (an earlier assistant turn in it) is read, not trained: only the answer is.
+    earlier = [user, {"role": "assistant", "content": "7"}, {"role": "user", "content": "and 3+3?"}]
+    multi = _pairs(tmp_path, [{"prompt": earlier, "chosen": [answer_a], "rejected": [answer_b]}], max_length=96,
+                   chat=True, tokenizer=tokenizer).pairs[0].chosen
+    assert tokenizer.decode([i for i, t in zip(multi.ids, multi.trained) if t]).startswith("4")
+    assert not any(multi.trained[: multi.prompt_length]) and "7" in tokenizer.decode(multi.ids[: multi.prompt_length])
+
+
+def test_a_huge_response_is_cut_before_it_is_encoded_to_the_ids_of_the_whole(tmp_path):
+    """A 420 kB response: only what can fall within max_length tokens reaches the tokenizer, and the
+    pair's ids are those of the whole text's encoding cut to max_length (text and chat rows)."""
+    from tests.helpers.hf_tokenizer import make_tokenizer_dir
+
+    from megatron_rlhf.data import HFTokenizer
+
+    tokenizer = HFTokenizer(str(make_tokenizer_dir(tmp_path / "tok")))
+    longest = []
+    for name in ("encode_text", "encode_chat"):
+        def spy(value, _real=getattr(tokenizer, name)):
+            longest.append(len(value) if isinstance(value, str) else sum(len(m["content"]) for m in value))
+            return _real(value)
+        setattr(tokenizer, name, spy)
+    huge = "the quick brown fox jumps over a lazy dog " * 10_000
+    text = _pairs(tmp_path, [{"prompt": "say", "chosen": huge, "rejected": "no"}], max_length=64, tokenizer=tokenizer)
+    whole = tokenizer.encode_prompt("say", chat=False) + tokenizer.encode_text(huge)
+    assert text.pairs[0].chosen.ids == whole[:64] and text.pairs[0].chosen.cut and text.cut == 1
+    chat = _pairs(tmp_path, [{"prompt": "say", "chosen": [{"role": "assistant", "content": huge}],
+                              "rejected": [{"role": "assistant", "content": "no"}]}],
+                  max_length=64, chat=True, tokenizer=tokenizer)
+    whole = tokenizer.encode_chat([{"role": "user", "content": "say"}, {"role": "assistant", "content": huge}])[0]
+    assert chat.pairs[0].chosen.ids == whole[:64]
+    *read, text_whole, chat_whole = sorted(longest)  # the two reference encodings above are whole
+    assert max(read) < 100_000 and (text_whole, chat_whole) == (len(huge), len(huge) + 3)
 
 
 def test_a_bad_demonstration_is_refused_and_a_chat_trains_only_its_assistant_turns(tmp_path):
@@ -463,6 +502,18 @@ def test_stage_checkpoints_go_into_ppo_as_written_and_the_reward_model_exports_t
                                   "PROMPT_FILE": str(PIPELINE / "prompts.jsonl")})
     assert refused.returncode == 2 and "reward.normalize" in refused.stderr and "records no score statistics" in \
         refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+
+    # The trained models record the tokenizer they read; one of the same size that spells its ids
+    # otherwise (the alphabet in another order) is refused before start-up.
+    assert json.loads((reward / "megatron_rlhf_model.json").read_text())["tokenizer"]["source"] == \
+        "char:abcdefghijklmnopqrstuvwxyz "
+    other = subprocess.run([sys.executable, "-m", "megatron_rlhf.train", "--config", str(PIPELINE / "ppo.yaml"),
+                            "--check-only", "--world-size", "2", "data.tokenizer.alphabet=bacdefghijklmnopqrstuvwx yz"],
+                           capture_output=True, text=True, cwd=tmp_path,
+                           env={**os.environ, "POLICY_LOAD": str(policy), "REWARD_LOAD": str(reward),
+                                "PROMPT_FILE": str(PIPELINE / "prompts.jsonl")})
+    assert other.returncode == 2 and other.stderr.count("error:") == 1 and "was trained with the tokenizer char:" \
+        in other.stderr and "the model would read its ids as other text" in other.stderr, other.stderr
 
 
 def test_lora_dpo_trains_the_adapters_alone_against_the_base_as_reference(tmp_path):

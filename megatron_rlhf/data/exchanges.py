@@ -5,8 +5,9 @@ preference pairs; data/demonstrations.py, data/preferences.py).
 A string prompt and response: the prompt as the tokenizer encodes a prompt (its BOS), the response's
 text then the first end token (the model learns to stop), every response token trained. A chat
 (``apply_chat_template``): the prompt's messages with the template's generation prompt, then the
-response's messages as the template renders the whole chat; trained are the tokens assistant
-messages wrote (tokenizer.encode_chat), not a tool's reply between them.
+response's messages as the template renders the whole chat; trained are the tokens the response's
+assistant messages wrote (tokenizer.encode_chat), not a tool's reply between them, nor an earlier
+assistant turn the prompt holds (a multi-turn prompt is read, as TRL reads it).
 """
 
 from __future__ import annotations
@@ -57,9 +58,12 @@ def shown(value: Any) -> str:
     return json.dumps(value, default=str)[:80]
 
 
-def encode_exchange(tokenizer: Tokenizer, prompt: Prompt, response: Any, chat: bool,
+def encode_exchange(tokenizer: Tokenizer, prompt: Prompt, response: Any, chat: bool, max_length: int,
                     system_prompt: Optional[str] = None) -> Encoded:
-    """``prompt`` then ``response`` (strings, or chat messages with ``chat``), the response's tokens marked."""
+    """``prompt`` then ``response`` (strings, or chat messages with ``chat``), the response's tokens
+    marked; of a response far longer than ``max_length`` tokens only what can fall within it is
+    encoded (:func:`within_length`; :func:`cut_to` then cuts the ids)."""
+    response = within_length(tokenizer, response, max_length)
     if not chat:
         if not isinstance(prompt, str) or not isinstance(response, str):
             raise ValueError("chat messages need data.apply_chat_template: true (and a tokenizer with a chat template)")
@@ -69,10 +73,29 @@ def encode_exchange(tokenizer: Tokenizer, prompt: Prompt, response: Any, chat: b
     messages = as_messages(with_system_prompt(prompt, system_prompt), "user")
     prompt_ids = tokenizer.encode_prompt(messages, chat=True)
     ids, trained = tokenizer.encode_chat(messages + as_messages(response, "assistant"))
-    if ids[: len(prompt_ids)] != prompt_ids or any(trained[: len(prompt_ids)]):
+    if ids[: len(prompt_ids)] != prompt_ids:
         raise ValueError("the chat template renders the prompt with its generation prompt otherwise than as the start "
                          "of the whole chat; the response tokens cannot be told from the prompt's")
-    return Encoded(ids, trained, len(prompt_ids))
+    # An assistant turn inside a multi-turn prompt is read, not trained (TRL trains the completion only).
+    return Encoded(ids, [0] * len(prompt_ids) + trained[len(prompt_ids):], len(prompt_ids))
+
+
+def within_length(tokenizer: Tokenizer, value: Any, max_length: int) -> Any:
+    """``value`` (a text, or messages) with the text past what can fall within ``max_length`` tokens
+    cut before it is encoded: a text of n x max_token_chars characters holds at least n tokens, so
+    characters past twice that budget (room for the tokens at the cut to form as in the whole) are
+    beyond the length limit wherever the text sits. A 32 MB response is not encoded whole to keep
+    its first tokens."""
+    budget = 2 * max_length * tokenizer.max_token_chars + 16
+    if isinstance(value, str):
+        return value[:budget]
+    kept = []
+    for message in value:  # messages: the budget counts over their contents in order
+        content = message.get("content")
+        if isinstance(content, str):
+            message, budget = {**message, "content": content[:budget]}, max(0, budget - len(content))
+        kept.append(message)
+    return kept
 
 
 def cut_to(encoded: Encoded, max_length: int, where: str) -> Encoded:

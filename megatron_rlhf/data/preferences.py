@@ -6,7 +6,9 @@ subtracts it). The shapes the public sets ship, each read as a prompt and two re
   assistant's messages;
 - ``chosen`` / ``rejected`` as whole conversations that repeat the prompt (UltraFeedback-binarized:
   ``prompt`` a string, each side [user, assistant]), the shared start taken off;
-- no ``prompt``: the conversations' (or texts', HH-RLHF) common start is the prompt.
+- no ``prompt``: the conversations' (or texts', HH-RLHF) common start is the prompt (texts: up to
+  the word they part in, its leading spaces going to the responses); a row without ``prompt`` but
+  with another text column is refused (the prompt under another name).
 
 Every row is read, encoded (data/exchanges.py) and cut to ``max_length`` when the file is opened,
 so a bad row stops the run before start-up, named by file and line (JSONL) or row (Parquet).
@@ -39,6 +41,30 @@ def _common_start(a, b) -> int:
     return n
 
 
+def _text_split(text: str, shared: int) -> int:
+    """Where a prompt taken from two texts' shared start ends: before the word they part in (a cut
+    inside a word would give each side half of it), and before the spaces that lead into it, which
+    go to the responses (HH-RLHF's "Assistant: " prompt: a response starts " Sure" as the model
+    writes it after "Assistant:", not "Sure"; TRL moves the space likewise)."""
+    if shared < len(text):
+        while shared and not text[shared - 1].isspace():
+            shared -= 1
+    while shared and text[shared - 1] == " ":
+        shared -= 1
+    return shared
+
+
+def _refuse_other_prompt_columns(row: Dict[str, Any], where: str) -> None:
+    """A row without 'prompt' takes its prompt from its sides' shared start; text in another column
+    is most likely the prompt under another name, which would be silently dropped."""
+    texts = [k for k, v in row.items() if k not in SIDES and k != "margin" and (isinstance(v, str) or (
+        isinstance(v, list) and v and all(isinstance(m, dict) and "content" in m for m in v)))]
+    if texts:
+        raise ValueError(f"{where}: no 'prompt' column, but {', '.join(map(repr, texts))} holds text: a pair's prompt is "
+                         "read from 'prompt', or without one taken from where 'chosen' and 'rejected' part; rename "
+                         "the prompt's column to 'prompt', or drop the column if it is not the prompt")
+
+
 def split_pair(row: Dict[str, Any], where: str) -> Tuple[Any, Any, Any]:
     """(prompt, chosen response, rejected response) of a row in any of the shapes above."""
     missing = [k for k in SIDES if k not in row]
@@ -63,8 +89,10 @@ def split_pair(row: Dict[str, Any], where: str) -> Tuple[Any, Any, Any]:
                 raise ValueError(f"{where}: the conversations' prompts differ: one side repeats the row's prompt and "
                                  "the other does not")
     else:
+        _refuse_other_prompt_columns(row, where)
         shared = _common_start(chosen, rejected)
         if isinstance(chosen, str):  # HH-RLHF's texts: the prompt ends where they part
+            shared = _text_split(chosen, shared)
             prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
             if not prompt.strip():
                 raise ValueError(f"{where}: no 'prompt' column, and 'chosen' and 'rejected' share no text to take as it")
@@ -95,7 +123,8 @@ class PreferencePairs:
                  system_prompt: Optional[str] = None):
         def encode(row, where: str) -> Pair:
             prompt, chosen, rejected = split_pair(row, where)
-            c, r = (cut_to(encode_exchange(tokenizer, prompt, response, chat, system_prompt), max_length, where)
+            c, r = (cut_to(encode_exchange(tokenizer, prompt, response, chat, max_length, system_prompt), max_length,
+                          where)
                     for response in (chosen, rejected))
             if c.ids == r.ids:
                 raise ValueError(f"{where}: 'chosen' and 'rejected' are the same in their first {max_length} tokens "

@@ -9,6 +9,7 @@ knows every token that ends a response (``eos_ids``: Llama 3 and Qwen stop on mo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import string
@@ -25,6 +26,9 @@ class Tokenizer(Protocol):
     eos_ids: Tuple[int, ...]  # every token that ends a response
     pad_id: int
     has_chat_template: bool
+    # The most characters one token stands for: text of n x this many characters holds at least n
+    # tokens (data/exchanges.py cuts a long text before encoding it by this).
+    max_token_chars: int
 
     def encode_prompt(self, prompt: Union[str, Messages], chat: bool, tools: Optional[List[dict]] = None) -> List[int]: ...
 
@@ -43,6 +47,7 @@ class CharTokenizer:
 
     SPECIALS = ("<pad>", "<bos>", "<eos>")
     has_chat_template = False
+    max_token_chars = 1
 
     def __init__(self, alphabet: Optional[str] = None):
         alphabet = PRINTABLE if alphabet is None else alphabet
@@ -119,6 +124,15 @@ class HFTokenizer:
         pad = self._token_id("pad_token", pad_token)
         self.pad_id = pad if pad is not None else self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_ids[0]
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
+        self._max_token_chars = None
+
+    @property
+    def max_token_chars(self) -> int:
+        """The longest token's spelling in the vocabulary (a byte-level or SentencePiece token's
+        characters are at least the text's characters it stands for; special tokens as written)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(len(t) for t in self._tok.get_vocab())
+        return self._max_token_chars
 
     def _token_id(self, key: str, token: Optional[str]) -> Optional[int]:
         if token is None:
@@ -218,6 +232,18 @@ def _generation_config_eos(path: str) -> List[int]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{file}: not valid JSON ({e})") from None
     return [value] if isinstance(value, int) else [int(v) for v in value or []]
+
+
+def tokenizer_record(tokenizer: Tokenizer) -> dict:
+    """What a trained model's checkpoint records of the tokenizer it read: where it came from, its
+    size, and a fingerprint of its token -> id mapping (two tokenizers of one size that spell
+    their ids otherwise differ in it)."""
+    if isinstance(tokenizer, CharTokenizer):
+        source, mapping = f"char:{tokenizer.alphabet}", [tokenizer.SPECIALS, tokenizer.alphabet]
+    else:
+        source, mapping = tokenizer.path, sorted(tokenizer._tok.get_vocab().items())
+    digest = hashlib.sha256(json.dumps(mapping, ensure_ascii=False).encode()).hexdigest()[:16]
+    return {"source": source, "vocab_size": tokenizer.vocab_size, "fingerprint": digest}
 
 
 def build_tokenizer(config: TokenizerConfig, path: Optional[str] = None) -> Tokenizer:
