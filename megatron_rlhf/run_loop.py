@@ -131,10 +131,20 @@ def _steps(steps, prepared: Prepared, history: list, validations: list) -> None:
             saves.poll()  # a save in flight finished once every rank wrote its files
             if (trainer.save_interval and iteration % trainer.save_interval == 0) or (last and trainer.save_at_end):
                 saves.save(steps.role_set.roles, checkpoint_state(steps, prepared.run), prepared.output_dir,
-                           steps.recorded_scores())
+                           model_records(steps, prepared.tokenizer))
         saves.drain()
     finally:
         log.close()
+
+
+def model_records(steps, tokenizer) -> Dict[str, dict]:
+    """What each trained role's model files record beside its weights: the tokenizer it read (a
+    run that loads it is refused another) and its score statistics (a reward model's)."""
+    from megatron_rlhf.data.tokenizer import tokenizer_record
+
+    scores = steps.recorded_scores()
+    return {role: {"tokenizer": tokenizer_record(tokenizer), "scores": scores.get(role)}
+            for role in steps.config.trainable_roles}
 
 
 def checkpoint_state(steps, run: dict) -> dict:

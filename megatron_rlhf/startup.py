@@ -86,6 +86,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
             raise ConfigError(f"{config.at('trainer.wandb')}: true, but the wandb package is not installed; install "
                               "it with pip install -e .[wandb] (or pip install wandb), or set wandb: false") from None
     tokenizer = build_tokenizer(config.data.tokenizer, config.path_of("data.tokenizer.path"))
+    _check_tokenizer_records(config, tokenizer)
     # RL's reward and value models may come with a vocabulary of their own; a stage's roles read its ids
     readers = config.model_roles if config.stage != "rl" else [r for r in config.model_roles if ROLE_HEADS[r] == "lm"]
     for role in readers:  # the roles that read the tokenizer's ids
@@ -291,6 +292,26 @@ def _check_loaded_checkpoints(config: RLHFConfig) -> None:
                           read=False)  # the header's shapes: the roles read the tensors once, when built
         except CheckpointError as e:
             raise ConfigError(f"{config.at(role + '.load_lora')}: {e}") from None
+
+
+def _check_tokenizer_records(config: RLHFConfig, tokenizer) -> None:
+    """A role loading a model trained here reads the ids of the tokenizer that model was trained
+    with (its checkpoint records it): another one, even of the same size, would feed it other text."""
+    from megatron_rlhf.checkpoint.model_files import read_model_meta
+    from megatron_rlhf.data.tokenizer import tokenizer_record
+
+    ours = tokenizer_record(tokenizer)
+    for role in config.model_roles:
+        path = config.path_of(role + ".load")
+        if not path or not os.path.isfile(os.path.join(path, CHECKPOINT_META_FILE)):
+            continue
+        recorded = read_model_meta(path)[1].get("tokenizer")
+        if recorded and recorded.get("fingerprint") != ours["fingerprint"]:
+            raise ConfigError(
+                f"{config.at(role + '.load')}: {path} was trained with the tokenizer {recorded.get('source')} "
+                f"({recorded.get('vocab_size')} tokens, fingerprint {recorded.get('fingerprint')}), but this run's "
+                f"data.tokenizer is {ours['source']} ({ours['vocab_size']} tokens, fingerprint {ours['fingerprint']}): "
+                "the model would read its ids as other text; use the tokenizer it was trained with")
 
 
 def _show_inputs(config: RLHFConfig, tokenizer, dataset) -> None:

@@ -34,14 +34,14 @@ class CheckpointSaves:
         self.error: Optional[str] = None
 
     def save(self, roles: Mapping[str, Any], trainer_state: Dict[str, Any], output_dir: str,
-             scores: Optional[Dict[str, dict]] = None) -> str:
+             records: Optional[Dict[str, dict]] = None) -> str:
         """Save (or start writing) the checkpoint of ``trainer_state``'s iteration; its final directory."""
         if not self.in_background:
-            return save_checkpoint(roles, trainer_state, output_dir, scores)
+            return save_checkpoint(roles, trainer_state, output_dir, records)
         self.drain()
         pending = PendingSave(trainer_state, output_dir)
         with pending.failing_cleanly():
-            writes = [w for role_writes in pending.snapshot(roles, scores or {}) for w in role_writes]
+            writes = [w for role_writes in pending.snapshot(roles, records or {}) for w in role_writes]
         self.pending, self.error = pending, None
         self.thread = threading.Thread(target=self._write, args=(writes,), name="checkpoint-writer", daemon=True)
         self.thread.start()

@@ -208,15 +208,16 @@ def shard_file(root: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
 
 
 def write_model_meta(root: str, arch: ModelArchConfig, head: str, dtype: torch.dtype, tp: int, pp: int,
-                     lora: Optional[dict] = None, scores: Optional[dict] = None) -> None:
+                     lora: Optional[dict] = None, records: Optional[dict] = None) -> None:
     """``lora``: the adapters the shards hold beside the base (rank, alpha, target_modules), if any.
-    ``scores``: a reward model's score statistics on held-out pairs (mean, std, pairs; stage rm),
-    which PPO's reward.normalize reads."""
+    ``records``: what a trained role's checkpoint records beside its weights: ``scores`` (a reward
+    model's score statistics on held-out pairs: mean, std, pairs; stage rm), which PPO's
+    reward.normalize reads, and ``tokenizer`` (data/tokenizer.tokenizer_record), which a run that
+    loads it checks its own against."""
     meta = {"arch": dataclasses.asdict(arch), "head": head, "dtype": str(dtype).replace("torch.", ""), "tp": tp, "pp": pp}
     if lora:
         meta["lora"] = lora
-    if scores:
-        meta["scores"] = scores
+    meta.update({k: v for k, v in (records or {}).items() if v})
     with open(os.path.join(root, CHECKPOINT_META_FILE), "w") as f:
         json.dump(meta, f, indent=1)
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:

@@ -127,15 +127,15 @@ Writes = List[Tuple[str, Any]]  # (file, what torch.save writes there), host cop
 
 
 def save_checkpoint(roles: Mapping[str, Any], trainer_state: Dict[str, Any], output_dir: str,
-                        scores: Optional[Dict[str, dict]] = None) -> str:
+                        records: Optional[Dict[str, dict]] = None) -> str:
     """Save the trainable roles and ``trainer_state`` (run_loop.checkpoint_state, with its
-    ``iteration``) after that step (collective: every rank calls it); ``scores``: role -> the
-    score statistics its model files record (write_model_meta). A write that fails (a
+    ``iteration``) after that step (collective: every rank calls it); ``records``: role -> what
+    its model files record beside the weights (write_model_meta). A write that fails (a
     full disk) removes the partial checkpoint and raises RunError naming it; the previous
     checkpoint and ``latest`` stay as they were."""
     pending = PendingSave(trainer_state, output_dir)
     with pending.failing_cleanly():
-        for writes in pending.snapshot(roles, scores or {}):  # one role's copies in host memory at a time
+        for writes in pending.snapshot(roles, records or {}):  # one role's copies in host memory at a time
             write_files(writes)
     pending.finish(None)
     return pending.final
@@ -195,7 +195,7 @@ class PendingSave:
                         f"{why}; the partial checkpoint was removed; the last complete one, {previous or 'none'}, "
                         f"is kept")
 
-    def snapshot(self, roles: Mapping[str, Any], scores: Dict[str, dict]) -> Iterator[Writes]:
+    def snapshot(self, roles: Mapping[str, Any], records: Dict[str, dict]) -> Iterator[Writes]:
         """This rank's files of the checkpoint as host copies, one trained role's at a time (each
         resident while copied; the model metadata, small, written at once by rank 0); collective,
         so every rank takes every role's."""
@@ -222,7 +222,7 @@ class PendingSave:
                 os.makedirs(role_dir, exist_ok=True)
                 param = next(unwrap(role.model).parameters())
                 write_model_meta(role_dir, role.config.model, ROLE_HEADS[role_name], param.dtype, layout["tp"],
-                                 layout["pp"], lora=role.config.lora.meta(), scores=scores.get(role_name))
+                                 layout["pp"], lora=role.config.lora.meta(), records=records.get(role_name))
             yield writes
 
     def finish(self, failure: Optional[str]) -> None:
