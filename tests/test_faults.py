@@ -431,6 +431,38 @@ def test_an_environment_that_blocks_ends_the_batch_as_the_reward_pool_does(tmp_p
     assert sum("was not made: the first 4 calls of the batch all timed out" in why for _, why in outcomes) == 60
 
 
+def test_an_environment_that_keeps_growing_is_stopped_and_its_neighbours_rebuilt(tmp_path):
+    """An environment holding 40 MB more each step (issue 65's grew by 2 MB a step, unbounded): the
+    call that takes its worker past env_memory_mb fails, named, and the worker is replaced; the
+    trajectory that shared it is rebuilt by replay and goes on."""
+    from megatron_rlhf.rollout.env_pool import EnvironmentPool, resident_mb
+
+    (tmp_path / "envs.py").write_text(textwrap.dedent("""
+        class Env:
+            def start(self, row):
+                self.grows, self.held, self.n = row["prompt"] == "grow", [], 0
+                return "go"
+            def step(self, turn):
+                self.n += 1
+                if self.grows:
+                    self.held.append(bytearray(40 << 20))
+                return f"step {self.n}", False, None, {}
+    """))
+    pool = EnvironmentPool(f"{tmp_path / 'envs.py'}:Env", num_workers=1, timeout_s=5.0)
+    pool.memory_mb = resident_mb(pool.workers[0].process.pid) + 100  # room for two steps of growth
+    turn = {"text": "x", "token_ids": [1], "index": 0, "ended": True}
+    try:
+        pool.call([(0, "start", {"prompt": "grow"}), (1, "start", {"prompt": "steady"})])
+        outcomes = [pool.call([(0, "step", turn), (1, "step", turn)]) for _ in range(4)]
+    finally:
+        pool.close()
+    grown = [kind for (kind, _), _ in outcomes]
+    assert grown[:2] == ["ok", "ok"] and grown[2] == "memory", outcomes
+    assert "beyond rollout.env_memory_mb" in outcomes[2][0][1]
+    steady = [answer.observation for _, (kind, answer) in outcomes if kind == "ok"]
+    assert steady == ["step 1", "step 2", "step 3", "step 4"]  # rebuilt by replay after the replacement
+
+
 def test_a_tool_that_exits_hangs_or_is_called_with_deep_json_is_answered_and_poisons_nothing(tmp_path):
     from megatron_rlhf.agents.protocol import Turn
     from megatron_rlhf.agents.tool_environment import ToolEnvironment

@@ -202,6 +202,30 @@ def test_every_failure_is_its_trajectorys_own_and_named(pool):
     pool.release(ids)
 
 
+def test_a_rebuilt_environment_that_answers_otherwise_fails_its_trajectory():
+    """A trajectory resumed in another iteration has its environment rebuilt by making its calls
+    again; each answer must be what the first answered (an environment that draws at random, or
+    whose code changed since, would put the model's next turns against a board it never saw)."""
+    from megatron_rlhf.rollout.multiturn import MultiTurn
+
+    def resumed():
+        t = Trajectory([1, 2], index=0)
+        t.calls = [("start", {"prompt": "p"}), ("step", {"text": "a"})]
+        t.answers = [[[5, 6], False, None], [[7], False, 0.5]]
+        return Trajectory.from_state(t.state(), 0, version=1)
+
+    same, other = resumed(), resumed()
+    for t in (same, other):
+        t.replaying = 2
+    counts = {"rollout/env_replayed_calls": 0, "rollout/env_failures": 0, "rollout/env_timeouts": 0}
+    assert MultiTurn._replayed(None, same, ([5, 6], False, None, None, {}), counts) is None  # more to come
+    assert MultiTurn._replayed(None, same, ([7], False, 0.5, None, {}), counts) is True and same.failure is None
+    assert MultiTurn._replayed(None, other, ([5, 6], False, None, None, {}), counts) is None
+    assert MultiTurn._replayed(None, other, ([7, 8], False, 0.5, None, {}), counts) is False
+    assert "call 2 (step) answered otherwise than when it was first made" in other.failure
+    assert counts == {"rollout/env_replayed_calls": 4, "rollout/env_failures": 1, "rollout/env_timeouts": 0}
+
+
 def test_the_step_protocol_is_checked():
     assert checked_step(("hi", False, 1, {})) == StepResult("hi", False, 1.0, {})
     for bad, words in [((None, "yes", None, {}), "done="), ((None, True, float("nan"), {}), "reward="),

@@ -120,8 +120,15 @@ def test_the_walls_are_in_place_once_the_code_runs(host):
     status = dict(line.split(":\t", 1) for line in result.output.splitlines() if ":\t" in line)
     assert all(int(status[k], 16) == 0 for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"))
     assert status["NoNewPrivs"].strip() == "1" and status["Seccomp"].strip() == "2"
-    if os.geteuid() == 0:
-        assert status["Uid"].split()[:2] == ["65534", "65534"]
+    if os.geteuid() == 0:  # a user of the call's own, which no host file or process belongs to
+        import pwd
+
+        from megatron_rlhf.agents.sandbox.isolation import SANDBOX_UID_BASE
+
+        real, effective = map(int, status["Uid"].split()[:2])
+        assert real == effective >= SANDBOX_UID_BASE
+        with pytest.raises(KeyError):
+            pwd.getpwuid(real)
     assert "cwd /sandbox" in result.output
 
 
@@ -268,6 +275,75 @@ def test_the_kernel_calls_an_escape_needs_are_refused(host):
     for name in KERNEL_CALLS:
         line = next(line for line in result.output.splitlines() if line.startswith(name + " "))
         assert line.split()[-2:] == ["-1", "1"], line  # -1, EPERM
+
+
+HELD_MEMORY = {
+    "memfd": "fd = os.memfd_create('held')\nos.ftruncate(fd, 1 << 30)",
+    "sysv shared memory": "assert libc.shmget(0, 1 << 30, 0o1600) >= 0, ctypes.get_errno()",
+    "sysv message queue": "assert libc.msgget(0, 0o1600) >= 0, ctypes.get_errno()",
+    "posix message queue": "assert libc.mq_open(b'/held', os.O_CREAT | os.O_RDWR, 0o600, None) >= 0, ctypes.get_errno()",
+    "posix shared memory": "open('/dev/shm/held', 'wb').write(b'x' * (1 << 20))",
+    "vsock": "socket.socket(40, socket.SOCK_STREAM)",  # AF_VSOCK: the VM's port space, outside any namespace
+    "netlink": "socket.socket(16, socket.SOCK_RAW, 0)",  # AF_NETLINK
+    "packet": "socket.socket(17, socket.SOCK_RAW, 0)",  # AF_PACKET
+    "socketpair of another family": "socket.socketpair(40)",
+}
+# Kernel buffers by every route that still exists: pipes grown to 1 MB and socket pairs, each
+# filled until it would block, as many as the descriptors allow; threads until refused.
+BUFFERS = """
+held, ends = 0, []
+def fill(w):
+    global held
+    os.set_blocking(w, False)
+    try:
+        while True:
+            held += os.write(w, b'x' * 65536)
+    except BlockingIOError:
+        pass
+try:
+    while True:
+        r, w = os.pipe()
+        ends += [r, w]
+        try:
+            fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ
+        except OSError:
+            pass
+        fill(w)
+        a, b = socket.socketpair()
+        ends += [a, b]
+        fill(a.fileno())
+except OSError as e:
+    print('descriptors', len(ends), 'held', held, type(e).__name__, e.errno)
+started = 0
+try:
+    for _ in range(1000):
+        threading.Thread(target=time.sleep, args=(1,), daemon=True).start()
+        started += 1
+except RuntimeError:
+    pass
+print('threads', started)
+"""
+
+
+def test_memory_outside_the_address_space_and_other_socket_families_are_walled_in(host):
+    """The host memory a call could hold that RLIMIT_AS does not count, by each route: anonymous
+    files, SysV and POSIX IPC, /dev/shm refused; pipes and sockets bounded by open_files; socket
+    families the network namespace does not wall in (vsock, netlink, packet) refused; threads
+    started up to ``threads`` (the main one counts), not fewer."""
+    code = "import ctypes, fcntl, os, socket, threading, time\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    code += "".join(attempt(name, route) for name, route in HELD_MEMORY.items()) + BUFFERS
+    result = _escape(host, code)
+    lines = {line.split(":")[0]: line for line in result.output.splitlines() if ":" in line}
+    for name in ("memfd", "sysv shared memory", "sysv message queue", "posix message queue"):
+        assert name in lines and ("PermissionError" in lines[name] or lines[name].endswith(" 1")), result.output
+    assert "Read-only file system" in lines["posix shared memory"] or "No such file" in lines["posix shared memory"]
+    for name in ("vsock", "netlink", "packet", "socketpair of another family"):
+        assert "[Errno 97] Address family not supported" in lines[name], result.output
+    figures = {line.split()[0]: line.split() for line in result.output.splitlines() if line.startswith(("descriptors", "threads"))}
+    descriptors, held = int(figures["descriptors"][1]), int(figures["descriptors"][3])
+    assert figures["descriptors"][-1] == "24" and descriptors <= LIMITS.open_files  # EMFILE
+    assert held <= LIMITS.open_files * (1 << 20), held
+    assert int(figures["threads"][1]) == LIMITS.threads - 1, result.output
 
 
 # -- what the model reads when its code misbehaves (the hook answers first where it can) -----------

@@ -36,7 +36,11 @@ PLAIN_TEXT_PARSERS = ("tags",)  # calls written as plain text: no chat template'
 # rollout.sandbox.kind (agents/sandbox SANDBOXES): where the Python tool runs model-written code; the
 # keys of rollout.sandbox only one kind reads
 SANDBOX_KINDS = ("isolated", "remote", "unsafe_process")
-SANDBOX_KIND_KEYS = {"remote": ("url", "max_concurrent_calls", "retries"), "isolated": ("disk_mb", "inodes", "threads")}
+# The sandbox keys only some kinds read (a service sets its own CPU, file and descriptor limits).
+SANDBOX_KIND_KEYS = {"url": ("remote",), "max_concurrent_calls": ("remote",), "retries": ("remote",),
+                     "disk_mb": ("isolated",), "inodes": ("isolated",), "threads": ("isolated",),
+                     "cpu_s": ("isolated", "unsafe_process"), "file_mb": ("isolated", "unsafe_process"),
+                     "open_files": ("isolated", "unsafe_process")}
 
 
 def registry(names: Sequence[str], key: str, implementations: Dict[str, T]) -> Dict[str, T]:

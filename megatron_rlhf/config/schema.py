@@ -442,12 +442,17 @@ class SandboxConfig:
     max_concurrent_calls: int = bounded(8, ge=1)  # remote: calls in flight per environment worker
     retries: int = bounded(2, ge=0)  # remote: tries again after a connection error, then answers the error
     cpu_s: float = bounded(10.0, gt=0)  # CPU seconds per call
-    wall_s: float = bounded(20.0, gt=0)  # wall-clock seconds per call (below rollout.tool_timeout_s)
-    memory_mb: int = bounded(1024, ge=16)  # address space of the code's process
+    # wall-clock seconds per call; at least a second below rollout.tool_timeout_s, so that the model
+    # reads the sandbox's own stop (what the code printed, then why) rather than the tool's time-out
+    wall_s: float = bounded(15.0, gt=0)
+    memory_mb: int = bounded(1024, ge=16)  # address space of the code's process (its threads' 2 MB stacks included)
     disk_mb: int = bounded(64, ge=1)  # isolated: the bytes of its working directory (a tmpfs), all files together
     inodes: int = bounded(4096, ge=16)  # isolated: files and directories in its working directory
     file_mb: int = bounded(16, ge=1)  # the largest file it may write
     threads: int = bounded(64, ge=1)  # isolated: threads of its process (it may start no other process)
+    # Descriptors it may hold at once (files, pipes, sockets: their kernel buffers, up to about 1 MB
+    # each, are memory its address-space limit does not count).
+    open_files: int = bounded(64, ge=16)
     output_bytes: int = bounded(8192, ge=64)  # standard output and error together, cut beyond
 
     @property
@@ -477,6 +482,9 @@ class RolloutConfig:
     stop: List[str] = dataclasses.field(default_factory=list)
     env_timeout_s: float = bounded(30.0, gt=0)  # per environment call
     env_workers: int = bounded(2, ge=1)  # worker processes per policy replica
+    # An environment worker resident beyond this after an answer fails that call (counted in
+    # rollout/env_failures) and is replaced: an environment that keeps growing cannot take the host's memory.
+    env_memory_mb: int = bounded(4096, ge=64)
     # A trajectory goes to its environment as its turn ends, and its next turn joins the running
     # batch when the reply comes; False: lockstep (every trajectory's turn, then every call).
     overlap_turns: bool = True

@@ -603,9 +603,13 @@ def _sandbox_problems(config: RLHFConfig) -> List[str]:
         return [f"{config.at(given[0])}: rollout.sandbox is the Python tool's of rollout.tools, and no tools are named; "
                 "a custom environment runs code through run_python(code, SandboxConfig(...)) itself: remove it"]
     problems = []
-    for kind, keys in SANDBOX_KIND_KEYS.items():
-        problems += [f"{config.at('rollout.sandbox.' + k)}: set, but rollout.sandbox.kind is {s.kind}; it is read by "
-                     f"kind {kind} only: remove it" for k in keys if s.kind != kind and f"rollout.sandbox.{k}" in config.origin]
+    problems += [f"{config.at('rollout.sandbox.' + k)}: set, but rollout.sandbox.kind is {s.kind}; it is read by "
+                 f"kind {' and '.join(kinds)} only: remove it" for k, kinds in SANDBOX_KIND_KEYS.items()
+                 if s.kind not in kinds and f"rollout.sandbox.{k}" in config.origin]
+    if s.wall_s + 1 > config.rollout.tool_timeout_s:
+        problems.append(f"{config.at('rollout.sandbox.wall_s')}: {s.wall_s:g}s must stay at least a second below "
+                        f"rollout.tool_timeout_s={config.rollout.tool_timeout_s:g}s, so that the sandbox stops the code "
+                        "and says why before the tool's time-out cuts the call off")
     if s.remote and not (s.url or "").startswith(("http://", "https://")):
         problems.append(f"{config.at('rollout.sandbox.url')}: kind remote needs the SandboxFusion service's base URL "
                         f"(http://host:port), got {s.url!r}")

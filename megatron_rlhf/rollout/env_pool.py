@@ -13,6 +13,7 @@ the reward pool stops). Workers are plain interpreters without torch (rollout/en
 from __future__ import annotations
 
 import json
+import os
 import time
 from multiprocessing.connection import wait
 from typing import Any, Dict, List, Optional, Tuple
@@ -20,7 +21,17 @@ from typing import Any, Dict, List, Optional, Tuple
 from megatron_rlhf.rewards.pool import BLOCKED_AFTER, WorkerProcess
 
 Request = Tuple[int, str, Any]  # (trajectory, "start" | "step", payload)
-Outcome = Tuple[str, Any]  # ("ok", result) or (failure kind: raised | protocol | timeout | exited, reason)
+Outcome = Tuple[str, Any]  # ("ok", result) or (failure kind: raised | protocol | timeout | exited | memory, reason)
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_mb(pid: int) -> float:
+    """A process's resident memory (MB), 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * PAGE / 2**20
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 class _Worker(WorkerProcess):
@@ -40,10 +51,13 @@ class _Worker(WorkerProcess):
 
 
 class EnvironmentPool:
-    """``options``: the keyword arguments every instance is made with (JSON; none: no arguments)."""
+    """``options``: the keyword arguments every instance is made with (JSON; none: no arguments).
+    ``memory_mb``: a worker resident beyond it after an answer fails that call and is replaced (an
+    environment that keeps growing is stopped; its worker's other trajectories rebuilt by replay)."""
 
-    def __init__(self, spec: str, num_workers: int = 2, timeout_s: float = 30.0, options: Optional[Dict[str, Any]] = None):
-        self.spec, self.timeout_s, self.options = spec, timeout_s, options or {}
+    def __init__(self, spec: str, num_workers: int = 2, timeout_s: float = 30.0, options: Optional[Dict[str, Any]] = None,
+                 memory_mb: Optional[float] = None):
+        self.spec, self.timeout_s, self.options, self.memory_mb = spec, timeout_s, options or {}, memory_mb
         self.workers: List[_Worker] = []
         try:
             for _ in range(num_workers):
@@ -142,6 +156,11 @@ class EnvironmentPool:
                 outcome = ("timeout", f"took over {self.timeout_s:g}s (rollout.env_timeout_s)")
             else:
                 continue
+            if outcome[0] == "ok" and self.memory_mb is not None:
+                resident = resident_mb(worker.process.pid)
+                if resident > self.memory_mb:
+                    outcome = ("memory", f"grew its worker to {resident:.0f} MB, beyond rollout.env_memory_mb="
+                                         f"{self.memory_mb:g} (the worker was replaced)")
             worker.task = None
             self._ready.append((ticket, outcome))
             self._timeouts += outcome[0] == "timeout"
@@ -150,7 +169,7 @@ class EnvironmentPool:
                 self._give_up()
             if outcome[0] == "ok":
                 self.history.setdefault(trajectory, []).append((kind, payload))
-            elif outcome[0] in ("timeout", "exited"):
+            elif outcome[0] in ("timeout", "exited", "memory"):
                 self._replace(worker, trajectory)
 
     def _give_up(self) -> None:

@@ -211,6 +211,7 @@ class MultiTurn:
         """The environment's answer to a start or step of ``t`` applied; whether ``t`` goes on."""
         observation_ids, done, reward, failure, own_counts = answer
         counts["rollout/env_calls"] += 1
+        t.answers.append([list(observation_ids), bool(done), reward])
         for name, value in own_counts.items():  # the environment's counts (tool calls, ...)
             key = ("time/" if name.endswith("_s") else "rollout/") + name
             counts[key] = counts.get(key, 0.0) + value
@@ -232,14 +233,24 @@ class MultiTurn:
 
     def _replayed(self, t: Trajectory, answer: tuple, counts: Dict[str, float]) -> Optional[bool]:
         """An answer to one of the calls that rebuild a resumed ``t``'s environment (its own answer
-        was applied when first made): None while more are to come, then whether ``t`` goes on."""
-        failure = answer[3]
+        was applied when first made, and must be what it answers now): None while more are to
+        come, then whether ``t`` goes on."""
+        observation_ids, done, reward, failure, _ = answer
         counts["rollout/env_replayed_calls"] += 1
+        call = len(t.calls) - t.replaying
         t.replaying -= 1
         if t.failure is not None:
             return None  # an earlier call failed it (and released it)
         if failure is not None:
             return _failed(t, "rebuilding its environment", failure, counts)
+        if call < len(t.answers) and [list(observation_ids), bool(done), reward] != t.answers[call]:
+            recorded = t.answers[call]
+            return _failed(t, "rebuilding its environment", (
+                "replay", f"call {call + 1} ({t.calls[call][0]}) answered otherwise than when it was first made "
+                f"(observation of {len(observation_ids)} tokens, done {bool(done)}, reward {reward}; first: "
+                f"{len(recorded[0])} tokens, done {recorded[1]}, reward {recorded[2]}): a resumed trajectory's "
+                "environment must be a function of its calls (seed any randomness from the start's arguments), "
+                "and its code unchanged since"), counts)
         return None if t.replaying > 0 else True
 
     def answer(self, kind: str, payload, outcome) -> tuple:
@@ -261,7 +272,7 @@ class MultiTurn:
         """The pool (started on the first call, on the replica's first rank)."""
         if self.pool is None:
             r = self.config.rollout
-            self.pool = EnvironmentPool(self.spec, r.env_workers, r.env_timeout_s, self.options)
+            self.pool = EnvironmentPool(self.spec, r.env_workers, r.env_timeout_s, self.options, r.env_memory_mb)
         return self.pool
 
     def _release(self, trajectories: List[Trajectory], groups) -> None:

@@ -72,11 +72,12 @@ class Trajectory:
     token, 0 per prompt or environment token), and what happened (turns, why it ended, rewards).
     For partial rollouts also the iteration each model token was sampled in (``versions``, -1
     elsewhere) and the environment calls it made (``calls``: made again to rebuild its
-    environment when it resumes in another iteration)."""
+    environment when it resumes in another iteration) with what each answered (``answers``: a
+    rebuilt environment must answer them alike)."""
 
     # What a trajectory held between iterations keeps (state / from_state): all but its pool id.
     _KEPT = ("tokens", "mask", "behaviour", "versions", "prompt_length", "turns", "done", "failure", "turn_rewards",
-             "truncated_observations", "calls")
+             "truncated_observations", "calls", "answers")
 
     def __init__(self, prompt_ids: Sequence[int], index: int, version: int = 0):
         self.tokens: List[int] = list(prompt_ids)
@@ -93,6 +94,7 @@ class Trajectory:
         self.turn_rewards: List[float] = []
         self.truncated_observations = 0
         self.calls: List[Tuple[str, Any]] = []  # (kind, payload) of every call made
+        self.answers: List[list] = []  # [observation ids, done, reward] of each call answered
         self.replaying = 0  # calls still to be answered that rebuild its environment (resumed)
 
     def state(self) -> Dict[str, Any]:
@@ -102,8 +104,8 @@ class Trajectory:
     @classmethod
     def from_state(cls, state: Dict[str, Any], index: int, version: int) -> "Trajectory":
         t = cls([], index, version)
-        for name in cls._KEPT:
-            setattr(t, name, copy.deepcopy(state[name]))
+        for name in cls._KEPT:  # answers: none recorded by checkpoints written before they were
+            setattr(t, name, copy.deepcopy(state[name] if name != "answers" else state.get(name, [])))
         t.turns_before = t.turns
         return t
 

@@ -62,7 +62,7 @@ def _boot_settings(settings: SandboxConfig, walled: bool) -> str:
     """The boot's settings: the limits, and with ``walled`` what it needs inside bubblewrap."""
     values = {**dataclasses.asdict(settings), "walled": walled, "library": isolation.library_paths()}
     if walled:
-        values.update(workdir=isolation.WORKDIR, uid=isolation.SANDBOX_UID, seccomp=isolation.seccomp_program().hex())
+        values.update(workdir=isolation.WORKDIR, uid=isolation.call_uid(), seccomp=isolation.seccomp_program().hex())
     return json.dumps(values)
 
 

@@ -6,7 +6,7 @@ mounts the code's directory (a tmpfs bounded in bytes and inodes), drops every c
 bounding set too; as the host's root it becomes ``nobody``), sets no new privileges and loads
 the seccomp filter. A step that fails ends the call with SETUP_FAILED: the code never runs with
 less than the walls. Then, in every kind: its own resource limits (CPU seconds, address space,
-file size, threads, no core files: soft and hard, so the code cannot raise them) and an audit
+file size, open descriptors, threads, no core files: soft and hard, so the code cannot raise them) and an audit
 hook (a second wall, never the first) that refuses reading outside its directory and the Python
 library, writing outside its directory, sockets, new processes, signals, ctypes and limits; a
 refusal is a PermissionError in the code. unsafe_process has only these, and a network
@@ -23,6 +23,7 @@ MS_NOSUID, MS_NODEV = 2, 4
 PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 24, 38, 22, 2
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 SETUP_FAILED = 125  # the exit status of a set-up step that failed (local.py reads it)
+THREAD_STACK = 2 << 20  # a new thread's stack (the C library's default, 8 MB, would take a 64th of 512 MB)
 
 
 def _limit(kind: int, value: int) -> None:
@@ -57,7 +58,7 @@ def _enter_isolation(settings: dict) -> str:
         if libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0 and ctypes.get_errno() != 22:  # EINVAL: none such
             _check(False, f"dropping capability {capability}")
     libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-    if open("/proc/self/uid_map").read().split() == ["0", "0", "4294967295"]:  # the host's root: become nobody
+    if open("/proc/self/uid_map").read().split() == ["0", "0", "4294967295"]:  # the host's root: a user of its own
         os.chown(home, uid, uid)
         os.setgroups([])
         os.setresgid(uid, uid, uid)
@@ -143,6 +144,12 @@ def main() -> None:
     _limit(resource.RLIMIT_AS, int(settings["memory_mb"]) << 20)
     _limit(resource.RLIMIT_FSIZE, int(settings["file_mb"]) << 20)
     _limit(resource.RLIMIT_CORE, 0)
+    # Pipes and sockets hold kernel buffers RLIMIT_AS does not count (up to about 1 MB each): their
+    # number is bounded with every other descriptor's.
+    _limit(resource.RLIMIT_NOFILE, int(settings["open_files"]))
+    import threading
+
+    threading.stack_size(THREAD_STACK)  # each thread's stack counts against memory_mb
     if settings["walled"]:  # counts threads too: the filter lets it start no process
         _limit(resource.RLIMIT_NPROC, int(settings["threads"]))
     readable = [home, *settings["library"], "/dev/null", "/dev/urandom"]

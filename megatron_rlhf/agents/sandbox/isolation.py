@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import errno
 import functools
+import itertools
 import os
 import shutil
 import sys
 import sysconfig
 from typing import List, Optional
 
-SANDBOX_UID = 65534  # nobody: who the code runs as where the trainer is root
 WORKDIR = "/sandbox"  # the code's directory inside (a tmpfs mounted by the boot)
 BOOT_INSIDE = "/sandbox_boot.py"
 BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot.py")
@@ -45,7 +45,28 @@ DENIED_SYSCALLS = (
     "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot", "swapon",
     "swapoff", "acct", "quotactl", "open_by_handle_at", "name_to_handle_at", "iopl", "ioperm", "personality",
     "syslog", "setdomainname", "sethostname", "settimeofday", "clock_settime", "adjtimex", "mknod", "mknodat",
+    # Memory outside its address space (RLIMIT_AS counts none of it): anonymous files, SysV shared
+    # memory, message queues and semaphores, POSIX message queues.
+    "memfd_create", "memfd_secret", "shmget", "shmat", "shmctl", "shmdt", "msgget", "msgsnd", "msgrcv", "msgctl",
+    "semget", "semop", "semtimedop", "semctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive",
+    "mq_notify", "mq_getsetattr",
 )
+# The socket families the network namespace walls in (AF_UNIX, AF_INET, AF_INET6); any other
+# (AF_VSOCK's port space is the VM's, netlink reaches kernel subsystems, packet sockets, ...)
+# answers EAFNOSUPPORT, as on a kernel without it.
+SOCKET_FAMILIES = (1, 2, 10)
+SANDBOX_UID_BASE = 1 << 30  # as root: each call's own user, so RLIMIT_NPROC counts its threads alone
+_calls = itertools.count()
+# The interpreter's environment inside: one BLAS thread, and at most two malloc arenas (each thread's
+# own arena would reserve 64 MB of address space, so a few threads would reach memory_mb).
+INSIDE_ENVIRONMENT = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                      "MALLOC_ARENA_MAX": "2"}
+
+
+def call_uid() -> int:
+    """The user a call's code runs as where the trainer is root: a user of its own (owning no host
+    file; this process's calls in flight apart by a counter, other processes' by their pid)."""
+    return SANDBOX_UID_BASE + (os.getpid() % (1 << 16)) * 256 + next(_calls) % 256
 
 
 def bwrap_path() -> Optional[str]:
@@ -90,6 +111,8 @@ def bwrap_command(settings_json: str) -> List[str]:
     """The command line of one isolated call: bubblewrap, then the interpreter on the boot."""
     command = [bwrap_path() or "bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
                "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--clearenv"]
+    for name, value in INSIDE_ENVIRONMENT.items():
+        command += ["--setenv", name, value]
     if os.geteuid() != 0:  # an unprivileged trainer: a user namespace, root inside it until the boot drops
         command += ["--unshare-user", "--uid", "0", "--gid", "0"]
     for link in ("/lib", "/lib64", "/lib32"):  # merged /usr: links into /usr/lib*; else directories of their own
@@ -112,8 +135,9 @@ def bwrap_command(settings_json: str) -> List[str]:
 @functools.lru_cache(maxsize=None)
 def seccomp_program() -> bytes:
     """The seccomp filter (BPF) the boot loads before the code runs: every call allowed but
-    DENIED_SYSCALLS (EPERM) and a clone that is not a thread's; clone3 answers ENOSYS so that the
-    C library starts threads through clone, whose flags the filter can read."""
+    DENIED_SYSCALLS (EPERM), a clone that is not a thread's, and a socket outside SOCKET_FAMILIES
+    (EAFNOSUPPORT); clone3 answers ENOSYS so that the C library starts threads through clone,
+    whose flags the filter can read."""
     import tempfile
 
     import pyseccomp as seccomp
@@ -125,6 +149,10 @@ def seccomp_program() -> bytes:
         except (ValueError, OSError, RuntimeError):  # not a system call of this architecture
             continue
     rules.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_THREAD, 0))
+    for call in ("socket", "socketpair"):
+        rules.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), call, seccomp.Arg(0, seccomp.GT, max(SOCKET_FAMILIES)))
+        for family in sorted(set(range(max(SOCKET_FAMILIES))) - set(SOCKET_FAMILIES)):
+            rules.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), call, seccomp.Arg(0, seccomp.EQ, family))
     rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
     with tempfile.TemporaryFile() as f:
         rules.export_bpf(f)

@@ -12,6 +12,7 @@ import time
 from typing import List, Optional
 
 from megatron_rlhf.config.schema import SandboxConfig
+from megatron_rlhf.agents.sandbox.isolation import INSIDE_ENVIRONMENT
 from megatron_rlhf.agents.sandbox.result import SandboxResult
 
 SETUP_FAILED = 125  # boot.SETUP_FAILED (not imported: the boot runs bare, inside the walls)
@@ -19,9 +20,8 @@ SETUP_FAILED = 125  # boot.SETUP_FAILED (not imported: the boot runs bare, insid
 
 def run_local(command: List[str], cwd: str, code: str, settings: SandboxConfig) -> SandboxResult:
     started = time.perf_counter()
-    env = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     try:
-        process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        process = subprocess.Popen(command, cwd=cwd, env=INSIDE_ENVIRONMENT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, start_new_session=True)
     except OSError as e:
         return SandboxResult("unavailable", f"the sandbox could not start: {e}", 0.0)
@@ -74,9 +74,21 @@ def _exit_status(code: Optional[int], output: str, limits: SandboxConfig):
     if signalled:
         number = -code if code is not None and code < 0 else (code - 128 if code is not None else None)
         name = signal.Signals(number).name if number in signal.valid_signals() else "no exit"
-        return "killed", output + f"\n[stopped by {name}: the CPU-time ({limits.cpu_s:g}s) or memory " \
-                                  f"({limits.memory_mb} MB) limit]"
+        return "killed", output + f"\n[stopped by {name}: {_why_stopped(name, limits)}]"
     return ("ok" if code == 0 else "error"), output
+
+
+def _why_stopped(signal_name: str, limits: SandboxConfig) -> str:
+    """What a signal that ended the code means here: the CPU-time limit sends SIGXCPU, then SIGKILL
+    at the hard limit; a failed allocation in C code past the address-space limit ends in SIGSEGV
+    or SIGABRT; a system call the filter kills (another ABI's) in SIGSYS."""
+    if signal_name in ("SIGXCPU", "SIGKILL"):
+        return f"the CPU-time limit ({limits.cpu_s:g}s)"
+    if signal_name in ("SIGSEGV", "SIGBUS", "SIGABRT"):
+        return f"a crash, most often the memory limit ({limits.memory_mb} MB) reached in C code"
+    if signal_name == "SIGSYS":
+        return "a system call the sandbox does not allow"
+    return "a signal the code did not handle"
 
 
 def _wait(process: subprocess.Popen, seconds: float) -> Optional[int]:
