@@ -474,6 +474,9 @@ def test_sandbox_settings_are_read_by_their_kind_only(tmp_path):
              ("{kind: remote}", "rollout.sandbox.url: kind remote needs the SandboxFusion service's base URL"),
              ("{kind: remote, url: 'sandbox:8080', inodes: 100}", "rollout.sandbox.inodes: set, but rollout.sandbox.kind "
                                                                   "is remote; it is read by kind isolated only"),
+             ("{kind: remote, url: 'http://sandbox:8080', open_files: 32}", "rollout.sandbox.open_files: set, but "
+              "rollout.sandbox.kind is remote; it is read by kind isolated and unsafe_process only"),
+             ("{wall_s: 20}", "rollout.sandbox.wall_s: 20s must stay at least a second below rollout.tool_timeout_s=20s"),
              ("{kind: sealed}", "rollout.sandbox.kind"),
              ("{disk_mb: 0}", "rollout.sandbox.disk_mb")]
     for value, words in cases:
