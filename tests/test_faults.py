@@ -85,6 +85,14 @@ def test_a_truncated_checkpoint_names_its_file_and_the_last_intact_one(tmp_path)
     with pytest.raises(CheckpointError, match=rf"{state}: 100 bytes, the manifest says .*truncated.*"
                        r"newest intact checkpoint is .*iter_0000001: to resume from it, write 'iter_0000001'"):
         prepared(out, "--resume")
+    # A file the manifest does not list (its entry removed, or added after the save) would be read
+    # unchecked: named before start-up, as a damaged one is.
+    intact = fake_checkpoint(out, "iter_0000003", config)
+    manifest = json.loads((intact / "manifest.json").read_text())
+    del manifest["files"]["trainer_state.pt"]
+    (intact / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=rf"{intact / 'trainer_state.pt'}: not in the checkpoint's manifest"):
+        prepared(out, "--resume")
 
 
 def test_a_failed_first_iteration_does_not_block_the_retry_and_resume_cuts_back_the_logs(tmp_path):

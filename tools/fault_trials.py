@@ -506,6 +506,9 @@ def t_score_head_of_two_labels(w):
 # -- round four (issue 55): agents, tools, LoRA, partial rollouts ----------------------------------
 
 AGENT = REPO / "examples" / "tiny_agent" / "grpo.yaml"
+# The agent demo with the Python tool in place of its game (the alphabet the tool's tags need).
+SANDBOXED = ("data:\n  tokenizer:\n    alphabet: \"abcdefghijklmnopqrstuvwxyz <>/()+0123456789\"\nrollout:\n"
+             "  environment: null\n  tools: [megatron_rlhf.agents.sandbox:python]\n  tool_parser: tags\n")
 
 
 def _environment(w, body: str, timeout_s=5) -> Path:
@@ -548,9 +551,7 @@ def t_sandbox_without_namespaces(w):
     (w / "bin").mkdir()
     (w / "bin" / "bwrap").write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed' >&2\nexit 1\n")
     (w / "bin" / "bwrap").chmod(0o755)
-    tools = ("data:\n  tokenizer:\n    alphabet: \"abcdefghijklmnopqrstuvwxyz <>/()+0123456789\"\nrollout:\n"
-             "  environment: null\n  tools: [megatron_rlhf.agents.sandbox:python]\n  tool_parser: tags\n")
-    p = train(w, config=include(w, tools, base=AGENT), env={"PATH": f"{w / 'bin'}:{os.environ['PATH']}"})
+    p = train(w, config=include(w, SANDBOXED, base=AGENT), env={"PATH": f"{w / 'bin'}:{os.environ['PATH']}"})
     return one_line(p, "rollout.sandbox.kind: isolated, but bubblewrap cannot make", "kind: remote"), p
 
 
@@ -579,6 +580,36 @@ def t_resume_with_another_lora_rank(w):
         return False, first
     p = train(w, "--resume", "--allow-config-change", config=lora, env={"ITERATIONS": "3", "LORA_RANK": "16"})
     return one_line(p, "holds networks of other shapes", "ppo_policy.lora.rank"), p
+
+
+# -- round five (issue 65): stages' data and checkpoints, environments, the sandbox ------------------
+
+PIPELINE = REPO / "examples" / "tiny_pipeline"
+
+
+def t_infinite_learning_rate(w):
+    p = train(w, config=include(w, "ppo_policy:\n  lr: .inf\n"))
+    return one_line(p, "ppo_policy.lr", "must be finite"), p
+
+
+def t_pairs_prompt_under_another_key(w):
+    (w / "pairs.jsonl").write_text(json.dumps({"question": "ab", "chosen": "ab cd", "rejected": "ab ef"}) + "\n")
+    p = train(w, config=include(w, f"data:\n  train_file: {w / 'pairs.jsonl'}\n", base=PIPELINE / "rm.yaml"))
+    return one_line(p, "pairs.jsonl:1: no 'prompt' column, but 'question' holds text"), p
+
+
+def t_sandbox_wall_time_at_the_tool_time_out(w):
+    p = train(w, config=include(w, SANDBOXED + "  sandbox: {wall_s: 20}\n", base=AGENT))
+    return one_line(p, "rollout.sandbox.wall_s: 20s must stay at least a second below rollout.tool_timeout_s"), p
+
+
+def t_environment_that_keeps_growing(w):
+    config = _environment(w, "    def start(self, row):\n        self.held = []\n"
+                             "    def step(self, turn):\n        self.held.append(bytearray(64 << 20))\n"
+                             "        return 'again', False, None, {}\n")
+    config.write_text(config.read_text() + "  env_memory_mb: 100\n")
+    p = train(w, config=config)
+    return one_line(p, "every trajectory of the batch failed", "beyond rollout.env_memory_mb=100"), p
 
 
 TRIALS = {name[2:]: fn for name, fn in globals().items() if name.startswith("t_")}

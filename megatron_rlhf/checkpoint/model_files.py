@@ -89,10 +89,14 @@ def manifest_of(files: Dict[str, Dict[str, int]]) -> dict:
     return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "files": files}
 
 
+def _files_under(root: str) -> List[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, names in os.walk(root) for f in names)
+
+
 def write_manifest(root: str) -> None:
     """manifest.json: every file under ``root`` with its size and CRC-32 (written last: a
     directory with a manifest is complete)."""
-    files = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, names in os.walk(root) for f in names)
+    files = _files_under(root)
     manifest = {f: {"bytes": os.path.getsize(os.path.join(root, f)), "crc32": _checksum(os.path.join(root, f))}
                 for f in files if f != MANIFEST}
     with open(os.path.join(root, MANIFEST), "w") as out:
@@ -126,8 +130,14 @@ def read_manifest(path: str) -> Tuple[int, Dict[str, Dict[str, int]]]:
 
 def verify_checkpoint(path: str, checksums: bool = True) -> int:
     """Raise CheckpointError naming the first file of checkpoint ``path`` that is missing, of
-    another size or (with ``checksums``) other content than its manifest says; its format version."""
+    another size or (with ``checksums``) other content than its manifest says, or that the
+    manifest does not list (it would be read unchecked); its format version."""
     version, files = read_manifest(path)
+    unlisted = [f for f in _files_under(path) if f != MANIFEST and f not in files]
+    if unlisted:
+        raise CheckpointError(f"{os.path.join(path, unlisted[0])}: not in the checkpoint's manifest (added or its entry "
+                              f"removed after the checkpoint was written), so it would be read unchecked; remove it, "
+                              f"or restore the manifest{f' ({len(unlisted)} such files)' if len(unlisted) > 1 else ''}")
     for name, expected in files.items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):
