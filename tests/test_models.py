@@ -144,3 +144,24 @@ def test_length_grouped_micro_batches_are_trimmed_and_come_back_in_row_order():
     kept = torch.arange(9) < (lengths - 1).clamp(min=1)[:, None]  # each row's real action positions survive
     assert torch.equal(back[kept], per_action[kept]) and (back[0, 4:] == 0).all() and (back[5, 1:] == 0).all()
     assert torch.equal(ungrouped([mb["row"] for mb in batches], order, 0), torch.arange(6))
+
+
+def test_rope_computes_megatrons_numbers_bit_for_bit():
+    """megatron_compat/rope.py's RoPE (cosines once per angle tensor, no copy onto an empty
+    unrotated part) against megatron's own function: whole and partial rotary dims, fp32 and
+    bf16, new angles and angles changed in place."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_rlhf.runtime.megatron_compat import rope
+
+    rope.bind_rope()
+    megatrons = rope._megatrons
+    assert rope_utils._apply_rotary_pos_emb_bshd is rope.apply_rope_bshd and megatrons is not rope.apply_rope_bshd
+    g = torch.Generator().manual_seed(0)
+    for dim, rot, dtype in ((16, 16, torch.float32), (16, 8, torch.float32), (16, 16, torch.bfloat16)):
+        freqs = torch.randn(7, 1, 1, rot, generator=g) * 3
+        for _ in range(2):
+            for heads in (4, 2):  # the queries, then the keys: the same angles
+                t = torch.randn(7, 3, heads, dim, generator=g).to(dtype)
+                assert torch.equal(rope.apply_rope_bshd(t, freqs), megatrons(t, freqs))
+            freqs.mul_(0.5)  # changed in place: its cosines are computed again

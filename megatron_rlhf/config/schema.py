@@ -271,7 +271,9 @@ class RoleConfig:
     free_grad_buffers: Optional[bool] = None
     # EMS: main weights and Adam moments go to host memory while idle; None: free_memory
     offload_optimizer_state: Optional[bool] = None
-    empty_cache: bool = True  # torch.cuda.empty_cache() at this role's phase boundaries
+    # torch.cuda.empty_cache() where this role's offload freed memory (on CPU glibc's trim, where it
+    # freed at least 32 MiB: smaller storages cost more to trim than they give back)
+    empty_cache: bool = True
     # Rows per micro-batch, or ``auto``: micro-batches packed by tokens, each at most
     # ``max_tokens_per_micro_batch`` (rows x the longest row's tokens; verl's dynamic batch size).
     micro_batch_size: Union[int, Literal["auto"]] = bounded(1, ge=1)

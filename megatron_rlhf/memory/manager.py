@@ -258,17 +258,19 @@ class RoleMemory:
         # done before storages are freed: the allocator may hand a freed block to the other stream.
         self.platform.join_side_stream()
         self.platform.synchronize()
+        freed = 0
         for kind in OFFLOAD_ORDER:
             if kind not in kinds or not self.is_resident(kind):
                 continue
+            freed += storage_bytes(self.tensors(kind))  # a shared role's weights: the owner's offload says
             if kind == GRADS:
                 self._free_grads()
             elif kind == WEIGHTS and self.weights_owner is not None:
                 self.weights_owner.offload([WEIGHTS])
             else:
                 self._movers[kind].offload(self.tensors(kind))
-        if self.switches.empty_cache:
-            self.platform.empty_cache()
+        if freed and self.switches.empty_cache:  # nothing freed, nothing to give back
+            self.platform.empty_cache(freed)
 
     def onload(self, kinds: Sequence[str] = OFFLOAD_ORDER, read_only: bool = False) -> None:
         """Bring ``kinds`` back (weights first, grads last). Unless ``read_only`` (the caller only

@@ -54,6 +54,7 @@ def init_distributed(layout: ParallelConfig, seed: int = 1234, timeout_s: float 
 
     megatron_compat.check()
     megatron_compat.bind_router_gemm()
+    megatron_compat.bind_rope()
     platform.setup(local_rank)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

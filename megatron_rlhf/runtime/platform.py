@@ -15,7 +15,7 @@ import importlib.util
 import mmap
 import os
 import weakref
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -97,8 +97,9 @@ class DevicePlatform:
         copy = tensor.to("cpu", copy=True)
         return lambda: copy
 
-    def empty_cache(self) -> None:
-        """Hand cached, unused device memory back (a no-op where there is no caching allocator)."""
+    def empty_cache(self, freed_bytes: Optional[int] = None) -> None:
+        """Hand cached, unused device memory back (a no-op where there is no caching allocator);
+        ``freed_bytes``: what the phase boundary that asks just freed (None: an explicit call)."""
 
     def memory_stats(self) -> Dict[str, int]:
         """Allocator figures on CUDA, process RSS on CPU, in bytes."""
@@ -194,7 +195,7 @@ class CudaPlatform(DevicePlatform):
         if self._side is not None:
             torch.cuda.current_stream().wait_stream(self._side)
 
-    def empty_cache(self) -> None:
+    def empty_cache(self, freed_bytes: Optional[int] = None) -> None:
         torch.cuda.empty_cache()
 
     def copy_to_host_async(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -273,9 +274,12 @@ class CpuPlatform(DevicePlatform):
 
         return cpu_linears.packed_linears(model)
 
-    def empty_cache(self) -> None:
-        # The CPU counterpart of the CUDA allocator cache: free heap pages glibc still holds.
-        if _LIBC is not None:
+    def empty_cache(self, freed_bytes: Optional[int] = None) -> None:
+        # The CPU counterpart of the CUDA allocator cache: free heap pages glibc still holds. At a
+        # phase boundary only past TRIM_AT_BYTES freed: a trim walks the heap and every page it
+        # gives back faults in again at the next allocation (33 ms a step of the pipeline demo's
+        # reward model for a few MiB), and storages of that size and more are unmapped when freed.
+        if _LIBC is not None and (freed_bytes is None or freed_bytes >= TRIM_AT_BYTES):
             _LIBC.malloc_trim(0)
 
     def memory_stats(self) -> Dict[str, int]:
@@ -285,6 +289,7 @@ class CpuPlatform(DevicePlatform):
         return {"rss": info.rss}
 
 
+TRIM_AT_BYTES = 32 << 20  # glibc's largest mmap threshold: larger storages go back to the system when freed
 DEVICE_VARIABLE = "MEGATRON_RLHF_DEVICE"
 DEVICE_CHOICES = ("cpu", "cuda")
 

@@ -15,6 +15,7 @@ megatron-core that moved one, naming each and the module to re-verify.
     tensor_parallel.py  a parallel linear's local product, cross entropy over another TP group
     resharding.py       the cached plan (receives; a part run alone), SequentialMLP experts' names
     imports.py          importing megatron without torch's compiler, the MoE router's GEMM
+    rope.py             megatron's unfused RoPE with its cosines computed once per angle tensor
     sites.py            Site, the check's reading of megatron's files, name replacement in a block
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from megatron_rlhf.runtime.megatron_compat import ddp, engine, imports, optimizer, resharding, tensor_parallel
+from megatron_rlhf.runtime.megatron_compat import ddp, engine, imports, optimizer, resharding, rope, tensor_parallel
 from megatron_rlhf.runtime.megatron_compat.ddp import (buffer_grad_storage, buffer_param_storage, buffer_params,
                                                        ddp_buffers, fixed_address_settings, free_grad_buffers,
                                                        restore_grad_buffers, wire_grad_sync)
@@ -34,12 +35,13 @@ from megatron_rlhf.runtime.megatron_compat.optimizer import (adam_state, inner_o
                                                              unclipped_grad_norm)
 from megatron_rlhf.runtime.megatron_compat.resharding import (reshard_part, reshard_receives,
                                                               sequential_experts_resharded)
+from megatron_rlhf.runtime.megatron_compat.rope import bind_rope
 from megatron_rlhf.runtime.megatron_compat.sites import (CHECKED_MEGATRON_CORE_VERSIONS, MegatronInternalsChanged,
                                                          Site, raise_if_changed, site_problems)
 from megatron_rlhf.runtime.megatron_compat.tensor_parallel import (linear_matmuls_replaced,
                                                                    vocab_parallel_cross_entropy)
 
-_AREAS = (ddp, optimizer, engine, tensor_parallel, resharding, imports)
+_AREAS = (ddp, optimizer, engine, tensor_parallel, resharding, imports, rope)
 # Every area's anchors by name (the check reads this table, so that a test can move one).
 ANCHORS: Dict[str, Tuple[Site, ...]] = {name: sites for area in _AREAS for name, sites in area.ANCHORS.items()}
 _AREA_OF = {name: area.__name__.rsplit(".", 1)[-1] for area in _AREAS for name in area.ANCHORS}
@@ -55,7 +57,7 @@ def check() -> None:
 
 __all__ = [
     "ANCHORS", "CHECKED_MEGATRON_CORE_VERSIONS", "MegatronInternalsChanged", "Site", "adam_state", "attention_layers",
-    "attention_replaced", "bind_router_gemm", "buffer_grad_storage", "buffer_param_storage", "buffer_params", "check",
+    "attention_replaced", "bind_rope", "bind_router_gemm", "buffer_grad_storage", "buffer_param_storage", "buffer_params", "check",
     "ddp_buffers", "fixed_address_settings", "free_grad_buffers", "import_megatron", "inner_optimizers",
     "linear_matmuls_replaced", "main_param_tensors", "param_groups", "raise_if_changed", "reload_main_params",
     "reshard_part", "reshard_receives", "restore_grad_buffers", "rotary_angles", "owned_optimizer_state",
