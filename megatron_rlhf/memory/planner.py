@@ -167,19 +167,24 @@ def _owned_elements(numels: List[int], buffer: int, dp: int, dp_rank: int = 0) -
 def activation_bytes(arch: ModelArchConfig, head: str, micro_batch: int, seq: int, tp: int, pp: int,
                      precision: str, recompute: bool, training: bool, padded_vocab: Optional[int] = None,
                      attention: str = "fused") -> int:
-    """Estimate of the activations one micro-batch keeps on a stage (Korthikanti et al. 2022,
-    without sequence parallelism, no dropout masks): per layer s*b*h*(10 + 24/TP) * bytes/2, the
-    attention's own (local: the scores and probabilities 5*a*s^2*b/TP * bytes/2; fused: each
-    query's fp32 log-sum-exp a*s*b/TP * 4, and a sliding window's s x s booleans), and the fp32
-    logits. With full recomputation only each layer's input is kept. A forward-only pass keeps
-    about one layer's worth at a time."""
+    """Estimate of the activations one micro-batch keeps on a stage, counted as autograd keeps them
+    per token of a layer (after Korthikanti et al. 2022, for a SwiGLU MLP and grouped-query heads,
+    no sequence parallelism, no dropout): the two norms' inputs and outputs 4h; the query, key and
+    value projection, their rotated copies, the attention's output and the projection's input
+    4q + 3kv (q = heads x head dim, kv = groups x head dim); the MLP's gate and up projection, its
+    activation and product 4f; the attention's own (fused: the kernel's contiguous q, k, v and its
+    fp32 log-sum-exp per head, a sliding window's s x s booleans; local: the scores and
+    probabilities a s per token (the softmax keeps its output) and, with groups, the keys and values repeated per head);
+    all but the norms split over TP. Then the fp32 logits. With full recomputation only each
+    layer's input is kept. A forward-only pass keeps about one layer's worth at a time."""
     width = BYTES[precision]
     s, b, h, a = seq, micro_batch, arch.hidden_size, arch.num_attention_heads
+    q, kv, f = a * arch.kv_channels, arch.kv_groups * arch.kv_channels, arch.ffn_hidden_size
     if attention == "local":
-        scores = 5 * a * s * s * b / tp * width / 2
+        own = a * s * width + (2 * q * width if kv != q else 0)
     else:
-        scores = a * s * b / tp * 4 + (s * s if arch.sliding_window else 0)
-    per_layer = s * b * h * (10 + 24 / tp) * width / 2 + scores
+        own = (q + 2 * kv) * width + a * 4 + (s if arch.sliding_window else 0)
+    per_layer = s * b * (4 * h * width + ((4 * q + 3 * kv + 4 * f) * width + own) / tp)
     layers = len(stage_layers(arch.num_layers, pp, 0))
     if arch.num_experts:  # the most loaded stage: its layers with experts
         moe_layers = max(sum(_stage_layers(arch, pp, r)) for r in range(pp))
