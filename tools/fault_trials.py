@@ -253,6 +253,7 @@ def t_existing_run_without_flag(w):
 def t_overwrite_bad_input_keeps_run(w):
     (w / "out").mkdir()
     (w / "out" / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    (w / "out" / "run.json").write_text(json.dumps({"config_file": str(TINY), "stage": "rl"}))  # a run of this config
     p = train(w, "--overwrite", env=_prompts(w, b"not json\n"))
     return one_line(p, "not valid JSON") and (w / "out" / "metrics.jsonl").read_text() == '{"iteration": 1}\n', p
 
@@ -272,7 +273,8 @@ def t_resume_other_settings(w):
 def t_resume_other_tp(w):
     _finished_run(w)
     p = train(w, "--resume", env={"ITERATIONS": "3", "TP": "1"})
-    return one_line(p, "resume with the same TP and PP"), p
+    # Another layout resumes (checkpoints reshard), but not a role whose weights were drawn per shard.
+    return one_line(p, "resumed at another layout", "reference has no load"), p
 
 
 def t_resume_truncated_checkpoint(w):
@@ -406,7 +408,7 @@ def t_launcher_failure_line_last(w):
     p = subprocess.run(["bash", str(RUN_PPO)], cwd=w, env=_launcher(w, ITERATIONS="2"), capture_output=True,
                        text=True, timeout=120)
     last = [x for x in p.stderr.splitlines() if x.strip()][-1]
-    return p.returncode != 0 and last.startswith("run_ppo.sh: the run failed") and "already holds a run" in last, p
+    return p.returncode == 2 and last.startswith("error:") and "already holds a run" in last, p
 
 
 def t_launcher_bad_inputs(w):
@@ -481,7 +483,7 @@ def t_peft_adapter_of_another_rank(w):
 def t_partial_rollouts_with_an_environment(w):
     agent = REPO / "examples" / "tiny_agent" / "grpo.yaml"
     p = train(w, config=include(w, "rollout:\n  partial: {enabled: true}\n", base=agent))
-    return one_line(p, "rollout.partial.enabled: not supported with multi-turn rollouts yet"), p
+    return finished(p), p  # supported since issue 61: trajectories resumed with their environments rebuilt
 
 
 def t_partial_pool_not_splitting(w):
