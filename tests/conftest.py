@@ -34,23 +34,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_ranks(cmd, nprocs: int, env: dict, timeout: float, logs: Path):
+    """Run ``cmd`` as ranks 0..nprocs-1 of one torch.distributed world on this machine, as torchrun
+    would start them (its environment variables), without torchrun's own process (1.7 s a launch).
+    A rank that fails ends the others (as torchrun does); returns each rank's exit code and output."""
+    import time
+
+    port, procs = str(_free_port()), []
+    for rank in range(nprocs):
+        out = open(logs / f"rank{rank}.log", "w+")
+        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                        GROUP_RANK="0", ROLE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append((subprocess.Popen(cmd, cwd=REPO, env=rank_env, stdout=out, stderr=subprocess.STDOUT), out))
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p, _ in procs):
+        failed = any(p.poll() not in (None, 0) for p, _ in procs)
+        if failed or time.monotonic() > deadline:
+            time.sleep(0.2 if failed else 0)  # a failed rank's peers get a moment to say why
+            for p, _ in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.05)
+    results = []
+    for p, out in procs:
+        code = p.wait()
+        out.seek(0)
+        results.append((code, out.read()))
+        out.close()
+    return results
+
+
 def run_workers(tmp_path: Path, nprocs: int, case: str, *args: str, timeout: int = 300, env=None):
-    """Run ``tests/workers/<case>.py`` under torchrun with ``nprocs`` processes; return the record
-    each rank saved (its type declared in tests/workers/findings.py), indexed by rank."""
+    """Run ``tests/workers/<case>.py`` as ``nprocs`` ranks of one world (spawn_ranks); return the
+    record each rank saved (its type declared in tests/workers/findings.py), indexed by rank."""
     from tests.workers.findings import FINDINGS
 
     out = tmp_path / f"{case}_{nprocs}"
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc_per_node={nprocs}", f"--master_port={_free_port()}",
-        str(REPO / "tests" / "workers" / f"{case}.py"), str(out), *args,
-    ]
+    cmd = [sys.executable, str(REPO / "tests" / "workers" / f"{case}.py"), str(out), *args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     full_env.update(env or {})
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    results = spawn_ranks(cmd, nprocs, full_env, timeout, out)
+    if any(code != 0 for code, _ in results):
+        told = "\n".join(f"--- rank {r} (exit {code}):\n{text[-6000:]}" for r, (code, text) in enumerate(results))
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{told}")
     found = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
     assert all(type(f) is FINDINGS[case] for f in found), f"{case}: saved {type(found[0]).__name__}, not {FINDINGS[case].__name__}"
     return found

@@ -4,7 +4,6 @@ phase), and the checkpoint as a contract (a format version, nothing that runs co
 stage that wrote it)."""
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch
 
 from megatron_rlhf.checkpoint.model_files import CheckpointError, write_manifest
 from megatron_rlhf.config import ConfigError
-from tests.conftest import REPO, _free_port
+from tests.conftest import REPO, spawn_ranks
 from tests.test_faults import fake_checkpoint, prepared
 
 PIPELINE = REPO / "examples" / "tiny_pipeline"
@@ -44,15 +43,15 @@ def test_free_memory_auto_and_overlapped_onloads_change_no_number_in_any_stage(w
 def test_a_rank_that_does_not_arrive_ends_any_stage_with_a_line_naming_the_step_and_phase(tmp_path, stage, phase):
     config = tmp_path / f"{stage}.yaml"
     config.write_text(f"includes: {PIPELINE / (stage + '.yaml')}\ntrainer:\n  collective_timeout_s: 3\n")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-               str(REPO / "tests" / "helpers" / "stalled_rank.py"), "2", "--", "--config", str(config),
+    command = [sys.executable, str(REPO / "tests" / "helpers" / "stalled_rank.py"), "2", "--", "--config", str(config),
                "--output-dir", str(tmp_path / "out"), "--iterations", "3"]
     started = time.monotonic()
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PROGRESS_BAR": "False", "TENSORBOARD": "False"})
-    assert proc.returncode != 0 and time.monotonic() - started < 50
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc.stderr[-3000:]
+    ranks = spawn_ranks(command, 2, {**os.environ, "OMP_NUM_THREADS": "1", "PROGRESS_BAR": "False",
+                                     "TENSORBOARD": "False"}, 120, tmp_path)
+    output = "\n".join(text for _, text in ranks)
+    assert any(code != 0 for code, _ in ranks) and time.monotonic() - started < 50
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, output[-3000:]
     assert errors[0].startswith(f"error: (rank 0) step 2, {phase}: a collective waited longer than "
                                 "trainer.collective_timeout_s=3s: another rank did not arrive"), errors[0]
     assert "elsewhere: rank 1 in step 2, stalled by the test for " in errors[0]  # the rank that did not arrive

@@ -1,4 +1,4 @@
-"""``python -m torch.distributed.run ... tests/helpers/stalled_rank.py STEP -- <train's arguments>``:
+"""``tests/helpers/stalled_rank.py STEP -- <train's arguments>``, run as each rank of a world (conftest.spawn_ranks):
 megatron_rlhf.train's own entry, with rank 1 stalled (a minute, marked "stalled by the test") at the
 start of step STEP of any stage: the other ranks wait in their next collective until
 trainer.collective_timeout_s."""
