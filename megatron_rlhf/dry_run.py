@@ -74,6 +74,7 @@ def memory_report(config, world_size: int, gpu_memory: Optional[int] = None,
              host_text(configured, nproc_per_node or world_size)]
     if config.trainer.save_interval or config.trainer.save_at_end:
         lines.append(checkpoint_text(checkpoint_plan(config, world_size, nproc_per_node)))
+    lines.append(slots_text(config, world_size, gpu_memory))
     if not gpu_memory:
         return "\n".join(lines), True
     switches, fitted = recommend(config, world_size, gpu_memory, seq_length)
@@ -87,6 +88,27 @@ def memory_report(config, world_size: int, gpu_memory: Optional[int] = None,
     lines.append(f"fits in {human(gpu_memory)} with peak {human(fitted.peak_bytes)} ({fitted.peak_phase}) "
                  f"when these leave the device while idle: {'; '.join(on) if on else 'nothing'}")
     return "\n".join(lines), True
+
+
+def slots_text(config, world_size: int, gpu_memory: Optional[int]) -> str:
+    """The rows the engine decodes at once per DP rank: as configured, or (batch_size: auto) what
+    ``gpu_memory`` would hold with the configured switches (memory/auto.decode_slots)."""
+    from megatron_rlhf.memory.auto import decode_slots
+
+    if config.stage != "rl":
+        return "generation: none (stage " + config.stage + ")"
+    batch = config.generation.batch_size
+    if batch != "auto":
+        return f"generation: {'every row of the rollout' if batch is None else f'{batch} rows'} decoded at once per DP rank"
+    if not gpu_memory:
+        return ("generation.batch_size: auto: chosen at start-up from the free device memory (planned here at every "
+                "row of the rollout; give --gpu-memory to see the choice)")
+    slots, rows, fitted = decode_slots(config, world_size, gpu_memory)
+    if not slots:
+        return f"generation.batch_size: auto: not one row's KV cache fits in {human(gpu_memory)} (a run would stop)"
+    return (f"generation.batch_size: auto: in {human(gpu_memory)}, {slots} of {rows} rows decoded at once per DP rank "
+            f"(KV cache {human(fitted.transient['policy']['kv_cache'])}, peak {human(fitted.peak_bytes)} in "
+            f"{fitted.peak_phase})")
 
 
 def rank_groups(tp: int, pp: int, dp: int, ep: int = 1) -> Dict[str, List[List[int]]]:

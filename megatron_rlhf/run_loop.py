@@ -79,18 +79,22 @@ def run(prepared: Prepared) -> List[Dict[str, float]]:
 
 def _device_memory_choices(config, output_dir: str) -> Optional[int]:
     """free_memory: auto resolved for the device memory free on every rank (and the host arenas of
-    the switches chosen checked); the overlap budget (trainer.overlap_onload), else None."""
+    the switches chosen checked), then generation.batch_size: auto for what the switches leave;
+    the overlap budget (trainer.overlap_onload), else None."""
     import torch.distributed as dist
 
     from megatron_rlhf.errors import RunError
-    from megatron_rlhf.memory.auto import auto_roles, device_budget, resolve_free_memory
+    from megatron_rlhf.memory.auto import auto_roles, device_budget, resolve_decode_slots, resolve_free_memory
 
-    budget = device_budget() if auto_roles(config) or config.trainer.overlap_onload else None
+    slots_auto = config.stage == "rl" and config.generation.batch_size == "auto"
+    budget = device_budget() if auto_roles(config) or config.trainer.overlap_onload or slots_auto else None
     if resolve_free_memory(config, dist.get_world_size(), output_dir, budget):
         try:
             check_host_memory(config, dist.get_world_size())
         except ConfigError as e:
             raise RunError(str(e)) from None
+    if slots_auto:
+        resolve_decode_slots(config, dist.get_world_size(), output_dir, budget)
     return budget if config.trainer.overlap_onload else None
 
 

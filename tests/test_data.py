@@ -170,13 +170,17 @@ def test_the_math_demo_runs_on_verl_parquet_scored_by_a_trl_style_function_given
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
                "-m", "megatron_rlhf.train", "--config", str(REPO / "examples" / "tiny_math" / "grpo.yaml"),
                "--output-dir", str(tmp_path / "out"), "--iterations", "2",
-               f"reward.functions={{{tmp_path}/trl_reward.py:exact_answer: 0.5}}", "trainer.val_before_train=false"]
+               f"reward.functions={{{tmp_path}/trl_reward.py:exact_answer: 0.5}}", "trainer.val_before_train=false",
+               "generation.batch_size=auto"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PROMPT_FILE": str(tmp_path / "train.parquet"),
                                "PROGRESS_BAR": "False", "TENSORBOARD": "False"})
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics] == [1, 2]
+    # generation.batch_size: auto, chosen at start-up from the free memory (the host's here: every row).
+    chosen = json.loads((tmp_path / "out" / "generation_batch_size_auto.json").read_text())
+    assert chosen["slots"] == chosen["rows"] and f"generation.batch_size: auto: {chosen['reason']}" in done.stdout
     assert all(m["reward/failures"] == 0 and "reward/exact_answer" in m and "reward/gsm8k" in m for m in metrics)
 
 

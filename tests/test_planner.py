@@ -117,6 +117,40 @@ def test_a_critic_free_plan_has_no_value_roles_and_counts_every_response(monkeyp
     assert plan.transient["policy"]["kv_cache"] == planner.kv_cache_bytes(arch, 32, seq, 2, 1, config.policy.precision)
 
 
+def test_generation_batch_size_auto_takes_the_most_rows_whose_plan_fits(monkeypatch):
+    """generation.batch_size: auto (memory/auto.decode_slots): the most rows decoded at once whose
+    planned peak fits the budget (one more does not), every row where all fit, none where one does
+    not; the dry run says the choice for --gpu-memory."""
+    import subprocess
+    import sys
+
+    from megatron_rlhf.memory.auto import decode_slots
+
+    for key in ("TP", "PP", "SAMPLES_PER_PROMPT", "ROLLOUT_BATCH_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    overrides = ["generation.batch_size=auto", "generation.max_new_tokens=192", "ppo.rollout_batch_size=32"]
+    config = load_config(os.path.join("examples", "tiny", "grpo.yaml"), world_size=2, overrides=overrides)
+
+    def peak(slots):
+        config.generation.batch_size = slots
+        return planner.plan(config, 2).peak_bytes
+
+    rows = 128  # 32 prompts x 4 responses, all on the one DP rank of TP=2
+    peaks = {s: peak(s) for s in (1, 100, 101, rows)}
+    config.generation.batch_size = "auto"
+    assert peaks[101] > peaks[100] > peaks[1]  # past 86 rows the cache makes the peak: it grows with the slots
+    assert decode_slots(config, 2, peaks[100])[:2] == (100, rows)
+    assert decode_slots(config, 2, peaks[101] - 1)[0] == 100
+    assert decode_slots(config, 2, 10 * peaks[rows])[0] == rows
+    assert decode_slots(config, 2, peaks[1] - 1)[0] == 0
+    assert config.generation.batch_size == "auto"  # the search leaves the config as it was
+    out = subprocess.run([sys.executable, "-m", "megatron_rlhf.train", "--config", os.path.join("examples", "tiny", "grpo.yaml"),
+                          "--dry-run", "--world-size", "2", "--gpu-memory", str(peaks[100]), *overrides], capture_output=True,
+                         text=True, cwd=REPO, env={k: v for k, v in os.environ.items() if k not in ("TP", "PP")})
+    assert "generation.batch_size: auto: in " in out.stdout and ", 100 of 128 rows decoded at once per DP rank" in out.stdout, \
+        out.stdout[-2000:] + out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("size", ["7b", "13b", "70b"])
 def test_free_memory_auto_chooses_what_the_plan_command_recommends(size, monkeypatch):
     """The start-up choice (memory/auto.py, every role on auto) against the recommendation of the

@@ -394,10 +394,17 @@ class GenerationConfig:
     temperature: float = bounded(1.0, gt=0)  # also applied to every log-prob PPO computes, so ratios match sampling
     top_k: int = bounded(0, ge=0)  # 0: off
     top_p: float = bounded(1.0, gt=0, le=1)  # 1.0: off
-    # Rows decoded at once per DP rank (the KV cache's size); None: the whole rollout.
-    batch_size: Optional[int] = bounded(None, ge=1)
+    # Rows decoded at once per DP rank (the KV cache's size); None: the whole rollout; auto: the
+    # most the device memory free at start-up holds beside the roles' resident state (the planner's
+    # peak with the cache fits; at most the whole rollout), said at start-up and in the dry run.
+    batch_size: Union[int, Literal["auto"], None] = bounded(None, ge=1)
     # Responses per prompt (a group): kept together on one DP rank, each sampled independently.
     samples_per_prompt: int = bounded(1, ge=1)
+
+    def slots(self, rows: int) -> int:
+        """Rows decoded at once out of ``rows``: batch_size, or every row (None; auto until start-up
+        has chosen it, memory/auto.resolve_decode_slots: planning then counts every row)."""
+        return rows if self.batch_size in (None, "auto") else min(rows, self.batch_size)
 
 
 @dataclasses.dataclass

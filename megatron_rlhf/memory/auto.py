@@ -1,7 +1,11 @@
 """``free_memory: auto``: at start-up, before any model is built, the fewest EMS switches of the
 roles set to auto that make the planner's peak fit the device memory free on every rank. The
 choice is the planner's own recommendation (``recommend``, the same as `python -m
-megatron_rlhf.plan --gpu-memory`), printed with its reason and written to the output directory."""
+megatron_rlhf.plan --gpu-memory`), printed with its reason and written to the output directory.
+
+``generation.batch_size: auto``: then, with the switches as chosen, the most rows decoded at once
+(the KV cache's slots) whose plan still fits that memory (``decode_slots``), printed and written
+likewise."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from megatron_rlhf.memory.kinds import EMSSwitches
 from megatron_rlhf.memory.planner import Plan, plan, recommend
 
 CHOICE_FILE = "free_memory_auto.json"
+SLOTS_FILE = "generation_batch_size_auto.json"
 
 
 def auto_roles(config: RLHFConfig) -> Tuple[str, ...]:
@@ -52,6 +57,59 @@ def describe(config: RLHFConfig, world_size: int, device_memory: int, switches, 
     return {"roles": list(roles), "device_free_bytes": device_memory, "chosen": chosen,
             "peak_bytes": fitted.peak_bytes, "peak_phase": fitted.peak_phase,
             "peak_bytes_without_offload": nothing.peak_bytes, "reason": reason}
+
+
+def decode_slots(config: RLHFConfig, world_size: int, device_memory: int) -> Tuple[int, int, Plan]:
+    """(slots, rows, plan): the most of a DP rank's ``rows`` of the rollout decoded at once whose
+    plan's peak fits ``device_memory`` with every role's switches as configured (0 when not even one
+    fits), and the plan at that many (at one, when none fits). The peak grows with the slots: a bisection."""
+    own = config.layout_of("policy")
+    rows = config.rollout_samples // (world_size // (own.tensor_model_parallel_size * own.pipeline_model_parallel_size))
+    original = config.generation.batch_size
+
+    def planned(slots: int) -> Plan:
+        config.generation.batch_size = slots
+        return plan(config, world_size)
+
+    try:
+        low, high = 0, rows  # the answer lies in [low, high]
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if planned(middle).peak_bytes <= device_memory else (low, middle - 1)
+        return low, rows, planned(max(low, 1))
+    finally:
+        config.generation.batch_size = original
+
+
+def resolve_decode_slots(config: RLHFConfig, world_size: int, output_dir: str, device_memory: int) -> Optional[dict]:
+    """``generation.batch_size: auto`` chosen for ``device_memory`` (device_budget()), set in the
+    config, printed and recorded (rank 0). Raises RunError when not one row's cache fits."""
+    import torch.distributed as dist
+
+    from megatron_rlhf.errors import RunError
+    from megatron_rlhf.units import human
+
+    if config.generation.batch_size != "auto":
+        return None
+    slots, rows, fitted = decode_slots(config, world_size, device_memory)
+    if slots == 0:
+        raise RunError(f"generation.batch_size: auto: not one row's KV cache fits: with a single row the peak is "
+                       f"{human(fitted.peak_bytes)} ({fitted.peak_phase}) against {human(device_memory)} free on the "
+                       "device; free more memory (free_memory, TP/PP) or shorten the sequences", collective=True)
+    config.generation.batch_size = slots
+    reason = (f"{slots} of {rows} rows decoded at once per DP rank (the KV cache {human(fitted.transient['policy']['kv_cache'])}"
+              f", the peak {human(fitted.peak_bytes)} in {fitted.peak_phase}, against {human(device_memory)} free on the "
+              "device)")
+    record = {"slots": slots, "rows": rows, "device_free_bytes": device_memory, "peak_bytes": fitted.peak_bytes,
+              "peak_phase": fitted.peak_phase, "reason": reason}
+    if dist.get_rank() == 0:
+        print(f"generation.batch_size: auto: {reason}", flush=True)
+        os.makedirs(output_dir, exist_ok=True)
+        path = os.path.join(output_dir, SLOTS_FILE)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2)
+        os.replace(path + ".tmp", path)
+    return record
 
 
 def device_budget() -> int:

@@ -300,7 +300,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
             "activations": in_flight * activation_bytes(rc.model, ROLE_HEADS[name], micro_batch_rows(config, name), seq, rtp, rpp,
                                                         rc.precision, rc.recompute_activations, trainable, vocab,
                                                         rc.attention),
-            "kv_cache": kv_cache_bytes(rc.model, min(rows, config.generation.batch_size or rows), seq, rtp, rpp,
+            "kv_cache": kv_cache_bytes(rc.model, config.generation.slots(rows), seq, rtp, rpp,
                                        rc.precision) if name == "policy" and config.stage == "rl" else 0,  # only RL generates
             "reshard_buffers": reshard_buffer_bytes(config, name, world_size),
         }

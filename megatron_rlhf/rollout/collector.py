@@ -207,7 +207,7 @@ class RolloutCollector:
     def cache_session(self, rows: int) -> CacheSession:
         """A KV cache kept across the turns of ``rows`` trajectories (as many slots as
         generation.batch_size allows), in the ledger while it lives."""
-        return CacheSession(min(rows, self.config.generation.batch_size or rows), self.config.sequence_tokens,
+        return CacheSession(self.config.generation.slots(rows), self.config.sequence_tokens,
                             self._ledger_record)
 
     @contextlib.contextmanager
