@@ -84,8 +84,6 @@ def decode_slots(config: RLHFConfig, world_size: int, device_memory: int) -> Tup
 def resolve_decode_slots(config: RLHFConfig, world_size: int, output_dir: str, device_memory: int) -> Optional[dict]:
     """``generation.batch_size: auto`` chosen for ``device_memory`` (device_budget()), set in the
     config, printed and recorded (rank 0). Raises RunError when not one row's cache fits."""
-    import torch.distributed as dist
-
     from megatron_rlhf.errors import RunError
     from megatron_rlhf.units import human
 
@@ -102,14 +100,22 @@ def resolve_decode_slots(config: RLHFConfig, world_size: int, output_dir: str, d
               "device)")
     record = {"slots": slots, "rows": rows, "device_free_bytes": device_memory, "peak_bytes": fitted.peak_bytes,
               "peak_phase": fitted.peak_phase, "reason": reason}
-    if dist.get_rank() == 0:
-        print(f"generation.batch_size: auto: {reason}", flush=True)
-        os.makedirs(output_dir, exist_ok=True)
-        path = os.path.join(output_dir, SLOTS_FILE)
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=2)
-        os.replace(path + ".tmp", path)
+    _announce("generation.batch_size", record, output_dir, SLOTS_FILE)
     return record
+
+
+def _announce(key: str, record: dict, output_dir: str, file: str) -> None:
+    """Rank 0 prints an auto choice with its reason and writes its record to the output directory."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return
+    print(f"{key}: auto: {record['reason']}", flush=True)
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(output_dir, file)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def device_budget() -> int:
@@ -129,8 +135,6 @@ def device_budget() -> int:
 def resolve_free_memory(config: RLHFConfig, world_size: int, output_dir: str, device_memory: int) -> Optional[dict]:
     """Choose the auto roles' switches for ``device_memory`` (device_budget()), apply them, print
     and record the choice (rank 0). Raises RunError when nothing fits."""
-    import torch.distributed as dist
-
     from megatron_rlhf.errors import RunError
 
     if not auto_roles(config):
@@ -141,11 +145,5 @@ def resolve_free_memory(config: RLHFConfig, world_size: int, output_dir: str, de
         raise RunError(f"free_memory: auto: {record['reason']}; raise TP/PP, enable recompute_activations or lower "
                        "micro-batch and sequence sizes", collective=True)
     apply_choice(config, switches)
-    if dist.get_rank() == 0:
-        print(f"free_memory: auto: {record['reason']}", flush=True)
-        os.makedirs(output_dir, exist_ok=True)
-        path = os.path.join(output_dir, CHOICE_FILE)
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=2)
-        os.replace(path + ".tmp", path)
+    _announce("free_memory", record, output_dir, CHOICE_FILE)
     return record
