@@ -10,8 +10,9 @@ turn prefills only the tokens its slot does not hold yet.
 The schedule is decided on the host from what every rank knows alike: lengths are counted there,
 and EOS is learnt from the device ``completion_lag`` steps late (a copy started right after each
 step is read ``lag`` steps later), so on CUDA the host never waits for the step it just queued; a
-row that ended meanwhile computes a few tokens that are not kept. What a row samples does not
-depend on the schedule: its n-th token is the n-th draw of its own stream (sampling.py). The last
+row that ended meanwhile computes a few tokens that are not kept. A row's random numbers do not
+depend on the schedule: its n-th token is the n-th draw of its own stream (sampling.py); its
+logits move in their last bits with the rows that share a step (the kernels' arithmetic). The last
 stage samples from the TP-gathered logits; the tokens go to every TP rank and every stage.
 """
 

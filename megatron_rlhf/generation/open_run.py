@@ -6,8 +6,10 @@ next turn joins the running batch when the reply comes (:meth:`OpenRun.add`); :m
 runs one engine step and returns the rows that ended. The KV cache is a session's
 (generation/session.py): a slot freed by a trajectory is kept for it (taken last by a row with no
 home), and its next turn feeds only the tokens after those the slot holds while no other row took
-the slot. A row's n-th token is the n-th draw of its own stream, so what it samples does not
-depend on when it was added or next to which rows it ran.
+the slot. A row's n-th token is the n-th draw of its own stream, so its random numbers do not
+depend on when it was added or next to which rows it ran. Its logits do, in their last bits: the
+CPU's matrix kernels (MKL, oneDNN) compute a row differently with the count of rows beside it, so a
+token near a tie (more often in bf16) and the behaviour log-probs can differ between schedules.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Choosing the next token from logits: greedy, temperature, top-k, top-p. Pure tensor code.
 
 Sampling draws from per-row streams: the uniform behind a row's n-th token is a hash of (the
-row's seed, n), so what a row samples does not depend on which rows share its batch, the order
-rows are scheduled in, the decode batch size or the data-parallel layout. The hash is integer
+row's seed, n), so the random numbers a row draws do not depend on which rows share its batch, the
+order rows are scheduled in, the decode batch size or the data-parallel layout (its logits, which
+the kernels compute with the rows beside it, can differ in their last bits). The hash is integer
 arithmetic that never overflows int64, so it is the same on every device.
 """
 
