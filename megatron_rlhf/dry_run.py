@@ -6,6 +6,7 @@ fatal: the checkpoints usually live only on the cluster."""
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import yaml
@@ -115,14 +116,29 @@ def rank_groups(tp: int, pp: int, dp: int, ep: int = 1) -> Dict[str, List[List[i
     """Global ranks of each TP, DP and PP group and, with experts split (``ep`` > 1), each expert-
     parallel ("ep") and expert-data-parallel ("edp") group, as megatron-core numbers them (its
     RankGenerator, orders tp-cp-ep-dp-pp and, for experts with ETP = TP, tp-ep-dp-pp): rank = tp_rank
-    + TP * (dp_rank + DP * pp_rank), and dp_rank = ep_rank + EP * edp_rank."""
-    from megatron.core.parallel_state import RankGenerator
-
-    dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
-    groups = {kind: dense.get_ranks(kind) for kind in ("tp", "dp", "pp")}
+    + TP * (dp_rank + DP * pp_rank), and dp_rank = ep_rank + EP * edp_rank. Computed here, without
+    importing megatron (torch: 2.6 s of a dry run); tests/test_docs.py checks it against
+    RankGenerator for several layouts."""
+    groups = {kind: _orthogonal_groups([tp, dp, pp], i) for i, kind in enumerate(("tp", "dp", "pp"))}
     if ep > 1:
-        experts = RankGenerator(tp=tp, ep=ep, dp=dp // ep, pp=pp, cp=1, order="tp-ep-dp-pp")
-        groups.update(ep=experts.get_ranks("ep"), edp=experts.get_ranks("dp"))
+        groups.update(ep=_orthogonal_groups([tp, ep, dp // ep, pp], 1), edp=_orthogonal_groups([tp, ep, dp // ep, pp], 2))
+    return groups
+
+
+def _orthogonal_groups(sizes: List[int], varying: int) -> List[List[int]]:
+    """The groups whose members differ in dimension ``varying`` alone of a rank numbered with the
+    first dimension fastest (rank = sum of index x the product of the sizes before it); groups in
+    the order of the other dimensions' indices, the first fastest (megatron's order)."""
+    strides = [1]
+    for size in sizes[:-1]:
+        strides.append(strides[-1] * size)
+    others = [d for d in range(len(sizes)) if d != varying]
+    groups = []
+    for group in range(math.prod(sizes) // sizes[varying]):
+        base, rest = 0, group
+        for d in others:
+            base, rest = base + (rest % sizes[d]) * strides[d], rest // sizes[d]
+        groups.append([base + i * strides[varying] for i in range(sizes[varying])])
     return groups
 
 

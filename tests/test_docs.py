@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
@@ -103,13 +105,33 @@ def test_every_key_the_trl_and_verl_page_names_here_exists():
     assert [key for key in sorted(named) if not known(key)] == []
 
 
-def test_explain_reads_the_schema_alone_without_importing_torch():
-    """`--explain` (and the planner's memory kinds) import no torch: a key's entry in a tenth of a second."""
+@pytest.mark.parametrize("command, said", [
+    (["--explain", "ppo.kl_coef"], "ppo.kl_coef:"),
+    (["--config", "examples/tiny/rlhf.yaml", "--dry-run", "--world-size", "2"], "dry run: nothing was launched"),
+])
+def test_explain_and_the_dry_run_read_the_config_alone_without_importing_torch(command, said):
+    """`--explain` and `--dry-run` (and the planner's memory kinds) import no torch: a tenth of a second."""
     code = ("import sys\nfrom megatron_rlhf.train import main\nfrom megatron_rlhf.memory import kinds, planner\n"
-            "try:\n    main(['--explain', 'ppo.kl_coef'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+            f"try:\n    main({command!r})\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert done.returncode == 0 and "ppo.kl_coef:" in done.stdout, done.stderr
+    assert done.returncode == 0 and said in done.stdout, done.stderr
+
+
+def test_the_dry_runs_process_groups_are_megatrons():
+    """dry_run.rank_groups (computed without megatron, so that a dry run imports no torch) against
+    megatron-core's RankGenerator: dense TP/DP/PP groups and expert EP/EDP groups, several layouts."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from megatron_rlhf.dry_run import rank_groups
+
+    for tp, pp, dp, ep in [(1, 1, 1, 1), (2, 1, 2, 1), (2, 2, 2, 1), (1, 2, 4, 2), (2, 3, 4, 4), (4, 2, 6, 3), (1, 1, 8, 8)]:
+        dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+        expected = {kind: dense.get_ranks(kind) for kind in ("tp", "dp", "pp")}
+        if ep > 1:
+            experts = RankGenerator(tp=tp, ep=ep, dp=dp // ep, pp=pp, cp=1, order="tp-ep-dp-pp")
+            expected.update(ep=experts.get_ranks("ep"), edp=experts.get_ranks("dp"))
+        assert rank_groups(tp, pp, dp, ep) == expected, (tp, pp, dp, ep)
 
 
 # -- The commands the docs show ------------------------------------------------------------------
