@@ -144,10 +144,8 @@ def _steps(steps, prepared: Prepared, history: list, validations: list) -> None:
 def model_records(steps, tokenizer) -> Dict[str, dict]:
     """What each trained role's model files record beside its weights: the tokenizer it read (a
     run that loads it is refused another) and its score statistics (a reward model's)."""
-    from megatron_rlhf.data.tokenizer import tokenizer_record
-
     scores = steps.recorded_scores()
-    return {role: {"tokenizer": tokenizer_record(tokenizer), "scores": scores.get(role)}
+    return {role: {"tokenizer": tokenizer.record(), "scores": scores.get(role)}
             for role in steps.config.trainable_roles}
 
 

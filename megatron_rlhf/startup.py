@@ -298,9 +298,8 @@ def _check_tokenizer_records(config: RLHFConfig, tokenizer) -> None:
     """A role loading a model trained here reads the ids of the tokenizer that model was trained
     with (its checkpoint records it): another one, even of the same size, would feed it other text."""
     from megatron_rlhf.checkpoint.model_files import read_model_meta
-    from megatron_rlhf.data.tokenizer import tokenizer_record
 
-    ours = tokenizer_record(tokenizer)
+    ours = tokenizer.record()
     for role in config.model_roles:
         path = config.path_of(role + ".load")
         if not path or not os.path.isfile(os.path.join(path, CHECKPOINT_META_FILE)):
@@ -344,9 +343,10 @@ def _check_reward_columns(config: RLHFConfig, functions: Dict[str, float], datas
     key = "reward.function" if config.reward.functions is None else "reward.functions"
     loaded = {spec: load_reward_function(spec, "/") for spec in functions}
     for spec, fn in loaded.items():
-        if unsupported_arguments(fn):
+        unsupported = unsupported_arguments(fn)
+        if unsupported:
             raise ConfigError(f"{config.at(key)}: {spec} takes TRL's arguments and requires "
-                              f"{', '.join(unsupported_arguments(fn))}, which no trainer here passes; it is given "
+                              f"{', '.join(unsupported)}, which no trainer here passes; it is given "
                               f"{' and '.join(TRL_ARGUMENTS)} and the row's columns by keyword: give the others a "
                               "default or drop them")
     needs = {spec: required_fields(fn) for spec, fn in loaded.items()}

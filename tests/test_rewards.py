@@ -6,6 +6,7 @@ batch where every call failed ends the run with a line naming the function."""
 import json
 import os
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -91,12 +92,9 @@ def test_the_math_verifier_on_hand_made_cases(response, truth, right):
 
 
 def test_fields_sub_scores_and_weights(rules):
-    pool = RewardPool({rules("exact"): 1.0, rules("parts"): 0.5}, num_workers=2)
-    try:
+    with closing(RewardPool({rules("exact"): 1.0, rules("parts"): 0.5}, num_workers=2)) as pool:
         scores, metrics = pool.score(["p", "q"], ["7", "8"], [{"ground_truth": "7", "data_source": "a"},
                                                             {"ground_truth": "7", "data_source": "b"}])
-    finally:
-        pool.close()
     assert scores.tolist() == [1.0 + 0.5 * 1, 0.0 + 0.5 * 1]
     assert metrics["reward/exact"] == 0.5 and metrics["reward/parts"] == 1.0 and metrics["reward/parts/source_is_a"] == 0.5
     assert metrics["reward/failures"] == 0 and metrics["reward/timeouts"] == 0
@@ -106,12 +104,9 @@ def test_a_trl_style_function_is_called_by_keyword_as_trl_calls_it(rules, tmp_pa
     """A function whose signature names ``completions`` gets every argument by keyword, as TRL's
     trainers pass them (prompts, completions, the row's columns); one that requires what no trainer
     here passes (TRL's completion_ids) is refused at start-up by name."""
-    pool = RewardPool({rules("trl_style"): 1.0, rules("trl_prompts"): 1.0}, num_workers=1)
-    try:
+    with closing(RewardPool({rules("trl_style"): 1.0, rules("trl_prompts"): 1.0}, num_workers=1)) as pool:
         scores, metrics = pool.score(["p", "q"], ["7", "8"], [{"ground_truth": "7", "data_source": "a"},
                                                             {"ground_truth": "7", "data_source": "b"}])
-    finally:
-        pool.close()
     assert metrics["reward/failures"] == 0
     assert metrics["reward/trl_style"] == pytest.approx((1.25 + 0.0) / 2) and metrics["reward/trl_prompts"] == 2.0
     assert scores.tolist() == [1.25 + 2.0, 0.0 + 2.0]
@@ -129,26 +124,19 @@ def test_a_trl_style_function_is_called_by_keyword_as_trl_calls_it(rules, tmp_pa
 
 
 def test_a_call_that_raises_or_hangs_scores_the_failure_score_and_is_counted(rules):
-    pool = RewardPool({rules("picky"): 1.0}, num_workers=2, failure_score=-1.0)
-    try:
+    with closing(RewardPool({rules("picky"): 1.0}, num_workers=2, failure_score=-1.0)) as pool:
         with pytest.warns(UserWarning, match=r"1 of 3 reward calls failed \(0 timed out\) and scored "
                                              r"reward.failure_score=-1; the first: reward function .*picky raised"):
             scores, metrics = pool.score(["p0", "p1", "p2"], ["abc", "ab", "abcd"], [{}, {}, {}])
-    finally:
-        pool.close()
     assert scores.tolist() == [1.0, -1.0, 0.5] and metrics["reward/failures"] == 1
     # With several functions, each one's score (failures at failure_score) and failures are reported,
     # also when every call of one of them failed.
-    pool = RewardPool({rules("picky"): 1.0, rules("always_raises"): 0.5}, num_workers=1, failure_score=0.0)
-    try:
+    with closing(RewardPool({rules("picky"): 1.0, rules("always_raises"): 0.5}, num_workers=1, failure_score=0.0)) as pool:
         with pytest.warns(UserWarning, match="4 of 6 reward calls failed"):
             _, metrics = pool.score(["p0", "p1", "p2"], ["abc", "ab", "abcd"], [{}, {}, {}])
-    finally:
-        pool.close()
     assert metrics["reward/picky/failures"] == 1 and metrics["reward/always_raises/failures"] == 3
     assert metrics["reward/always_raises"] == 0.0 and metrics["reward/picky"] == pytest.approx(1.5 / 3)
-    pool = RewardPool({rules("sleeps_on_x"): 1.0}, num_workers=1, timeout_s=2.0, failure_score=-1.0)
-    try:
+    with closing(RewardPool({rules("sleeps_on_x"): 1.0}, num_workers=1, timeout_s=2.0, failure_score=-1.0)) as pool:
         started = time.monotonic()
         scores, metrics = pool.score(["p"] * 3, ["a", "x", "b"], [{}] * 3)
         assert time.monotonic() - started < 2.0 + 5.0
@@ -161,21 +149,16 @@ def test_a_call_that_raises_or_hangs_scores_the_failure_score_and_is_counted(rul
         scores, metrics = pool.score(["p"] * 24, responses, [{}] * 24)
         assert time.monotonic() - started < 2.0 + 5.0
         assert scores.tolist() == [1.0] * 2 + [-1.0] + [1.0] * 21 and metrics["reward/timeouts"] == 1
-    finally:
-        pool.close()
 
 
 def test_a_reward_that_blocks_on_every_call_ends_the_batch_after_two_time_outs_per_worker(rules):
-    pool = RewardPool({rules("sleeps_on_x"): 1.0}, num_workers=2, timeout_s=1.0)
-    try:
+    with closing(RewardPool({rules("sleeps_on_x"): 1.0}, num_workers=2, timeout_s=1.0)) as pool:
         started = time.monotonic()
         with pytest.raises(RewardFunctionError, match=r"the first 4 reward calls of the batch all timed out \(nothing "
                                                       r"answered\); the first: reward function .*rules.py:sleeps_on_x took "
                                                       r"over 1s \(reward.timeout_s\)"):
             pool.score(["p"] * 16, ["x"] * 16, [{}] * 16)
         assert time.monotonic() - started < 2 * 1.0 + 8.0  # not 16 time-outs: 2 rounds of the 2 workers
-    finally:
-        pool.close()
 
 
 @pytest.mark.parametrize("name,message", [
@@ -187,12 +170,9 @@ def test_a_reward_that_blocks_on_every_call_ends_the_batch_after_two_time_outs_p
                       r"raised KeyError: 'boom' at .*rules.py:\d+ .* on response 0"),
 ])
 def test_a_broken_function_ends_the_run_naming_it(rules, name, message):
-    pool = RewardPool({rules(name): 1.0}, num_workers=1)
-    try:
+    with closing(RewardPool({rules(name): 1.0}, num_workers=1)) as pool:
         with pytest.raises(RewardFunctionError, match=message):
             pool.score(["p0", "p1"], ["abc", "ab"], [{}, {}])
-    finally:
-        pool.close()
 
 
 def test_loading_errors_name_the_spec(tmp_path):

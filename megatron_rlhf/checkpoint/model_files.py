@@ -222,7 +222,7 @@ def write_model_meta(root: str, arch: ModelArchConfig, head: str, dtype: torch.d
     """``lora``: the adapters the shards hold beside the base (rank, alpha, target_modules), if any.
     ``records``: what a trained role's checkpoint records beside its weights: ``scores`` (a reward
     model's score statistics on held-out pairs: mean, std, pairs; stage rm), which PPO's
-    reward.normalize reads, and ``tokenizer`` (data/tokenizer.tokenizer_record), which a run that
+    reward.normalize reads, and ``tokenizer`` (data/tokenizer.py: Tokenizer.record), which a run that
     loads it checks its own against."""
     meta = {"arch": dataclasses.asdict(arch), "head": head, "dtype": str(dtype).replace("torch.", ""), "tp": tp, "pp": pp}
     if lora:

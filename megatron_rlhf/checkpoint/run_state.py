@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Tuple
 
 from megatron_rlhf.config import ConfigError
 from megatron_rlhf.config.schema import RLHFConfig
+from megatron_rlhf.memory.auto import CHOICE_FILE, SLOTS_FILE
 
 _LOCKS: Dict[str, int] = {}  # output directory -> the descriptor holding its lock (for the process's life)
 LOCK_FILE = ".run.lock"
@@ -192,8 +193,7 @@ def completed_iterations(metrics_path: str) -> int:
 
 
 RUN_RECORD = "run.json"  # the kind of run a directory holds: its top config file and stage
-RUN_FILES = ("metrics.jsonl", "memory.jsonl", "checkpoints", "tensorboard", "wandb", "free_memory_auto.json",
-             RUN_RECORD)
+RUN_FILES = ("metrics.jsonl", "memory.jsonl", "checkpoints", "tensorboard", "wandb", CHOICE_FILE, SLOTS_FILE, RUN_RECORD)
 
 
 def record_run(output_dir: str, config: RLHFConfig) -> None:

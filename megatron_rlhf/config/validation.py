@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
+from megatron_rlhf.config.presets import CHECKPOINT_META_FILE
 from megatron_rlhf.config.names import (GROUP_ESTIMATORS, LORA_TARGETS, LOSS_AGG_MODE_OF, PLAIN_TEXT_PARSERS,
                                         SANDBOX_KIND_KEYS)
 from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, TRAINED_ROLE_KEYS,
@@ -788,18 +789,23 @@ CHECKS = (
 )
 
 
+def _pointed_at(latest: str) -> str:
+    """The checkpoint directory a run's ``latest`` pointer file names."""
+    with open(latest, encoding="utf-8") as f:
+        return os.path.join(os.path.dirname(latest), f.read().strip())
+
+
 def not_a_model_checkpoint(path: str) -> str:
-    """What ``path`` is, given where a model checkpoint (a directory with megatron_rlhf_model.json)
+    """What ``path`` is, given where a model checkpoint (a directory with CHECKPOINT_META_FILE)
     was expected, and what to name instead."""
-    meta = "megatron_rlhf_model.json"
+    meta = CHECKPOINT_META_FILE
     convert = "write one with tools/convert_hf_to_megatron.py"
     if not os.path.exists(path):
         parent = os.path.dirname(os.path.normpath(path))
         return f"{path}: no such file or directory" + ("" if os.path.isdir(parent) else f" ({parent} does not exist either)")
     if os.path.basename(os.path.normpath(path)) == "latest" and os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            named = os.path.join(os.path.dirname(path), f.read().strip())
-        return f"{path} is a run's pointer to its newest checkpoint: name a trained role's directory in it, {named}/<role>"
+        return (f"{path} is a run's pointer to its newest checkpoint: name a trained role's directory in it, "
+                f"{_pointed_at(path)}/<role>")
     if not os.path.isdir(path):
         return f"{path} is a file; a model checkpoint is a directory holding {meta} ({convert})"
     roles = sorted(d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, meta)))
@@ -809,10 +815,8 @@ def not_a_model_checkpoint(path: str) -> str:
     latest = os.path.join(path, "checkpoints", "latest")
     if os.path.isfile(latest) or os.path.isfile(os.path.join(path, "latest")):
         pointer = latest if os.path.isfile(latest) else os.path.join(path, "latest")
-        with open(pointer, encoding="utf-8") as f:
-            named = os.path.join(os.path.dirname(pointer), f.read().strip())
         return (f"{path} is a run's output directory, not a model checkpoint: name a trained role's directory in "
-                f"its latest checkpoint, {named}/<role>")
+                f"its latest checkpoint, {_pointed_at(pointer)}/<role>")
     if os.path.isfile(os.path.join(path, "config.json")):
         return f"{path} is a Hugging Face model directory (no {meta}); {convert}"
     return f"{path} is not a model checkpoint (no {meta}); {convert}"
@@ -829,7 +833,7 @@ def input_problems(config: RLHFConfig, needs_prompts: bool = False) -> List[str]
     reported = set()  # a checkpoint two roles start from (DPO's reference takes the policy's) is named once
     for role in config.model_roles:
         load = config.path_of(role + ".load")
-        if load is not None and load not in reported and not os.path.isfile(os.path.join(load, "megatron_rlhf_model.json")):
+        if load is not None and load not in reported and not os.path.isfile(os.path.join(load, CHECKPOINT_META_FILE)):
             reported.add(load)
             missing(role + ".load", not_a_model_checkpoint(load))
     tokenizer = config.data.tokenizer

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import string
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 from megatron_rlhf.config.schema import TokenizerConfig
 
@@ -39,6 +39,12 @@ class Tokenizer(Protocol):
     def encode_chat(self, messages: Messages) -> Tuple[List[int], List[int]]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def record(self) -> dict:
+        """What a trained model's checkpoint records of the tokenizer it read: where it came from,
+        its size, and a fingerprint of its token -> id mapping (two tokenizers of one size that
+        spell their ids otherwise differ in it)."""
+        ...
 
 
 class CharTokenizer:
@@ -90,6 +96,9 @@ class CharTokenizer:
     def unused_end_like_tokens(self) -> List[str]:
         return []
 
+    def record(self) -> dict:
+        return _record(f"char:{self.alphabet}", self.vocab_size, [self.SPECIALS, self.alphabet])
+
     def decode(self, ids: Sequence[int]) -> str:
         first = len(self.SPECIALS)
         return "".join(self.alphabet[i - first] for i in ids if first <= i < self.vocab_size)
@@ -124,7 +133,7 @@ class HFTokenizer:
         pad = self._token_id("pad_token", pad_token)
         self.pad_id = pad if pad is not None else self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_ids[0]
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
-        self._max_token_chars = None
+        self._max_token_chars = self._record = None
 
     @property
     def max_token_chars(self) -> int:
@@ -133,6 +142,11 @@ class HFTokenizer:
         if self._max_token_chars is None:
             self._max_token_chars = max(len(t) for t in self._tok.get_vocab())
         return self._max_token_chars
+
+    def record(self) -> dict:
+        if self._record is None:  # the whole vocabulary hashed: once, for start-up's check and every save
+            self._record = _record(self.path, self.vocab_size, sorted(self._tok.get_vocab().items()))
+        return dict(self._record)
 
     def _token_id(self, key: str, token: Optional[str]) -> Optional[int]:
         if token is None:
@@ -234,16 +248,9 @@ def _generation_config_eos(path: str) -> List[int]:
     return [value] if isinstance(value, int) else [int(v) for v in value or []]
 
 
-def tokenizer_record(tokenizer: Tokenizer) -> dict:
-    """What a trained model's checkpoint records of the tokenizer it read: where it came from, its
-    size, and a fingerprint of its token -> id mapping (two tokenizers of one size that spell
-    their ids otherwise differ in it)."""
-    if isinstance(tokenizer, CharTokenizer):
-        source, mapping = f"char:{tokenizer.alphabet}", [tokenizer.SPECIALS, tokenizer.alphabet]
-    else:
-        source, mapping = tokenizer.path, sorted(tokenizer._tok.get_vocab().items())
+def _record(source: str, vocab_size: int, mapping: Any) -> dict:
     digest = hashlib.sha256(json.dumps(mapping, ensure_ascii=False).encode()).hexdigest()[:16]
-    return {"source": source, "vocab_size": tokenizer.vocab_size, "fingerprint": digest}
+    return {"source": source, "vocab_size": vocab_size, "fingerprint": digest}
 
 
 def build_tokenizer(config: TokenizerConfig, path: Optional[str] = None) -> Tokenizer:

@@ -15,7 +15,7 @@ from typing import Dict, Optional, Tuple
 
 from megatron_rlhf.config.schema import EMS_SWITCHES, RLHFConfig
 from megatron_rlhf.memory.kinds import EMSSwitches
-from megatron_rlhf.memory.planner import Plan, plan, recommend
+from megatron_rlhf.memory.planner import Plan, plan, recommend, rollout_rows
 
 CHOICE_FILE = "free_memory_auto.json"
 SLOTS_FILE = "generation_batch_size_auto.json"
@@ -63,8 +63,7 @@ def decode_slots(config: RLHFConfig, world_size: int, device_memory: int) -> Tup
     """(slots, rows, plan): the most of a DP rank's ``rows`` of the rollout decoded at once whose
     plan's peak fits ``device_memory`` with every role's switches as configured (0 when not even one
     fits), and the plan at that many (at one, when none fits). The peak grows with the slots: a bisection."""
-    own = config.layout_of("policy")
-    rows = config.rollout_samples // (world_size // (own.tensor_model_parallel_size * own.pipeline_model_parallel_size))
+    rows = rollout_rows(config, "policy", world_size)
     original = config.generation.batch_size
 
     def planned(slots: int) -> Plan:

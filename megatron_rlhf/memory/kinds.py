@@ -26,7 +26,6 @@ PHASE_NEEDS = {
 }
 
 
-
 @dataclasses.dataclass(frozen=True)
 class EMSSwitches:
     """Which kinds leave the device when the role is idle (see RoleConfig)."""

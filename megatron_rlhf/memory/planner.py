@@ -271,6 +271,12 @@ class Plan:
         return sum(self.host.values())
 
 
+def rollout_rows(config: RLHFConfig, role: str, world_size: int) -> int:
+    """The rows of the rollout each of ``role``'s DP ranks holds, at the role's own layout."""
+    own = config.layout_of(role)
+    return config.rollout_samples // (world_size // (own.tensor_model_parallel_size * own.pipeline_model_parallel_size))
+
+
 def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSwitches]] = None,
          seq_length: Optional[int] = None) -> Plan:
     """The memory of one PPO iteration on the most loaded rank (the stage with most state)."""
@@ -295,7 +301,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
         roles[name] = max(stages, key=lambda s: sum(s.values()))
         # 1F1B: the first stage holds up to PP micro-batches' activations before its first backward.
         in_flight = min(rpp, micro_batches_per_step(config, name, rdp)) if trainable else 1
-        rows = config.rollout_samples // rdp
+        rows = rollout_rows(config, name, world_size)
         transient[name] = {
             "activations": in_flight * activation_bytes(rc.model, ROLE_HEADS[name], micro_batch_rows(config, name), seq, rtp, rpp,
                                                         rc.precision, rc.recompute_activations, trainable, vocab,
