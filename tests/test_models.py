@@ -165,3 +165,18 @@ def test_rope_computes_megatrons_numbers_bit_for_bit():
                 t = torch.randn(7, 3, heads, dim, generator=g).to(dtype)
                 assert torch.equal(rope.apply_rope_bshd(t, freqs), megatrons(t, freqs))
             freqs.mul_(0.5)  # changed in place: its cosines are computed again
+
+
+def test_megatrons_local_attention_is_refused_where_transformer_engine_brings_its_own(monkeypatch):
+    """attention: local asks for megatron's unfused attention; with transformer-engine installed the
+    layers are its own, so the key would be silently ignored: refused by name instead."""
+    from megatron_rlhf.config.presets import PRESETS
+    from megatron_rlhf.config.schema import ModelArchConfig
+    from megatron_rlhf.models import decoder
+
+    class WithTransformerEngine:
+        has_transformer_engine = True
+
+    monkeypatch.setattr(decoder, "get_platform", lambda: WithTransformerEngine())
+    with pytest.raises(ValueError, match="attention: local: transformer-engine is installed"):
+        decoder.layer_spec(ModelArchConfig(**PRESETS["tiny"]), None, attention="local")
