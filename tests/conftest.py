@@ -34,6 +34,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rank_environment(env: dict, rank: int, nprocs: int, port: str) -> dict:
+    """``env`` with the variables torchrun gives rank ``rank`` of ``nprocs`` on one machine."""
+    return dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                GROUP_RANK="0", ROLE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+
+
 def spawn_ranks(cmd, nprocs: int, env: dict, timeout: float, logs: Path):
     """Run ``cmd`` as ranks 0..nprocs-1 of one torch.distributed world on this machine, as torchrun
     would start them (its environment variables), without torchrun's own process (1.7 s a launch).
@@ -43,8 +49,7 @@ def spawn_ranks(cmd, nprocs: int, env: dict, timeout: float, logs: Path):
     port, procs = str(_free_port()), []
     for rank in range(nprocs):
         out = open(logs / f"rank{rank}.log", "w+")
-        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-                        GROUP_RANK="0", ROLE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        rank_env = _rank_environment(env, rank, nprocs, port)
         procs.append((subprocess.Popen(cmd, cwd=REPO, env=rank_env, stdout=out, stderr=subprocess.STDOUT), out))
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p, _ in procs):
@@ -65,20 +70,97 @@ def spawn_ranks(cmd, nprocs: int, env: dict, timeout: float, logs: Path):
     return results
 
 
+class WorkerPool:
+    """``nprocs`` ranks of one world (tests/workers/pool.py) that run worker cases one after another:
+    one start-up (torch, megatron, the world) per world size instead of one per case. A case that
+    fails or runs past its time ends the pool (a peer may be waiting in a collective); the next case
+    starts a new one."""
+
+    def __init__(self, nprocs: int, root: Path):
+        self.nprocs, self.root, self.procs, self.logs = nprocs, root, [], None
+
+    def _start(self) -> None:
+        logs = self.logs = self.root / f"start{len(list(self.root.iterdir()))}"
+        logs.mkdir()
+        port = str(_free_port())
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        for rank in range(self.nprocs):
+            out = open(logs / f"rank{rank}.log", "w")
+            rank_env = _rank_environment(env, rank, self.nprocs, port)
+            self.procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "workers" / "pool.py")], cwd=REPO,
+                                               env=rank_env, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                                               text=True))
+            out.close()
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        self.procs = []
+
+    def run(self, script: Path, out: Path, args, timeout: float):
+        """Each rank's exit code and output for one case (as spawn_ranks returns them)."""
+        import json
+        import time
+
+        if not self.procs or any(p.poll() is not None for p in self.procs):
+            self.close()
+            self._start()
+        request = json.dumps({"script": str(script), "out": str(out), "args": list(args)}) + "\n"
+        for p in self.procs:
+            p.stdin.write(request)
+            p.stdin.flush()
+        done = [out / f"rank{r}.done" for r in range(self.nprocs)]
+        deadline = time.monotonic() + timeout
+        while not all(d.exists() for d in done):
+            failed = any(d.exists() and d.read_text() not in ("", "0") for d in done)
+            dead = any(p.poll() is not None for p in self.procs)
+            if failed or dead or time.monotonic() > deadline:
+                time.sleep(0.2)  # a failed rank's peers get a moment to say why
+                self.close()
+                break
+            time.sleep(0.02)
+        results = []
+        for r, d in enumerate(done):
+            code = int(d.read_text() or 1) if d.exists() else -9
+            log = out / f"rank{r}.log"
+            results.append((code, log.read_text() if log.exists() else "(the pool ended first) " +
+                            (self.logs / f"rank{r}.log").read_text()))
+        return results
+
+
+_POOLS: dict = {}  # world size -> its WorkerPool, for the session
+
+
+def _pool(nprocs: int) -> WorkerPool:
+    import atexit
+    import tempfile
+
+    if nprocs not in _POOLS:
+        if not _POOLS:
+            atexit.register(lambda: [pool.close() for pool in _POOLS.values()])
+        _POOLS[nprocs] = WorkerPool(nprocs, Path(tempfile.mkdtemp(prefix=f"worker_pool{nprocs}_")))
+    return _POOLS[nprocs]
+
+
 def run_workers(tmp_path: Path, nprocs: int, case: str, *args: str, timeout: int = 300, env=None):
-    """Run ``tests/workers/<case>.py`` as ``nprocs`` ranks of one world (spawn_ranks); return the
+    """Run ``tests/workers/<case>.py`` as ``nprocs`` ranks of one world (in the session's pool of that
+    world size; a fresh launch where ``env`` sets variables of its own, e.g. the GPU's); return the
     record each rank saved (its type declared in tests/workers/findings.py), indexed by rank."""
     from tests.workers.findings import FINDINGS
 
     out = tmp_path / f"{case}_{nprocs}"
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(REPO / "tests" / "workers" / f"{case}.py"), str(out), *args]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    full_env.update(env or {})
-    results = spawn_ranks(cmd, nprocs, full_env, timeout, out)
+    script = REPO / "tests" / "workers" / f"{case}.py"
+    if env:
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env)
+        results = spawn_ranks([sys.executable, str(script), str(out), *args], nprocs, full_env, timeout, out)
+    else:
+        results = _pool(nprocs).run(script, out, args, timeout)
     if any(code != 0 for code, _ in results):
         told = "\n".join(f"--- rank {r} (exit {code}):\n{text[-6000:]}" for r, (code, text) in enumerate(results))
-        raise AssertionError(f"{' '.join(cmd)} failed:\n{told}")
+        raise AssertionError(f"{case} {' '.join(args)} on {nprocs} ranks failed:\n{told}")
     found = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nprocs)]
     assert all(type(f) is FINDINGS[case] for f in found), f"{case}: saved {type(found[0]).__name__}, not {FINDINGS[case].__name__}"
     return found
