@@ -45,8 +45,20 @@ def _module_attributes() -> dict:
     return {name: dict(vars(module)) for name, module in _patchable_modules().items()}
 
 
-def _put_back(snapshot: dict) -> None:
-    """Attributes a case replaced (by identity) restored; attributes it added are left (lazy caches)."""
+CONTAINERS = (dict, list, set)
+
+
+def _megatron_containers() -> dict:
+    """The contents of megatron's module-level dicts, lists and sets (its caches: the copy service
+    of a destroyed group, groups by name), as they are now."""
+    return {(name, key): type(value)(value) for name, module in _patchable_modules().items()
+            if name.startswith("megatron.core") for key, value in vars(module).items()
+            if type(value) in CONTAINERS and not key.startswith("__")}  # not __builtins__, every module's
+
+
+def _put_back(snapshot: dict, containers: dict) -> None:
+    """Attributes a case replaced (by identity) restored, megatron's containers emptied to what they
+    held; attributes a case added are left (lazy caches)."""
     for name, module in _patchable_modules().items():
         before = snapshot.get(name)
         if before is None:
@@ -55,6 +67,10 @@ def _put_back(snapshot: dict) -> None:
         for key, value in before.items():
             if now.get(key, value) is not value or key not in now:
                 setattr(module, key, value)
+    for (name, key), held in containers.items():
+        container = vars(sys.modules[name])[key]
+        container.clear()
+        container.update(held) if isinstance(container, (dict, set)) else container.extend(held)
 
 
 class ProcessState:
@@ -70,6 +86,7 @@ class ProcessState:
         self.dtype = torch.get_default_dtype()
         self.threads = torch.get_num_threads()
         self.modules = _module_attributes()
+        self.containers = _megatron_containers()
         self.path = list(sys.path)
 
     def restore(self) -> None:
@@ -81,7 +98,7 @@ class ProcessState:
         warnings.filters[:] = self.filters
         torch.set_default_dtype(self.dtype)
         torch.set_num_threads(self.threads)
-        _put_back(self.modules)
+        _put_back(self.modules, self.containers)
         sys.path[:] = self.path
 
 
@@ -129,7 +146,19 @@ def _run_case(request: dict, rank: int) -> int:
     return code
 
 
+# Imported before the first case, so that the state of their modules as imported is what each case
+# starts from (a module first imported by a case would keep what that case left in it).
+PRELOADED = ("megatron_rlhf.controller", "megatron_rlhf.run_loop", "megatron_rlhf.startup", "megatron_rlhf.train",
+             "megatron_rlhf.roles.weight_sync", "megatron_rlhf.generation", "megatron_rlhf.checkpoint.run_checkpoint",
+             "megatron.core.resharding.refit", "megatron.core.optimizer", "megatron.core.distributed",
+             "megatron.core.models.gpt", "megatron.core.transformer.moe.moe_layer")
+
+
 def main() -> None:
+    import importlib
+
+    for name in PRELOADED:
+        importlib.import_module(name)
     rank = int(os.environ["RANK"])
     init_distributed(ParallelConfig(1, 1, False, 1))
     common.runs_in_one_world()  # a case's run keeps the world; the next case makes its groups again
