@@ -158,6 +158,34 @@ def test_packed_attention_equals_attention_of_each_prompt_and_slot_alone(window)
         assert torch.allclose(out[start + i], expected[:, 0], atol=1e-6)
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_decode_step_at_its_bucket_s_shapes_attends_as_its_decoding_slots_alone(window):
+    """Slots 1 and 4 of 6 decode (positions 9 and 2): the step computes 8 -> 6 rows over 32 -> 20
+    cache positions; the decoding rows equal SDPA over exactly their own positions, the others
+    write into the scratch slot and see position 0 only."""
+    from megatron_rlhf.generation.decode import decode_layout, extent_bucket, rows_bucket
+
+    assert [rows_bucket(s, 6) for s in range(6)] == [1, 2, 4, 4, 6, 6]
+    assert [extent_bucket(n, 100) for n in (1, 32, 33, 99)] == [32, 32, 64, 100]
+    rows, extent, scratch = rows_bucket(4, 6), extent_bucket(10, 20), 6
+    decoding = torch.tensor([0, 1, 0, 0, 1, 0], dtype=torch.bool)
+    positions = torch.tensor([0, 9, 0, 0, 2, 0])
+    layout = decode_layout(positions, decoding, scratch, torch.randn(20, 1, 1, 8), window, extent, torch.float32)
+    assert layout.slots.tolist() == [6, 1, 6, 6, 4, 6] and layout.decode_span == (0, 6) and not layout.prefill
+    seen = layout.decode_bias[:, 0, 0] == 0
+    assert seen[[0, 2, 3, 5]].sum(-1).tolist() == [1, 1, 1, 1] and seen[[0, 2, 3, 5], 0].all()
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, 4, 8, generator=gen)
+    cache_k, cache_v = torch.randn(7, 2, 20, 8, generator=gen), torch.randn(7, 2, 20, 8, generator=gen)
+    out = _decode(q, cache_k, cache_v, layout, None)
+    for slot in (1, 4):
+        position = int(positions[slot])
+        first = 0 if window is None else max(0, position - window)
+        expected = F.scaled_dot_product_attention(q[slot][:, None], cache_k[slot, :, first : position + 1],
+                                                  cache_v[slot, :, first : position + 1], enable_gqa=True)
+        assert torch.allclose(out[slot], expected[:, 0], atol=1e-6)
+
+
 def test_the_engine_refuses_by_name_the_layer_switches_its_step_does_not_model():
     from types import SimpleNamespace
 

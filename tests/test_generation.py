@@ -85,6 +85,17 @@ def test_rows_end_at_eos_and_are_padded_after(generated):
         assert torch.equal(rank_result.tp2_pp2_eos_by_3.response_lengths, produced)
 
 
+def test_a_decode_step_is_one_input_copy_then_device_work_at_bucketed_shapes(generated):
+    """The rows decoded 3 at a time with EOS at TP2 x PP2 (checked above to give the one-batch
+    tokens): each step that admits no prompt ran as the fixed-shape decode step."""
+    for rank_result in generated:
+        seen = rank_result.decode_steps
+        assert seen["steps"] > 0 and seen["copies"] == seen["steps"]
+        assert seen["host_reads"] == []  # nothing a CUDA graph could not replay
+        # 3 slots: 1, 2 or 4 -> 3 rows; cache positions in buckets of 32 (the cache holds 13).
+        assert seen["shapes"] and all(rows in (1, 2, 3) and extent in (13,) for rows, extent in seen["shapes"])
+
+
 def test_the_engine_s_packed_linears_give_the_tokens_of_torch_s_and_are_megatron_s_again_after(generated):
     for rank_result in generated:
         assert torch.equal(rank_result.tp2_pp2_eos_packed.tokens, rank_result.tp2_pp2_eos.tokens)

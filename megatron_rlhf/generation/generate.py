@@ -25,6 +25,7 @@ from typing import Callable, Hashable, Literal, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_rlhf.generation.decode import COUNTER, DECODING, POSITION, ROW, DecodeInputs, decode_layout, extent_bucket, rows_bucket
 from megatron_rlhf.generation.kv_cache import SlotKVCache
 from megatron_rlhf.generation.packing import StepPacker
 from megatron_rlhf.generation.sampling import SamplingParams, chosen_log_probs, sample_next
@@ -48,7 +49,8 @@ class EngineStats:
     """forward_passes: engine steps; computed_tokens: tokens fed (prompts + decode tokens);
     sampled: tokens sampled (one per prefill and per decode token); useful: tokens kept in a
     response; slot_steps: slots x steps (idle slots included); resumed: rows that fed only the
-    tokens after those a cache session held for them."""
+    tokens after those a cache session held for them; bucket_rows: rows decode steps computed for
+    slots not decoding (their shapes' bucket, decode.py)."""
 
     forward_passes: int = 0
     computed_tokens: int = 0
@@ -56,6 +58,7 @@ class EngineStats:
     useful: int = 0
     slot_steps: int = 0
     resumed: int = 0
+    bucket_rows: int = 0
 
     def count(self, step: ScheduledStep, fed: int, slots: int) -> None:
         self.forward_passes += 1
@@ -164,7 +167,18 @@ class Responses:
         """Each slot's token of ``step`` (and its log-prob): kept where its row is still going."""
         slots = torch.tensor(step.slots, device=sampled.device)
         self.alive[slots[: len(step.admitted)]] = True
-        kept = self.alive[slots]
+        self._record(slots, self.alive[slots], sampled, rows, counters, log_probs)
+
+    def record_decode(self, inputs: torch.Tensor, sampled: torch.Tensor, log_probs: Optional[torch.Tensor]) -> None:
+        """The tokens of a decode step over slots 0..R-1 (``inputs`` [4, R]: decode.DecodeInputs's
+        view): kept where the slot decodes and its row is still going. Device work only."""
+        rows = inputs.shape[1]
+        kept = self.alive[:rows] & inputs[DECODING].bool()
+        self._record(slice(0, rows), kept, sampled, inputs[ROW], inputs[COUNTER], log_probs)
+
+    def _record(self, slots, kept: torch.Tensor, sampled: torch.Tensor, rows: torch.Tensor, counters: torch.Tensor,
+                log_probs: Optional[torch.Tensor]) -> None:
+        # A token not kept goes to the last column (rows of no response: response row 0's).
         where = torch.where(kept, self.prompt_lengths[rows] + counters, self.width)
         self.tokens[rows, where] = sampled
         if self.log_probs is not None:
@@ -209,12 +223,13 @@ class _Routes:
         return table.masked_fill(beyond[:, :, None, None], -1)
 
 
-def slot_cache(model: torch.nn.Module, slots: int, length: int, scratch: bool) -> SlotKVCache:
+def slot_cache(model: torch.nn.Module, slots: int, length: int) -> SlotKVCache:
     """The KV cache of ``slots`` decode slots of ``length`` positions for this rank's layers and
-    heads; ``scratch``: one slot more, for padding (sequence parallelism) and idle steps (experts)."""
+    heads, and one slot more, the scratch slot: where tokens of no row go (the decode step's slots
+    not decoding, padding under sequence parallelism, idle steps under expert parallelism)."""
     inner = unwrap(model)
     config, tp = inner.config, groups_of(model).tp.size()
-    return SlotKVCache(len(compat.attention_layers(inner)), slots + scratch, length,
+    return SlotKVCache(len(compat.attention_layers(inner)), slots + 1, length,
                        (config.num_query_groups or config.num_attention_heads) // tp, config.kv_channels,
                        config.params_dtype, next(inner.parameters()).device)
 
@@ -253,30 +268,65 @@ class EngineStep:
     stats: EngineStats
     record_log_probs: bool = False
     routes: Optional["_Routes"] = None
+    decode_inputs: Optional[DecodeInputs] = None  # made at the first decode step
 
     def run(self, step: ScheduledStep) -> None:
-        device, responses = self.seeds.device, self.responses
-        tokens, layout, keep = self.packer.pack(step, responses.last_token)
+        # A step that admits no prompt runs at the decode step's fixed shapes (decode.py); one
+        # that does, as one packed sequence. Under sequence parallelism or while routes are
+        # recorded every step is packed (a decode step's rows are not a multiple of TP, and its
+        # slots not decoding would record routes).
+        if not step.admitted and self.packer.pad_to == 1 and self.routes is None:
+            fed = self._run_decode(step)
+        else:
+            fed = self._run_packed(step)
+        if self.params.eos_ids:
+            copied = get_platform().copy_to_host_async(self.responses.alive)
+            self.schedule.note_alive(lambda: copied().tolist())
+        self.stats.count(step, fed, self.slots)
+
+    def _run_packed(self, step: ScheduledStep) -> int:
+        tokens, layout, keep = self.packer.pack(step, self.responses.last_token)
         logits = self.stage.forward(tokens, layout, keep)
-        step_rows = torch.tensor(step.rows, device=device)
+        step_rows = torch.tensor(step.rows, device=self.seeds.device)
         if self.routes is not None:
             self.routes.write(step, step_rows, layout)
-        counters = torch.tensor(step.counters, device=device)
+        counters = torch.tensor(step.counters, device=self.seeds.device)
+        sampled, chosen = self._sample(logits, step_rows, counters)
+        self.responses.record(step, sampled, step_rows, counters, chosen)
+        return tokens.shape[1]
+
+    def _run_decode(self, step: ScheduledStep) -> int:
+        if self.decode_inputs is None:
+            self.decode_inputs = DecodeInputs(self.slots, self.seeds.device)
+        cache = self.stage.cache
+        rows = rows_bucket(max(step.decoding), self.slots)
+        extent = extent_bucket(max(step.fed) + 1, cache.length)
+        inputs = self.decode_inputs.send(step, rows)
+        # From here on device work of the bucket's shapes only (what a CUDA graph would replay).
+        packer = self.packer
+        layout = decode_layout(inputs[POSITION], inputs[DECODING].bool(), packer.scratch_slot, packer.rotary,
+                               packer.window, extent, packer.dtype)
+        logits = self.stage.forward(self.responses.last_token[:rows].unsqueeze(0), layout, None)
+        sampled, chosen = self._sample(logits, inputs[ROW], inputs[COUNTER])
+        self.responses.record_decode(inputs, sampled, chosen)
+        self.stats.bucket_rows += rows - len(step.decoding)
+        return len(step.decoding)
+
+    def _sample(self, logits: Optional[torch.Tensor], rows: torch.Tensor, counters: torch.Tensor):
+        """Each row's token (``rows`` [N]: their response rows, ``counters`` [N]: the draws each
+        stream gave so far) from the last stage's logits [N, V], and with ``record_log_probs``
+        its log-prob; on every rank."""
+        device, n = rows.device, rows.shape[0]
         sampled = chosen = None
         if logits is not None:
             logits = logits[:, : self.vocab_size]
-            sampled = _decided_once(sample_next(logits, self.params, self.seeds[step_rows],
-                                                counters + self.offsets[step_rows]), self.groups.tp)
+            sampled = _decided_once(sample_next(logits, self.params, self.seeds[rows], counters + self.offsets[rows]),
+                                    self.groups.tp)
             if self.record_log_probs:
                 chosen = _decided_once(chosen_log_probs(logits, sampled, self.params.temperature), self.groups.tp)
         if self.record_log_probs:
-            chosen = broadcast_from_last_stage(chosen, (len(step.rows),), torch.float32, device, self.groups.pp)
-        responses.record(step, broadcast_from_last_stage(sampled, (len(step.rows),), torch.long, device, self.groups.pp),
-                         step_rows, counters, chosen)
-        if self.params.eos_ids:
-            copied = get_platform().copy_to_host_async(responses.alive)
-            self.schedule.note_alive(lambda: copied().tolist())
-        self.stats.count(step, tokens.shape[1], self.slots)
+            chosen = broadcast_from_last_stage(chosen, (n,), torch.float32, device, self.groups.pp)
+        return broadcast_from_last_stage(sampled, (n,), torch.long, device, self.groups.pp), chosen
 
 
 def _checked_request(prompts, prompt_lengths, params, max_new_tokens, session, keys, record_routes, start_counters):
@@ -368,7 +418,7 @@ def generate(
     peers = _expert_parallel_peers(model)
 
     def new_cache() -> SlotKVCache:
-        return slot_cache(model, slots, cache_length, packer.pad_to > 1 or peers is not None)
+        return slot_cache(model, slots, cache_length)
 
     cache = session.cache_for(new_cache) if session is not None else new_cache()
     stats = EngineStats(resumed=sum(n > 0 for n in cached or []))

@@ -54,8 +54,7 @@ class OpenRun:
         self.packer = StepPacker(self.responses.tokens, self.schedule.lengths, params.pad_id,
                                  compat.rotary_angles(inner, session.length).to(self.device), config,
                                  pad_to=tp if config.sequence_parallel else 1, scratch_slot=slots)
-        self.cache = session.cache_for(lambda: slot_cache(model, slots, session.length,
-                                                          self.packer.pad_to > 1 or self.peers is not None))
+        self.cache = session.cache_for(lambda: slot_cache(model, slots, session.length))
         self.stats = EngineStats()
         empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self.core = EngineStep(None, self.packer, self.schedule, self.responses, empty, empty, params, vocab_size,

@@ -57,9 +57,9 @@ class PipelineStage:
     def __exit__(self, *exc):
         return self._attention.__exit__(*exc)
 
-    def forward(self, tokens: torch.Tensor, layout: StepLayout, keep: torch.Tensor) -> Optional[torch.Tensor]:
-        """tokens [1, T] -> the full-vocabulary logits [len(keep), V] at ``keep`` on the last
-        stage, else None (the hidden states went on to the next stage)."""
+    def forward(self, tokens: torch.Tensor, layout: StepLayout, keep: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """tokens [1, T] -> the full-vocabulary logits [len(keep), V] at ``keep`` (None: every
+        position) on the last stage, else None (the hidden states went on to the next stage)."""
         self.layout = layout
         inner = self.inner
         if self.first:
@@ -73,13 +73,13 @@ class PipelineStage:
         if not self.last:
             dist.send(hidden.contiguous(), dst=self.next)
             return None
-        if self.select_early:
+        if self.select_early and keep is not None:
             hidden = hidden.index_select(0, keep)
         if inner.decoder.final_layernorm is not None:
             hidden = inner.decoder.final_layernorm(hidden)
         weight = inner.shared_embedding_or_output_weight() if inner.share_embeddings_and_output_weights else None
         logits, _ = inner.output_layer(hidden, weight=weight, runtime_gather_output=True)
-        return logits[:, 0] if self.select_early else logits[:, 0].index_select(0, keep)
+        return logits[:, 0] if self.select_early or keep is None else logits[:, 0].index_select(0, keep)
 
 
 def _residual(hidden: torch.Tensor, output_and_bias) -> torch.Tensor:

@@ -306,7 +306,8 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
             "activations": in_flight * activation_bytes(rc.model, ROLE_HEADS[name], micro_batch_rows(config, name), seq, rtp, rpp,
                                                         rc.precision, rc.recompute_activations, trainable, vocab,
                                                         rc.attention),
-            "kv_cache": kv_cache_bytes(rc.model, config.generation.slots(rows), seq, rtp, rpp,
+            # The engine's slots and its scratch slot (generation/generate.slot_cache).
+            "kv_cache": kv_cache_bytes(rc.model, config.generation.slots(rows) + 1, seq, rtp, rpp,
                                        rc.precision) if name == "policy" and config.stage == "rl" else 0,  # only RL generates
             "reshard_buffers": reshard_buffer_bytes(config, name, world_size),
         }

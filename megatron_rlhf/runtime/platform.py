@@ -97,6 +97,11 @@ class DevicePlatform:
         copy = tensor.to("cpu", copy=True)
         return lambda: copy
 
+    def staged_copy(self, shape, dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """A copier of host tensors (at most ``shape``'s elements) into device tensors of their
+        shape, the host not waiting for the copy (CUDA); here a plain copy."""
+        return lambda host, out: out.copy_(host)
+
     def empty_cache(self, freed_bytes: Optional[int] = None) -> None:
         """Hand cached, unused device memory back (a no-op where there is no caching allocator);
         ``freed_bytes``: what the phase boundary that asks just freed (None: an explicit call)."""
@@ -197,6 +202,25 @@ class CudaPlatform(DevicePlatform):
 
     def empty_cache(self, freed_bytes: Optional[int] = None) -> None:
         torch.cuda.empty_cache()
+
+    def staged_copy(self, shape, dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        # Two pinned buffers in turn: a buffer is written again only once its last copy is done,
+        # which the host rarely waits for (the copy before the previous one).
+        ring = [torch.empty(shape, dtype=dtype, pin_memory=True).view(-1) for _ in range(2)]
+        done: list = [None, None]
+        turn = [0]
+
+        def copy(host: torch.Tensor, out: torch.Tensor) -> None:
+            i = turn[0]
+            turn[0] ^= 1
+            if done[i] is not None:
+                done[i].synchronize()
+            staged = ring[i][: host.numel()].view(host.shape).copy_(host)
+            out.copy_(staged, non_blocking=True)
+            done[i] = torch.cuda.Event()
+            done[i].record()
+
+        return copy
 
     def copy_to_host_async(self, tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)

@@ -97,6 +97,9 @@ class GenerationEquivalence(Findings):
     tp2_pp2_turns_open: tuple[list[list[int]], int]  # 2 slots, delays 5 0 2 9
     tp2_pp2_eos: Generated
     tp2_pp2_eos_by_3: Generated  # 3 rows at a time
+    # that run's decode steps: {"steps", "copies": input copies, "shapes": {(rows, extent)},
+    # "host_reads": tensor values read on the host after a step's copy}
+    decode_steps: dict
     tp2_pp2_eos_packed: Generated  # every linear on packed weights
     tp2_pp2_eos_torch_linears: Generated  # torch's F.linear
     packed_products: int  # products the engine ran on packed weights

@@ -2,6 +2,7 @@
 step-by-step argmax of the full forward without a cache. Also: left-padded prompts, EOS, and
 sampling that agrees across TP ranks. Run with 4 processes."""
 
+import contextlib
 import os
 from unittest import mock
 
@@ -129,6 +130,53 @@ def counting_packed_products():
     return counted, mock.patch.object(cpu_linears.PackedWeights, "matmul", counting)
 
 
+def watching_decode_steps():
+    """Counts the engine's decode steps, their input copies and shapes, and any value the host reads
+    from a tensor inside a step after its copy (the part a CUDA graph replays), in ``seen``."""
+    import importlib
+
+    from megatron_rlhf.generation import decode
+
+    engine = importlib.import_module("megatron_rlhf.generation.generate")  # the package's `generate` is the function
+
+    seen = {"steps": 0, "copies": 0, "shapes": set(), "host_reads": []}
+    inside = [False]
+    run_decode, send = engine.EngineStep._run_decode, decode.DecodeInputs.send
+
+    def counted_send(self, step, rows):
+        seen["copies"] += 1
+        view = send(self, step, rows)
+        inside[0] = True
+        return view
+
+    def counted_step(self, step):
+        seen["steps"] += 1
+        try:
+            return run_decode(self, step)
+        finally:
+            inside[0] = False
+
+    def layout(positions, decoding, scratch, rotary, window, extent, dtype):
+        seen["shapes"].add((positions.shape[0], extent))
+        return decode_layout(positions, decoding, scratch, rotary, window, extent, dtype)
+
+    def reading(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if inside[0]:
+                seen["host_reads"].append(name)
+            return original(self, *args, **kwargs)
+        return mock.patch.object(torch.Tensor, name, read)
+
+    decode_layout = engine.decode_layout
+    patches = [mock.patch.object(engine.EngineStep, "_run_decode", counted_step),
+               mock.patch.object(decode.DecodeInputs, "send", counted_send),
+               mock.patch.object(engine, "decode_layout", layout)]
+    patches += [reading(name) for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")]
+    return seen, patches
+
+
 result = GenerationEquivalence.to_fill()
 result.stats, result.greedy = {}, {}
 parallel = setup(1, 1)
@@ -172,7 +220,12 @@ for tp, pp in ((2, 1), (1, 2), (2, 2)):
         result.tp2_pp2_turns_kept = turns(model, session_slots=4)
         result.tp2_pp2_turns_open = open_turns(model, 2, (5, 0, 2, 9))
         result.tp2_pp2_eos = as_record(generate(model, prompts, lengths, with_eos, VOCAB))
-        result.tp2_pp2_eos_by_3 = as_record(generate(model, prompts, lengths, with_eos, VOCAB, batch_size=3))
+        seen, patches = watching_decode_steps()
+        with contextlib.ExitStack() as watching:
+            for patch in patches:
+                watching.enter_context(patch)
+            result.tp2_pp2_eos_by_3 = as_record(generate(model, prompts, lengths, with_eos, VOCAB, batch_size=3))
+        result.decode_steps = seen
         # The engine's linears: oneDNN on packed weights by default (here every weight, however
         # small), torch's F.linear when asked.
         counted, counting = counting_packed_products()

@@ -1,0 +1,74 @@
+"""The engine's decode step at fixed shapes.
+
+A step that admits no prompt feeds one token for each decoding slot. Its shapes are fixed by two
+buckets, not by which slots decode: it computes the first ``rows`` slots (the smallest power of
+two that covers the highest decoding slot, at most every slot) with attention over the first
+``extent`` positions of their caches (the longest row's positions rounded up to EXTENT_BUCKET). A
+slot that does not decode this step computes a row that is dropped: its token goes to the scratch
+slot's cache, its sample to the unkept column of response row 0. What changes between steps (per
+slot: decoding or not, its cache position, its response row, the draws its stream gave) arrives in
+one host-to-device copy into a buffer made once per generation call; everything after that copy is
+device work on tensors of the bucket's shapes, with no value read back by the host: on CUDA that
+is what a graph captures and replays per bucket; on CPU the same step runs eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from megatron_rlhf.generation.packing import StepLayout, visible
+from megatron_rlhf.generation.schedule import ScheduledStep
+from megatron_rlhf.runtime.platform import get_platform
+
+# Cache positions are read in multiples of this: a row's attention reads at most this many
+# masked positions more, and a graph serves this many steps of the longest row.
+EXTENT_BUCKET = 32
+DECODING, POSITION, ROW, COUNTER = range(4)
+
+
+def rows_bucket(highest_slot: int, slots: int) -> int:
+    """Rows a decode step computes when its highest decoding slot is ``highest_slot``."""
+    rows = 1
+    while rows <= highest_slot:
+        rows *= 2
+    return min(rows, slots)
+
+
+def extent_bucket(positions: int, length: int) -> int:
+    """Cache positions a decode step reads when its longest row holds ``positions`` (its new token's included)."""
+    return min(length, -(-positions // EXTENT_BUCKET) * EXTENT_BUCKET)
+
+
+class DecodeInputs:
+    """Per slot, what a decode step needs that changes between steps: [4, slots] int64 on the
+    device (decoding 0/1, cache position, response row, draws so far), written by one copy."""
+
+    def __init__(self, slots: int, device: torch.device):
+        self.values = torch.zeros((4, slots), dtype=torch.long, device=device)
+        self._copy = get_platform().staged_copy((4, slots), torch.long)
+
+    def send(self, step: ScheduledStep, rows: int) -> torch.Tensor:
+        """``step``'s values for the first ``rows`` slots (a slot not decoding: zeros) sent; their view."""
+        host: List[List[int]] = [[0] * rows for _ in range(4)]
+        decoding = len(step.admitted)
+        for slot, row, counter, fed in zip(step.decoding, step.rows[decoding:], step.counters[decoding:], step.fed):
+            host[DECODING][slot], host[POSITION][slot], host[ROW][slot], host[COUNTER][slot] = 1, fed, row, counter
+        view = self.values[:, :rows]
+        self._copy(torch.tensor(host, dtype=torch.long), view)
+        return view
+
+
+def decode_layout(positions: torch.Tensor, decoding: torch.Tensor, scratch_slot: int, rotary: torch.Tensor,
+                  window, extent: int, dtype: torch.dtype) -> StepLayout:
+    """The layout of a decode step over slots 0..R-1 (``positions`` [R], ``decoding`` [R] bool):
+    each slot's token at its position (a slot not decoding writes into ``scratch_slot``), attending
+    to its positions so far within the first ``extent``. Device work only."""
+    rows = positions.shape[0]
+    slots = torch.where(decoding, torch.arange(rows, device=positions.device), scratch_slot)
+    angles = rotary.index_select(0, positions)
+    allowed = visible(positions, extent, window)
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill_(~allowed, float("-inf"))
+    return StepLayout(positions, slots, torch.cos(angles).to(dtype), torch.sin(angles).to(dtype), [], window, 0,
+                      (0, rows), None, bias[:, None, None, :])
