@@ -112,7 +112,7 @@ class WorkerPool:
         import json
         import time
 
-        if not self.procs or any(p.poll() is not None for p in self.procs) or self._threads() > self.MAX_THREADS:
+        if not self.procs or any(p.poll() is not None for p in self.procs):
             self.close()
             self._start()
         request = json.dumps({"script": str(script), "out": str(out), "args": list(args)}) + "\n"
@@ -129,6 +129,8 @@ class WorkerPool:
                 self.close()
                 break
             time.sleep(0.02)
+        if self.procs and self._threads() > self.MAX_THREADS:
+            self.close()  # now, not before the next case: idle, their threads would still take CPU
         results = []
         for r, d in enumerate(done):
             code = int(d.read_text() or 1) if d.exists() else -9

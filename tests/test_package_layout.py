@@ -220,7 +220,7 @@ def test_every_worker_script_declares_its_findings_and_saves_that_record():
     with pytest.raises(AttributeError):
         record.grp = Iteration(metrics={})
     workers = PACKAGE.parent / "tests" / "workers"
-    shared = {"__init__", "common", "findings", "environments_for_tests", "rewards_for_tests"}
+    shared = {"__init__", "common", "findings", "environments_for_tests", "rewards_for_tests", "pool"}
     scripts = sorted(p.stem for p in workers.glob("*.py") if p.stem not in shared)
     assert scripts == sorted(FINDINGS), set(scripts) ^ set(FINDINGS)
     for name in scripts:

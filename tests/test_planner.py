@@ -112,9 +112,9 @@ def test_a_critic_free_plan_has_no_value_roles_and_counts_every_response(monkeyp
     plan = planner.plan(config, 2)
     assert set(plan.roles) == {"policy", "reference", "ppo_policy"}  # the reward is a rule function
     assert list(plan.phases) == ["generate", "reference", "train_policy"]
-    # The KV cache holds 8 prompts x 4 responses, as generation decodes them.
+    # The KV cache holds 8 prompts x 4 responses, as generation decodes them, and the scratch slot.
     arch, seq = config.policy.model, plan.layout["seq"]
-    assert plan.transient["policy"]["kv_cache"] == planner.kv_cache_bytes(arch, 32, seq, 2, 1, config.policy.precision)
+    assert plan.transient["policy"]["kv_cache"] == planner.kv_cache_bytes(arch, 33, seq, 2, 1, config.policy.precision)
 
 
 def test_generation_batch_size_auto_takes_the_most_rows_whose_plan_fits(monkeypatch):

@@ -1,8 +1,9 @@
 """Generation from a Megatron policy under TP and PP: a continuous-batching engine.
 
-A fixed number of decode slots each hold one row at a time (schedule.py). Every step is one forward
-of a packed sequence (packing.py, stage.py): the whole prompt of each row admitted this step, then
-the last token of every decoding row (kv_cache.py). When a row ends (EOS or max_new_tokens) its
+A fixed number of decode slots each hold one row at a time (schedule.py). A step that admits
+prompts is one forward of a packed sequence (packing.py, stage.py): the whole prompt of each row
+admitted, then the last token of every decoding row (kv_cache.py); a step that admits none runs at
+fixed shapes, its inputs in one copy, then device work only (decode.py). When a row ends (EOS or max_new_tokens) its
 slot takes the next waiting prompt, so no slot idles while prompts wait and no token is computed
 for padding. With a cache session (session.py) the cache outlives the call: a trajectory's next
 turn prefills only the tokens its slot does not hold yet.
