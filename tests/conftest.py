@@ -40,33 +40,40 @@ def _rank_environment(env: dict, rank: int, nprocs: int, port: str) -> dict:
                 GROUP_RANK="0", ROLE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 
 
-def spawn_ranks(cmd, nprocs: int, env: dict, timeout: float, logs: Path):
+def spawn_ranks(cmd, nprocs: int, env: dict, timeout: float, logs: Path, stderr_apart: bool = False):
     """Run ``cmd`` as ranks 0..nprocs-1 of one torch.distributed world on this machine, as torchrun
     would start them (its environment variables), without torchrun's own process (1.7 s a launch).
-    A rank that fails ends the others (as torchrun does); returns each rank's exit code and output."""
+    A rank that fails ends the others (as torchrun does); returns each rank's exit code and output
+    (``stderr_apart``: its standard output and its standard error)."""
     import time
 
     port, procs = str(_free_port()), []
     for rank in range(nprocs):
         out = open(logs / f"rank{rank}.log", "w+")
+        err = open(logs / f"rank{rank}.err", "w+") if stderr_apart else None
         rank_env = _rank_environment(env, rank, nprocs, port)
-        procs.append((subprocess.Popen(cmd, cwd=REPO, env=rank_env, stdout=out, stderr=subprocess.STDOUT), out))
+        procs.append((subprocess.Popen(cmd, cwd=REPO, env=rank_env, stdout=out, stderr=err or subprocess.STDOUT),
+                      out, err))
     deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p, _ in procs):
-        failed = any(p.poll() not in (None, 0) for p, _ in procs)
+    while any(p.poll() is None for p, *_ in procs):
+        failed = any(p.poll() not in (None, 0) for p, *_ in procs)
         if failed or time.monotonic() > deadline:
             time.sleep(0.2 if failed else 0)  # a failed rank's peers get a moment to say why
-            for p, _ in procs:
+            for p, *_ in procs:
                 if p.poll() is None:
                     p.kill()
             break
         time.sleep(0.05)
     results = []
-    for p, out in procs:
+    for p, *files in procs:
         code = p.wait()
-        out.seek(0)
-        results.append((code, out.read()))
-        out.close()
+        texts = []
+        for f in files:
+            if f is not None:
+                f.seek(0)
+                texts.append(f.read())
+                f.close()
+        results.append((code, *texts))
     return results
 
 

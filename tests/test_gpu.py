@@ -155,3 +155,16 @@ def test_cuda_host_arenas_own_their_pages_and_are_unpinned_once_however_they_go(
     cudart.cudaHostRegister = lambda address, nbytes, flags: 2  # cudaErrorMemoryAllocation
     with pytest.raises(RuntimeError, match=r"cudaHostRegister of 64 host bytes failed: CUDA error 2; .*\(ulimit -l\)"):
         platform.host_arena(64)
+
+
+@pytest.mark.gpu
+def test_decode_steps_replayed_from_cuda_graphs_give_the_eager_tokens_and_log_probs_bit_for_bit(workers):
+    r = workers(1, "decode_graphs_gpu", env=ON_GPU)[0]
+    for name, (tokens, log_probs, replays) in r.graphed.items():
+        eager_tokens, eager_log_probs, eager_replays = r.eager[name]
+        print(f"{name}: {replays} decode steps replayed")
+        assert replays > 0 and eager_replays == 0, name
+        assert torch.equal(tokens, eager_tokens), name
+        assert torch.equal(log_probs, eager_log_probs), name
+    before, after = r.allocated_after
+    assert after == before, f"the graphs' memory was not given back: {(after - before) / MiB:.1f} MiB"

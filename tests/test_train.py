@@ -9,19 +9,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, _free_port
+from tests.conftest import REPO, spawn_ranks
 
 FREE_MEMORY_VARS = [f"free_memory_{r}" for r in ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value")]
 
 
 def train(out: Path, *args: str, nprocs: int = 2, env=None, config="examples/tiny/rlhf.yaml", check=True, timeout=600):
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}", f"--master_port={_free_port()}",
-        "-m", "megatron_rlhf.train", "--config", str(config), "--output-dir", str(out), *args,
-    ]
+    """``python -m megatron_rlhf.train`` as torchrun starts it on ``nprocs`` ranks (conftest.spawn_ranks:
+    its environment, without its process); the ranks' standard outputs and errors joined in rank
+    order, and the first failed rank's exit code, as a CompletedProcess."""
+    import tempfile
+
+    cmd = [sys.executable, "-u", "-m", "megatron_rlhf.train", "--config", str(config), "--output-dir", str(out), *args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1")
     full_env.update(env or {})
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory() as logs:
+        ranks = spawn_ranks(cmd, nprocs, full_env, timeout, Path(logs), stderr_apart=True)
+    code = next((code for code, _, _ in ranks if code != 0), 0)
+    proc = subprocess.CompletedProcess(cmd, code, "".join(o for _, o, _ in ranks), "".join(e for _, _, e in ranks))
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

@@ -14,7 +14,8 @@ is what a graph captures and replays per bucket; on CPU the same step runs eager
 
 from __future__ import annotations
 
-from typing import List
+import os
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -22,6 +23,8 @@ from megatron_rlhf.generation.packing import StepLayout, visible
 from megatron_rlhf.generation.schedule import ScheduledStep
 from megatron_rlhf.runtime.platform import get_platform
 
+# "off" runs every decode step eagerly on CUDA too (graphs are made where the platform captures them).
+GRAPHS_VARIABLE = "MEGATRON_RLHF_DECODE_GRAPHS"
 # Cache positions are read in multiples of this: a row's attention reads at most this many
 # masked positions more, and a graph serves this many steps of the longest row.
 EXTENT_BUCKET = 32
@@ -72,3 +75,40 @@ def decode_layout(positions: torch.Tensor, decoding: torch.Tensor, scratch_slot:
     bias = torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill_(~allowed, float("-inf"))
     return StepLayout(positions, slots, torch.cos(angles).to(dtype), torch.sin(angles).to(dtype), [], window, 0,
                       (0, rows), None, bias[:, None, None, :])
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode step, one per (rows, extent) bucket, in one memory pool: a bucket's
+    first step runs eagerly (it is also the warm-up), then is captured; its later steps replay the
+    capture, which reads the same device buffers (the inputs, the responses, the cache, the
+    weights). Made for one engine call and released with it, before EMS can move the policy."""
+
+    def __init__(self):
+        self.graphs: Dict[Tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.replays = 0
+
+    def run(self, bucket: Tuple[int, int], step: Callable[[], None]) -> None:
+        graph = self.graphs.get(bucket)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+            return
+        step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):  # recorded, not run
+            step()
+        self.graphs[bucket] = graph
+
+    def release(self) -> None:
+        self.graphs.clear()
+        self.pool = None
+
+
+def decode_graphs() -> Optional[DecodeGraphs]:
+    """Graphs for an engine call where the platform captures them and MEGATRON_RLHF_DECODE_GRAPHS
+    is not "off" (any other value than on/off refused by name)."""
+    choice = os.environ.get(GRAPHS_VARIABLE, "on").strip().lower()
+    if choice not in ("on", "off"):
+        raise ValueError(f"{GRAPHS_VARIABLE}={os.environ[GRAPHS_VARIABLE]!r}: must be on or off")
+    return DecodeGraphs() if choice == "on" and get_platform().captures_graphs else None

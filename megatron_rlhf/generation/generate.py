@@ -26,7 +26,8 @@ from typing import Callable, Hashable, Literal, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_rlhf.generation.decode import COUNTER, DECODING, POSITION, ROW, DecodeInputs, decode_layout, extent_bucket, rows_bucket
+from megatron_rlhf.generation.decode import (COUNTER, DECODING, POSITION, ROW, DecodeGraphs, DecodeInputs, decode_graphs,
+                                             decode_layout, extent_bucket, rows_bucket)
 from megatron_rlhf.generation.kv_cache import SlotKVCache
 from megatron_rlhf.generation.packing import StepPacker
 from megatron_rlhf.generation.sampling import SamplingParams, chosen_log_probs, sample_next
@@ -60,6 +61,7 @@ class EngineStats:
     slot_steps: int = 0
     resumed: int = 0
     bucket_rows: int = 0
+    graph_replays: int = 0  # decode steps replayed from a CUDA graph (decode.py)
 
     def count(self, step: ScheduledStep, fed: int, slots: int) -> None:
         self.forward_passes += 1
@@ -270,6 +272,8 @@ class EngineStep:
     record_log_probs: bool = False
     routes: Optional["_Routes"] = None
     decode_inputs: Optional[DecodeInputs] = None  # made at the first decode step
+    graphs: Optional[DecodeGraphs] = None  # CUDA graphs of decode steps (decode.py)
+    _graphed_rows: int = -1  # the response rows the graphs were made for (rows joining move the buffers)
 
     def run(self, step: ScheduledStep) -> None:
         # A step that admits no prompt runs at the decode step's fixed shapes (decode.py); one
@@ -299,19 +303,33 @@ class EngineStep:
     def _run_decode(self, step: ScheduledStep) -> int:
         if self.decode_inputs is None:
             self.decode_inputs = DecodeInputs(self.slots, self.seeds.device)
-        cache = self.stage.cache
+        if self._graphed_rows != self.responses.tokens.shape[0]:  # the first step, or rows joined: new buffers
+            self.release_graphs()
+            self.graphs, self._graphed_rows = decode_graphs(), self.responses.tokens.shape[0]
         rows = rows_bucket(max(step.decoding), self.slots)
-        extent = extent_bucket(max(step.fed) + 1, cache.length)
+        extent = extent_bucket(max(step.fed) + 1, self.stage.cache.length)
         inputs = self.decode_inputs.send(step, rows)
-        # From here on device work of the bucket's shapes only (what a CUDA graph would replay).
-        packer = self.packer
+        if self.graphs is None:
+            self._decode_on_device(inputs, extent)
+        else:
+            self.graphs.run((rows, extent), lambda: self._decode_on_device(inputs, extent))
+        self.stats.bucket_rows += rows - len(step.decoding)
+        return len(step.decoding)
+
+    def _decode_on_device(self, inputs: torch.Tensor, extent: int) -> None:
+        """A decode step after its inputs' copy: device work of the bucket's shapes only."""
+        packer, rows = self.packer, inputs.shape[1]
         layout = decode_layout(inputs[POSITION], inputs[DECODING].bool(), packer.scratch_slot, packer.rotary,
                                packer.window, extent, packer.dtype)
         logits = self.stage.forward(self.responses.last_token[:rows].unsqueeze(0), layout, None)
         sampled, chosen = self._sample(logits, inputs[ROW], inputs[COUNTER])
         self.responses.record_decode(inputs, sampled, chosen)
-        self.stats.bucket_rows += rows - len(step.decoding)
-        return len(step.decoding)
+
+    def release_graphs(self) -> None:
+        if self.graphs is not None:
+            self.stats.graph_replays += self.graphs.replays
+            self.graphs.release()
+            self.graphs = None
 
     def _sample(self, logits: Optional[torch.Tensor], rows: torch.Tensor, counters: torch.Tensor):
         """Each row's token (``rows`` [N]: their response rows, ``counters`` [N]: the draws each
@@ -434,6 +452,7 @@ def generate(
             stack.enter_context(routing.recording(model))
         core = EngineStep(stage, packer, schedule, responses, seeds, offsets, params, vocab_size, groups, slots,
                           stats, record_log_probs, routes)
+        stack.callback(core.release_graphs)  # before the cache is released and the modes undone
         while (step := schedule.next_step(lag)) is not None or peers is not None:
             if peers is not None and not _any_peer_running(peers, step is not None, device):
                 break

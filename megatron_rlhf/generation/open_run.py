@@ -64,6 +64,7 @@ class OpenRun:
 
     def __enter__(self) -> "OpenRun":
         self.core.stage = self._modes.enter_context(engine_modes(self.model, self.cache))
+        self._modes.callback(self.core.release_graphs)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -41,17 +41,18 @@ class SamplingParams:
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """[B, V] logits with everything outside the top-k, then outside the smallest set whose
     probability reaches top_p, set to -inf. The most likely token always survives."""
-    logits = logits.clone()
+    # masked_fill, not boolean indexing: the latter counts the mask's hits on the host (a sync,
+    # which a CUDA graph cannot hold).
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits[logits < kth] = float("-inf")
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the tokens before it already reach top_p.
         drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits[drop] = float("-inf")
+        logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
 

@@ -39,6 +39,8 @@ class DevicePlatform:
     completion_lag: int = 0
     # Whether megatron's fused kernels run (torch.compile'd): not without a GPU (megatron_compat.import_megatron).
     compiles_kernels: bool = False
+    # Whether the generation engine replays its decode steps as CUDA graphs (generation/decode.py).
+    captures_graphs: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -122,6 +124,7 @@ class DevicePlatform:
 
 class CudaPlatform(DevicePlatform):
     name = "cuda"
+    captures_graphs = True
     completion_lag = 2
     compiles_kernels = True
     dist_backend = "nccl"

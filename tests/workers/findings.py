@@ -107,6 +107,14 @@ class GenerationEquivalence(Findings):
     sampled: Generated  # top-k/top-p sampling at TP2 x PP2
 
 
+@findings_of("decode_graphs_gpu")
+class DecodeGraphsGPU(Findings):
+    # run ("greedy", "sampled", "resumed", "turns", "open") -> (tokens, log-probs, decode steps replayed)
+    graphed: dict[str, tuple[Tensor, Tensor, int]]
+    eager: dict[str, tuple[Tensor, Tensor, int]]  # the same with MEGATRON_RLHF_DECODE_GRAPHS=off
+    allocated_after: tuple[int, int]  # allocated bytes before and after the graphed runs
+
+
 @findings_of("generation_vs_hf")
 class GenerationVsHF(Findings):
     prompts: Tensor
