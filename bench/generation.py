@@ -13,6 +13,8 @@ Each side runs ``--repeats`` times, alternating; the median is reported. Prints 
 each and their ratio beside the ratio of token positions each computed (transformers: its padded
 batch, counted by a hook on its forward; ours: prompts fed once plus one token per decode step),
 forward passes per useful token, decode occupancy, whether the greedy outputs agree row by row,
+the engine's mean step time against its memory floor (the weights and KV positions a decode step
+reads, over the device's copy bandwidth measured in the same run),
 and computed / useful tokens of the scoring and training passes over the rollout generated. On CPU
 our engine also runs with torch's F.linear (``ratio_with_torch_linears``): its own linears run
 oneDNN on packed weights there (runtime/cpu_linears.py), transformers' run torch's MKL GEMM, so this
@@ -251,11 +253,36 @@ def compare(ours, hf, w, args) -> dict:
         "greedy_rows_identical": f"{sum(a == b for a, b in zip(ours_rows, hf_rows))}/{w.prompts}",
         **pass_padding(gen, w),
     }
+    figures.update(step_against_memory_floor(ours, gen, ours_s, args))
     if same_kernel_times:
         same_kernel_rows = responses(same_kernel_gen, lengths)
         figures["ratio_with_torch_linears"] = (useful / median(same_kernel_times)) / (sum(len(r) for r in hf_rows) / hf_s)
         figures["torch_linears_greedy_rows_identical"] = f"{sum(a == b for a, b in zip(same_kernel_rows, hf_rows))}/{w.prompts}"
     return figures
+
+
+def copy_bandwidth(device, nbytes: int = 512 * 2**20) -> float:
+    """Bytes per second the device moves in a copy (read + write), the best of five."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        _, seconds = timed(lambda: dst.copy_(src))
+        best = min(best, seconds)
+    return 2 * nbytes / best
+
+
+def step_against_memory_floor(model, gen, seconds: float, args) -> dict:
+    """The engine's mean step time against the least time a step can take: the weights and the
+    KV cache a decode step reads (every row's positions so far, at the mean response's midpoint),
+    over the device's copy bandwidth."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_position = 2 * args.layers * args.kv_heads * (args.hidden // args.heads) * (2 if args.precision == "bf16" else 4)
+    mean_extent = float((gen.prompt_lengths + gen.response_lengths / 2).float().mean())
+    rows = gen.stats.slot_steps / max(gen.stats.forward_passes, 1)  # slots per step
+    floor = (params + rows * mean_extent * per_position) / copy_bandwidth(get_platform().device)
+    step = seconds / gen.stats.forward_passes
+    return {"ours_step_ms": 1e3 * step, "memory_floor_ms": 1e3 * floor, "step_over_memory_floor": step / floor}
 
 
 def responses(gen, lengths):

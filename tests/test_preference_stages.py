@@ -425,16 +425,10 @@ def test_a_bad_row_stops_the_launch_with_one_error_line(tmp_path):
 
 
 def _launch(config, output_dir, *flags, **environment):
-    import os
-    import subprocess
-    import sys
+    from tests.test_train import train
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "megatron_rlhf.train",
-               "--config", str(config), "--output-dir", str(output_dir), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PROGRESS_BAR": "False", "TENSORBOARD": "False", **environment}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+    return train(output_dir, *flags, config=config, env={"PROGRESS_BAR": "False", "TENSORBOARD": "False", **environment},
+                 timeout=300).stdout
 
 
 def _latest(output_dir, role):

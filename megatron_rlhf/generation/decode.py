@@ -55,8 +55,7 @@ class DecodeInputs:
     def send(self, step: ScheduledStep, rows: int) -> torch.Tensor:
         """``step``'s values for the first ``rows`` slots (a slot not decoding: zeros) sent; their view."""
         host: List[List[int]] = [[0] * rows for _ in range(4)]
-        decoding = len(step.admitted)
-        for slot, row, counter, fed in zip(step.decoding, step.rows[decoding:], step.counters[decoding:], step.fed):
+        for slot, row, counter, fed in zip(step.decoding, step.rows, step.counters, step.fed):  # nothing admitted
             host[DECODING][slot], host[POSITION][slot], host[ROW][slot], host[COUNTER][slot] = 1, fed, row, counter
         view = self.values[:, :rows]
         self._copy(torch.tensor(host, dtype=torch.long), view)
@@ -96,7 +95,9 @@ class DecodeGraphs:
             return
         step()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):  # recorded, not run
+        # Recorded, not run. Thread-local: work other threads queue meanwhile (a background
+        # checkpoint's copies) is not the capture's business.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             step()
         self.graphs[bucket] = graph
 
