@@ -30,7 +30,7 @@ if [ "$MEGATRON_RLHF_DEVICE" = cuda ]; then
     export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}
     ems_model=(--hidden 2048 --layers 16 --heads 16 --groups 4 --ffn 5632 --vocab 32000 --seq-length 1024 --micro-batch-size 2)
     generation_model=(--hidden 1024 --layers 8 --heads 16 --kv-heads 4 --ffn 2816 --vocab 32000 --precision bf16
-                      --prompts 256 --slots 64 --max-prompt 1024 --new-tokens 256)
+                      --prompts 256 --slots 256 --max-prompt 1024 --new-tokens 256)  # every row at once: a KV cache of 2.5 GiB
     demo_iterations=40
     attention_model=(--models kit --batch 1 --seq 4096 --precision bf16)
 else
