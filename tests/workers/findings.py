@@ -115,6 +115,12 @@ class DecodeGraphsGPU(Findings):
     allocated_after: tuple[int, int]  # allocated bytes before and after the graphed runs
 
 
+@findings_of("pool_state")
+class PoolState(Findings):
+    pid: int  # the process that ran the case
+    left_behind: list[str]  # what an earlier case in the same pool left changed, by name
+
+
 @findings_of("generation_vs_hf")
 class GenerationVsHF(Findings):
     prompts: Tensor
