@@ -122,7 +122,8 @@ class WorkerPool:
         if not self.procs or any(p.poll() is not None for p in self.procs):
             self.close()
             self._start()
-        request = json.dumps({"script": str(script), "out": str(out), "args": list(args)}) + "\n"
+        environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # as a fresh launch's
+        request = json.dumps({"script": str(script), "out": str(out), "args": list(args), "environment": environment}) + "\n"
         for p in self.procs:
             p.stdin.write(request)
             p.stdin.flush()

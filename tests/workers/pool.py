@@ -2,7 +2,7 @@
 then runs worker cases (tests/workers/<case>.py, as a script) one after another as the host asks,
 each as a fresh process would see it, megatron's parallel state made again by the case itself.
 
-Protocol: one JSON line per case on stdin, {"script", "out", "args"}; the case's output goes to
+Protocol: one JSON line per case on stdin, {"script", "out", "args", "environment"}; the case's output goes to
 ``<out>/rank<r>.log``, and ``<out>/rank<r>.done`` holds its exit code when it is over. A case that
 fails leaves the world in an unknown state (a peer may wait in a collective): the host ends the pool.
 
@@ -130,6 +130,9 @@ def _run_case(request: dict, rank: int) -> int:
     os.dup2(log, 1), os.dup2(log, 2)
     sys.argv = [script, out, *args]
     common.OUT_DIR, common.ARGS = out, list(args)
+    world = {k: v for k, v in os.environ.items() if k in WORLD_VARIABLES}
+    os.environ.clear()  # the test's environment at the case's call, as a fresh launch would get it
+    os.environ.update({**request["environment"], **world})
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")
@@ -145,6 +148,10 @@ def _run_case(request: dict, rank: int) -> int:
             os.close(fd)
     return code
 
+
+# What a rank of this pool keeps of its own environment in every case: its place in the world.
+WORLD_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                   "MASTER_PORT")
 
 # Imported before the first case, so that the state of their modules as imported is what each case
 # starts from (a module first imported by a case would keep what that case left in it).
