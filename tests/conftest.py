@@ -34,6 +34,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _worker_environment(extra=None) -> dict:
+    """The environment a worker rank starts with: this process's, one thread, no warnings, ``extra``."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(extra or {})}
+
+
 def _rank_environment(env: dict, rank: int, nprocs: int, port: str) -> dict:
     """``env`` with the variables torchrun gives rank ``rank`` of ``nprocs`` on one machine."""
     return dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
@@ -95,7 +100,7 @@ class WorkerPool:
         logs = self.logs = self.root / f"start{len(list(self.root.iterdir()))}"
         logs.mkdir()
         port = str(_free_port())
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        env = _worker_environment()
         for rank in range(self.nprocs):
             out = open(logs / f"rank{rank}.log", "w")
             rank_env = _rank_environment(env, rank, self.nprocs, port)
@@ -122,8 +127,8 @@ class WorkerPool:
         if not self.procs or any(p.poll() is not None for p in self.procs):
             self.close()
             self._start()
-        environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # as a fresh launch's
-        request = json.dumps({"script": str(script), "out": str(out), "args": list(args), "environment": environment}) + "\n"
+        request = json.dumps({"script": str(script), "out": str(out), "args": list(args),
+                              "environment": _worker_environment()}) + "\n"  # the test's now, as a fresh launch's
         for p in self.procs:
             p.stdin.write(request)
             p.stdin.flush()
@@ -143,7 +148,8 @@ class WorkerPool:
         for r, d in enumerate(done):
             code = int(d.read_text() or 1) if d.exists() else -9
             log = out / f"rank{r}.log"
-            results.append((code, log.read_text() if log.exists() else "(the pool ended first) " +
+            results.append((code, log.read_text() if log.exists() else
+                            "(no output of the case: the pool ended before it began; the pool's own) " +
                             (self.logs / f"rank{r}.log").read_text()))
         return results
 
@@ -172,8 +178,7 @@ def run_workers(tmp_path: Path, nprocs: int, case: str, *args: str, timeout: int
     out.mkdir(parents=True, exist_ok=True)
     script = REPO / "tests" / "workers" / f"{case}.py"
     if env:
-        full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env)
-        results = spawn_ranks([sys.executable, str(script), str(out), *args], nprocs, full_env, timeout, out)
+        results = spawn_ranks([sys.executable, str(script), str(out), *args], nprocs, _worker_environment(env), timeout, out)
     else:
         results = _pool(nprocs).run(script, out, args, timeout)
     if any(code != 0 for code, _ in results):
