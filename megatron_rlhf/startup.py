@@ -48,15 +48,17 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     config, the output directory (writable; an earlier run in it is neither mixed in nor lost by
     accident), the checkpoint to resume (complete, same layout, same run), the tokenizer, the
     rows (RL: the prompt file, the reward function; a stage before RL: its training and validation
-    rows) and the generation engine's CPU kernel (MEGATRON_RLHF_CPU_LINEARS).
+    rows) and the generation engine's switches (MEGATRON_RLHF_CPU_LINEARS, MEGATRON_RLHF_DECODE_GRAPHS).
     With ``args.check_only`` nothing is written (no lock, nothing set aside)."""
     from megatron_rlhf.data import build_tokenizer
     from megatron_rlhf.rewards.contract import reward_functions
+    from megatron_rlhf.generation.decode import graphs_wanted
     from megatron_rlhf.runtime.cpu_linears import chosen_kernel
 
     writes = not args.check_only
 
     chosen_kernel()  # read again by every generation: a bad value is refused here, not at the first one
+    graphs_wanted()  # the same
     config = load_config(args.config, world_size=world_size, check_inputs=False, overrides=args.overrides)
     problems = input_problems(config, needs_prompts=True)
     if problems:

@@ -68,9 +68,12 @@ def test_overwrite_clears_the_old_run_and_resume_refuses_another_runs_settings(t
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
 
 
-def test_a_cpu_linear_kernel_torch_does_not_have_is_refused_before_start_up(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEGATRON_RLHF_CPU_LINEARS", "mkl")
-    with pytest.raises(ValueError, match=r"MEGATRON_RLHF_CPU_LINEARS='mkl': must be one of onednn, torch"):
+@pytest.mark.parametrize("variable, value, said", [
+    ("MEGATRON_RLHF_CPU_LINEARS", "mkl", r"MEGATRON_RLHF_CPU_LINEARS='mkl': must be one of onednn, torch"),
+    ("MEGATRON_RLHF_DECODE_GRAPHS", "maybe", r"MEGATRON_RLHF_DECODE_GRAPHS='maybe': must be on or off")])
+def test_an_engine_switch_of_no_known_value_is_refused_before_start_up(tmp_path, monkeypatch, variable, value, said):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=said):
         prepared(tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -101,15 +101,24 @@ class DecodeGraphs:
             step()
         self.graphs[bucket] = graph
 
+    def clear(self) -> None:
+        """Drop the captures (the buffers they read moved: rows joined an open run); the pool stays."""
+        self.graphs.clear()
+
     def release(self) -> None:
         self.graphs.clear()
         self.pool = None
 
 
-def decode_graphs() -> Optional[DecodeGraphs]:
-    """Graphs for an engine call where the platform captures them and MEGATRON_RLHF_DECODE_GRAPHS
-    is not "off" (any other value than on/off refused by name)."""
+def graphs_wanted() -> bool:
+    """MEGATRON_RLHF_DECODE_GRAPHS: on (the default) or off; any other value refused by name
+    (start-up checks it, before any model is built)."""
     choice = os.environ.get(GRAPHS_VARIABLE, "on").strip().lower()
     if choice not in ("on", "off"):
-        raise ValueError(f"{GRAPHS_VARIABLE}={os.environ[GRAPHS_VARIABLE]!r}: must be on or off")
-    return DecodeGraphs() if choice == "on" and get_platform().captures_graphs else None
+        raise ValueError(f"{GRAPHS_VARIABLE}={os.environ[GRAPHS_VARIABLE]!r}: must be on or off (unset: on)")
+    return choice == "on"
+
+
+def decode_graphs() -> Optional[DecodeGraphs]:
+    """Graphs for an engine call where the platform captures them and they are wanted."""
+    return DecodeGraphs() if get_platform().captures_graphs and graphs_wanted() else None

@@ -272,8 +272,7 @@ class EngineStep:
     record_log_probs: bool = False
     routes: Optional["_Routes"] = None
     decode_inputs: Optional[DecodeInputs] = None  # made at the first decode step
-    graphs: Optional[DecodeGraphs] = None  # CUDA graphs of decode steps (decode.py)
-    _graphed_rows: int = -1  # the response rows the graphs were made for (rows joining move the buffers)
+    graphs: Optional[DecodeGraphs] = None  # CUDA graphs of decode steps (decode.py), made with decode_inputs
 
     def run(self, step: ScheduledStep) -> None:
         # A step that admits no prompt runs at the decode step's fixed shapes (decode.py); one
@@ -301,11 +300,8 @@ class EngineStep:
         return tokens.shape[1]
 
     def _run_decode(self, step: ScheduledStep) -> int:
-        if self.decode_inputs is None:
-            self.decode_inputs = DecodeInputs(self.slots, self.seeds.device)
-        if self._graphed_rows != self.responses.tokens.shape[0]:  # the first step, or rows joined: new buffers
-            self.release_graphs()
-            self.graphs, self._graphed_rows = decode_graphs(), self.responses.tokens.shape[0]
+        if self.decode_inputs is None:  # the call's first decode step
+            self.decode_inputs, self.graphs = DecodeInputs(self.slots, self.seeds.device), decode_graphs()
         rows = rows_bucket(max(step.decoding), self.slots)
         extent = extent_bucket(max(step.fed) + 1, self.stage.cache.length)
         inputs = self.decode_inputs.send(step, rows)
@@ -324,6 +320,11 @@ class EngineStep:
         logits = self.stage.forward(self.responses.last_token[:rows].unsqueeze(0), layout, None)
         sampled, chosen = self._sample(logits, inputs[ROW], inputs[COUNTER])
         self.responses.record_decode(inputs, sampled, chosen)
+
+    def forget_graphs(self) -> None:
+        """The buffers the graphs read moved (rows joined an open run): capture again."""
+        if self.graphs is not None:
+            self.graphs.clear()
 
     def release_graphs(self) -> None:
         if self.graphs is not None:

@@ -88,6 +88,7 @@ class OpenRun:
         self.packer.prompts = self.responses.tokens
         self.core.seeds = torch.cat([self.core.seeds, seeds.to(self.device, torch.int64)])
         self.core.offsets = torch.cat([self.core.offsets, torch.zeros(len(prompts), dtype=torch.int64, device=self.device)])
+        self.core.forget_graphs()  # they read the buffers just replaced
         self.keys += keys
         resumed = sum(n > 0 for n in cached)
         self.stats.resumed += resumed

@@ -167,19 +167,22 @@ class StrictCollectives:
         return checked
 
 
+def keep_the_world() -> None:
+    """Megatron's parallel state and this project's layouts torn down, the torch.distributed world kept."""
+    from megatron.core import parallel_state
+
+    from megatron_rlhf.runtime.layouts import forget_layouts
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    forget_layouts()
+
+
 def runs_in_one_world() -> None:
     """Runs through run_loop.run, one after another in this process: each run's end tears down
     megatron's groups but keeps the world (torchrun's store takes no second rendezvous in one
     process; the next run's start-up makes its groups again)."""
     from megatron_rlhf import runtime, smoke
-
-    def keep_the_world():
-        from megatron.core import parallel_state
-
-        from megatron_rlhf.runtime.layouts import forget_layouts
-
-        parallel_state.destroy_model_parallel()
-        forget_layouts()
 
     runtime.destroy_distributed = smoke.destroy_distributed = keep_the_world
 

@@ -106,15 +106,11 @@ def _reset_parallel_state() -> None:
     """Megatron's groups and every other group a case made destroyed; the world and its host twins
     stay. (A group a leftover object still holds lives on, with its gloo threads: a role with
     megatron's DDP is never collected. The host starts a new pool when their count grows.)"""
-    from megatron.core import parallel_state
     from torch.distributed import distributed_c10d as c10d
 
     from megatron_rlhf.runtime import host_groups
-    from megatron_rlhf.runtime.layouts import forget_layouts
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    forget_layouts()
+    common.keep_the_world()
     kept = {id(twin) for twin in host_groups._TWINS.values() if twin is not None}
     for group in list(c10d._world.pg_map):
         if group is not c10d.GroupMember.WORLD and id(group) not in kept:
