@@ -170,34 +170,61 @@ def step_times(role, arch, args, platform, ems: bool):
 
 
 def six_role_peak(arch, parallel, args, platform, free_memory: bool):
-    """One pass over the six roles (forward, or a training step) with the ledger; the peak figure."""
+    """Six roles colocated, two passes over them (forward, or a training step); the first creates
+    Adam's state, the second is measured phase by phase: the active role's state as the ledger
+    counts it once onloaded, everything resident then (the ledger, every role), and the allocator's
+    peak during the phase (CUDA) or the RSS at its end (CPU). A phase's transient is its peak above
+    what was allocated once its role was onloaded."""
     ledger = MemoryLedger()
-    platform.reset_peak_memory_stats()
     roles = {}
     for name in ROLE_NAMES:
         roles[name] = make_role(name, arch, parallel, args, free_memory)
         ledger.track(roles[name].memory)
         roles[name].memory.offload()
     mbs = batch(arch, args, platform.device)
-    for name in ROLE_NAMES:
-        role = roles[name]
-        if role.trainable:
-            with role.resident("training"):
-                role.train_step(mbs, next_token_loss if role.head == "lm" else scalar_regression_loss)
-        else:
-            with role.resident("inference"):
-                role.forward(mbs)
-    ledger.record("phase_end", "iteration")
-    stats = [r["device"] for r in ledger.records]
+    phases = []
+    for measured in (False, True):
+        phases = []
+        for name in ROLE_NAMES:
+            role = roles[name]
+            platform.synchronize()
+            platform.reset_peak_memory_stats()
+            with role.resident("training" if role.trainable else "inference"):
+                platform.synchronize()
+                onloaded = platform.memory_stats()
+                resident = ledger.record("phase_start", name, active_role=name)
+                if role.trainable:
+                    role.train_step(mbs, next_token_loss if role.head == "lm" else scalar_regression_loss)
+                else:
+                    role.forward(mbs)
+                platform.synchronize()
+                end = platform.memory_stats()
+            level = onloaded.get("allocated", onloaded.get("rss", 0))
+            phases.append({"role": name, "state_bytes": next(r["resident_bytes"] for r in resident if r["role"] == name),
+                           "all_resident_bytes": sum(r["resident_bytes"] for r in resident),
+                           "onloaded": level, "peak": end.get("peak_allocated", end.get("rss", 0)),
+                           "peak_reserved": end.get("peak_reserved", end.get("rss", 0))})
+            phases[-1]["transient"] = phases[-1]["peak"] - level
+    largest = max(phases, key=lambda p: p["all_resident_bytes"] + p["transient"])
     figures = {
-        "peak_resident_state_bytes": ledger.peak_resident_bytes(),
-        "peak_allocated": max(s.get("peak_allocated", s.get("rss", 0)) for s in stats),
-        "peak_reserved": max(s.get("peak_reserved", s.get("rss", 0)) for s in stats),
+        "phases": phases,
+        "peak_resident_state_bytes": max(p["all_resident_bytes"] for p in phases),
+        "peak_allocated": max(p["peak"] for p in phases),
+        "peak_reserved": max(p["peak_reserved"] for p in phases),
+        "largest_phase": largest["role"],
+        "largest_phase_state_plus_transient": largest["all_resident_bytes"] + largest["transient"],
     }
     del roles, role, ledger
     gc.collect()
     platform.empty_cache()
     return figures
+
+
+def say_six_roles(say, label, run):
+    say(f"  {label}: {'phase':<11}{'role state':>12}{'all resident':>14}{'onloaded':>11}{'peak':>11}{'transient':>11}  (MiB)")
+    for p in run["phases"]:
+        say(f"  {'':<{len(label) + 1}} {p['role']:<11}{p['state_bytes'] / MiB:>12.1f}{p['all_resident_bytes'] / MiB:>14.1f}"
+            f"{p['onloaded'] / MiB:>11.1f}{p['peak'] / MiB:>11.1f}{p['transient'] / MiB:>11.1f}")
 
 
 def main():
@@ -254,11 +281,14 @@ def main():
         off = six_role_peak(arch, parallel, args, platform, free_memory=False)
         figures["six_roles"] = {"ems_off": off, "ems_on": on}
         label = "allocated/reserved" if platform.name == "cuda" else "RSS"
-        say(f"\nsix roles colocated: peak resident role state {off['peak_resident_state_bytes'] / MiB:.1f} MiB "
-            f"with EMS off, {on['peak_resident_state_bytes'] / MiB:.1f} MiB on (ratio "
-            f"{on['peak_resident_state_bytes'] / off['peak_resident_state_bytes']:.2f}); peak {label} "
+        say(f"\nsix roles colocated (second pass; the first made Adam's state): peak resident role state "
+            f"{off['peak_resident_state_bytes'] / MiB:.1f} MiB with EMS off, {on['peak_resident_state_bytes'] / MiB:.1f} "
+            f"MiB on (ratio {on['peak_resident_state_bytes'] / off['peak_resident_state_bytes']:.2f}); peak {label} "
             f"{off['peak_allocated'] / MiB:.1f}/{off['peak_reserved'] / MiB:.1f} MiB off, "
-            f"{on['peak_allocated'] / MiB:.1f}/{on['peak_reserved'] / MiB:.1f} MiB on")
+            f"{on['peak_allocated'] / MiB:.1f}/{on['peak_reserved'] / MiB:.1f} MiB on; EMS on, the largest phase "
+            f"({on['largest_phase']}) is its state plus transient: {on['largest_phase_state_plus_transient'] / MiB:.1f} MiB")
+        say_six_roles(say, "EMS on", on)
+        say_six_roles(say, "EMS off", off)
         if platform.name == "cpu":
             say("  (on CPU the host copies live in the same RAM and RSS never falls back across the "
                 "two runs, so RSS is no measure of colocation here: read the resident role state)")

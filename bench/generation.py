@@ -13,8 +13,9 @@ Each side runs ``--repeats`` times, alternating; the median is reported. Prints 
 each and their ratio beside the ratio of token positions each computed (transformers: its padded
 batch, counted by a hook on its forward; ours: prompts fed once plus one token per decode step),
 forward passes per useful token, decode occupancy, whether the greedy outputs agree row by row,
-the engine's mean step time against its memory floor (the weights and KV positions a decode step
-reads, over the device's copy bandwidth measured in the same run),
+the engine's mean step time and its decode step alone (one more run, timed step by step) against
+the memory floor (the weights and KV positions a decode step reads, over the device's copy
+bandwidth measured in the same run),
 and computed / useful tokens of the scoring and training passes over the rollout generated. On CPU
 our engine also runs with torch's F.linear (``ratio_with_torch_linears``): its own linears run
 oneDNN on packed weights there (runtime/cpu_linears.py), transformers' run torch's MKL GEMM, so this
@@ -42,6 +43,7 @@ from megatron_rlhf.checkpoint.convert import hf_to_megatron  # noqa: E402
 from megatron_rlhf.checkpoint.model_files import read_model_meta  # noqa: E402
 from megatron_rlhf.config.schema import ParallelConfig  # noqa: E402
 from megatron_rlhf.generation import SamplingParams, generate  # noqa: E402
+from megatron_rlhf.generation.generate import EngineStep  # noqa: E402
 from megatron_rlhf.models.batches import length_grouped  # noqa: E402
 from megatron_rlhf.models.decoder import build_model, load_local_state_dict  # noqa: E402
 from megatron_rlhf.runtime import destroy_distributed, get_platform, init_distributed  # noqa: E402
@@ -253,7 +255,7 @@ def compare(ours, hf, w, args) -> dict:
         "greedy_rows_identical": f"{sum(a == b for a, b in zip(ours_rows, hf_rows))}/{w.prompts}",
         **pass_padding(gen, w),
     }
-    figures.update(step_against_memory_floor(ours, gen, ours_s, args))
+    figures.update(step_against_memory_floor(ours, gen, ours_s, decode_step_seconds(run_ours), args))
     if same_kernel_times:
         same_kernel_rows = responses(same_kernel_gen, lengths)
         figures["ratio_with_torch_linears"] = (useful / median(same_kernel_times)) / (sum(len(r) for r in hf_rows) / hf_s)
@@ -272,17 +274,43 @@ def copy_bandwidth(device, nbytes: int = 512 * 2**20) -> float:
     return 2 * nbytes / best
 
 
-def step_against_memory_floor(model, gen, seconds: float, args) -> dict:
-    """The engine's mean step time against the least time a step can take: the weights and the
-    KV cache a decode step reads (every row's positions so far, at the mean response's midpoint),
-    over the device's copy bandwidth."""
+def decode_step_seconds(run) -> float:
+    """The mean time of a decode step alone, in one more run of ours: on CUDA the device's time
+    between events recorded on the stream around each step (nothing synchronises inside the run),
+    on CPU the wall time of each step."""
+    spans, plain = [], EngineStep._run_decode
+    on_cuda = get_platform().device.type == "cuda"
+
+    def timed_decode(self, step):
+        if on_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            rows = plain(self, step)
+            end.record()
+            spans.append(lambda: start.elapsed_time(end) / 1e3)
+        else:
+            started = time.perf_counter()
+            rows = plain(self, step)
+            spans.append(lambda seconds=time.perf_counter() - started: seconds)
+        return rows
+
+    with mock.patch.object(EngineStep, "_run_decode", timed_decode):
+        timed(run)
+    return sum(span() for span in spans) / len(spans)
+
+
+def step_against_memory_floor(model, gen, seconds: float, decode_seconds: float, args) -> dict:
+    """The engine's mean step time (every pass, prefill too) and its decode step alone against the
+    least time a decode step can take: the weights and the KV cache it reads (every row's positions
+    so far, at the mean response's midpoint), over the device's copy bandwidth."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     per_position = 2 * args.layers * args.kv_heads * (args.hidden // args.heads) * (2 if args.precision == "bf16" else 4)
     mean_extent = float((gen.prompt_lengths + gen.response_lengths / 2).float().mean())
     rows = gen.stats.slot_steps / max(gen.stats.forward_passes, 1)  # slots per step
     floor = (params + rows * mean_extent * per_position) / copy_bandwidth(get_platform().device)
     step = seconds / gen.stats.forward_passes
-    return {"ours_step_ms": 1e3 * step, "memory_floor_ms": 1e3 * floor, "step_over_memory_floor": step / floor}
+    return {"ours_step_ms": 1e3 * step, "memory_floor_ms": 1e3 * floor, "step_over_memory_floor": step / floor,
+            "decode_step_ms": 1e3 * decode_seconds, "decode_step_over_memory_floor": decode_seconds / floor}
 
 
 def responses(gen, lengths):

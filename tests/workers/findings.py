@@ -113,6 +113,7 @@ class DecodeGraphsGPU(Findings):
     graphed: dict[str, tuple[Tensor, Tensor, int]]
     eager: dict[str, tuple[Tensor, Tensor, int]]  # the same with MEGATRON_RLHF_DECODE_GRAPHS=off
     allocated_after: tuple[int, int]  # allocated bytes before and after the graphed runs
+    capture_stream_workspaces: int  # bytes the libraries kept for torch's capture stream (taken before)
 
 
 @findings_of("pool_state")
