@@ -1,5 +1,5 @@
-"""GRPO against TRL's GRPOTrainer on the same work, side by side in one run, on CPU, each side on
-the same cores at its own best.
+"""GRPO against TRL's GRPOTrainer on the same work, side by side in one run, on CPU (each side on
+the same cores at its own best) or on one GPU (``--device cuda``, the GPU kit's grpo step).
 
 The task is `make demo-math`'s (examples/tiny_math/grpo.yaml: its tokenizer and ChatML template, 8
 prompts x 8 samples, 6 new tokens, gsm8k + 0.2 x answer_format, 8 optimizer steps of 8 samples per
@@ -15,8 +15,15 @@ thread), labelled so. Prints the processor, each row's processes x threads, seco
 iteration (median of the steady iterations), start-up (the process's wall time less its
 iterations), the ratio to TRL, and the mean reward of the first and last 5 iterations.
 
+On one GPU (``--device cuda``) both sides run one process on the card in bf16 (TRL: its Trainer's
+bf16 mixed precision, generation through transformers' ``generate()``): TRL, ours as shipped (EMS
+on) and ours matched (every role resident, no distributed optimizer); ``--hidden``, ``--layers``,
+``--new-tokens`` and ``--lr`` set a model and responses of a GPU's size (the tokenizer, the data and
+every other setting stay the task's).
+
     pip install -e .[bench]          # TRL, pinned (not a dependency of the project)
     python bench/peer_trl.py [--iterations 30] [--seeds 1 2 3] [--json out.json]
+    python bench/peer_trl.py --device cuda --iterations 10 --hidden 1024 --layers 8 --new-tokens 128 --lr 1e-5
 """
 
 from __future__ import annotations
@@ -53,26 +60,44 @@ OURS = {
 }
 
 
+# On one GPU: (processes, threads, environment) of our rows, each one process on the card.
+OURS_ON_GPU = {
+    "ours as shipped: 1 process on the GPU, bf16, EMS on": (1, 4, {"TP": "1"}),
+    "ours matched: 1 process on the GPU, bf16, every role resident, no distributed optimizer":
+        (1, 4, {"TP": "1", "USE_DISTRIBUTED_OPTIMIZER": "False", **{f"free_memory_{r}": "False" for r in
+                                                                     ("policy", "reference", "ppo_policy")}}),
+}
+TRL_ON_GPU = "TRL GRPOTrainer, 1 process on the GPU, bf16, generation through transformers"
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--iterations", type=int, default=30)
     p.add_argument("--skip", type=int, default=3, help="first iterations left out of the median (warm-up)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1234], help="run every row once per seed (the run's seed)")
     p.add_argument("--json", help="also write the figures to this JSON file")
+    p.add_argument("--hidden", type=int, default=64, help="the model both sides start from (default: the tiny one)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=6, help="at most, per response (the task's 6 by default)")
+    p.add_argument("--lr", type=float, default=1e-3, help="the policy's learning rate (the task's 1e-3 by default)")
     p.add_argument("--trl-child", nargs=2, metavar=("HF_DIR", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--trl-threads", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=1234, help=argparse.SUPPRESS)
     return p.parse_args()
 
 
-def weights(directory: str) -> str:
-    """The tiny Llama both sides start from (our tiny preset's shape, the math tokenizer's ids)."""
+def weights(directory: str, args) -> str:
+    """The Llama both sides start from (by default our tiny preset's shape), on the math tokenizer's
+    ids: hidden // 64 heads (at least 4), a quarter of them (at least 2) for keys and values, an MLP
+    of twice the hidden size."""
     import torch
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(os.path.join(MATH, "tokenizer"))
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                                      num_hidden_layers=2, vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-5,
+    heads = max(4, args.hidden // 64)
+    config = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_attention_heads=heads,
+                                      num_key_value_heads=max(2, heads // 4), num_hidden_layers=args.layers, vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-5,
                                       tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(os.path.join(directory, "hf"))
@@ -89,7 +114,12 @@ def ours(name: str, procs: int, threads: int, env: dict, directory: str, seed: i
                 f"data:\n  prompt_file: {os.path.join(MATH, 'train.jsonl')}\n  val_file: null\n"
                 f"  tokenizer:\n    path: {os.path.join(MATH, 'tokenizer')}\n"
                 "trainer:\n  val_before_train: false\n  val_interval: 0\n  tensorboard: false\n  save_at_end: false\n"
-                + "".join(f"{role}:\n  load: {os.path.join(directory, 'mg')}\n" for role in ("reference", "ppo_policy")))
+                "policy:\n  model:\n    preset: auto\n"  # the architecture of the weights both sides load
+                + "".join(f"{role}:\n  load: {os.path.join(directory, 'mg')}\n  model:\n    preset: auto\n"
+                          for role in ("reference", "ppo_policy")))
+    env = {**env, "MAX_NEW_TOKENS": str(args.new_tokens), "POLICY_LR": str(args.lr)}
+    if args.device == "cuda":
+        env.update(MEGATRON_RLHF_DEVICE="cuda", PRECISION="bf16")
     out = os.path.join(directory, "out")
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", "-m", "megatron_rlhf.train",
                "--config", config, "--overwrite", "--output-dir", out, "--iterations", str(args.iterations)]
@@ -141,11 +171,12 @@ def run_trl(hf_dir: str, args) -> dict:
             stamps.append(time.perf_counter())
 
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(), use_cpu=True, seed=args.seed, report_to="none", save_strategy="no", logging_steps=8,
+        output_dir=tempfile.mkdtemp(), use_cpu=args.device == "cpu", seed=args.seed, report_to="none", save_strategy="no", logging_steps=8,
         per_device_train_batch_size=8, steps_per_generation=8, gradient_accumulation_steps=1, num_generations=8,
-        num_iterations=1, max_completion_length=6, temperature=1.0, beta=0.001, epsilon=0.2, loss_type="dapo",
-        learning_rate=1e-3, adam_beta2=0.95, max_grad_norm=1.0, lr_scheduler_type="constant",
-        reward_weights=[1.0, 0.2], max_steps=8 * args.iterations, dataloader_num_workers=0)
+        num_iterations=1, max_completion_length=args.new_tokens, temperature=1.0, beta=0.001, epsilon=0.2, loss_type="dapo",
+        learning_rate=args.lr, adam_beta2=0.95, max_grad_norm=1.0, lr_scheduler_type="constant",
+        reward_weights=[1.0, 0.2], max_steps=8 * args.iterations, dataloader_num_workers=0,
+        **({"bf16": True} if args.device == "cuda" else {}))
     trainer = GRPOTrainer(model=hf_dir, reward_funcs=[gsm8k_reward, format_reward], args=config, train_dataset=dataset,
                           processing_class=AutoTokenizer.from_pretrained(os.path.join(MATH, "tokenizer")),
                           callbacks=[Stamps()])
@@ -161,7 +192,8 @@ def trl_process(hf_dir: str, directory: str, threads, seed: int, args) -> dict:
     time less its iterations); ``threads`` None: torch's default, as a user runs it."""
     out = os.path.join(directory, "trl.json")
     command = [sys.executable, os.path.abspath(__file__), "--iterations", str(args.iterations), "--skip", str(args.skip),
-               "--seed", str(seed), "--trl-child", hf_dir, out]
+               "--seed", str(seed), "--device", args.device, "--new-tokens", str(args.new_tokens), "--lr", str(args.lr),
+               "--trl-child", hf_dir, out]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     if threads:
         command += ["--trl-threads", str(threads)]
@@ -175,6 +207,12 @@ def trl_process(hf_dir: str, directory: str, threads, seed: int, args) -> dict:
         result = json.load(f)
     result["start_up_s"] = wall - result.pop("iterations_s")
     return result
+
+
+def gpu_name() -> str:
+    import torch
+
+    return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
 
 
 def _mean(runs: list, key: str) -> float:
@@ -198,16 +236,22 @@ def main():
         subprocess.run([sys.executable, os.path.join(MATH, "make_data.py")], check=True)
     results = {}
     with tempfile.TemporaryDirectory() as directory:
-        hf_dir = weights(directory)
+        hf_dir = weights(directory, args)
+        on_gpu = args.device == "cuda"
+        peer_name = TRL_ON_GPU if on_gpu else TRL
         for seed in args.seeds:
-            results.setdefault(TRL, []).append(trl_process(hf_dir, directory, None, seed, args))
-            results.setdefault(TRL_ONE_THREAD, []).append(trl_process(hf_dir, directory, 1, seed, args))
-            for name, (procs, threads, env) in OURS.items():
+            results.setdefault(peer_name, []).append(trl_process(hf_dir, directory, None, seed, args))
+            if not on_gpu:
+                results.setdefault(TRL_ONE_THREAD, []).append(trl_process(hf_dir, directory, 1, seed, args))
+            for name, (procs, threads, env) in (OURS_ON_GPU if on_gpu else OURS).items():
                 results.setdefault(name, []).append(ours(name, procs, threads, env, directory, seed, args))
-    peer = _mean(results[TRL], "seconds_per_iteration")
-    print(f"{processor()}, {CORES} cores; {args.iterations} iterations each, median of iterations "
+    peer = _mean(results[peer_name], "seconds_per_iteration")
+    where = gpu_name() if args.device == "cuda" else f"{processor()}, {CORES} cores"
+    print(f"{where}; model h{args.hidden} x {args.layers} layers, up to {args.new_tokens} new tokens, lr {args.lr}; "
+          f"{args.iterations} iterations each, median of iterations "
           f"{args.skip + 1}-{args.iterations}, seeds {args.seeds} (means over seeds)\n")
-    print("| run | s / iteration | vs TRL (default threads) | start-up s | mean reward first 5 -> last 5 |")
+    print(f"| run | s / iteration | vs {'TRL' if args.device == 'cuda' else 'TRL (default threads)'} | start-up s | "
+          "mean reward first 5 -> last 5 |")
     print("|---|---|---|---|---|")
     for name, runs in results.items():
         first = statistics.mean(sum(r["rewards"][:5]) / 5 for r in runs)
@@ -217,7 +261,7 @@ def main():
               f"{first:.3f} -> {last:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"processor": processor(), "cores": CORES, "results": results}, f, indent=1)
+            json.dump({"where": where, "args": vars(args), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

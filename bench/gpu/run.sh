@@ -7,10 +7,11 @@
 #   bash bench/gpu/run.sh tests ems             # some steps
 #   MEGATRON_RLHF_DEVICE=cpu bash bench/gpu/run.sh
 #
-# Steps (default: setup env tests ems generation planner attention demo): setup installs the
+# Steps (default: setup env tests ems generation grpo planner attention demo): setup installs the
 # wheels of bench/gpu/prepare.sh; env records the machine; tests runs the gpu-marked tests; ems,
 # generation and planner run bench/ems.py, bench/generation.py (against transformers) and
-# bench/planner_accuracy.py; attention a 4096-token training step, fused against local; demo runs the tiny PPO demo with EMS on, off, and on with overlapped
+# bench/planner_accuracy.py; grpo GRPO iterations side by side with TRL's GRPOTrainer (bench/peer_trl.py:
+# one process on the card each, bf16, the math task on a model of the GPU's size); attention a 4096-token training step, fused against local; demo runs the tiny PPO demo with EMS on, off, and on with overlapped
 # onloads, and compares their metrics. `suite` (not a default) runs the whole test suite.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -20,7 +21,7 @@ OUT=${OUT:-$REPO/outputs/gpu_kit}
 WHEELS=$REPO/bench/gpu/wheels
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(setup env tests ems generation planner attention demo)
+[ ${#steps[@]} -gt 0 ] || steps=(setup env tests ems generation grpo planner attention demo)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} PYTHONWARNINGS=ignore TENSORBOARD=False
 
 if [ "$MEGATRON_RLHF_DEVICE" = cuda ]; then
@@ -32,6 +33,7 @@ if [ "$MEGATRON_RLHF_DEVICE" = cuda ]; then
     generation_model=(--hidden 1024 --layers 8 --heads 16 --kv-heads 4 --ffn 2816 --vocab 32000 --precision bf16
                       --prompts 256 --slots 256 --max-prompt 1024 --new-tokens 256)  # every row at once: a KV cache of 2.5 GiB
     demo_iterations=40
+    grpo_run=(--iterations 10 --skip 3 --hidden 1024 --layers 8 --new-tokens 128 --lr 1e-5)
     attention_model=(--models kit --batch 1 --seq 4096 --precision bf16)
 else
     PY=${PYTHON:-$REPO/.venv/bin/python}
@@ -39,6 +41,7 @@ else
     ems_model=(--preset tiny --steps 2 --repeats 2)
     generation_model=(--prompts 8 --min-prompt 8 --max-prompt 64 --new-tokens 16 --slots 4)
     demo_iterations=3
+    grpo_run=(--iterations 3 --skip 1)
     attention_model=(--models tiny --batch 2 --seq 256)
 fi
 
@@ -78,6 +81,7 @@ step_tests() { "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs ${KIT_TESTS:-te
 step_suite() { "$PY" -m pytest -q -p no:cacheprovider -rs tests --junitxml="$OUT/suite.xml"; }
 step_ems() { "$PY" bench/ems.py "${ems_model[@]}" --json "$OUT/ems.json"; }
 step_generation() { "$PY" bench/generation.py "${generation_model[@]}" --json "$OUT/generation.json"; }
+step_grpo() { "$PY" bench/peer_trl.py --device "$MEGATRON_RLHF_DEVICE" "${grpo_run[@]}" --json "$OUT/grpo.json"; }
 step_planner() { "$PY" bench/planner_accuracy.py --json "$OUT/planner_accuracy.json"; }
 # A training step at 4096 tokens with torch's fused attention and with megatron's local one: the
 # activations kept, the allocator's peak and the seconds, the planner's prediction beside them.
@@ -102,7 +106,7 @@ step_demo() {
 
 failed=()
 for step in "${steps[@]}"; do
-    declare -F "step_$step" >/dev/null || { echo "unknown step $step (steps: setup env tests suite ems generation planner attention demo)"; exit 2; }
+    declare -F "step_$step" >/dev/null || { echo "unknown step $step (steps: setup env tests suite ems generation grpo planner attention demo)"; exit 2; }
     echo "=== $step ($MEGATRON_RLHF_DEVICE) ==="
     started=$SECONDS
     "step_$step" > >(tee "$OUT/$step.log") 2>&1

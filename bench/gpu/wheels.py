@@ -17,6 +17,10 @@ from packaging.requirements import Requirement
 # TensorBoard off, and its server and gRPC wheels alone would take a third of the 64 MiB), the
 # tests (pytest) and the comparisons against transformers.
 ROOTS = ("megatron-core", "pyyaml", "psutil", "numpy", "tokenizers", "tqdm", "safetensors", "transformers", "pytest")
+# The peer of the kit's GRPO step (bench/peer_trl.py --device cuda), less what the GPU machine's
+# image already holds and would not fit in the 64 MiB: pyarrow and pandas with pandas' own needs.
+PEER_ROOTS = ("trl",)
+ON_THE_GPU_IMAGE = frozenset({"pyarrow", "pandas", "python-dateutil", "tzdata"})
 
 
 def canonical(name: str) -> str:
@@ -44,6 +48,8 @@ def closure(roots) -> dict:
 
 if __name__ == "__main__":
     provided_by_torch = closure(["torch"])
-    for name, version in sorted(closure(ROOTS).items()):
+    ours = closure(ROOTS)
+    peer = {name: v for name, v in closure(PEER_ROOTS).items() if name not in ON_THE_GPU_IMAGE}
+    for name, version in sorted({**peer, **ours}.items()):
         if name not in provided_by_torch:
             print(f"{name}=={version}")
