@@ -44,6 +44,7 @@ from megatron_rlhf.checkpoint.model_files import read_model_meta  # noqa: E402
 from megatron_rlhf.config.schema import ParallelConfig  # noqa: E402
 from megatron_rlhf.generation import SamplingParams, generate  # noqa: E402
 from megatron_rlhf.generation.generate import EngineStep  # noqa: E402
+from megatron_rlhf.memory.planner import decode_step_bytes  # noqa: E402
 from megatron_rlhf.models.batches import length_grouped  # noqa: E402
 from megatron_rlhf.models.decoder import build_model, load_local_state_dict  # noqa: E402
 from megatron_rlhf.runtime import destroy_distributed, get_platform, init_distributed  # noqa: E402
@@ -112,7 +113,7 @@ def converted_llama(args, positions: int):
         arch, _ = read_model_meta(os.path.join(tmp, "mg"))
         ours = build_model(arch, ParallelConfig(1, 1), "lm", precision=args.precision)
         load_local_state_dict(ours, load_model_shard(os.path.join(tmp, "mg"), arch, "lm", 1, 0, 1, 0))
-    return hf, ours
+    return hf, ours, arch
 
 
 def choose_eos(ours, prompts, lengths, args) -> int:
@@ -206,7 +207,7 @@ def timed(run):
     return result, time.perf_counter() - started
 
 
-def compare(ours, hf, w, args) -> dict:
+def compare(ours, arch, hf, w, args) -> dict:
     """Both sides on workload ``w``, alternating run by run."""
     device = get_platform().device
     g = torch.Generator().manual_seed(args.seed + 1)
@@ -256,6 +257,7 @@ def compare(ours, hf, w, args) -> dict:
         **pass_padding(gen, w),
     }
     figures.update(step_against_memory_floor(ours, gen, ours_s, decode_step_seconds(run_ours), args))
+    figures.update(decode_step_memory(arch, gen, w))
     if same_kernel_times:
         same_kernel_rows = responses(same_kernel_gen, lengths)
         figures["ratio_with_torch_linears"] = (useful / median(same_kernel_times)) / (sum(len(r) for r in hf_rows) / hf_s)
@@ -313,6 +315,13 @@ def step_against_memory_floor(model, gen, seconds: float, decode_seconds: float,
             "decode_step_ms": 1e3 * decode_seconds, "decode_step_over_memory_floor": decode_seconds / floor}
 
 
+def decode_step_memory(arch, gen, w) -> dict:
+    """The planner's decode step (memory/planner.decode_step_bytes: what the graphs' pool holds)
+    beside what the pool reserved (CUDA; 0 elsewhere, where nothing is captured)."""
+    planned = decode_step_bytes(arch, min(w.slots, w.prompts) + 1, w.max_prompt + w.new_tokens, 1, 1, w.precision)
+    return {"decode_step_planned_mib": planned / 2**20, "graph_pool_mib": gen.stats.graph_pool_bytes / 2**20}
+
+
 def responses(gen, lengths):
     return [gen.tokens[r, int(lengths[r]) : int(gen.total_lengths[r])].tolist() for r in range(len(lengths))]
 
@@ -332,7 +341,7 @@ def main():
     device = get_platform().device
     chosen = workloads(args)
     longest = max(w.max_prompt + w.new_tokens for _, w in chosen)
-    hf, ours = converted_llama(args, longest)
+    hf, ours, arch = converted_llama(args, longest)
     hf = hf.to(device=device, dtype=torch.bfloat16 if args.precision == "bf16" else torch.float32)
     warm = torch.randint(3, args.vocab, (2, 8))
     generate(ours, warm, torch.tensor([8, 5]), SamplingParams(4, greedy=True, pad_id=PAD), args.vocab)
@@ -340,7 +349,7 @@ def main():
 
     results = {}
     for name, w in chosen:
-        results[name] = compare(ours, hf, w, args)
+        results[name] = compare(ours, arch, hf, w, args)
         print(f"== {name}")
         for key, value in results[name].items():
             print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")

@@ -95,10 +95,13 @@ def weights(directory: str, args) -> str:
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(os.path.join(MATH, "tokenizer"))
+    # Every end token the task declares, as our side stops on them: TRL reads the model's.
+    with open(os.path.join(MATH, "tokenizer", "generation_config.json")) as f:
+        end_tokens = json.load(f)["eos_token_id"]
     heads = max(4, args.hidden // 64)
     config = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_attention_heads=heads,
                                       num_key_value_heads=max(2, heads // 4), num_hidden_layers=args.layers, vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-5,
-                                      tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                                      tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=end_tokens)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(os.path.join(directory, "hf"))
     from megatron_rlhf.checkpoint.convert import hf_to_megatron
@@ -132,8 +135,9 @@ def ours(name: str, procs: int, threads: int, env: dict, directory: str, seed: i
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     seconds = [r["time/iteration_s"] for r in rows]
+    phases = {k: statistics.median(r[k] for r in rows[args.skip:]) for k in rows[-1] if k.startswith("time/")}
     return {"seconds_per_iteration": statistics.median(seconds[args.skip:]), "start_up_s": wall - sum(seconds),
-            "rewards": [r["reward/mean"] for r in rows]}
+            "rewards": [r["reward/mean"] for r in rows], "phase_seconds": phases}
 
 
 def run_trl(hf_dir: str, args) -> dict:
@@ -259,6 +263,10 @@ def main():
         seconds = _mean(runs, "seconds_per_iteration")
         print(f"| {name} | {seconds:.3f} | {seconds / peer:.2f}x | {_mean(runs, 'start_up_s'):.1f} | "
               f"{first:.3f} -> {last:.3f} |")
+    for name, runs in results.items():  # where our iterations go (the metrics' time/ keys, medians)
+        if "phase_seconds" in runs[0]:
+            print(f"{name}: " + ", ".join(f"{k[5:]} {_mean([r['phase_seconds'] for r in runs], k):.3f}"
+                                          for k in runs[0]["phase_seconds"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"where": where, "args": vars(args), "results": results}, f, indent=1)

@@ -294,7 +294,7 @@ def dry_run(config_file: str, world_size: Optional[int] = None, nproc_per_node: 
     print(resolved_config_text(config))
     print("\n# parallel layout")
     print(layout_text(config, world_size, nproc_per_node or world_size))
-    print("\n# device memory per GPU, by role and kind (planner: state exact, activations and KV cache estimated)")
+    print("\n# device memory per GPU, by role and kind (planner: state exact, activations, KV cache and decode step estimated)")
     print(text)
     missing = input_problems(config, needs_prompts=True)
     if missing:

@@ -166,6 +166,7 @@ def test_decode_steps_replayed_from_cuda_graphs_give_the_eager_tokens_and_log_pr
         assert replays > 0 and eager_replays == 0, name
         assert torch.equal(tokens, eager_tokens), name
         assert torch.equal(log_probs, eager_log_probs), name
-    print(f"the libraries' workspaces for the capture stream, taken before: {r.capture_stream_workspaces / MiB:.1f} MiB")
+    print(f"the libraries' workspaces for the capture stream, taken before: {r.capture_stream_workspaces / MiB:.1f} MiB; "
+          f"the first runs kept {r.first_runs_kept} bytes")
     before, after = r.allocated_after
     assert after == before, f"the graphs' memory was not given back: {(after - before) / MiB:.1f} MiB"

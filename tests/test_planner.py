@@ -115,6 +115,13 @@ def test_a_critic_free_plan_has_no_value_roles_and_counts_every_response(monkeyp
     # The KV cache holds 8 prompts x 4 responses, as generation decodes them, and the scratch slot.
     arch, seq = config.policy.model, plan.layout["seq"]
     assert plan.transient["policy"]["kv_cache"] == planner.kv_cache_bytes(arch, 33, seq, 2, 1, config.policy.precision)
+    # The decode step's working memory (on CUDA the graphs' pool) for the same 33 rows, in the generate phase only.
+    step = plan.transient["policy"]["decode_step"]
+    vocab = config.padded_vocab(arch) // 2
+    assert step == planner.decode_step_bytes(arch, 33, seq, 2, 1, config.policy.precision, config.padded_vocab(arch))
+    assert step > 33 * vocab * (4 + 4 + 12 + 4)  # the sampling's fp32 tensors over the vocabulary, and the forward
+    assert plan.resident["generate"]["policy"]["decode_step"] == step
+    assert all("decode_step" not in plan.resident[phase].get("policy", {}) for phase in ("reference", "train_policy"))
 
 
 def test_generation_batch_size_auto_takes_the_most_rows_whose_plan_fits(monkeypatch):

@@ -76,8 +76,12 @@ PY
     return 0
 }
 
-# KIT_TESTS: what pytest collects (default: every gpu-marked test under tests/).
-step_tests() { "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs ${KIT_TESTS:-tests} --junitxml="$OUT/gpu_tests.xml"; }
+# KIT_TESTS: what pytest collects, space-separated (default: every gpu-marked test under tests/).
+step_tests() {
+    local collect
+    read -r -a collect <<< "${KIT_TESTS:-tests}"
+    "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs "${collect[@]}" --junitxml="$OUT/gpu_tests.xml"
+}
 step_suite() { "$PY" -m pytest -q -p no:cacheprovider -rs tests --junitxml="$OUT/suite.xml"; }
 step_ems() { "$PY" bench/ems.py "${ems_model[@]}" --json "$OUT/ems.json"; }
 step_generation() { "$PY" bench/generation.py "${generation_model[@]}" --json "$OUT/generation.json"; }

@@ -86,6 +86,7 @@ class DecodeGraphs:
         self.graphs: Dict[Tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.replays = 0
+        self.pool_bytes = 0  # what the captures reserved (the allocator's count; no synchronisation)
 
     def run(self, bucket: Tuple[int, int], step: Callable[[], None]) -> None:
         graph = self.graphs.get(bucket)
@@ -95,10 +96,12 @@ class DecodeGraphs:
             return
         step()
         graph = torch.cuda.CUDAGraph()
+        reserved = torch.cuda.memory_reserved()
         # Recorded, not run. Thread-local: work other threads queue meanwhile (a background
         # checkpoint's copies) is not the capture's business.
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             step()
+        self.pool_bytes += torch.cuda.memory_reserved() - reserved
         self.graphs[bucket] = graph
 
     def clear(self) -> None:

@@ -62,6 +62,7 @@ class EngineStats:
     resumed: int = 0
     bucket_rows: int = 0
     graph_replays: int = 0  # decode steps replayed from a CUDA graph (decode.py)
+    graph_pool_bytes: int = 0  # the most the graphs' memory pool reserved in one engine call
 
     def count(self, step: ScheduledStep, fed: int, slots: int) -> None:
         self.forward_passes += 1
@@ -329,6 +330,7 @@ class EngineStep:
     def release_graphs(self) -> None:
         if self.graphs is not None:
             self.stats.graph_replays += self.graphs.replays
+            self.stats.graph_pool_bytes = max(self.stats.graph_pool_bytes, self.graphs.pool_bytes)
             self.graphs.release()
             self.graphs = None
 

@@ -23,12 +23,14 @@ from megatron_rlhf.config.schema import (EMS_SWITCHES, ROLE_HEADS, ModelArchConf
                                          RoleConfig)
 from megatron_rlhf.memory.kinds import GRADS, LEDGER_KINDS as KINDS, MAIN_PARAMS, OPTIMIZER_STATE, PHASE_NEEDS, WEIGHTS, EMSSwitches
 
-TRANSIENT = ("activations", "kv_cache", "reshard_buffers")
+TRANSIENT = ("activations", "kv_cache", "decode_step", "reshard_buffers")
 BYTES = {"fp32": 4, "bf16": 2}
-# (phase, active role, what the active role needs besides its state), in the order they run
-def _phases(config: RLHFConfig) -> Tuple[Tuple[str, str, str], ...]:
-    """(phase, active role, its transient kind) of the run's phases, in order."""
-    return tuple((phase, role, "kv_cache" if phase == "generate" else "activations") for phase, role in config.phase_order)
+
+
+def _phases(config: RLHFConfig) -> Tuple[Tuple[str, str, Tuple[str, ...]], ...]:
+    """(phase, active role, what it needs besides its state) of the run's phases, in order."""
+    return tuple((phase, role, ("kv_cache", "decode_step") if phase == "generate" else ("activations",))
+                 for phase, role in config.phase_order)
 
 
 def _stage_layers(arch: ModelArchConfig, pp: int, pp_rank: int) -> List[int]:
@@ -207,6 +209,19 @@ def _expert_activations_extra(arch: ModelArchConfig, tokens: int, tp: int, width
     return experts + dispatched - dense_mlp
 
 
+def decode_step_bytes(arch: ModelArchConfig, rows: int, seq: int, tp: int, pp: int, precision: str,
+                      padded_vocab: Optional[int] = None) -> int:
+    """The working memory of one decode step of ``rows`` slots: a forward of one token per row (one
+    layer's activations at a time, attention scores over up to ``seq`` cached positions per head),
+    then sampling over the fp32 logits (the logits, their probabilities, the sorted probabilities
+    with their int64 indices, the log-probs). On CUDA the step is captured, and this is what the
+    graphs' memory pool holds for the whole engine call (generation/decode.py)."""
+    forward = activation_bytes(arch, "lm", rows, 1, tp, pp, precision, False, False, padded_vocab)
+    scores = rows * seq * (arch.num_attention_heads // tp) * 4
+    vocab = (padded_vocab or arch.padded_vocab_size(tp)) // tp
+    return int(forward + scores + rows * vocab * (4 + 4 + 12 + 4))
+
+
 def kv_cache_bytes(arch: ModelArchConfig, batch: int, seq: int, tp: int, pp: int, precision: str) -> int:
     """Keys and values of every layer on the stage for ``batch`` sequences of ``seq`` tokens."""
     hd = arch.kv_channels
@@ -302,13 +317,16 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
         # 1F1B: the first stage holds up to PP micro-batches' activations before its first backward.
         in_flight = min(rpp, micro_batches_per_step(config, name, rdp)) if trainable else 1
         rows = rollout_rows(config, name, world_size)
+        generates = name == "policy" and config.stage == "rl"
         transient[name] = {
             "activations": in_flight * activation_bytes(rc.model, ROLE_HEADS[name], micro_batch_rows(config, name), seq, rtp, rpp,
                                                         rc.precision, rc.recompute_activations, trainable, vocab,
                                                         rc.attention),
-            # The engine's slots and its scratch slot (generation/generate.slot_cache).
+            # The engine's slots and its scratch slot (generation/generate.slot_cache); only RL generates.
             "kv_cache": kv_cache_bytes(rc.model, config.generation.slots(rows) + 1, seq, rtp, rpp,
-                                       rc.precision) if name == "policy" and config.stage == "rl" else 0,  # only RL generates
+                                       rc.precision) if generates else 0,
+            "decode_step": decode_step_bytes(rc.model, config.generation.slots(rows) + 1, seq, rtp, rpp, rc.precision,
+                                             vocab) if generates else 0,
             "reshard_buffers": reshard_buffer_bytes(config, name, world_size),
         }
     # Host arenas: one per copied kind (grads are freed, never copied). A serving role that shares
@@ -322,7 +340,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
                 host[owner] += roles[owner][WEIGHTS]
             roles[serving] = dict(roles[serving], **{WEIGHTS: 0})
     phases, resident = {}, {}
-    for phase, active, extra in _phases(config):
+    for phase, active, extras in _phases(config):
         active_owner = config.weight_owner(active)
         table = {}
         for name, kinds in roles.items():
@@ -332,7 +350,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
             if name == active_owner:
                 kept.add(WEIGHTS)  # the active role runs on these weights
             table[name] = {k: v for k, v in kinds.items() if k in kept}
-        table.setdefault(active, {})[extra] = transient[active][extra]
+        table.setdefault(active, {}).update({extra: transient[active][extra] for extra in extras})
         resident[phase] = table
         phases[phase] = sum(sum(t.values()) for t in table.values())
     for serving, trained in config.served_weights.items():

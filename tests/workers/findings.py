@@ -112,7 +112,8 @@ class DecodeGraphsGPU(Findings):
     # run ("greedy", "sampled", "resumed", "turns", "open") -> (tokens, log-probs, decode steps replayed)
     graphed: dict[str, tuple[Tensor, Tensor, int]]
     eager: dict[str, tuple[Tensor, Tensor, int]]  # the same with MEGATRON_RLHF_DECODE_GRAPHS=off
-    allocated_after: tuple[int, int]  # allocated bytes before and after the graphed runs
+    allocated_after: tuple[int, int]  # allocated bytes before and after the graphed runs (their second time)
+    first_runs_kept: int  # bytes the first graphed runs left allocated (caches of first use)
     capture_stream_workspaces: int  # bytes the libraries kept for torch's capture stream (taken before)
 
 
