@@ -46,7 +46,8 @@ from megatron_rlhf.generation import SamplingParams, generate  # noqa: E402
 from megatron_rlhf.generation.generate import EngineStep  # noqa: E402
 from megatron_rlhf.memory.planner import decode_step_bytes  # noqa: E402
 from megatron_rlhf.models.batches import length_grouped  # noqa: E402
-from megatron_rlhf.models.decoder import build_model, load_local_state_dict  # noqa: E402
+from megatron_rlhf.models.batch_invariant import batch_invariant  # noqa: E402
+from megatron_rlhf.models.decoder import build_model, load_local_state_dict, local_state_dict  # noqa: E402
 from megatron_rlhf.runtime import destroy_distributed, get_platform, init_distributed  # noqa: E402
 from megatron_rlhf.runtime.cpu_linears import KERNEL_VARIABLE, chosen_kernel  # noqa: E402
 from machine import processor  # noqa: E402
@@ -75,6 +76,8 @@ def parse_args():
     p.add_argument("--step-rows", type=int, default=16, help="rows per optimizer step of the training pass")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the figures to this JSON file")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="also run ours in batch-invariant mode (trainer.batch_invariant), alternating, and report its cost")
     return p.parse_args()
 
 
@@ -265,6 +268,30 @@ def compare(ours, arch, hf, w, args) -> dict:
     return figures
 
 
+def invariant_cost(ours, invariant, w, longest: int, args, figures: dict) -> dict:
+    """Ours plain and in batch-invariant mode on workload ``w``, alternating run by run: useful
+    tokens/s of each (medians) and their ratio, and whether the greedy rows agree."""
+    g = torch.Generator().manual_seed(args.seed + 1)
+    lengths = torch.randint(w.min_prompt, w.max_prompt + 1, (w.prompts,), generator=g)
+    prompts = torch.randint(3, args.vocab, (w.prompts, int(lengths.max())), generator=g)
+    eos = figures["workload"]["eos"]
+    params = SamplingParams(w.new_tokens, greedy=True, eos_ids=(eos,) if eos is not None else (), pad_id=PAD)
+    plain_times, invariant_times = [], []
+    for _ in range(args.repeats):
+        plain, seconds = timed(lambda: generate(ours, prompts, lengths, params, args.vocab, batch_size=w.slots))
+        plain_times.append(seconds)
+        with batch_invariant(longest):
+            rows, seconds = timed(lambda: generate(invariant, prompts, lengths, params, args.vocab, batch_size=w.slots))
+        invariant_times.append(seconds)
+    useful = int(plain.response_lengths.sum())
+    median = lambda times: sorted(times)[args.repeats // 2]  # noqa: E731
+    same = sum(a == b for a, b in zip(responses(plain, lengths), responses(rows, lengths)))
+    return {"plain_useful_tokens_per_s": useful / median(plain_times),
+            "batch_invariant_useful_tokens_per_s": int(rows.response_lengths.sum()) / median(invariant_times),
+            "batch_invariant_over_plain": median(plain_times) / median(invariant_times) * int(rows.response_lengths.sum()) / useful,
+            "batch_invariant_greedy_rows_identical_to_plain": f"{same}/{w.prompts}"}
+
+
 def copy_bandwidth(device, nbytes: int = 512 * 2**20) -> float:
     """Bytes per second the device moves in a copy (read + write), the best of five."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -342,6 +369,11 @@ def main():
     chosen = workloads(args)
     longest = max(w.max_prompt + w.new_tokens for _, w in chosen)
     hf, ours, arch = converted_llama(args, longest)
+    invariant = None
+    if args.batch_invariant:  # the same weights in a model built in the mode (its linears in row blocks)
+        with batch_invariant(longest):
+            invariant = build_model(arch, ParallelConfig(1, 1), "lm", precision=args.precision)
+        load_local_state_dict(invariant, local_state_dict(ours))
     hf = hf.to(device=device, dtype=torch.bfloat16 if args.precision == "bf16" else torch.float32)
     warm = torch.randint(3, args.vocab, (2, 8))
     generate(ours, warm, torch.tensor([8, 5]), SamplingParams(4, greedy=True, pad_id=PAD), args.vocab)
@@ -350,6 +382,8 @@ def main():
     results = {}
     for name, w in chosen:
         results[name] = compare(ours, arch, hf, w, args)
+        if invariant is not None:
+            results[name].update(invariant_cost(ours, invariant, w, longest, args, results[name]))
         print(f"== {name}")
         for key, value in results[name].items():
             print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")

@@ -64,6 +64,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     if problems:
         raise ConfigError("missing input:\n  " + "\n  ".join(problems))
     _check_loaded_checkpoints(config)
+    _batch_invariant_arithmetic(config)
     if args.iterations is not None:
         if args.iterations < 1:
             raise ConfigError(f"--iterations: must be >= 1, got {args.iterations}")
@@ -253,6 +254,21 @@ def _check_stop_strings(config: RLHFConfig, tokenizer) -> None:
                               "text within its vocabulary") from None
         if not ids:
             raise ConfigError(f"{config.at('rollout.stop')}: {text!r} encodes to no token; remove it")
+
+
+def _batch_invariant_arithmetic(config) -> None:
+    """trainer.batch_invariant: the arithmetic of every model this process builds, set before any is
+    (models/batch_invariant.py), every query over the run's sequence length."""
+    from megatron_rlhf.models import batch_invariant
+    from megatron_rlhf.runtime.platform import get_platform
+
+    if not config.trainer.batch_invariant:
+        batch_invariant.switch_off()
+        return
+    if get_platform().name != "cpu":
+        raise ConfigError(f"{config.at('trainer.batch_invariant')}: true is shown on CPU only so far; on "
+                          f"{get_platform().name} the kernels are not yet verified invariant: set it to false")
+    batch_invariant.switch_on(config.sequence_tokens)
 
 
 def _check_loaded_checkpoints(config: RLHFConfig) -> None:

@@ -659,6 +659,10 @@ class TrainerConfig:
     # reserved device memory grown since the same moment of the first iteration (CUDA): "warn",
     # "error" (stop the run), or "off".
     memory_guard: Literal["off", "warn", "error"] = "warn"
+    # Batch-invariant arithmetic (models/batch_invariant.py): a token's numbers do not depend on the
+    # rows beside it, and the engine's behaviour log-probs are the trainer's bit for bit (rollout
+    # correction reads exactly 1). TP=1, dense models with fused attention, no LoRA, on CPU.
+    batch_invariant: bool = False
     # EMS: bring the next role back while the current one computes (a side stream on CUDA), for
     # each pair of phases where the planner says both fit in the device memory free at start-up.
     overlap_onload: bool = False

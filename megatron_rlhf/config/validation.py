@@ -400,6 +400,26 @@ def _fixed_address_problems(config: RLHFConfig) -> List[str]:
     return problems
 
 
+def _batch_invariant_problems(config: RLHFConfig) -> List[str]:
+    """trainer.batch_invariant where its arithmetic is shown (models/batch_invariant.py): what it
+    does not cover is refused by name."""
+    if not config.trainer.batch_invariant:
+        return []
+    at, problems = config.at("trainer.batch_invariant"), []
+    for role in config.model_roles:
+        rc, layout = config.role(role), config.layout_of(role)
+        if layout.tensor_model_parallel_size != 1:
+            problems.append(f"{at}: true needs TP=1 ({role} runs at TP={layout.tensor_model_parallel_size}): the engine's "
+                            "gathered vocabulary and the trainer's shards would sum the softmax in other orders")
+        if rc.model.num_experts:
+            problems.append(f"{at}: true covers dense models; {role}'s has experts")
+        if rc.attention != "fused":
+            problems.append(f"{at}: true needs {role}.attention: fused (megatron's local attention is not row-invariant)")
+        if config.lora_of(role).rank:
+            problems.append(f"{at}: true does not cover LoRA's adapter products ({role} has adapters)")
+    return problems
+
+
 def _reward_problems(config: RLHFConfig) -> List[str]:
     reward = config.reward
     problems = []
@@ -785,6 +805,7 @@ CHECKS = (
     ("partial rollouts and rollout correction", _partial_problems),
     ("LoRA", lambda config, layout: _lora_problems(config)),
     ("fixed device addresses", lambda config, layout: _fixed_address_problems(config)),
+    ("batch-invariant arithmetic", lambda config, layout: _batch_invariant_problems(config)),
     ("served weights", _served_weight_problems),
 )
 

@@ -34,7 +34,7 @@ from megatron_rlhf.generation.sampling import SamplingParams, chosen_log_probs, 
 from megatron_rlhf.generation.schedule import ScheduledStep, SlotSchedule
 from megatron_rlhf.generation.session import CacheSession
 from megatron_rlhf.generation.stage import PipelineStage
-from megatron_rlhf.models import routing
+from megatron_rlhf.models import batch_invariant, routing
 from megatron_rlhf.models.batches import action_mask
 from megatron_rlhf.models.decoder import global_rank, groups_of, unwrap
 from megatron_rlhf.models.pipeline import broadcast_from_last_stage
@@ -233,6 +233,8 @@ def slot_cache(model: torch.nn.Module, slots: int, length: int) -> SlotKVCache:
     not decoding, padding under sequence parallelism, idle steps under expert parallelism)."""
     inner = unwrap(model)
     config, tp = inner.config, groups_of(model).tp.size()
+    if batch_invariant.enabled():  # whole key blocks per slot: the attention then never copies one
+        length = batch_invariant.whole_blocks(length)
     return SlotKVCache(len(compat.attention_layers(inner)), slots + 1, length,
                        (config.num_query_groups or config.num_attention_heads) // tp, config.kv_channels,
                        config.params_dtype, next(inner.parameters()).device)
@@ -341,10 +343,12 @@ class EngineStep:
         device, n = rows.device, rows.shape[0]
         sampled = chosen = None
         if logits is not None:
-            logits = logits[:, : self.vocab_size]
+            padded, logits = logits, logits[:, : self.vocab_size]
             sampled = _decided_once(sample_next(logits, self.params, self.seeds[rows], counters + self.offsets[rows]),
                                     self.groups.tp)
-            if self.record_log_probs:
+            if self.record_log_probs and batch_invariant.enabled():  # the trainer's formula, exactly
+                chosen = batch_invariant.token_log_probs(padded, sampled, self.vocab_size, self.params.temperature)
+            elif self.record_log_probs:
                 chosen = _decided_once(chosen_log_probs(logits, sampled, self.params.temperature), self.groups.tp)
         if self.record_log_probs:
             chosen = broadcast_from_last_stage(chosen, (n,), torch.float32, device, self.groups.pp)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rlhf.generation.packing import PrefillGroup, StepLayout
+from megatron_rlhf.models import batch_invariant
 
 
 class SlotKVCache:
@@ -66,6 +67,13 @@ def attend(attention: torch.nn.Module, layer: int, cache: SlotKVCache, step: Ste
     keys[step.slots, :, step.positions] = key[:, 0]
     values[step.slots, :, step.positions] = value[:, 0]
     scale = getattr(attention.core_attention, "softmax_scale", None)
+    if batch_invariant.enabled():  # every token over its slot's keys, as the trainer's forward
+        window = None if step.window is None else (step.window, 0)
+        # A decode step's rows are slots 0..R-1 (a row not decoding reads its slot and is dropped).
+        key_rows = None if step.decode_span == (0, query.shape[0]) and not step.prefill else step.slots
+        out = batch_invariant.attention(query[:, 0], keys, values, key_rows, step.positions,
+                                        query.shape[-1] ** -0.5 if scale is None else scale, window)
+        return attention.linear_proj(out.view(out.shape[0], 1, -1))
     out = torch.empty_like(query)
     for group in step.prefill:
         if group.offset:  # after cached positions: the keys and values come from the cache

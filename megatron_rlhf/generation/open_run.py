@@ -9,7 +9,9 @@ home), and its next turn feeds only the tokens after those the slot holds while 
 the slot. A row's n-th token is the n-th draw of its own stream, so its random numbers do not
 depend on when it was added or next to which rows it ran. Its logits do, in their last bits: the
 CPU's matrix kernels (MKL, oneDNN) compute a row differently with the count of rows beside it, so a
-token near a tie (more often in bf16) and the behaviour log-probs can differ between schedules.
+token near a tie (more often in bf16) and the behaviour log-probs can differ between schedules,
+unless the run computes in batch-invariant arithmetic (trainer.batch_invariant,
+models/batch_invariant.py): then they are the same bit for bit.
 """
 
 from __future__ import annotations

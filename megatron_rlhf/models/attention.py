@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from megatron_rlhf.models import batch_invariant
+
 
 class FusedCoreAttention(DotProductAttention):
     """megatron's core attention (the same constructor: heads per TP rank, softmax scale, window),
@@ -37,6 +39,8 @@ class FusedCoreAttention(DotProductAttention):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("attention: fused takes right-padded rows: no packed-sequence parameters or "
                              "attention bias (megatron's local attention refuses them too)")
+        if batch_invariant.enabled():
+            return self._batch_invariant(query, key, value, attention_mask)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
         if attention_mask is not None:  # megatron's convention: True = masked out
             mask, causal = ~attention_mask, False
@@ -47,6 +51,20 @@ class FusedCoreAttention(DotProductAttention):
         context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                  scale=self.softmax_scale, enable_gqa=True)
         return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
+
+    def _batch_invariant(self, query, key, value, attention_mask):
+        """Each query over the mode's fixed key length (models/batch_invariant.py), as the engine's."""
+        if attention_mask is not None:
+            raise ValueError("trainer.batch_invariant: causal attention over right-padded rows only, not an attention mask")
+        sq, b, heads, dim = query.shape
+        sk = key.shape[0]
+        rows = torch.arange(b, device=query.device).repeat_interleave(sq)
+        positions = torch.arange(sk - sq, sk, device=query.device).repeat(b)
+        pad = (0, 0, 0, batch_invariant.whole_blocks(sk) - sk)  # whole key blocks, padded once here
+        keys, values = (F.pad(t.permute(1, 2, 0, 3), pad) for t in (key, value))  # [b, groups, blocks, dim]
+        context = batch_invariant.attention(query.transpose(0, 1).reshape(b * sq, heads, dim), keys, values, rows,
+                                            positions, self.softmax_scale, self.window)
+        return context.view(b, sq, heads * dim).transpose(0, 1).contiguous()
 
 
 def window_band(sq: int, sk: int, window, device) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rlhf.config.schema import ModelArchConfig, ParallelConfig
+from megatron_rlhf.models import batch_invariant
 from megatron_rlhf.runtime import megatron_compat as compat
 from megatron_rlhf.runtime.platform import get_platform
 
@@ -133,7 +134,10 @@ class ScalarHead(torch.nn.Module):
         # In fp32 whatever the weights' dtype: a bf16 score near 5.0 would be resolved to 1/32.
         # Under sequence parallel each rank keeps its sequence shard; gather so every TP rank
         # returns the full sequence like a gathered LM head would.
-        values = torch.matmul(hidden_states.float(), self.weight.float().t())
+        if batch_invariant.enabled():
+            values = batch_invariant.row_blocked_linear(hidden_states.float(), self.weight.float(), None)
+        else:
+            values = torch.matmul(hidden_states.float(), self.weight.float().t())
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
@@ -246,6 +250,8 @@ def build_model(
         model.output_layer = ScalarHead(config, arch.hidden_size)
     elif head not in ("lm", "scalar"):
         raise ValueError(f"head must be 'lm' or 'scalar', got {head!r}")
+    if batch_invariant.enabled():
+        batch_invariant.install(model)
     model = get_platform().place_module(model)
     if precision == "bf16":
         model = Float16Module(config, model)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rlhf.models import batch_invariant
 from megatron_rlhf.models.batches import at_actions, next_tokens
 
 
@@ -35,6 +36,8 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
     """log p(labels) under softmax(logits / temperature) over the real vocabulary: [b, s]."""
     from megatron_rlhf.runtime.megatron_compat import vocab_parallel_cross_entropy
 
+    if batch_invariant.enabled():  # the engine's formula (TP=1: the whole vocabulary here)
+        return batch_invariant.token_log_probs(logits, labels, vocab_size, temperature)
     tp_group = _tp(tp_group)
     return -vocab_parallel_cross_entropy(_real_vocab_logits(logits, vocab_size, temperature, tp_group), labels, tp_group)
 

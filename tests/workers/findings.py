@@ -550,3 +550,14 @@ class StageRuns(Findings):
     metrics: dict  # "STAGE:plain" / "STAGE:auto_overlap" -> each step's metrics (run_loop.run's)
     printed: dict  # the same keys -> what rank 0 printed
     auto_choice: dict  # stage -> free_memory_auto.json of its auto run
+
+
+@findings_of("batch_invariance")
+class BatchInvariance(Findings):
+    # precision -> what the mode gave: row 0 alone against 1, 7, 63 others and 63 in 8 slots (tokens,
+    # log-probs equal), rows whose behaviour log-probs equal the training forward's bit for bit, rows,
+    # tokens, the training forward's row alone equal to it in a batch
+    on: dict[str, dict]
+    off: dict[str, dict]  # precision -> the same rows with the mode off: rows equal, the largest gap
+    grpo: dict[str, dict]  # trainer.batch_invariant "true" / "false" -> an iteration's metrics (rollout correction on)
+    game: dict[str, tuple]  # agent game schedule -> (tokens, behaviour log-probs) of its trajectories, bf16, the mode on

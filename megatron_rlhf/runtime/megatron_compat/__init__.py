@@ -38,7 +38,7 @@ from megatron_rlhf.runtime.megatron_compat.resharding import (reshard_part, resh
 from megatron_rlhf.runtime.megatron_compat.rope import bind_rope
 from megatron_rlhf.runtime.megatron_compat.sites import (CHECKED_MEGATRON_CORE_VERSIONS, MegatronInternalsChanged,
                                                          Site, raise_if_changed, site_problems)
-from megatron_rlhf.runtime.megatron_compat.tensor_parallel import (linear_matmuls_replaced,
+from megatron_rlhf.runtime.megatron_compat.tensor_parallel import (linear_matmuls_replaced, replace_linear_matmuls,
                                                                    vocab_parallel_cross_entropy)
 
 _AREAS = (ddp, optimizer, engine, tensor_parallel, resharding, imports, rope)
@@ -59,7 +59,7 @@ __all__ = [
     "ANCHORS", "CHECKED_MEGATRON_CORE_VERSIONS", "MegatronInternalsChanged", "Site", "adam_state", "attention_layers",
     "attention_replaced", "bind_rope", "bind_router_gemm", "buffer_grad_storage", "buffer_param_storage", "buffer_params", "check",
     "ddp_buffers", "fixed_address_settings", "free_grad_buffers", "import_megatron", "inner_optimizers",
-    "linear_matmuls_replaced", "main_param_tensors", "param_groups", "raise_if_changed", "reload_main_params",
+    "linear_matmuls_replaced", "replace_linear_matmuls", "main_param_tensors", "param_groups", "raise_if_changed", "reload_main_params",
     "reshard_part", "reshard_receives", "restore_grad_buffers", "rotary_angles", "owned_optimizer_state",
     "sequential_experts_resharded", "set_rope_inv_freq", "site_problems", "unclipped_grad_norm",
     "vocab_parallel_cross_entropy", "wire_grad_sync",

@@ -23,10 +23,24 @@ ANCHORS: Dict[str, Tuple[Site, ...]] = {
 }
 
 
-def linear_matmuls_replaced(model: torch.nn.Module, matmul: Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]):
+Matmul = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+
+
+def linear_matmuls_replaced(model: torch.nn.Module, matmul: Matmul):
     """Within the block, every column- and row-parallel linear of ``model`` computes its local
     product as ``matmul(input, weight, bias)`` (megatron still does the TP communication around
     it), except where megatron gathers a sequence-parallel input inside the product: there its own."""
+    return methods_replaced(*_local_products(model, matmul))
+
+
+def replace_linear_matmuls(model: torch.nn.Module, matmul: Matmul) -> None:
+    """linear_matmuls_replaced for the model's life."""
+    linears, name, make = _local_products(model, matmul)
+    for i, linear in enumerate(linears):
+        setattr(linear, name, make(i, linear))
+
+
+def _local_products(model: torch.nn.Module, matmul: Matmul):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     def local_product(_, linear):
@@ -39,7 +53,7 @@ def linear_matmuls_replaced(model: torch.nn.Module, matmul: Callable[[torch.Tens
         return forward_impl
 
     linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-    return methods_replaced(linears, "_forward_impl", local_product)
+    return linears, "_forward_impl", local_product
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None) -> torch.Tensor:
