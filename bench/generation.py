@@ -268,9 +268,10 @@ def compare(ours, arch, hf, w, args) -> dict:
     return figures
 
 
-def invariant_cost(ours, invariant, w, longest: int, args, figures: dict) -> dict:
+def invariant_cost(ours, invariant, w, args, figures: dict) -> dict:
     """Ours plain and in batch-invariant mode on workload ``w``, alternating run by run: useful
-    tokens/s of each (medians) and their ratio, and whether the greedy rows agree."""
+    tokens/s of each (medians) and their ratio, and whether the greedy rows agree. The mode's rows
+    are the workload's longest (a run's sequence length: max prompt + new tokens)."""
     g = torch.Generator().manual_seed(args.seed + 1)
     lengths = torch.randint(w.min_prompt, w.max_prompt + 1, (w.prompts,), generator=g)
     prompts = torch.randint(3, args.vocab, (w.prompts, int(lengths.max())), generator=g)
@@ -280,7 +281,7 @@ def invariant_cost(ours, invariant, w, longest: int, args, figures: dict) -> dic
     for _ in range(args.repeats):
         plain, seconds = timed(lambda: generate(ours, prompts, lengths, params, args.vocab, batch_size=w.slots))
         plain_times.append(seconds)
-        with batch_invariant(longest):
+        with batch_invariant(w.max_prompt + w.new_tokens):
             rows, seconds = timed(lambda: generate(invariant, prompts, lengths, params, args.vocab, batch_size=w.slots))
         invariant_times.append(seconds)
     useful = int(plain.response_lengths.sum())
@@ -383,7 +384,7 @@ def main():
     for name, w in chosen:
         results[name] = compare(ours, arch, hf, w, args)
         if invariant is not None:
-            results[name].update(invariant_cost(ours, invariant, w, longest, args, results[name]))
+            results[name].update(invariant_cost(ours, invariant, w, args, results[name]))
         print(f"== {name}")
         for key, value in results[name].items():
             print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")

@@ -250,7 +250,8 @@ def engine_modes(model: torch.nn.Module, cache: SlotKVCache):
         stage = stack.enter_context(PipelineStage(model, cache))
         platform = get_platform()
         stack.enter_context(platform.plain_tensor_ops())
-        stack.enter_context(platform.engine_linears(model))
+        # Batch-invariant mode: its own linears (the trainer's), each weight packed once for the call.
+        stack.enter_context(batch_invariant.fixed_weights() if batch_invariant.enabled() else platform.engine_linears(model))
         stack.enter_context(torch.inference_mode())
         yield stage
 

@@ -82,14 +82,7 @@ class PackedWeights:
 @contextlib.contextmanager
 def packed_linears(model: torch.nn.Module):
     """Within the block, ``model``'s parallel linears multiply by packed weights (see the module's
-    docstring); the weights must not change inside. A no-op where the chosen kernel is torch's, and
-    in batch-invariant mode (its row-blocked linears are the trainer's too: models/batch_invariant.py)."""
-    from megatron_rlhf.models import batch_invariant
-
-    if batch_invariant.enabled():  # its own linears, packed once for the call
-        with batch_invariant.fixed_weights():
-            yield
-        return
+    docstring); the weights must not change inside. A no-op where the chosen kernel is torch's."""
     if chosen_kernel() == "torch":
         yield
         return
