@@ -6,25 +6,20 @@ with the mode off (where they differ); again with keys read in several blocks (f
 through the run's entry (trainer.batch_invariant: true): a GRPO iteration with rollout
 correction, and the agent game in bf16 in lockstep, without it, and in 2 slots."""
 
-import copy
 import os
 
 import torch
-from common import OUT_DIR, capture_rollouts, reward_pool, save, setup, tiny_arch
+from common import OUT_DIR, one_iteration, save, setup, tiny_arch
 from tests.workers.findings import BatchInvariance
 
-from megatron_rlhf.controller import PPOController
-from megatron_rlhf.memory import MemoryLedger
-from megatron_rlhf.models import batch_invariant as mode
-from megatron_rlhf.rollout.multiturn import MultiTurn
-from megatron_rlhf.startup import prepare
-from megatron_rlhf.train import parse_args
-
 from megatron_rlhf.generation import SamplingParams, generate
+from megatron_rlhf.models import batch_invariant as mode
 from megatron_rlhf.models.batch_invariant import batch_invariant
 from megatron_rlhf.models.decoder import build_model, load_local_state_dict, local_state_dict
 from megatron_rlhf.models.pipeline import forward_backward
 from megatron_rlhf.models.vocab_parallel import next_token_log_probs
+from megatron_rlhf.startup import prepare
+from megatron_rlhf.train import parse_args
 
 VOCAB, ROWS, NEW = 120, 64, 12
 parallel = setup(1, 1)
@@ -94,16 +89,8 @@ def run_iteration(config_file: str, name: str, *overrides: str):
     """One iteration through the run's entry (prepare sets the mode from the config), TP=1."""
     os.environ.update(TP="1", ITERATIONS="1")
     prepared = prepare(parse_args(["--config", config_file, "--output-dir", os.path.join(OUT_DIR, name), *overrides]), 1)
-    config = prepared.config
-    setup(tp=1, seed=config.seed)
-    turns = MultiTurn(config, prepared.tokenizer, prepared.environment, False) if prepared.environment else None
-    controller = PPOController(config, copy.deepcopy(prepared.dataset), prepared.tokenizer,
-                               reward_pool(prepared.reward_functions), MemoryLedger(None), turns=turns)
-    captured = capture_rollouts(controller)
-    metrics = controller.step()
-    if turns is not None:
-        turns.close()
-    r = captured["rollout"]
+    setup(tp=1, seed=prepared.config.seed)
+    metrics, _, r = one_iteration(prepared, prepared.environment)
     return metrics, (r.tokens.cpu(), r.behaviour_log_probs.cpu() if r.behaviour_log_probs is not None else None)
 
 

@@ -75,6 +75,27 @@ def computed_metrics(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not k.startswith(("time/", "weight_sync/")) and k not in SCHEDULE_METRICS}
 
 
+def one_iteration(prepared, environment=None):
+    """One PPO iteration of ``prepared`` (startup.prepare's) through the controller, with its
+    multi-turn ``environment`` spec if any (the process groups already set up): its metrics, the
+    controller and the iteration's Rollout."""
+    import copy
+
+    from megatron_rlhf.controller import PPOController
+    from megatron_rlhf.memory import MemoryLedger
+    from megatron_rlhf.rollout.multiturn import MultiTurn
+
+    config = prepared.config
+    turns = MultiTurn(config, prepared.tokenizer, environment, False) if environment else None
+    controller = PPOController(config, copy.deepcopy(prepared.dataset), prepared.tokenizer,
+                               reward_pool(prepared.reward_functions), MemoryLedger(None), turns=turns)
+    captured = capture_rollouts(controller)
+    metrics = controller.step()
+    if turns is not None:
+        turns.close()
+    return metrics, controller, captured["rollout"]
+
+
 def capture_rollouts(controller) -> dict:
     """``captured["rollout"]``: the Rollout of the controller's latest iteration (as its advantages
     are computed)."""

@@ -6,16 +6,13 @@ policy at its own layout, in lockstep, and in 2 slots with replies late by traje
 GRPO run with the sandboxed Python tool (tags format) instead of an environment. Saves per rank each
 run's metrics, the rollout (gathered over DP) of the game runs, and the error of the last."""
 
-import copy
 import os
 
-from common import OUT_DIR, capture_rollouts, reward_pool, save, setup
+from common import OUT_DIR, one_iteration, save, setup
 from tests.helpers.agent_configs import TOOLS_CONFIG
 from tests.workers.findings import GameRun, MultiTurn as MultiTurnFindings
 
-from megatron_rlhf.controller import PPOController
-from megatron_rlhf.memory import MemoryLedger
-from megatron_rlhf.rollout.multiturn import EnvironmentFailure, MultiTurn
+from megatron_rlhf.rollout.multiturn import EnvironmentFailure
 from megatron_rlhf.startup import prepare
 from megatron_rlhf.train import parse_args
 
@@ -41,14 +38,7 @@ def iteration(config_file: str, tp: int, name: str, environment=None, ems: bool 
     for key, value in rollout.items():
         setattr(config.rollout, key, value)
     setup(tp=tp, seed=config.seed)
-    turns = MultiTurn(config, prepared.tokenizer, spec, False) if spec else None
-    controller = PPOController(config, copy.deepcopy(prepared.dataset), prepared.tokenizer,
-                               reward_pool(prepared.reward_functions), MemoryLedger(None), turns=turns)
-    captured = capture_rollouts(controller)
-    metrics = controller.step()
-    if turns is not None:
-        turns.close()
-    r = captured["rollout"]
+    metrics, controller, r = one_iteration(prepared, spec)
     cut = controller.role_set.cut
     fields = {"tokens": r.tokens, "mask": r.action_mask, "scores": r.scores, "advantages": r.advantages}
     if r.behaviour_log_probs is not None:
