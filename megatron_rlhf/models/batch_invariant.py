@@ -8,8 +8,9 @@ what takes its place while the mode is on:
 
 - Linear layers: a GEMM library picks its blocking by the number of rows (MKL's fp32 kernel for one
   row is not its kernel for several; oneDNN's bf16 kernels change with the count). Here every
-  column- and row-parallel linear multiplies blocks of exactly ``ROW_BLOCK`` rows (the last one
-  padded with zeros), one batched product of identical shapes: each row meets the same kernel.
+  column- and row-parallel linear (and the scalar head) multiplies blocks of exactly ``ROW_BLOCK``
+  rows (the last one padded with zeros), each block the same product (oneDNN's GEMM on the packed
+  weight on CPU, for the engine and the trainer alike): each row meets the same kernel.
 - Attention: the engine reads a slot's cache over a bucketed extent, the trainer a causal [s, s]
   pass; their reductions run over different lengths and kernels. Here every query reads one
   fixed-length block of keys (the run's sequence length rounded up to 64; past its position,
@@ -67,12 +68,13 @@ def switch_off() -> None:
 @contextlib.contextmanager
 def batch_invariant(sequence_length: int) -> Iterator[None]:
     """The mode on within the block (tests, benches); the run uses switch_on at start-up."""
+    global _key_block, _one_block
     before = (_key_block, _one_block)
     switch_on(sequence_length)
     try:
         yield
     finally:
-        globals().update(_key_block=before[0], _one_block=before[1])
+        _key_block, _one_block = before
 
 
 def row_blocked_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:

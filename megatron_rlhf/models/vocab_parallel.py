@@ -36,9 +36,11 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
     """log p(labels) under softmax(logits / temperature) over the real vocabulary: [b, s]."""
     from megatron_rlhf.runtime.megatron_compat import vocab_parallel_cross_entropy
 
-    if batch_invariant.enabled():  # the engine's formula (TP=1: the whole vocabulary here)
-        return batch_invariant.token_log_probs(logits, labels, vocab_size, temperature)
     tp_group = _tp(tp_group)
+    if batch_invariant.enabled():  # the engine's formula, over the whole vocabulary (TP=1)
+        if tp_group.size() > 1:
+            raise ValueError("batch-invariant log-probs over vocabulary shards (TP > 1) are not modelled")
+        return batch_invariant.token_log_probs(logits, labels, vocab_size, temperature)
     return -vocab_parallel_cross_entropy(_real_vocab_logits(logits, vocab_size, temperature, tp_group), labels, tp_group)
 
 

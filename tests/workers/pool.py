@@ -173,8 +173,11 @@ def main() -> None:
         _reset_parallel_state()
         pristine.restore()
         gc.collect()
-        with open(os.path.join(request["out"], f"rank{rank}.done"), "w") as done:
-            done.write(str(code))
+        # Whole or not at all: the pool reads the file as soon as it exists (an empty one read as a failure).
+        done = os.path.join(request["out"], f"rank{rank}.done")
+        with open(done + ".tmp", "w") as f:
+            f.write(str(code))
+        os.replace(done + ".tmp", done)
         if code != 0:
             break
 
