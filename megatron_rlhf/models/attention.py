@@ -53,7 +53,7 @@ class FusedCoreAttention(DotProductAttention):
         return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
 
     def _batch_invariant(self, query, key, value, attention_mask):
-        """Each query over the mode's fixed key length (models/batch_invariant.py), as the engine's."""
+        """Each query over the mode's key blocks (models/batch_invariant.py), as the engine's."""
         if attention_mask is not None:
             raise ValueError("trainer.batch_invariant: causal attention over right-padded rows only, not an attention mask")
         sq, b, heads, dim = query.shape
@@ -61,7 +61,7 @@ class FusedCoreAttention(DotProductAttention):
         rows = torch.arange(b, device=query.device).repeat_interleave(sq)
         positions = torch.arange(sk - sq, sk, device=query.device).repeat(b)
         pad = (0, 0, 0, batch_invariant.whole_blocks(sk) - sk)  # whole key blocks, padded once here
-        keys, values = (F.pad(t.permute(1, 2, 0, 3), pad) for t in (key, value))  # [b, groups, blocks, dim]
+        keys, values = (F.pad(t.permute(1, 2, 0, 3), pad) for t in (key, value))  # [b, groups, whole key blocks, dim]
         context = batch_invariant.attention(query.transpose(0, 1).reshape(b * sq, heads, dim), keys, values, rows,
                                             positions, self.softmax_scale, self.window)
         return context.view(b, sq, heads * dim).transpose(0, 1).contiguous()
