@@ -570,3 +570,22 @@ def test_a_remote_sandbox_that_never_answers_is_refused_at_start_up_after_one_sh
     said = readiness_problem(SandboxConfig(kind="remote", url=url, wall_s=30, retries=3))
     assert said.startswith(f"a trial call to {url} failed") and "timed out" in said
     assert time.monotonic() - started < 2.0 and service.service["calls"] == 1
+
+
+def test_a_process_holding_over_a_thousand_descriptors_still_reads_its_sandbox():
+    """A trainer holds many descriptors (process groups, files): the sandbox's output is read with
+    poll, which takes any descriptor number (select refuses 1024 and above)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1200
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        pytest.skip(f"the hard limit of open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        assert run_python("print(6 * 7)", LIMITS).output == "42\n"
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

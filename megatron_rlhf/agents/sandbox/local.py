@@ -42,13 +42,16 @@ def _communicate(process: subprocess.Popen, code: str, limits: SandboxConfig):
     deadline = time.monotonic() + limits.wall_s
     chunks, size, status = [], 0, None
     fd = process.stdout.fileno()
+    # poll, not select: a trainer holds many descriptors (process groups, files), and select
+    # refuses any numbered 1024 or more.
+    waiting = select.poll()
+    waiting.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             status = "timeout"
             break
-        ready, _, _ = select.select([fd], [], [], min(left, 0.5))
-        if not ready:
+        if not waiting.poll(1000 * min(left, 0.5)):
             continue
         chunk = os.read(fd, 65536)
         if not chunk:
