@@ -69,3 +69,26 @@ def test_row_blocks_and_key_blocks_give_a_row_its_own_arithmetic():
         finally:
             batch_invariant.MAX_KEY_BLOCK = before
         assert torch.allclose(together, reference, atol=1e-5)  # the attention it stands for (scale 1/sqrt(16))
+
+
+def test_a_sliding_window_is_the_same_band_in_the_mode():
+    """Megatron's window (tokens before, tokens after) in the mode's attention: each query reads only
+    the keys of its band, as torch's attention with that band does, alone or in company."""
+    from megatron_rlhf.generation.packing import visible
+    from megatron_rlhf.models.attention import window_band
+
+    torch.manual_seed(1)
+    keys, values, query = torch.randn(1, 2, 128, 16), torch.randn(1, 2, 128, 16), torch.randn(100, 8, 16)
+    positions, window = torch.arange(100), (7, 0)
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1)[None], keys.repeat_interleave(4, 1), values.repeat_interleave(4, 1),
+        attn_mask=batch_invariant.allowed_keys(positions, 128, window)[None, None])[0].transpose(0, 1)
+    # The trainer's band (models/attention.window_band) and the engine's (generation/packing.visible).
+    assert torch.equal(batch_invariant.allowed_keys(positions, 128, window)[:, :100], window_band(100, 100, window, "cpu"))
+    assert torch.equal(batch_invariant.allowed_keys(positions, 128, window), visible(positions, 128, window[0]))
+    with batch_invariant.batch_invariant(128):
+        rows = torch.zeros(100, dtype=torch.long)
+        together = batch_invariant.attention(query, keys, values, rows, positions, 0.25, window)
+        alone = batch_invariant.attention(query[60:61], keys, values, rows[:1], positions[60:61], 0.25, window)
+    assert torch.equal(alone, together[60:61])
+    assert torch.allclose(together, reference, atol=1e-5)
