@@ -38,6 +38,7 @@ from megatron_rlhf.models import batch_invariant, routing
 from megatron_rlhf.models.batches import action_mask
 from megatron_rlhf.models.decoder import global_rank, groups_of, unwrap
 from megatron_rlhf.models.pipeline import broadcast_from_last_stage
+from megatron_rlhf.models.vocab_parallel import token_log_probs
 from megatron_rlhf.runtime import megatron_compat as compat
 from megatron_rlhf.runtime.platform import get_platform
 
@@ -347,8 +348,8 @@ class EngineStep:
             padded, logits = logits, logits[:, : self.vocab_size]
             sampled = _decided_once(sample_next(logits, self.params, self.seeds[rows], counters + self.offsets[rows]),
                                     self.groups.tp)
-            if self.record_log_probs and batch_invariant.enabled():  # the trainer's formula, exactly
-                chosen = batch_invariant.token_log_probs(padded, sampled, self.vocab_size, self.params.temperature)
+            if self.record_log_probs and batch_invariant.enabled():  # the trainer's own function, exactly
+                chosen = token_log_probs(padded, sampled, self.vocab_size, self.params.temperature, self.groups.tp)
             elif self.record_log_probs:
                 chosen = _decided_once(chosen_log_probs(logits, sampled, self.params.temperature), self.groups.tp)
         if self.record_log_probs:

@@ -19,8 +19,8 @@ what takes its place while the mode is on:
   group at one shape: how far the other queries of the call reach only adds blocks that are exact
   no-ops for it.
 - The vocabulary's log-softmax: torch's ``log_softmax`` (the engine) and megatron's vocab-parallel
-  cross entropy (the trainer) are different formulas. Here both take :func:`token_log_probs`, over
-  the padded vocabulary of the rank with the padding masked alike.
+  cross entropy (the trainer) are different formulas. Here both take vocab_parallel.token_log_probs,
+  which takes :func:`log_softmax_at` over the padded vocabulary with the padding masked alike.
 
 Norms, rotary factors, activations, residual adds and the embedding are per token already.
 Invariance holds at TP=1 (the config refuses more: the engine's gathered logits and the trainer's
@@ -246,14 +246,11 @@ def _products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a, b)
 
 
-def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float) -> torch.Tensor:
-    """log p(tokens) under softmax(logits / temperature) over the real vocabulary: logits [..., V]
-    (the rank's whole padded vocabulary, TP=1), tokens [...] -> fp32 [...]. The same formula as
-    megatron's cross entropy (max, shifted exps and their sum), one reduction per row."""
-    logits = logits.float() / temperature
-    if logits.shape[-1] > vocab_size:  # the padding rows of the output layer, never sampled
-        padded = torch.arange(logits.shape[-1], device=logits.device) >= vocab_size
-        logits = logits.masked_fill(padded, -1e30)
+def log_softmax_at(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits) at ``tokens``: fp32 logits [..., V] (the whole vocabulary, already at the
+    temperature and with the padding masked: vocab_parallel.token_log_probs), tokens [...] -> [...].
+    The same formula as megatron's cross entropy (max, shifted exps and their sum), one reduction
+    per row."""
     shifted = logits - logits.max(dim=-1, keepdim=True).values
     return shifted.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - shifted.exp().sum(-1).log()
 

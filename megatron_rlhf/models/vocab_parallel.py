@@ -37,11 +37,12 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
     from megatron_rlhf.runtime.megatron_compat import vocab_parallel_cross_entropy
 
     tp_group = _tp(tp_group)
-    if batch_invariant.enabled():  # the engine's formula, over the whole vocabulary (TP=1)
+    real = _real_vocab_logits(logits, vocab_size, temperature, tp_group)
+    if batch_invariant.enabled():  # one reduction per row, the engine's and the trainer's alike
         if tp_group.size() > 1:
             raise ValueError("batch-invariant log-probs over vocabulary shards (TP > 1) are not modelled")
-        return batch_invariant.token_log_probs(logits, labels, vocab_size, temperature)
-    return -vocab_parallel_cross_entropy(_real_vocab_logits(logits, vocab_size, temperature, tp_group), labels, tp_group)
+        return batch_invariant.log_softmax_at(real, labels)
+    return -vocab_parallel_cross_entropy(real, labels, tp_group)
 
 
 def next_token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float = 1.0,
