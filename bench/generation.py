@@ -210,8 +210,13 @@ def timed(run):
     return result, time.perf_counter() - started
 
 
-def compare(ours, arch, hf, w, args) -> dict:
-    """Both sides on workload ``w``, alternating run by run."""
+def median(times: list) -> float:
+    return sorted(times)[len(times) // 2]
+
+
+def compare(ours, arch, hf, w, args, invariant=None) -> dict:
+    """Both sides on workload ``w``, alternating run by run; with ``invariant`` (ours built in
+    batch-invariant mode), its cost on the same prompts too."""
     device = get_platform().device
     g = torch.Generator().manual_seed(args.seed + 1)
     lengths = torch.randint(w.min_prompt, w.max_prompt + 1, (w.prompts,), generator=g)
@@ -230,7 +235,6 @@ def compare(ours, arch, hf, w, args) -> dict:
         with get_platform().plain_tensor_ops():  # a transformers user runs without our device mapping
             (hf_rows, hf_calls, hf_positions), seconds = timed(lambda: hf_generate(hf, prompts.to(device), lengths, eos, w))
         hf_times.append(seconds)
-    median = lambda times: sorted(times)[args.repeats // 2]  # noqa: E731
     ours_s, hf_s = median(ours_times), median(hf_times)
     ours_rows = responses(gen, lengths)
     useful = sum(len(r) for r in ours_rows)
@@ -261,6 +265,8 @@ def compare(ours, arch, hf, w, args) -> dict:
     }
     figures.update(step_against_memory_floor(ours, gen, ours_s, decode_step_seconds(run_ours), args))
     figures.update(decode_step_memory(arch, gen, w))
+    if invariant is not None:
+        figures.update(invariant_cost(ours, invariant, prompts, lengths, params, w, args))
     if same_kernel_times:
         same_kernel_rows = responses(same_kernel_gen, lengths)
         figures["ratio_with_torch_linears"] = (useful / median(same_kernel_times)) / (sum(len(r) for r in hf_rows) / hf_s)
@@ -268,15 +274,10 @@ def compare(ours, arch, hf, w, args) -> dict:
     return figures
 
 
-def invariant_cost(ours, invariant, w, args, figures: dict) -> dict:
-    """Ours plain and in batch-invariant mode on workload ``w``, alternating run by run: useful
-    tokens/s of each (medians) and their ratio, and whether the greedy rows agree. The mode's rows
-    are the workload's longest (a run's sequence length: max prompt + new tokens)."""
-    g = torch.Generator().manual_seed(args.seed + 1)
-    lengths = torch.randint(w.min_prompt, w.max_prompt + 1, (w.prompts,), generator=g)
-    prompts = torch.randint(3, args.vocab, (w.prompts, int(lengths.max())), generator=g)
-    eos = figures["workload"]["eos"]
-    params = SamplingParams(w.new_tokens, greedy=True, eos_ids=(eos,) if eos is not None else (), pad_id=PAD)
+def invariant_cost(ours, invariant, prompts, lengths, params, w, args) -> dict:
+    """Ours plain and in batch-invariant mode on workload ``w``'s prompts, alternating run by run:
+    useful tokens/s of each (medians) and their ratio, and whether the greedy rows agree. The mode's
+    rows are the workload's longest (a run's sequence length: max prompt + new tokens)."""
     plain_times, invariant_times = [], []
     for _ in range(args.repeats):
         plain, seconds = timed(lambda: generate(ours, prompts, lengths, params, args.vocab, batch_size=w.slots))
@@ -284,12 +285,11 @@ def invariant_cost(ours, invariant, w, args, figures: dict) -> dict:
         with batch_invariant(w.max_prompt + w.new_tokens):
             rows, seconds = timed(lambda: generate(invariant, prompts, lengths, params, args.vocab, batch_size=w.slots))
         invariant_times.append(seconds)
-    useful = int(plain.response_lengths.sum())
-    median = lambda times: sorted(times)[args.repeats // 2]  # noqa: E731
+    plain_rate = int(plain.response_lengths.sum()) / median(plain_times)
+    invariant_rate = int(rows.response_lengths.sum()) / median(invariant_times)
     same = sum(a == b for a, b in zip(responses(plain, lengths), responses(rows, lengths)))
-    return {"plain_useful_tokens_per_s": useful / median(plain_times),
-            "batch_invariant_useful_tokens_per_s": int(rows.response_lengths.sum()) / median(invariant_times),
-            "batch_invariant_over_plain": median(plain_times) / median(invariant_times) * int(rows.response_lengths.sum()) / useful,
+    return {"plain_useful_tokens_per_s": plain_rate, "batch_invariant_useful_tokens_per_s": invariant_rate,
+            "batch_invariant_over_plain": invariant_rate / plain_rate,
             "batch_invariant_greedy_rows_identical_to_plain": f"{same}/{w.prompts}"}
 
 
@@ -382,9 +382,7 @@ def main():
 
     results = {}
     for name, w in chosen:
-        results[name] = compare(ours, arch, hf, w, args)
-        if invariant is not None:
-            results[name].update(invariant_cost(ours, invariant, w, args, results[name]))
+        results[name] = compare(ours, arch, hf, w, args, invariant)
         print(f"== {name}")
         for key, value in results[name].items():
             print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
