@@ -49,23 +49,22 @@ from machine import cores, processor  # noqa: E402
 CORES = cores()
 TRL = f"TRL GRPOTrainer, 1 process x {CORES} threads (torch's default)"
 TRL_ONE_THREAD = "TRL GRPOTrainer, 1 process x 1 thread (secondary: TRL held to one core)"
+# Ours matched to TRL's one process: every role resident, no distributed optimizer.
+MATCHED = {"TP": "1", "USE_DISTRIBUTED_OPTIMIZER": "False",
+           **{f"free_memory_{r}": "False" for r in ("policy", "reference", "ppo_policy")}}
 # name -> (processes, threads per process, environment): each our configuration of the same run.
 OURS = {
     f"ours as shipped: TP=1 x DP=2, {CORES} processes x 1 thread, EMS on": (CORES, 1, {}),
     f"ours TP=2, {CORES} processes x 1 thread, EMS on": (CORES, 1, {"TP": str(CORES)}),
     f"ours TP=1, 1 process x {CORES} threads, EMS on": (1, CORES, {"TP": "1"}),
-    f"ours matched: 1 process x {CORES} threads, every role resident, no distributed optimizer":
-        (1, CORES, {"TP": "1", "USE_DISTRIBUTED_OPTIMIZER": "False", **{f"free_memory_{r}": "False" for r in
-                                                                          ("policy", "reference", "ppo_policy")}}),
+    f"ours matched: 1 process x {CORES} threads, every role resident, no distributed optimizer": (1, CORES, MATCHED),
 }
 
 
 # On one GPU: (processes, threads, environment) of our rows, each one process on the card.
 OURS_ON_GPU = {
     "ours as shipped: 1 process on the GPU, bf16, EMS on": (1, 4, {"TP": "1"}),
-    "ours matched: 1 process on the GPU, bf16, every role resident, no distributed optimizer":
-        (1, 4, {"TP": "1", "USE_DISTRIBUTED_OPTIMIZER": "False", **{f"free_memory_{r}": "False" for r in
-                                                                     ("policy", "reference", "ppo_policy")}}),
+    "ours matched: 1 process on the GPU, bf16, every role resident, no distributed optimizer": (1, 4, MATCHED),
 }
 TRL_ON_GPU = "TRL GRPOTrainer, 1 process on the GPU, bf16, generation through transformers"
 

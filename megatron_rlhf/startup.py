@@ -258,7 +258,7 @@ def _check_stop_strings(config: RLHFConfig, tokenizer) -> None:
 
 def _batch_invariant_arithmetic(config) -> None:
     """trainer.batch_invariant: the arithmetic of every model this process builds, set before any is
-    (models/batch_invariant.py), every query over the run's sequence length."""
+    (models/batch_invariant.py), its key blocks sized by the run's sequence length."""
     from megatron_rlhf.models import batch_invariant
     from megatron_rlhf.runtime.platform import get_platform
 
