@@ -1,6 +1,7 @@
 # Set-up from nothing: a virtualenv in .venv with torch (CPU build unless TORCH_SPEC says otherwise),
 # megatron-core and this package, and the OS's bubblewrap for the Python sandbox where root may install it. `make demo` runs the CPU demo (PPO; `make demo-grpo`: GRPO; `make demo-moe`: GRPO on a mixture of experts;
-# `make demo-pipeline`: SFT, a reward model, PPO and DPO from preference pairs); `make test` runs the test suite.
+# `make demo-pipeline`: SFT, a reward model, PPO and DPO from preference pairs; `make demo-judge`: GRPO scored by an
+# LLM judge); `make test` runs the test suite.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -14,7 +15,7 @@ DEMO_OUTPUTS ?= outputs
 DEMO_ENV = env -i PATH="$$PATH" HOME="$$HOME" TMPDIR="$${TMPDIR:-/tmp}" LANG=C.UTF-8 OMP_NUM_THREADS=1
 DEMO_RUN = $(DEMO_ENV) $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) -m megatron_rlhf.train --overwrite
 
-.PHONY: install demo demo-grpo demo-moe demo-math demo-agent demo-pipeline test clean
+.PHONY: install demo demo-grpo demo-moe demo-math demo-agent demo-pipeline demo-judge test clean
 
 install: $(STAMP)
 
@@ -63,6 +64,15 @@ examples/tiny_pipeline/pairs.jsonl: examples/tiny_pipeline/make_data.py
 
 demo-pipeline: $(STAMP) examples/tiny_pipeline/pairs.jsonl
 	$(DEMO_ENV) BIN=$(VENV)/bin NPROC=$(NPROC) OUT=$(DEMO_OUTPUTS)/pipeline bash examples/tiny_pipeline/run_pipeline.sh
+
+# Rewards from a model that reads: a tiny judge taught by SFT to rate answers by the pipeline demo's
+# hidden rule, then GRPO scored by the judge alone, the hidden rule measured before and after
+# (examples/tiny_judge/run_demo.sh).
+examples/tiny_judge/ratings.jsonl: examples/tiny_judge/make_data.py examples/tiny_judge/judge_template.txt | $(STAMP)
+	$(PY) examples/tiny_judge/make_data.py examples/tiny_judge
+
+demo-judge: $(STAMP) examples/tiny_judge/ratings.jsonl
+	$(DEMO_ENV) BIN=$(VENV)/bin NPROC=$(NPROC) OUT=$(DEMO_OUTPUTS)/judge bash examples/tiny_judge/run_demo.sh
 
 test: $(STAMP)
 	bash tests/helpers/setup_slurm.sh

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, ModelArchConfig, ParallelConfig, RoleConfig  # noqa: E402
+from megatron_rlhf.config.schema import ROLE_HEADS, PPO_ROLES, ModelArchConfig, ParallelConfig, RoleConfig  # noqa: E402
 from megatron_rlhf.memory import OFFLOAD_ORDER, WEIGHTS, MemoryLedger  # noqa: E402
 from megatron_rlhf.models.decoder import build_model  # noqa: E402
 from megatron_rlhf.config.presets import PRESETS  # noqa: E402
@@ -177,7 +177,7 @@ def six_role_peak(arch, parallel, args, platform, free_memory: bool):
     what was allocated once its role was onloaded."""
     ledger = MemoryLedger()
     roles = {}
-    for name in ROLE_NAMES:
+    for name in PPO_ROLES:
         roles[name] = make_role(name, arch, parallel, args, free_memory)
         ledger.track(roles[name].memory)
         roles[name].memory.offload()
@@ -185,7 +185,7 @@ def six_role_peak(arch, parallel, args, platform, free_memory: bool):
     phases = []
     for measured in (False, True):
         phases = []
-        for name in ROLE_NAMES:
+        for name in PPO_ROLES:
             role = roles[name]
             platform.synchronize()
             platform.reset_peak_memory_stats()

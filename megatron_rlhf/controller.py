@@ -5,6 +5,7 @@ role brought onto the device only for its phase (EMS). Every rank runs this same
       collect    the policy answers samples_per_prompt times per prompt (one turn, or turns with an
                  environment; [partial rollouts: over-sampled, the groups not ended held for the
                  next iteration]) and scores its tokens ("old"); the reward scores each response
+                 [and the judge: its verdicts' weighted scores added]
                  [dynamic sampling: drop groups that all score the same, generate more];
                  the reference's log-probs, the value model's values (GAE only)   (rollout/)
       advantages GAE, GRPO, RLOO or REINFORCE++, and [rollout correction] the weights of the
@@ -30,6 +31,7 @@ from megatron_rlhf.rewards.pool import RewardPool
 from megatron_rlhf.roles.role_set import Progress, RoleSet
 from megatron_rlhf.roles.update import PPOUpdate
 from megatron_rlhf.rollout.collector import RolloutCollector
+from megatron_rlhf.rollout.judging import Judge
 from megatron_rlhf.rollout.record import Rollout, is_counted
 from megatron_rlhf.rollout.scoring import Scorer, rule_reward_pool
 from megatron_rlhf.rollout.validation import Validator
@@ -65,7 +67,9 @@ class PPOController(Steps):
         self.progress = Progress(progress_dir)
         self.role_set = RoleSet(config, ledger, tokenizer.pad_id, overlap_budget, self.progress)
         self.roles = self.role_set.roles
-        self.collector = RolloutCollector(config, self.role_set, tokenizer, Scorer(config, self.role_set, reward_pool), turns)
+        judge = Judge(config, self.role_set, tokenizer) if "judge" in self.roles else None
+        self.collector = RolloutCollector(config, self.role_set, tokenizer,
+                                          Scorer(config, self.role_set, reward_pool, judge), turns)
         self.validator = Validator(self.collector, val_dataset) if val_dataset is not None else None
         self.update = PPOUpdate(config, self.role_set, tokenizer.vocab_size, tokenizer.pad_id)
         p = config.ppo

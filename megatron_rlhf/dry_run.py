@@ -163,7 +163,7 @@ def _work_line(config: RLHFConfig) -> str:
         return (f"stage: {config.stage}, roles: {', '.join(config.roles)} ({trained} trained); optimizer steps of "
                 f"{config.role(trained).global_batch_size} {unit} of data.train_file, {config.stage_config.epochs} epoch(s)")
     return (f"algorithm: {config.algorithm.advantage_estimator}, roles: {', '.join(config.roles)}"
-            + ("" if config.roles == ROLE_NAMES else " (no critic)")
+            + (" (no critic)" if config.critic_free else "")
             + f"; {config.ppo.rollout_batch_size} prompts x {config.generation.samples_per_prompt} responses per iteration")
 
 
@@ -274,6 +274,15 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
         shown = ", ".join(spec if len(named) == 1 else f"{weight:g} x {spec}" for spec, weight in named.items())
         lines.append(f"{'reward':<11}rule function {shown} (no network; {config.reward.num_workers} worker processes "
                      f"per model-parallel group, {config.reward.timeout_s:g}s per call)")
+    if "judge" in config.roles:
+        judge = config.judge
+        read = (f"choices {judge.choices}" if judge.parser == "choice" else f"in [{judge.score_range[0]:g}, "
+                f"{judge.score_range[1]:g}]")
+        how = "1 greedy verdict" if judge.samples == 1 else \
+            f"{judge.samples} verdicts sampled at temperature {judge.temperature:g}, their {judge.combine}"
+        lines.append(f"{'judge':<11}{how} per response, up to {judge.max_new_tokens} tokens after a prompt of up to "
+                     f"{judge.max_prompt_length}; parser {judge.parser} ({read}), unparsed {judge.unparsed_score:g}; "
+                     f"{judge.weight:g} x its score added to the reward")
     lines.extend(f"note: {n}" for n in weight_sharing_notes(config))
     return "\n".join(lines)
 

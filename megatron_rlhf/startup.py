@@ -104,6 +104,8 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
         _check_stage_steps(config, len(dataset), resume_from, reached)
         _claim(output_dir, config, args.overwrite and writes, writes)
         return Prepared(config, output_dir, tokenizer, dataset, val_dataset, None, resume_from, run)
+    if config.judge.enabled:
+        _check_judge_template(config, tokenizer)
     tools = _tool_specs(config)  # loaded, and their sandbox tried, once for both files
     dataset = _dataset(config, "data.prompt_file", tokenizer, tools)
     if resume_from is not None:
@@ -120,6 +122,27 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
         _show_inputs(config, tokenizer, dataset)
     _claim(output_dir, config, args.overwrite and writes, writes)
     return Prepared(config, output_dir, tokenizer, dataset, val_dataset, functions, resume_from, run, environment)
+
+
+def _check_judge_template(config: RLHFConfig, tokenizer) -> None:
+    """The judge's template (its file read) shows the response and encodes with the run's tokenizer."""
+    from megatron_rlhf.config.validation import judge_template_problem
+    from megatron_rlhf.rewards.verdicts import fill_template
+    from megatron_rlhf.rollout.judging import read_template
+
+    key = "judge.template" if config.judge.template is not None else "judge.template_file"
+    try:
+        template = read_template(config)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{config.at(key)}: cannot be read ({e})") from None
+    problem = judge_template_problem(template)
+    if problem is None:
+        try:
+            tokenizer.encode_prompt(fill_template(template, "", "", ""), chat=config.data.apply_chat_template)
+        except ValueError as e:
+            problem = f"the run's tokenizer cannot encode it: {e}"
+    if problem:
+        raise ConfigError(f"{config.at(key)}: {problem}")
 
 
 def _claim(output_dir: str, config: RLHFConfig, overwrite: bool, writes: bool) -> None:

@@ -1,12 +1,15 @@
 """The pipeline demo's measure, independent of the reward model: the hidden rule's score (the share
 of vowels, make_data.vowel_share) of a policy checkpoint's sampled answers to held-out prompts.
 
-    torchrun --nproc_per_node=1 examples/tiny_pipeline/hidden_rule.py CHECKPOINT_DIR [CHECKPOINT_DIR ...]
+    torchrun --nproc_per_node=1 examples/tiny_pipeline/hidden_rule.py [--alphabet A] POLICY [POLICY ...]
 
-Each CHECKPOINT_DIR is a policy's model checkpoint (an SFT or DPO run's checkpoints/iter_N/policy, a
-PPO run's checkpoints/iter_N/ppo_policy); prints one line per checkpoint.
+Each POLICY is a policy's model checkpoint (an SFT or DPO run's checkpoints/iter_N/policy, a
+PPO run's checkpoints/iter_N/ppo_policy), or ``initial:CONFIG``: the seeded policy a run of CONFIG
+(at TP=1) starts from, built as that run builds it. ``--alphabet``: the character tokenizer's (the
+judge demo's has digits); prints one line per policy.
 """
 
+import argparse
 import json
 import os
 import sys
@@ -28,10 +31,23 @@ PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pairs_val.js
 SAMPLES_PER_PROMPT = 4
 
 
-def score(checkpoint: str, tokenizer: CharTokenizer, parallel: ParallelConfig) -> float:
-    arch, meta = read_model_meta(checkpoint)
+def policy_model(policy: str, parallel: ParallelConfig):
+    """The network of a policy checkpoint, or of ``initial:CONFIG``'s seeded policy (roles/base.build_role)."""
+    if policy.startswith("initial:"):
+        from megatron_rlhf.config import load_config
+        from megatron_rlhf.roles.base import build_role
+
+        role = build_role("policy", load_config(policy.partition(":")[2], world_size=1))
+        role.memory.onload()
+        return role.model
+    arch, meta = read_model_meta(policy)
     model = build_model(arch, parallel, "lm")
-    load_local_state_dict(model, load_model_shard(checkpoint, arch, "lm", 1, 0, 1, 0))
+    load_local_state_dict(model, load_model_shard(policy, arch, "lm", 1, 0, 1, 0))
+    return model
+
+
+def score(policy: str, tokenizer: CharTokenizer, parallel: ParallelConfig) -> float:
+    model = policy_model(policy, parallel)
     model.eval()
     with open(PROMPTS, encoding="utf-8") as f:
         prompts = [tokenizer.encode_prompt(json.loads(line)["prompt"], chat=False) for line in f]
@@ -49,11 +65,15 @@ def score(checkpoint: str, tokenizer: CharTokenizer, parallel: ParallelConfig) -
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--alphabet", default="abcdefghijklmnopqrstuvwxyz ")
+    parser.add_argument("policies", nargs="+")
+    args = parser.parse_args()
     parallel = ParallelConfig()
     init_distributed(parallel, seed=0)
-    tokenizer = CharTokenizer("abcdefghijklmnopqrstuvwxyz ")
-    for checkpoint in sys.argv[1:]:
-        print(f"hidden rule (vowel share) {score(checkpoint, tokenizer, parallel):.3f}: {checkpoint}", flush=True)
+    tokenizer = CharTokenizer(args.alphabet)
+    for policy in args.policies:
+        print(f"hidden rule (vowel share) {score(policy, tokenizer, parallel):.3f}: {policy}", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from megatron_rlhf.config.loader import load_config, load_tree
 from megatron_rlhf.config.presets import PRESETS
 from megatron_rlhf.config.schema import (
     ROLE_HEADS,
+    PPO_ROLES,
     ROLE_NAMES,
     TRAINABLE_ROLES,
     ModelArchConfig,
@@ -21,6 +22,7 @@ __all__ = [
     "ParallelConfig",
     "RLHFConfig",
     "ROLE_HEADS",
+    "PPO_ROLES",
     "ROLE_NAMES",
     "RoleConfig",
     "TRAINABLE_ROLES",

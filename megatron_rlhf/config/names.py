@@ -26,6 +26,13 @@ CORRECTION_LEVELS = ("token", "sequence")
 STAGES = ("rl", "sft", "rm", "dpo")
 # dpo.loss_type (preference/losses.py DPO_LOSSES)
 DPO_LOSSES = ("sigmoid", "ipo")
+# judge.parser (rewards/verdicts.py PARSERS): how a judge's verdict becomes a score
+JUDGE_PARSERS = ("number", "boxed", "choice")
+# judge.combine (rewards/verdicts.py COMBINES): how a response's judge.samples verdicts make its score
+JUDGE_COMBINES = ("mean", "majority", "min", "max")
+# judge.template: the fields it fills in, each written {name} (other braces are text)
+JUDGE_FIELDS = ("prompt", "response", "reference")
+JUDGE_FIELD_PATTERN = r"\{(prompt|response|reference)\}"
 # <role>.lora.target_modules: megatron's linears an adapter may sit on (models/lora.py)
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # The roles of a chat message (data rows, environments' observations).

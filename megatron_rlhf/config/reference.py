@@ -170,6 +170,11 @@ def entries() -> List[Entry]:
     found += [Entry(f"reward.{f.name}", _type_text(hints[f.name]), _default(f), _allowed(f, hints[f.name]),
                     readers.get(f.name, "rl (reward.type: function)"), docs.get(f"RewardRoleConfig.{f.name}", ""))
               for f in own]
+    own = [f for f in dataclasses.fields(schema.JudgeRoleConfig) if f.name not in role_keys]
+    hints = typing.get_type_hints(schema.JudgeRoleConfig)
+    found += [Entry(f"judge.{f.name}", _type_text(hints[f.name]), _default(f), _allowed(f, hints[f.name]),
+                    "rl" if f.name == "enabled" else "rl (judge.enabled)", docs.get(f"JudgeRoleConfig.{f.name}", ""))
+              for f in own]
     return found
 
 

@@ -11,7 +11,8 @@ from typing import Dict, List, Literal, Optional, Union
 
 from megatron_rlhf.config.errors import located
 from megatron_rlhf.config.names import (ADVANTAGE_ESTIMATORS, CORRECTION_LEVELS, CRITIC_ESTIMATORS, KL_ESTIMATORS,
-                                        DPO_LOSSES, LORA_TARGETS, LOSS_AGG_MODES, POLICY_LOSSES,
+                                        DPO_LOSSES, JUDGE_COMBINES, JUDGE_PARSERS, LORA_TARGETS, LOSS_AGG_MODES,
+                                        POLICY_LOSSES,
                                         ROLLOUT_CORRECTIONS, SANDBOX_KINDS, STAGES, TOOL_PARSERS)
 
 
@@ -42,20 +43,24 @@ def bounded(default, **domain) -> dataclasses.Field:
     validation.domain_problems checks every key so marked, all at once."""
     return dataclasses.field(default=default, metadata={"domain": Domain(**domain)})
 
-ROLE_NAMES = ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value")
+# PPO's six roles (with a critic); every role, the LLM judge too (built where judge.enabled).
+PPO_ROLES = ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value")
+ROLE_NAMES = PPO_ROLES + ("judge",)
 TRAINABLE_ROLES = ("ppo_policy", "ppo_value")
 # The phases of one iteration in the order they run, each with its active role (a role the run does
 # not build is skipped): the controller runs them so, the planner plans them so, and overlapped
 # onloads follow from it (RLHFConfig.successions).
-PHASE_ORDER = (("generate", "policy"), ("reward", "reward"), ("reference", "reference"), ("value", "value"),
-               ("train_policy", "ppo_policy"), ("train_value", "ppo_value"))
+PHASE_ORDER = (("generate", "policy"), ("reward", "reward"), ("judge", "judge"), ("reference", "reference"),
+               ("value", "value"), ("train_policy", "ppo_policy"), ("train_value", "ppo_value"))
 # The critic: the roles that only an estimator with a learned value baseline (GAE) builds.
 CRITIC_ROLES = ("value", "ppo_value")
 # Weight sync: each serving role runs the weights its trained role learns (same network). Where both
 # have the same precision the serving role's parameters are views of the trained role's storage.
 SERVED_WEIGHTS = {"policy": "ppo_policy", "value": "ppo_value"}
 # The roles that only run forwards: each may have a layout of its own (RoleConfig.parallel).
-SERVING_ROLES = ("policy", "reference", "reward", "value")
+SERVING_ROLES = ("policy", "reference", "reward", "value", "judge")
+# The roles that generate with the engine (their phases hold a KV cache and the decode step).
+GENERATING_ROLES = ("policy", "judge")
 # The roles that run the policy network: they record (policy) and replay (both) its routing.
 REPLAYING_ROLES = ("policy", "ppo_policy")
 # The stages before RL (SFT, reward-model training, DPO; megatron_rlhf/stages): the roles each runs,
@@ -80,6 +85,7 @@ ROLE_HEADS = {
     "reward": "scalar",
     "value": "scalar",
     "ppo_value": "scalar",
+    "judge": "lm",
 }
 
 
@@ -330,8 +336,9 @@ class RewardRoleConfig(RoleConfig):
     weighted sum is the score. Each is called per response as ``fn(prompts, responses, **fields)``
     with one-element lists (rewards/contract.py) in a pool of worker processes (rewards/pool.py)."""
 
-    # model: a scalar-head reward model; function: rule functions in worker processes
-    type: Literal["model", "function"] = "model"
+    # model: a scalar-head reward model; function: rule functions in worker processes; none: no
+    # reward of its own (the judge's verdicts, judge.enabled, or an environment's rewards alone)
+    type: Literal["model", "function", "none"] = "model"
     function: Optional[str] = None  # type function: module:callable or path/to/file.py:callable
     functions: Optional[Dict[str, float]] = None  # type function: {spec: weight, ...}; the score is their weighted sum
     # A score beyond +-max_abs_score stops the run (naming the prompt): a reward that large breaks
@@ -346,6 +353,37 @@ class RewardRoleConfig(RoleConfig):
     # model of stage rm, from its held-out pairs; OpenRLHF's normalize_reward). Unlike ppo.normalize_reward,
     # fixed for the run and centred.
     normalize: bool = False
+
+
+@dataclasses.dataclass
+class JudgeRoleConfig(RoleConfig):
+    """An LLM judge (rollout/judging.py): a generative model that reads each response in ``template``
+    (its prompt and the row's reference filled in) and writes a verdict, which ``parser`` turns into
+    a score; ``weight`` times the score is added to the reward's. It runs in a phase of its own after
+    the rollout is scored (the policy off the device, the judge on it), on the run's tokenizer."""
+
+    enabled: bool = False  # build the judge and add its scores (RL only)
+    weight: float = 1.0  # its score's weight in each response's reward (beside the reward's own)
+    # The judge's prompt: text with {prompt}, {response} and {reference} (the row's reference_key
+    # column), sent as one user message under data.apply_chat_template; or the file holding it
+    # (relative to the config file). Other braces are kept as written.
+    template: Optional[str] = None
+    template_file: Optional[str] = None  # a file holding the template (instead of ``template``)
+    reference_key: str = "ground_truth"  # the data column {reference} reads (a reference answer or response)
+    # number: the verdict's first number; boxed: the number in its last \boxed{}; choice: the first of
+    # ``choices``' words it says (A/B against a reference response), scored as ``choices`` says
+    parser: Literal[JUDGE_PARSERS] = "number"
+    score_range: List[float] = dataclasses.field(default_factory=lambda: [0.0, 10.0])  # number, boxed: [low, high]; outside: unparsed
+    choices: Dict[str, float] = dataclasses.field(default_factory=dict)  # choice: word -> score
+    # Verdicts per response: 1 is greedy; more are sampled at ``temperature`` and combined by ``combine``.
+    samples: int = bounded(1, ge=1)
+    combine: Literal[JUDGE_COMBINES] = "mean"  # samples > 1: mean, majority (ties: the lower), min or max
+    temperature: float = bounded(1.0, gt=0)  # samples > 1: the verdicts' sampling temperature
+    max_new_tokens: int = bounded(16, ge=1)  # a verdict's tokens at most
+    # The judge's prompt tokens at most (the KV cache's length with max_new_tokens); a longer one is
+    # not judged: it scores unparsed_score and is counted (judge/too_long).
+    max_prompt_length: int = bounded(512, ge=1)
+    unparsed_score: float = 0.0  # the score of a verdict the parser cannot read (counted: judge/unparsed)
 
 
 @dataclasses.dataclass
@@ -753,6 +791,8 @@ class RLHFConfig:
     reference: RoleConfig = dataclasses.field(default_factory=RoleConfig)
     # the reward model or rule functions (RM's trained model)
     reward: RewardRoleConfig = dataclasses.field(default_factory=RewardRoleConfig)
+    # an LLM judge whose verdicts add to the reward (JudgeRoleConfig)
+    judge: JudgeRoleConfig = dataclasses.field(default_factory=JudgeRoleConfig)
     value: RoleConfig = dataclasses.field(default_factory=RoleConfig)  # gae: the serving critic
     ppo_policy: RoleConfig = dataclasses.field(default_factory=RoleConfig)  # the trained policy of RL
     ppo_value: RoleConfig = dataclasses.field(default_factory=RoleConfig)  # gae: the trained critic
@@ -796,7 +836,8 @@ class RLHFConfig:
         no value or ppo_value when critic-free."""
         if self.stage != "rl":  # RL's roles follow its estimator (the critic: GAE only)
             return STAGE_ROLES[self.stage]
-        return tuple(r for r in ROLE_NAMES if not (self.critic_free and r in CRITIC_ROLES))
+        return tuple(r for r in ROLE_NAMES if not (self.critic_free and r in CRITIC_ROLES)
+                     and not (r == "judge" and not self.judge.enabled))
 
     @property
     def stage_config(self) -> Optional["StageConfig"]:
@@ -839,7 +880,7 @@ class RLHFConfig:
     @property
     def model_roles(self) -> tuple:
         """The roles that are networks (those the algorithm runs, but a function reward)."""
-        return tuple(r for r in self.roles if not (r == "reward" and self.reward.type == "function"))
+        return tuple(r for r in self.roles if not (r == "reward" and self.reward.type != "model"))
 
     @property
     def successions(self) -> Dict[str, str]:
@@ -848,8 +889,8 @@ class RLHFConfig:
         sure (sampling may go round again)."""
         order = [role for _, role in self.phase_order]
         pairs = dict(zip(order, order[1:]))
-        if self.algorithm.dynamic_sampling:
-            pairs.pop("reward" if "reward" in order else "policy", None)
+        if self.algorithm.dynamic_sampling:  # the last phase that scores a round
+            pairs.pop(next(r for r in ("judge", "reward", "policy") if r in order), None)
         return pairs
 
     @property

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Tuple
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
 from megatron_rlhf.config.presets import CHECKPOINT_META_FILE
-from megatron_rlhf.config.names import (GROUP_ESTIMATORS, LORA_TARGETS, LOSS_AGG_MODE_OF, PLAIN_TEXT_PARSERS,
+from megatron_rlhf.config.names import (GROUP_ESTIMATORS, JUDGE_FIELDS, LORA_TARGETS, LOSS_AGG_MODE_OF, PLAIN_TEXT_PARSERS,
                                         SANDBOX_KIND_KEYS)
 from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, TRAINED_ROLE_KEYS,
                                          ROLE_HEADS, ROLE_NAMES, SERVED_WEIGHTS, SERVING_ROLES,
@@ -295,7 +295,7 @@ def _role_layout_problems(config: RLHFConfig, world_size: Optional[int]) -> List
                             f"serving roles may have their own: {', '.join(SERVING_ROLES)}")
             continue
         if role not in config.model_roles:
-            problems.append(f"{at}: the reward is a function here (reward.type: function): no model to lay out")
+            problems.append(f"{at}: the reward is no model here (reward.type: {config.reward.type}): nothing to lay out")
             continue
         layout = config.layout_of(role)
         tp, pp, ep = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.expert_model_parallel_size
@@ -325,9 +325,9 @@ def _role_layout_problems(config: RLHFConfig, world_size: Optional[int]) -> List
         if role not in SERVED_WEIGHTS and config.role(role).load is None:
             problems.append(f"{at}: {role} at its own layout needs {role}.load: seeded weights are drawn per shard, so "
                             "they would not equal the trained roles' at the run's layout")
-        if role == "reward" and config.trainer.val_interval:
-            problems.append(f"{at}: with validation (trainer.val_interval) the reward model runs at the run's "
-                            "layout: validation's chunks differ from rank to rank; remove reward.parallel or validation")
+        if role in ("reward", "judge") and config.trainer.val_interval:
+            problems.append(f"{at}: with validation (trainer.val_interval) the {role} model runs at the run's "
+                            f"layout: validation's chunks differ from rank to rank; remove {role}.parallel or validation")
     return problems
 
 
@@ -438,8 +438,51 @@ def _reward_problems(config: RLHFConfig) -> List[str]:
     else:
         for key in ("function", "functions"):
             if getattr(reward, key) is not None:
-                problems.append(f"{config.at('reward.' + key)}: set, but reward.type is 'model'; set reward.type: "
-                                "function to use it, or remove it")
+                problems.append(f"{config.at('reward.' + key)}: set, but reward.type is {reward.type!r}; set "
+                                "reward.type: function to use it, or remove it")
+    if reward.type == "none" and config.stage == "rl" and not (config.judge.enabled or config.rollout.multi_turn):
+        problems.append(f"{config.at('reward.type')}: none, and nothing else scores the responses; enable the judge "
+                        "(judge.enabled), give an environment, or choose a reward (model or function)")
+    return problems + _judge_problems(config)
+
+
+def judge_template_problem(template: str) -> Optional[str]:
+    """What is wrong with a judge's template (None: nothing): it must show the response."""
+    if "{response}" not in template:
+        return (f"the judge's template never shows the response: write {{response}} where it goes (fields: "
+                f"{', '.join('{' + f + '}' for f in JUDGE_FIELDS)})")
+    return None
+
+
+def _judge_problems(config: RLHFConfig) -> List[str]:
+    """The judge's template, parser and sampling (rewards/verdicts.py reads them)."""
+    judge = config.judge
+    if not judge.enabled:
+        return _set_while_off(config, "judge", "judge.enabled", "false", "set judge.enabled: true to judge the "
+                              "responses, or remove it") if config.stage == "rl" else []
+    problems = []
+    if (judge.template is None) == (judge.template_file is None):
+        problems.append(f"{config.at('judge.template')}: give the judge's prompt as judge.template (text with "
+                        "{prompt}, {response}, {reference}) or judge.template_file, one of them")
+    elif judge.template is not None:
+        problem = judge_template_problem(judge.template)
+        if problem:
+            problems.append(f"{config.at('judge.template')}: {problem}")
+    if judge.parser == "choice" and not judge.choices:
+        problems.append(f"{config.at('judge.choices')}: judge.parser is choice: give the verdict words and their "
+                        "scores, e.g. {A: 1.0, B: 0.0}")
+    if judge.parser != "choice" and "judge.choices" in config.origin:
+        problems.append(f"{config.at('judge.choices')}: set, but judge.parser is {judge.parser}; choices are read by "
+                        "parser: choice")
+    low_high = judge.score_range
+    if judge.parser == "choice" and "judge.score_range" in config.origin:
+        problems.append(f"{config.at('judge.score_range')}: set, but judge.parser is choice: the choices' scores are "
+                        "the range")
+    elif len(low_high) != 2 or not low_high[0] < low_high[1]:
+        problems.append(f"{config.at('judge.score_range')}: must be [low, high] with low < high, got {low_high}")
+    if judge.samples == 1:
+        problems += [f"{config.at('judge.' + k)}: set, but judge.samples is 1 (one greedy verdict); sample more "
+                     "verdicts to use it, or remove it" for k in ("combine", "temperature") if f"judge.{k}" in config.origin]
     return problems
 
 
@@ -640,8 +683,9 @@ def _sandbox_problems(config: RLHFConfig) -> List[str]:
 def _set_while_off(config: RLHFConfig, section: str, switch: str, off: str, advice: str) -> List[str]:
     """Each key under ``section`` given in a file while the feature's ``switch`` key is ``off``:
     never silently unused."""
-    return [f"{config.at(k)}: set, but {switch} is {off}; {advice}" for k in sorted(config.origin)
-            if k.startswith(section + ".") and k != switch]
+    keys = [k for k in sorted(config.origin) if k.startswith(section + ".") and k != switch]
+    return [f"{config.at(k)}: set, but {switch} is {off}; {advice}" for k in keys
+            if k.rpartition(".")[0] not in keys]  # a list's or section's own keys said once, by it
 
 
 def _partial_problems(config: RLHFConfig, layout: Layout) -> List[str]:
@@ -857,6 +901,10 @@ def input_problems(config: RLHFConfig, needs_prompts: bool = False) -> List[str]
         if load is not None and load not in reported and not os.path.isfile(os.path.join(load, CHECKPOINT_META_FILE)):
             reported.add(load)
             missing(role + ".load", not_a_model_checkpoint(load))
+    template = config.path_of("judge.template_file") if config.judge.enabled else None
+    if template is not None and not os.path.isfile(template):
+        missing("judge.template_file", f"{template}: no such file (the judge's prompt: text with {{prompt}}, "
+                "{response}, {reference})")
     tokenizer = config.data.tokenizer
     if tokenizer.type == "hf":
         path = config.path_of("data.tokenizer.path")

@@ -7,7 +7,8 @@ pipeline stage. The KV cache is exact too: the generation engine allocates slots
 (formulas below); a trainable role under
 pipeline parallelism holds up to PP micro-batches of activations (1F1B's warm-up on the first stage).
 
-A PPO iteration has six phases (four without a critic); in each, the active role holds what the phase needs and every
+A PPO iteration has six phases (four without a critic; one more with a judge, which generates like
+the policy: its KV cache holds judge.max_prompt_length + judge.max_new_tokens positions); in each, the active role holds what the phase needs and every
 other role holds what its EMS switches keep resident. The peak phase bounds the device memory
 the run needs (plus the framework's own overhead, which is not modelled). Host memory is exact:
 each role's EMS arenas hold exactly the kinds its switches copy, and all stay allocated.
@@ -19,8 +20,8 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
-from megatron_rlhf.config.schema import (EMS_SWITCHES, ROLE_HEADS, ModelArchConfig, RLHFConfig, stage_layers,
-                                         RoleConfig)
+from megatron_rlhf.config.schema import (EMS_SWITCHES, GENERATING_ROLES, ROLE_HEADS, ModelArchConfig, RLHFConfig,
+                                         RoleConfig, stage_layers)
 from megatron_rlhf.memory.kinds import GRADS, LEDGER_KINDS as KINDS, MAIN_PARAMS, OPTIMIZER_STATE, PHASE_NEEDS, WEIGHTS, EMSSwitches
 
 TRANSIENT = ("activations", "kv_cache", "decode_step", "reshard_buffers")
@@ -29,7 +30,7 @@ BYTES = {"fp32": 4, "bf16": 2}
 
 def _phases(config: RLHFConfig) -> Tuple[Tuple[str, str, Tuple[str, ...]], ...]:
     """(phase, active role, what it needs besides its state) of the run's phases, in order."""
-    return tuple((phase, role, ("kv_cache", "decode_step") if phase == "generate" else ("activations",))
+    return tuple((phase, role, ("kv_cache", "decode_step") if role in GENERATING_ROLES else ("activations",))
                  for phase, role in config.phase_order)
 
 
@@ -316,17 +317,19 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
         roles[name] = max(stages, key=lambda s: sum(s.values()))
         # 1F1B: the first stage holds up to PP micro-batches' activations before its first backward.
         in_flight = min(rpp, micro_batches_per_step(config, name, rdp)) if trainable else 1
-        rows = rollout_rows(config, name, world_size)
-        generates = name == "policy" and config.stage == "rl"
+        rows, seq_of_role = rollout_rows(config, name, world_size), seq
+        generates = name in GENERATING_ROLES and config.stage == "rl"
+        if name == "judge":  # its verdicts: judge.samples per response, each prompt and verdict
+            rows, seq_of_role = rows * config.judge.samples, config.judge.max_prompt_length + config.judge.max_new_tokens
         transient[name] = {
             "activations": in_flight * activation_bytes(rc.model, ROLE_HEADS[name], micro_batch_rows(config, name), seq, rtp, rpp,
                                                         rc.precision, rc.recompute_activations, trainable, vocab,
                                                         rc.attention),
             # The engine's slots and its scratch slot (generation/generate.slot_cache); only RL generates.
-            "kv_cache": kv_cache_bytes(rc.model, config.generation.slots(rows) + 1, seq, rtp, rpp,
+            "kv_cache": kv_cache_bytes(rc.model, config.generation.slots(rows) + 1, seq_of_role, rtp, rpp,
                                        rc.precision) if generates else 0,
-            "decode_step": decode_step_bytes(rc.model, config.generation.slots(rows) + 1, seq, rtp, rpp, rc.precision,
-                                             vocab) if generates else 0,
+            "decode_step": decode_step_bytes(rc.model, config.generation.slots(rows) + 1, seq_of_role, rtp, rpp,
+                                             rc.precision, vocab) if generates else 0,
             "reshard_buffers": reshard_buffer_bytes(config, name, world_size),
         }
     # Host arenas: one per copied kind (grads are freed, never copied). A serving role that shares

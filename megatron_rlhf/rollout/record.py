@@ -86,7 +86,7 @@ class Rollout:
 COUNTED_METRICS = ("reward/failures", "reward/timeouts", "rollout/env_calls", "rollout/env_failures",
                    "rollout/env_timeouts", "rollout/truncated_observations", "rollout/prefix_recomputed",
                    "rollout/context_truncated", "rollout/partial_dropped", "rollout/partial_resumed",
-                   "rollout/env_replayed_calls")
+                   "rollout/env_replayed_calls", "judge/unparsed", "judge/too_long")
 
 
 # How the work was scheduled, not what it computed: they follow the layout, the decode slots and

@@ -1,6 +1,7 @@
 """Scores of a rollout's responses: the rule reward (functions in the reward pool's workers, run on
 the first rank of each model-parallel group and sent to its peers) or the reward model (a scalar
-head at the last token), checked against reward.max_abs_score, plus DAPO's overlong penalty."""
+head at the last token), plus the judge's weighted verdicts (rollout/judging.py), checked against
+reward.max_abs_score, plus DAPO's overlong penalty."""
 
 from __future__ import annotations
 
@@ -48,12 +49,14 @@ def overlong_penalty(config: RLHFConfig, rows: SampleRows) -> torch.Tensor:
 
 class Scorer:
     """``reward_pool``: the rule functions' pool on the first rank of each model-parallel group
-    (None elsewhere, and with a reward model)."""
+    (None elsewhere, and with a reward model); ``judge``: the LLM judge (rollout/judging.py), None
+    without one."""
 
-    def __init__(self, config: RLHFConfig, roles: RoleSet, reward_pool: Optional[RewardPool]):
+    def __init__(self, config: RLHFConfig, roles: RoleSet, reward_pool: Optional[RewardPool], judge=None):
         self.config = config
         self.roles = roles
         self.reward_pool = reward_pool
+        self.judge = judge
         # reward.normalize: the (mean, std) the reward model's checkpoint records (checked at start-up)
         self.normalization = None
         if config.reward.type == "model" and config.reward.normalize:
@@ -68,9 +71,15 @@ class Scorer:
         metrics: Dict[str, float] = {}
         if self.config.reward.type == "function":
             scores, metrics = self._rule_scores(prompts, responses, fields)
-        else:
+        elif self.config.reward.type == "model":
             scores = self._reward_model_scores(rows)
+        else:
+            scores = torch.zeros(len(responses))
         scores = scores.to(rows["tokens"].device)
+        if self.judge is not None:  # after the reward's phase: PHASE_ORDER
+            judged, judge_metrics = self.judge.scores(prompts, responses, fields, iteration)
+            scores = scores + self.config.judge.weight * judged.to(scores.device)
+            metrics.update(judge_metrics)
         if "turn_rewards" in rows:  # an environment's per-turn rewards count towards the trajectory's score
             scores = scores + rows["turn_rewards"]
         check_scores(scores, self.config.reward.max_abs_score, iteration, prompts)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from common import ARGS, OUT_DIR, save, setup
 from tests.workers.findings import EMSSixRoles, SixRolesRun
 
-from megatron_rlhf.config import ROLE_NAMES, load_config
+from megatron_rlhf.config import PPO_ROLES, load_config
 from megatron_rlhf.memory import MemoryLedger
 from megatron_rlhf.roles import build_role
 from megatron_rlhf.models.training import next_token_loss, scalar_regression_loss
@@ -17,7 +17,7 @@ from megatron_rlhf.models.training import next_token_loss, scalar_regression_los
 
 def run(mode: str) -> SixRolesRun:
     flag = "True" if mode == "on" else "False"
-    for role in ROLE_NAMES:
+    for role in PPO_ROLES:
         os.environ[f"free_memory_{role}"] = flag
     config = load_config("examples/tiny/rlhf.yaml", world_size=int(os.environ["WORLD_SIZE"]))
     config.reward.type, config.reward.function = "model", None  # the demo scores by rule; here a network
@@ -26,7 +26,7 @@ def run(mode: str) -> SixRolesRun:
     path = os.path.join(OUT_DIR, f"memory_{mode}_rank{dist.get_rank()}.jsonl")
     ledger = MemoryLedger(path)
     roles = {}
-    for name in ROLE_NAMES:
+    for name in PPO_ROLES:
         roles[name] = build_role(name, config)
         ledger.track(roles[name].memory)
     ledger.record("built", "setup")

@@ -9,7 +9,7 @@ import torch
 from common import save, setup, tiny_arch, warm_up_gpu_libraries
 from tests.workers.findings import Colocated, ColocatedPhase, EMSSixRolesGPU
 
-from megatron_rlhf.config.schema import ROLE_HEADS, ROLE_NAMES, TRAINABLE_ROLES, RoleConfig
+from megatron_rlhf.config.schema import ROLE_HEADS, PPO_ROLES, TRAINABLE_ROLES, RoleConfig
 from megatron_rlhf.memory import LEDGER_KINDS
 from megatron_rlhf.models.decoder import build_model
 from megatron_rlhf.models.training import next_token_loss, scalar_regression_loss, wrap_for_training
@@ -36,7 +36,7 @@ def colocate(free_memory: bool) -> Colocated:
     torch.cuda.empty_cache()
     baseline = allocated()
     roles = {}
-    for name in ROLE_NAMES:
+    for name in PPO_ROLES:
         rc = RoleConfig(precision="bf16", lr=1e-5, free_memory=free_memory)
         model, optimizer = build_model(arch, parallel, ROLE_HEADS[name], precision="bf16"), None
         if name in TRAINABLE_ROLES:

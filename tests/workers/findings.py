@@ -561,3 +561,12 @@ class BatchInvariance(Findings):
     off: dict[str, dict]  # precision -> the same rows with the mode off: rows equal, the largest gap
     grpo: dict[str, dict]  # trainer.batch_invariant "true" / "false" -> an iteration's metrics (rollout correction on)
     game: dict[str, tuple]  # agent game schedule -> (tokens, behaviour log-probs) of its trajectories, bf16, the mode on
+
+
+@findings_of("judge_runs")
+class JudgeRuns(Findings):
+    # run ("ems_on", "ems_off", "judge_tp2", "short_prompts") -> each iteration's metrics, but times and sync bytes
+    metrics: dict[str, list]
+    scores: dict[str, Tensor]  # run -> the last iteration's scores (every DP rank's rows)
+    records: list[dict]  # the memory ledger's records of the ems_on run
+    planned: dict[str, dict]  # the planner's phase -> role -> kind -> bytes of the ems_on run's config

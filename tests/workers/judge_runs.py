@@ -1,0 +1,47 @@
+"""GRPO scored by an LLM judge alone (examples/tiny_judge/grpo.yaml, 2 ranks, TP=1 DP=2, fp32), two
+iterations through the run's entry: with every role off the device while idle, with none, and with
+the judge at a layout of its own (TP=2), and with judge prompts over 20 tokens not judged. Each judges with two sampled verdicts per response.
+Args: JUDGE_LOAD (a converted judge checkpoint)."""
+
+import os
+
+import torch
+from common import ARGS, OUT_DIR, computed_metrics, save, setup
+from tests.workers.findings import JudgeRuns
+
+from megatron_rlhf.controller import PPOController
+from megatron_rlhf.memory import MemoryLedger
+from megatron_rlhf.memory.planner import plan
+from megatron_rlhf.startup import prepare
+from megatron_rlhf.train import parse_args
+
+SETTINGS = ["judge.model.preset=auto", "ppo.rollout_batch_size=4", "judge.samples=2", "judge.temperature=1.0",
+            "judge.combine=mean", "trainer.tensorboard=false"]
+EMS_OFF = [f"{role}.free_memory=false" for role in ("policy", "reference", "ppo_policy", "judge")]
+RUNS = {"ems_on": [], "ems_off": EMS_OFF, "judge_tp2": ["judge.parallel.tensor_model_parallel_size=2"],
+        "short_prompts": ["judge.max_prompt_length=20"]}
+
+os.environ.update(JUDGE_LOAD=ARGS[0], ITERATIONS="2", PROGRESS_BAR="False")
+result = JudgeRuns(metrics={}, scores={}, records=[], planned={})
+for name, overrides in RUNS.items():
+    prepared = prepare(parse_args(["--config", "examples/tiny_judge/grpo.yaml", "--output-dir",
+                                   os.path.join(OUT_DIR, name), *SETTINGS, *overrides]), 2)
+    setup(tp=1, seed=prepared.config.seed)
+    ledger = MemoryLedger(None)
+    controller = PPOController(prepared.config, prepared.dataset, prepared.tokenizer, None, ledger)
+    scored = controller.collector.scorer.score
+    last = {}
+
+    def spy(*args):
+        scores, metrics = scored(*args)
+        last["scores"] = controller.role_set.cut.gather_tensor(scores).cpu()
+        return scores, metrics
+
+    controller.collector.scorer.score = spy
+    result.metrics[name] = [computed_metrics(controller.step()) for _ in range(2)]
+    result.scores[name] = last["scores"]
+    if name == "ems_on":
+        result.records = ledger.records
+        result.planned = plan(prepared.config, 2).resident
+    controller.close()
+save(result)
