@@ -26,6 +26,9 @@ $(STAMP): setup.py
 	# torch first, pinned, so that no dependency range can pull a newer (CUDA) build.
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[test]"
+	# TRL's PRMTrainer, the process reward model's reference (tests/test_prm.py), left TRL after 0.29:
+	# that release alone, apart from the TRL above, imported only by that check's own process.
+	$(PY) -m pip install --quiet --no-deps --target $(VENV)/peers/trl-0.29.1 trl==0.29.1
 	touch $(STAMP)
 
 # The demo's synthetic prompts, regenerated when their generator changes.

@@ -69,7 +69,7 @@ class PPOController(Steps):
         self.roles = self.role_set.roles
         judge = Judge(config, self.role_set, tokenizer) if "judge" in self.roles else None
         self.collector = RolloutCollector(config, self.role_set, tokenizer,
-                                          Scorer(config, self.role_set, reward_pool, judge), turns)
+                                          Scorer(config, self.role_set, reward_pool, judge, tokenizer), turns)
         self.validator = Validator(self.collector, val_dataset) if val_dataset is not None else None
         self.update = PPOUpdate(config, self.role_set, tokenizer.vocab_size, tokenizer.pad_id)
         p = config.ppo
@@ -180,7 +180,7 @@ class PPOController(Steps):
             # Every score of the rollout, in DP-rank order: the moments are the same on every rank.
             self.score_moments.update(self.role_set.cut.gather_tensor(scores))
             scores = scores / (self.score_moments.std + 1e-8)
-        rewards = ppo.token_rewards(scores, kl, 0.0 if p.kl_in_loss else self.kl_controller.value, mask)
+        rewards = ppo.token_rewards(scores, kl, 0.0 if p.kl_in_loss else self.kl_controller.value, mask, r.step_rewards)
         estimator = ppo.ESTIMATORS[alg.advantage_estimator]
         advantages, r.returns = estimator.advantages(ppo.EstimatorInputs(
             rewards, mask, r.old_values, r.group_index, p.gamma, p.lam, alg.norm_adv_by_std_in_grpo))

@@ -64,9 +64,10 @@ LAUNCH_PRESETS: Dict[str, Tuple[str, Dict[str, object]]] = {
 PATH_VARIABLES = ("POLICY_LOAD", "REWARD_LOAD", "VALUE_LOAD", "LOAD_LORA", "TOKENIZER", "PROMPT_FILE", "VAL_FILE",
                   "TRAIN_FILE", "OUTPUT_DIR")
 # STAGE -> the recipe run_ppo.sh launches (beside it) when CONFIG is not given: RL, or a stage before it.
-STAGE_RECIPES = registry(STAGES, "STAGE", {"rl": "rlhf.yaml", "sft": "sft.yaml", "rm": "rm.yaml", "dpo": "dpo.yaml"})
-# The checkpoint each stage starts from (a launch of a real model needs it): the reward model's for rm.
-STARTING_CHECKPOINT = {"rm": "REWARD_LOAD"}
+STAGE_RECIPES = registry(STAGES, "STAGE", {"rl": "rlhf.yaml", "sft": "sft.yaml", "rm": "rm.yaml", "prm": "prm.yaml",
+                                           "dpo": "dpo.yaml"})
+# The checkpoint each stage starts from (a launch of a real model needs it): the reward model's for rm and prm.
+STARTING_CHECKPOINT = {"rm": "REWARD_LOAD", "prm": "REWARD_LOAD"}
 
 
 def _positive(env: Dict[str, str], name: str, problems: List[str]) -> Optional[int]:

@@ -29,11 +29,12 @@ def steps_class(stage: str) -> type:
     from megatron_rlhf.config.names import registry
     from megatron_rlhf.controller import PPOController
     from megatron_rlhf.stages.dpo import DPOStage
+    from megatron_rlhf.stages.prm import ProcessRewardStage
     from megatron_rlhf.stages.rm import RewardModelStage
     from megatron_rlhf.stages.sft import SFTStage
 
     return registry(STAGES, "stage", {"rl": PPOController, "sft": SFTStage, "rm": RewardModelStage,
-                                      "dpo": DPOStage})[stage]
+                                      "prm": ProcessRewardStage, "dpo": DPOStage})[stage]
 
 
 def run(prepared: Prepared) -> List[Dict[str, float]]:

@@ -203,10 +203,14 @@ def _stage_rows(config: RLHFConfig, tokenizer, world_size: int):
                           f"{config.stage}.max_length={config.stage_config.max_length} tokens with their prompt; "
                           "each keeps its first tokens")
     if launch_rank0():
-        first = rows.rows[0] if config.stage == "sft" else rows.pairs[0].chosen
+        if config.stage == "prm":
+            first, what, counted = rows.rows[0], "row", f"{rows.rows[0].steps} steps scored"
+        else:
+            first, what = (rows.rows[0], "row") if config.stage == "sft" else (rows.pairs[0].chosen, "chosen side")
+            counted = f"{first.response_tokens} trained"
         text = tokenizer.show(first.ids)
-        print(f"first {'row' if config.stage == 'sft' else 'chosen side'} ({len(first.ids)} tokens, "
-              f"{first.response_tokens} trained): {text[:600]!r}{' ...' if len(text) > 600 else ''}", flush=True)
+        print(f"first {what} ({len(first.ids)} tokens, {counted}): {text[:600]!r}{' ...' if len(text) > 600 else ''}",
+              flush=True)
     return rows, val_rows
 
 

@@ -1,7 +1,8 @@
-"""The LLM judge (the judge section, rollout/judging.py): its verdicts read by each parser and
-combined by each rule, its settings refused by name, and GRPO scored by it alone: the same numbers
-with EMS on and off and with the judge at a layout of its own, only the judge on the device in its
-phase, that phase's memory as the planner plans it."""
+"""Rewards from models that read. The LLM judge (the judge section, rollout/judging.py): its verdicts
+read by each parser and combined by each rule, its settings refused by name, and GRPO scored by it
+alone: the same numbers with EMS on and off and with the judge at a layout of its own, only the judge
+on the device in its phase, that phase's memory as the planner plans it. A process reward model in
+RL (reward.step_separator): its steps found, aggregated by each rule, and as token rewards."""
 
 import pytest
 import torch
@@ -104,12 +105,28 @@ def _phase_peaks(records):
     return peaks
 
 
+def _check_process_reward(found):
+    """A REINFORCE++ iteration scored by a process reward model with token rewards: each response's
+    steps end at each "a" and at its end, a reward in (0, 1) at the action that wrote each end and
+    nowhere else, summing to the response's score."""
+    a = 3 + "abcdefghijklmnopqrstuvwxyz ".index("a")  # the char tokenizer's id of "a"
+    for row, (n, m) in enumerate(zip(found["prompt_lengths"].tolist(), found["response_lengths"].tolist())):
+        response = found["tokens"][row, n : n + m].tolist()
+        ends = {n + i for i, t in enumerate(response) if t == a} | ({n + m - 1} if m else set())
+        rewards = found["step_rewards"][row]
+        assert set((rewards != 0).nonzero().flatten().add(1).tolist()) == ends
+        assert all(0 < float(rewards[e - 1]) < 1 for e in ends)
+        assert float(rewards.sum()) == pytest.approx(float(found["scores"][row]), abs=1e-6)
+    assert found["metrics"]["reward/steps"] > 1 and found["metrics"]["loss/policy"] != 0
+
+
 def test_grpo_scored_by_a_judge_does_not_depend_on_ems_or_the_judge_layout(tmp_path, workers, monkeypatch):
     """Two GRPO iterations scored by a random judge alone (two sampled verdicts per response, read as
     numbers): every metric and score equal bit for bit with EMS on and off, and to 1e-5 with the judge
     at TP=2 (the run at TP=1, DP=2); in the judge's phase only the judge is on the device, and every
     phase's state and KV cache are what the planner plans (so the run's peak is its largest phase's,
-    the judge's included); a judge prompt over judge.max_prompt_length is counted and not judged."""
+    the judge's included); a judge prompt over judge.max_prompt_length is counted and not judged. In
+    the same launch, a process reward model's token rewards (_check_process_reward)."""
     from megatron_rlhf.checkpoint.convert import hf_to_megatron
     from tests.helpers.hf_families import make_hf_model
 
@@ -129,6 +146,7 @@ def test_grpo_scored_by_a_judge_does_not_depend_on_ems_or_the_judge_layout(tmp_p
         for key, value in theirs.items():
             assert ours[key] == pytest.approx(value, abs=1e-5), key
 
+    _check_process_reward(found.process_reward)
     peaks = _phase_peaks(found.records)
     assert set(peaks["judge"][1]) == {"judge"}, "only the judge on the device in its phase"
     assert peaks["judge"][1]["judge"]["kv_cache"] > 0
@@ -156,3 +174,37 @@ def test_a_template_file_is_checked_at_start_up(tmp_path, monkeypatch, template,
                          overrides=[f"judge.template_file={tmp_path / 'template.txt'}"])
     with pytest.raises(ConfigError, match=problem.replace("(", r"\(")):
         _check_judge_template(config, CharTokenizer(config.data.tokenizer.alphabet))
+
+
+# -- a process reward model in RL ------------------------------------------------------------------
+
+def test_step_ends_are_found_left_to_right_and_at_the_response_end():
+    from megatron_rlhf.rollout.scoring import step_ends
+
+    tokens = torch.tensor([[1, 5, 6, 9, 9, 7, 9, 9, 8, 0, 0], [1, 5, 9, 9, 9, 9, 0, 0, 0, 0, 0], [1, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0]])
+    ends = step_ends(tokens, torch.tensor([2, 2, 1]), torch.tensor([7, 4, 0]), [9, 9])
+    assert ends.nonzero().tolist() == [[0, 4], [0, 7], [0, 8], [1, 3], [1, 5]]  # "9 9 9 9" is two separators
+
+
+def test_step_scores_aggregate_by_each_rule():
+    from megatron_rlhf import ppo
+
+    scores = torch.tensor([[0.0, 0.9, 0.2, 0.7, 0.0], [0.5, 0.6, 0.0, 0.0, 0.0], [0.3, 0.0, 0.0, 0.0, 0.0]])
+    ends = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    expected = {"min": [0.2, 0.5, 0.0], "last": [0.7, 0.6, 0.0], "mean": [0.6, 0.55, 0.0], "token": [1.8, 1.1, 0.0]}
+    for rule, values in expected.items():
+        assert ppo.STEP_AGGREGATIONS[rule](scores, ends).tolist() == pytest.approx(values), rule
+    mask = torch.ones(1, 4)
+    rewards = ppo.token_rewards(torch.tensor([1.8]), torch.full((1, 4), 0.5), 0.1, mask, torch.tensor([[0.9, 0.0, 0.2, 0.7]]))
+    assert rewards[0].tolist() == pytest.approx([0.85, -0.05, 0.15, 0.65])  # each step's score where it ends, no outcome
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["reward.step_aggregation=token"], "grpo reads one outcome per response"),
+    (["reward.type=function"], "reward.step_separator: a process reward model's steps, but reward.type is function"),
+    (["reward.normalize=true"], "step scores are probabilities"),
+])
+def test_process_reward_settings_that_cannot_work_are_refused(overrides, problem):
+    base = ["reward.type=model", "reward.function=null", "reward.step_separator=a"]
+    with pytest.raises(ConfigError, match=problem):
+        load_config(str(REPO / "examples/tiny/grpo.yaml"), world_size=2, check_inputs=False, overrides=base + overrides)

@@ -23,7 +23,7 @@ LOSS_AGG_MODE_OF = {"gspo": ("seq-mean-token-mean", "GSPO's objective is a mean 
 ROLLOUT_CORRECTIONS = ("off", "truncate", "mask")
 CORRECTION_LEVELS = ("token", "sequence")
 # stage: what a run trains (megatron_rlhf/stages for the stages before RL; rl: train.py's loop)
-STAGES = ("rl", "sft", "rm", "dpo")
+STAGES = ("rl", "sft", "rm", "prm", "dpo")
 # dpo.loss_type (preference/losses.py DPO_LOSSES)
 DPO_LOSSES = ("sigmoid", "ipo")
 # judge.parser (rewards/verdicts.py PARSERS): how a judge's verdict becomes a score
@@ -33,6 +33,11 @@ JUDGE_COMBINES = ("mean", "majority", "min", "max")
 # judge.template: the fields it fills in, each written {name} (other braces are text)
 JUDGE_FIELDS = ("prompt", "response", "reference")
 JUDGE_FIELD_PATTERN = r"\{(prompt|response|reference)\}"
+# reward.step_aggregation (ppo/core.py STEP_AGGREGATIONS): a process reward model's step scores as a
+# response's score, or (token) each at its step's end as a per-token reward, which only the estimators
+# of per-token returns read
+STEP_AGGREGATIONS = ("min", "last", "mean", "token")
+TOKEN_REWARD_ESTIMATORS = ("gae", "reinforce_plus_plus")
 # <role>.lora.target_modules: megatron's linears an adapter may sit on (models/lora.py)
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # The roles of a chat message (data rows, environments' observations).

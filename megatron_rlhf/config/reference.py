@@ -166,7 +166,8 @@ def entries() -> List[Entry]:
     role_keys = {f.name for f in dataclasses.fields(schema.RoleConfig)}
     own = [f for f in dataclasses.fields(schema.RewardRoleConfig) if f.name not in role_keys]
     hints = typing.get_type_hints(schema.RewardRoleConfig)
-    readers = {"normalize": "rl (reward.type: model)", "type": "rl", "max_abs_score": "rl"}
+    readers = {"normalize": "rl (reward.type: model)", "type": "rl", "max_abs_score": "rl",
+               "step_separator": "rl (reward.type: model)", "step_aggregation": "rl (reward.step_separator)"}
     found += [Entry(f"reward.{f.name}", _type_text(hints[f.name]), _default(f), _allowed(f, hints[f.name]),
                     readers.get(f.name, "rl (reward.type: function)"), docs.get(f"RewardRoleConfig.{f.name}", ""))
               for f in own]

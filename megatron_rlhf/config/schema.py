@@ -12,7 +12,7 @@ from typing import Dict, List, Literal, Optional, Union
 from megatron_rlhf.config.errors import located
 from megatron_rlhf.config.names import (ADVANTAGE_ESTIMATORS, CORRECTION_LEVELS, CRITIC_ESTIMATORS, KL_ESTIMATORS,
                                         DPO_LOSSES, JUDGE_COMBINES, JUDGE_PARSERS, LORA_TARGETS, LOSS_AGG_MODES,
-                                        POLICY_LOSSES,
+                                        POLICY_LOSSES, STEP_AGGREGATIONS,
                                         ROLLOUT_CORRECTIONS, SANDBOX_KINDS, STAGES, TOOL_PARSERS)
 
 
@@ -65,12 +65,12 @@ GENERATING_ROLES = ("policy", "judge")
 REPLAYING_ROLES = ("policy", "ppo_policy")
 # The stages before RL (SFT, reward-model training, DPO; megatron_rlhf/stages): the roles each runs,
 # the one it trains, and its phases in order (the planner plans them; EMS moves the roles between).
-STAGE_ROLES = {"sft": ("policy",), "rm": ("reward",), "dpo": ("policy", "reference")}
-STAGE_TRAINED = {"sft": "policy", "rm": "reward", "dpo": "policy"}
+STAGE_ROLES = {"sft": ("policy",), "rm": ("reward",), "prm": ("reward",), "dpo": ("policy", "reference")}
+STAGE_TRAINED = {"sft": "policy", "rm": "reward", "prm": "reward", "dpo": "policy"}
 STAGE_PHASES = {"sft": (("train_policy", "policy"),), "rm": (("train_reward", "reward"),),
-                "dpo": (("reference", "reference"), ("train_policy", "policy"))}
+                "prm": (("train_reward", "reward"),), "dpo": (("reference", "reference"), ("train_policy", "policy"))}
 # What one sample of each stage's data is: a prompt (RL), a demonstration row (SFT), a preference pair.
-SAMPLE_UNITS = {"rl": "prompts", "sft": "rows", "rm": "pairs", "dpo": "pairs"}
+SAMPLE_UNITS = {"rl": "prompts", "sft": "rows", "rm": "pairs", "prm": "rows", "dpo": "pairs"}
 # What a stage before RL does not read: RL's sections and RL's prompt data and validation by
 # generation (a key set in one is refused by name; the dry run leaves them out).
 RL_ONLY_SECTIONS = ("generation", "rollout", "ppo", "algorithm", "moe")
@@ -353,6 +353,13 @@ class RewardRoleConfig(RoleConfig):
     # model of stage rm, from its held-out pairs; OpenRLHF's normalize_reward). Unlike ppo.normalize_reward,
     # fixed for the run and centred.
     normalize: bool = False
+    # type: model: a process reward model (stage prm): the response's steps end at each of this text
+    # (and at the response's end), and each step scores sigmoid(the model's score at its last token),
+    # the probability that it is right. None: an outcome reward model (the last token's score).
+    step_separator: Optional[str] = None
+    # step_separator: the response's score is the min, last or mean of its step scores; token: each step
+    # score is a reward at its step's last token (PPO's GAE and REINFORCE++ read per-token rewards)
+    step_aggregation: Literal[STEP_AGGREGATIONS] = "min"
 
 
 @dataclasses.dataclass
@@ -748,6 +755,18 @@ class RMConfig(StageConfig):
 
 
 @dataclasses.dataclass
+class PRMConfig(StageConfig):
+    """A process reward model from stepwise rows (data/steps.py: TRL's prompt, completions and
+    labels, or Math-Shepherd's tagged text): the reward role's score at the last token of each step
+    (its separator) is the logit that the step is right, trained with the binary cross-entropy, a
+    mean over the step's labelled steps; TRL's PRMTrainer with a two-label token classifier (whose
+    two logits' difference is this score) is the same loss."""
+
+    step_separator: str = "\n"  # the text after every step (TRL's step_separator); its last token is scored
+    train_on_last_step_only: bool = False  # training reads only each row's last label (validation reads all)
+
+
+@dataclasses.dataclass
 class DPOConfig(StageConfig):
     """Direct preference optimisation: the policy against a frozen reference (the policy's
     starting weights unless reference.load says otherwise), on the log-ratio margin
@@ -798,6 +817,7 @@ class RLHFConfig:
     ppo_value: RoleConfig = dataclasses.field(default_factory=RoleConfig)  # gae: the trained critic
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)  # stage sft (SFTConfig)
     rm: RMConfig = dataclasses.field(default_factory=RMConfig)  # stage rm (RMConfig)
+    prm: PRMConfig = dataclasses.field(default_factory=PRMConfig)  # stage prm (PRMConfig)
     dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)  # stage dpo (DPOConfig)
     # Dotted key -> the file it was read from ("" -> the top file); filled by the loader.
     origin: Dict[str, str] = dataclasses.field(

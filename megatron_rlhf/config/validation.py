@@ -11,7 +11,7 @@ from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
 from megatron_rlhf.config.presets import CHECKPOINT_META_FILE
 from megatron_rlhf.config.names import (GROUP_ESTIMATORS, JUDGE_FIELDS, LORA_TARGETS, LOSS_AGG_MODE_OF, PLAIN_TEXT_PARSERS,
-                                        SANDBOX_KIND_KEYS)
+                                        SANDBOX_KIND_KEYS, TOKEN_REWARD_ESTIMATORS)
 from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, TRAINED_ROLE_KEYS,
                                          ROLE_HEADS, ROLE_NAMES, SERVED_WEIGHTS, SERVING_ROLES,
                                          RLHFConfig)
@@ -440,10 +440,39 @@ def _reward_problems(config: RLHFConfig) -> List[str]:
             if getattr(reward, key) is not None:
                 problems.append(f"{config.at('reward.' + key)}: set, but reward.type is {reward.type!r}; set "
                                 "reward.type: function to use it, or remove it")
+    problems += _process_reward_problems(config)
     if reward.type == "none" and config.stage == "rl" and not (config.judge.enabled or config.rollout.multi_turn):
         problems.append(f"{config.at('reward.type')}: none, and nothing else scores the responses; enable the judge "
                         "(judge.enabled), give an environment, or choose a reward (model or function)")
     return problems + _judge_problems(config)
+
+
+def _process_reward_problems(config: RLHFConfig) -> List[str]:
+    """A process reward model in RL (reward.step_separator): a model, and token rewards only where an
+    estimator reads per-token rewards."""
+    reward, at = config.reward, config.at
+    if reward.step_separator is None:
+        return [f"{at('reward.step_aggregation')}: set, but reward.step_separator is not: the reward model is an "
+                "outcome model; give the separator its steps end with"] if "reward.step_aggregation" in config.origin else []
+    problems = []
+    if config.stage != "rl":
+        return problems
+    if reward.type != "model":
+        problems.append(f"{at('reward.step_separator')}: a process reward model's steps, but reward.type is "
+                        f"{reward.type}; set type: model (a checkpoint of stage prm)")
+    if not reward.step_separator:
+        problems.append(f"{at('reward.step_separator')}: empty; the steps end with it")
+    if reward.normalize:
+        problems.append(f"{at('reward.normalize')}: a process reward model's step scores are probabilities; remove it")
+    estimator = config.algorithm.advantage_estimator
+    if reward.step_aggregation == "token" and estimator not in TOKEN_REWARD_ESTIMATORS:
+        problems.append(f"{at('reward.step_aggregation')}: token rewards at the steps' ends, but {estimator} reads one "
+                        f"outcome per response; use {', '.join(TOKEN_REWARD_ESTIMATORS)}, or aggregate (min, last, mean)")
+    if reward.step_aggregation == "token":
+        problems += [f"{at(key)}: clips or scales the response's score; with token rewards at the steps' ends there is "
+                     "none: remove it" for key in ("ppo.reward_clip", "ppo.normalize_reward") if key in config.origin
+                     and getattr(config.ppo, key.split(".")[1])]
+    return problems
 
 
 def judge_template_problem(template: str) -> Optional[str]:
@@ -788,11 +817,16 @@ def _stage_problems(config: RLHFConfig, dp: Optional[int]) -> List[str]:
                         f"micro_batch_size*DP = {rc.micro_batch_size}*{dp} ({unit}); use a multiple of {rc.micro_batch_size * dp}")
     elif dp and rc.global_batch_size % dp:
         problems.append(f"{where(trained + '.global_batch_size')}: {rc.global_batch_size} is not divisible by DP = {dp}")
-    if stage == "rm" and config.reward.type != "model":
-        problems.append(f"{where('reward.type')}: {config.reward.type}; stage rm trains a reward model: type: model")
-    if stage == "rm" and config.reward.normalize:
-        problems.append(f"{where('reward.normalize')}: RL's normalisation of the reward model's scores; stage rm "
-                        "records the statistics it reads (remove it here)")
+    if stage in ("rm", "prm") and config.reward.type != "model":
+        problems.append(f"{where('reward.type')}: {config.reward.type}; stage {stage} trains a reward model: type: model")
+    if stage in ("rm", "prm") and config.reward.normalize:
+        problems.append(f"{where('reward.normalize')}: RL's normalisation of the reward model's scores; stage {stage} "
+                        "does not read it (remove it here)")
+    if stage == "prm" and config.data.apply_chat_template:
+        problems.append(f"{where('data.apply_chat_template')}: stage prm reads text rows (a prompt and its steps, "
+                        "TRL's stepwise format), encoded as text; set it false")
+    if stage == "prm" and not config.prm.step_separator:
+        problems.append(f"{where('prm.step_separator')}: empty; every step ends with it and its last token is scored")
     for role in config.roles:
         if config.has_own_layout(role) and role not in config.trainable_roles:
             problems.append(f"{where(role + '.parallel')}: the stages before RL run every role at the run's layout "

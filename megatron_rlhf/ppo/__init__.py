@@ -20,6 +20,7 @@ from megatron_rlhf.ppo.core import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
+    STEP_AGGREGATIONS,
     AdaptiveKLController,
     FixedKLController,
     RunningMoments,

@@ -14,6 +14,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from megatron_rlhf.config.names import KL_ESTIMATORS, LOSS_AGG_MODES, chosen, registry
+from megatron_rlhf.config.names import STEP_AGGREGATIONS as STEP_AGGREGATION_NAMES
 from megatron_rlhf.config.names import POLICY_LOSSES as POLICY_LOSS_NAMES
 
 # --------------------------------------------------------------------------------------------------
@@ -217,14 +218,42 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask > 0, positions, torch.full_like(positions, -1)).max(dim=1).values
 
 
-def token_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, mask: torch.Tensor) -> torch.Tensor:
+def token_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, mask: torch.Tensor,
+                  step_rewards: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-token rewards [B, T]: -kl_coef * kl at every counted token, plus the sequence score
-    [B] at its last counted token. Rows with no counted token get nothing."""
+    [B] at its last counted token (or, given ``step_rewards`` [B, T], those instead: a process
+    reward model's step scores at their steps' ends). Rows with no counted token get nothing."""
     rewards = -kl_coef * kl * mask
+    if step_rewards is not None:
+        return rewards + step_rewards.to(rewards.dtype) * mask
     last = last_token_index(mask)
     rows = torch.nonzero(last >= 0).flatten()
     rewards[rows, last[rows]] += scores[rows].to(rewards.dtype)
     return rewards
+
+
+def _step_min(step_scores: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    lowest = step_scores.masked_fill(~ends, float("inf")).min(dim=1).values
+    return lowest.masked_fill(~ends.any(dim=1), 0.0)  # an empty response: 0, as the other rules give it
+
+
+def _step_last(step_scores: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    last = last_token_index(ends.to(step_scores.dtype))
+    return step_scores.gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1) * (last >= 0)
+
+
+def _step_mean(step_scores: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return masked_mean(step_scores, ends.to(step_scores.dtype), dim=1)
+
+
+def _step_sum(step_scores: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return masked_sum(step_scores, ends.to(step_scores.dtype), dim=1)
+
+
+# A process reward model's step scores [B, T] at its steps' ends (``ends`` [B, T]) -> the response's
+# score [B] (0 without a step); token: their sum (each is a reward at its step's end: token_rewards).
+STEP_AGGREGATIONS = registry(STEP_AGGREGATION_NAMES, "reward.step_aggregation", {
+    "min": _step_min, "last": _step_last, "mean": _step_mean, "token": _step_sum})
 
 
 # --------------------------------------------------------------------------------------------------

@@ -82,13 +82,13 @@ class Role:
 
 def _load_weights(model: torch.nn.Module, name: str, config: RLHFConfig) -> None:
     """This rank's shard of the role's ``load`` checkpoint, cut for the role's own layout. A reward
-    model trained by stage rm may start from a language model (the SFT policy, as TRL and OpenRLHF
+    model trained by stage rm or prm may start from a language model (the SFT policy, as TRL and OpenRLHF
     start theirs): its body, with the score head as seeded (new)."""
     from megatron_rlhf.checkpoint import load_model_shard
     from megatron_rlhf.checkpoint.model_files import read_model_meta
 
     groups, arch, path = groups_of(model), config.role(name).model, config.path_of(name + ".load")
-    new_head = config.stage == "rm" and name == "reward" and read_model_meta(path)[1]["head"] == "lm"
+    new_head = config.stage in ("rm", "prm") and name == "reward" and read_model_meta(path)[1]["head"] == "lm"
     shard = load_model_shard(
         path, arch, "lm" if new_head else ROLE_HEADS[name], groups.tp.size(), groups.tp.rank(),
         groups.pp.size(), groups.pp.rank(), groups.ep.size(), groups.ep.rank(), padded_vocab=config.padded_vocab(arch),

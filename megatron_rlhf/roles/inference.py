@@ -1,5 +1,6 @@
 """What the inference roles compute over a rollout: per-token log-probs (policy, reference),
-per-token values (value) and sequence scores (reward model). Each result is assembled on the last
+per-token values (value), sequence scores (reward model) and every position's score (a process
+reward model). Each result is assembled on the last
 pipeline stage and handed to every stage, so every rank holds the whole rollout.
 
 Layout: ``tokens`` [B, S] is prompt then response, right-padded; per-token results are [B, S-1]
@@ -67,3 +68,13 @@ def scores(role: Role, tokens: torch.Tensor, last_index: torch.Tensor) -> torch.
         return output.float().squeeze(-1).gather(1, mb["last_index"].unsqueeze(1)).squeeze(1)
 
     return _rows(role, tokens, last_index + 1, reduce, (), last_index=last_index)
+
+
+def token_scores(role: Role, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """A scalar-head role's output at every position (a process reward model's step scores are read at
+    its steps' last tokens): [B, S] -> [B, S] (0 beyond ``lengths``)."""
+
+    def reduce(output, mb):
+        return output.float().squeeze(-1)
+
+    return _rows(role, tokens, lengths, reduce, (tokens.shape[1],))

@@ -28,7 +28,7 @@ from megatron_rlhf.rollout.partial import PartialRollouts
 from megatron_rlhf.rollout.partial_turns import PartialTrajectories
 from megatron_rlhf.rollout.record import BEHAVIOUR, Collected, Prompts, Rollout, is_counted, merged_metrics
 from megatron_rlhf.roles.rows import SampleRows, cat_rows, trimmed
-from megatron_rlhf.rollout.scoring import Scorer
+from megatron_rlhf.rollout.scoring import STEP_REWARDS, Scorer
 from megatron_rlhf.runtime.platform import get_platform
 from megatron_rlhf.runtime.host_groups import host_group, host_sum
 
@@ -121,6 +121,7 @@ class RolloutCollector:
             tokens, rows["prompt_lengths"], rows["response_lengths"], rows["action_mask"], rows["old_log_probs"],
             ref_log_probs, rows["scores"], group_index=torch.arange(len(tokens), device=tokens.device) // self.config.generation.samples_per_prompt,
             old_values=old_values, routes=rows.get(ROUTES), behaviour_log_probs=rows.get(BEHAVIOUR),
+            step_rewards=rows.get(STEP_REWARDS),
         )
 
     # -- the policy's responses ----------------------------------------------------------------

@@ -74,6 +74,9 @@ class Rollout:
     # [B, S-1]: the engine's log-probs of the tokens it sampled (rollout correction; ppo/correction.py)
     behaviour_log_probs: Optional[torch.Tensor] = None
     correction: Optional[Any] = None  # ppo.Correction: the policy loss's token weights and mask
+    # [B, S-1]: a process reward model's step scores at the actions that ended the steps (reward.step_aggregation
+    # token), the per-token rewards in place of the score at the last token
+    step_rewards: Optional[torch.Tensor] = None
 
     @property
     def lengths(self) -> torch.Tensor:

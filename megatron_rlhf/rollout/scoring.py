@@ -19,6 +19,9 @@ from megatron_rlhf.roles.role_set import RoleSet
 from megatron_rlhf.roles.rows import SampleRows
 from megatron_rlhf.runtime.host_groups import host_group
 
+# The sample rows' column of a process reward model's step scores as per-action rewards (step_aggregation token).
+STEP_REWARDS = "step_rewards"
+
 
 def scores_here() -> bool:
     """Whether this rank runs the rule rewards (and holds their pool): its model-parallel group's
@@ -47,18 +50,41 @@ def overlong_penalty(config: RLHFConfig, rows: SampleRows) -> torch.Tensor:
                                 alg.overlong_penalty_factor)
 
 
+def step_ends(tokens: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor,
+              separator: List[int]) -> torch.Tensor:
+    """[B, S] True at the last token of each step of each response: where each occurrence of the
+    ``separator`` ids ends (read left to right, not overlapping), and at the response's last token
+    (its last step, separator or not)."""
+    ends = torch.zeros(tokens.shape, dtype=torch.bool)
+    n = len(separator)
+    for row, (ids, start, length) in enumerate(zip(tokens.tolist(), prompt_lengths.tolist(), response_lengths.tolist())):
+        position = start
+        while position + n <= start + length:
+            if ids[position : position + n] == separator:
+                ends[row, position + n - 1] = True
+                position += n
+            else:
+                position += 1
+        if length:
+            ends[row, start + length - 1] = True
+    return ends.to(tokens.device)
+
+
 class Scorer:
     """``reward_pool``: the rule functions' pool on the first rank of each model-parallel group
     (None elsewhere, and with a reward model); ``judge``: the LLM judge (rollout/judging.py), None
     without one."""
 
-    def __init__(self, config: RLHFConfig, roles: RoleSet, reward_pool: Optional[RewardPool], judge=None):
+    def __init__(self, config: RLHFConfig, roles: RoleSet, reward_pool: Optional[RewardPool], judge=None,
+                 tokenizer=None):
         self.config = config
         self.roles = roles
         self.reward_pool = reward_pool
         self.judge = judge
         # reward.normalize: the (mean, std) the reward model's checkpoint records (checked at start-up)
         self.normalization = None
+        if config.reward.step_separator is not None:  # a process reward model's steps end with its ids
+            self.separator = tokenizer.encode_text(config.reward.step_separator)
         if config.reward.type == "model" and config.reward.normalize:
             from megatron_rlhf.checkpoint.model_files import recorded_scores
 
@@ -71,6 +97,8 @@ class Scorer:
         metrics: Dict[str, float] = {}
         if self.config.reward.type == "function":
             scores, metrics = self._rule_scores(prompts, responses, fields)
+        elif self.config.reward.step_separator is not None:
+            scores, metrics = self._process_reward_scores(rows)
         elif self.config.reward.type == "model":
             scores = self._reward_model_scores(rows)
         else:
@@ -102,6 +130,28 @@ class Scorer:
             mean, std = self.normalization
             scores = (scores - mean) / std
         return scores
+
+    def _process_reward_scores(self, rows: SampleRows) -> Tuple[torch.Tensor, Dict[str, float]]:
+        """[B] a process reward model's aggregated step scores (each sigmoid of its score at the step's
+        last token) and their metrics; with step_aggregation token, also rows[STEP_REWARDS] [B, S-1]:
+        each step's score at the action that wrote its last token."""
+        reward = self.config.reward
+
+        def run(mine: SampleRows) -> SampleRows:
+            with self.roles.resident("reward", "inference"):
+                lengths = mine["prompt_lengths"] + mine["response_lengths"]
+                return {"step_scores": inference.token_scores(self.roles["reward"], mine["tokens"], lengths)}
+
+        columns = {k: rows[k] for k in ("tokens", "prompt_lengths", "response_lengths")}
+        width = rows["tokens"].shape[1]
+        probabilities = torch.sigmoid(self.roles.at_layout("reward", run, columns, width)["step_scores"][:, :width])
+        ends = step_ends(rows["tokens"], rows["prompt_lengths"], rows["response_lengths"], self.separator)
+        scores = ppo.STEP_AGGREGATIONS[reward.step_aggregation](probabilities, ends)
+        if reward.step_aggregation == "token":
+            rows[STEP_REWARDS] = (probabilities * ends)[:, 1:]  # token t is written by action t-1
+        steps = ends.sum(dim=1).float()
+        return scores, {"reward/steps": float(steps.mean()), "reward/step_score": float((probabilities * ends).sum()
+                                                                                        / steps.sum().clamp(min=1))}
 
     def _rule_scores(self, prompts: List[str], responses: List[str], fields: List[Dict]):
         """The rule reward's (scores, metrics), computed on the first rank of the model-parallel

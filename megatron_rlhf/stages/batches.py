@@ -18,6 +18,7 @@ import torch
 
 from megatron_rlhf.data.exchanges import Encoded
 from megatron_rlhf.data.preferences import Pair
+from megatron_rlhf.data.steps import NO_LABEL, Steps
 from megatron_rlhf.models.batches import MicroBatch, micro_batches_of, packed_sizes
 
 
@@ -37,6 +38,27 @@ def row_micro_batches(role_config, sequences: List[Encoded], pipelined: bool, pa
     """SFT's micro-batches: the rows grouped by length (or packed by tokens), as every pass cuts them."""
     tokens, mask, lengths = padded(sequences, pad_id, device)
     return micro_batches_of(role_config, lengths, pipelined, tokens=tokens, action_mask=mask)[0]
+
+
+def step_micro_batches(role_config, rows: List[Steps], pipelined: bool, pad_id: int, device,
+                       last_step_only: bool = False) -> List[MicroBatch]:
+    """A process reward model's micro-batches: ``tokens`` [b, w] and ``step_labels`` [b, w] (1 or 0 at
+    each step's end, NO_LABEL elsewhere; ``last_step_only``: each solution's last step's label alone,
+    none where the length limit cut that step off), the rows
+    grouped by length (or packed by tokens), as every pass cuts them."""
+    width = max(max(len(r.ids) for r in rows), 2)
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), NO_LABEL, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r.ids)] = torch.tensor(r.ids)
+        marks = torch.tensor(r.labels)
+        if last_step_only:  # the solution's last step's label, if its end is within the row
+            ends = (marks != NO_LABEL).nonzero().flatten()
+            marks[ends if not r.last_step_kept else ends[:-1]] = NO_LABEL
+        labels[i, : len(r.ids)] = marks
+    lengths = torch.tensor([len(r.ids) for r in rows])
+    return micro_batches_of(role_config, lengths.to(device), pipelined, tokens=tokens.to(device),
+                            step_labels=labels.to(device))[0]
 
 
 def pair_micro_batches(role_config, pairs: List[Pair], pipelined: bool, pad_id: int, device,

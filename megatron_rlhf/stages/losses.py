@@ -15,6 +15,7 @@ import torch
 
 from megatron_rlhf import preference
 from megatron_rlhf.config.schema import DPOConfig, RMConfig
+from megatron_rlhf.data.steps import NO_LABEL
 from megatron_rlhf.models.pipeline import LossFn, broadcast_from_last_stage, sum_over
 from megatron_rlhf.models.vocab_parallel import next_token_log_probs
 from megatron_rlhf.stages.batches import chosen_and_rejected
@@ -26,6 +27,7 @@ MEANS = {
     "accuracy": "pairs", "margin": "pairs", "rewards/chosen": "pairs", "rewards/rejected": "pairs",
     "rewards/accuracies": "pairs", "rewards/margins": "pairs", "logps/chosen": "pairs", "logps/rejected": "pairs",
     "reward/mean": "sequences", "reward/square_mean": "sequences", "nll": "chosen_tokens",
+    "step_accuracy": "steps", "step_score/mean": "steps",
 }
 
 
@@ -65,6 +67,25 @@ def reward_loss_fn(rm: RMConfig) -> LossFn:
                    "sequences": torch.tensor(float(scores.shape[0])), "reward/mean": detached.sum(),
                    "reward/square_mean": detached.double().pow(2).sum()}
         return loss_sum, torch.tensor(chosen.shape[0]), metrics
+
+    return loss_fn
+
+
+def prm_loss_fn() -> LossFn:
+    """The binary cross-entropy of each labelled step's score (``step_labels`` [b, s]: 1 right, 0
+    wrong, NO_LABEL elsewhere) as the logit that it is right, a mean over the step's labelled steps.
+    TRL's PRMTrainer's two-label cross-entropy is this loss of its logits' difference."""
+
+    def loss_fn(output, mb):
+        labels = mb["step_labels"]
+        scored = labels != NO_LABEL
+        scores, targets = output.float().squeeze(-1)[scored], labels[scored].float()
+        loss_sum = torch.nn.functional.binary_cross_entropy_with_logits(scores, targets, reduction="sum")
+        count = scored.sum()
+        detached = scores.detach()
+        metrics = {"loss": loss_sum.detach(), "loss_count": count, "steps": count.float(),
+                   "step_accuracy": ((detached > 0).float() == targets).float().sum(), "step_score/mean": detached.sum()}
+        return loss_sum, count, metrics
 
     return loss_fn
 

@@ -47,10 +47,28 @@ def save(findings) -> None:
 
 
 def reward_pool(functions):
-    """A rule-reward pool of one worker for ``functions`` (spec -> weight, or a bare spec)."""
+    """A rule-reward pool of one worker for ``functions`` (spec -> weight, or a bare spec); None for none."""
     from megatron_rlhf.rewards.pool import RewardPool
 
+    if not functions:
+        return None
+
     return RewardPool(functions if isinstance(functions, dict) else {functions: 1.0}, num_workers=1)
+
+
+def hf_grads(model, arch, head) -> dict:
+    """Every parameter's gradient of a TP=1 model under its Hugging Face name (padded vocabulary rows cut)."""
+    from megatron_rlhf.checkpoint.hf_decoder import hf_tensors
+    from megatron_rlhf.models.decoder import unwrap
+    from megatron_rlhf.models.sharding import to_local_layer_names
+
+    grads = to_local_layer_names({n: p.grad for n, p in unwrap(model).named_parameters()})
+    out = {}
+    for key, grad in grads.items():
+        if key == "embedding.word_embeddings.weight" or (key == "output_layer.weight" and head == "lm"):
+            grad = grad[: arch.vocab_size]  # the rows padded for TP
+        out.update(dict(hf_tensors(key, grad, arch, head)))
+    return out
 
 
 def capture_partial_rows(controller) -> list:

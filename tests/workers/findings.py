@@ -570,3 +570,11 @@ class JudgeRuns(Findings):
     scores: dict[str, Tensor]  # run -> the last iteration's scores (every DP rank's rows)
     records: list[dict]  # the memory ledger's records of the ems_on run
     planned: dict[str, dict]  # the planner's phase -> role -> kind -> bytes of the ems_on run's config
+    # the process reward model's iteration: its metrics, and its rollout's tokens, prompt and response
+    # lengths, scores and per-action step rewards (this rank's rows)
+    process_reward: dict
+
+
+@findings_of("prm_losses")
+class PRMLosses(Findings):
+    cases: dict[str, dict]  # case -> {"loss", "step_accuracy", "val_loss", "val_step_accuracy", "grads", "ids"}

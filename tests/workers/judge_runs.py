@@ -6,7 +6,7 @@ Args: JUDGE_LOAD (a converted judge checkpoint)."""
 import os
 
 import torch
-from common import ARGS, OUT_DIR, computed_metrics, save, setup
+from common import ARGS, OUT_DIR, computed_metrics, one_iteration, save, setup
 from tests.workers.findings import JudgeRuns
 
 from megatron_rlhf.controller import PPOController
@@ -22,7 +22,8 @@ RUNS = {"ems_on": [], "ems_off": EMS_OFF, "judge_tp2": ["judge.parallel.tensor_m
         "short_prompts": ["judge.max_prompt_length=20"]}
 
 os.environ.update(JUDGE_LOAD=ARGS[0], ITERATIONS="2", PROGRESS_BAR="False")
-result = JudgeRuns(metrics={}, scores={}, records=[], planned={})
+result = JudgeRuns.to_fill()
+result.metrics, result.scores = {}, {}
 for name, overrides in RUNS.items():
     prepared = prepare(parse_args(["--config", "examples/tiny_judge/grpo.yaml", "--output-dir",
                                    os.path.join(OUT_DIR, name), *SETTINGS, *overrides]), 2)
@@ -44,4 +45,16 @@ for name, overrides in RUNS.items():
         result.records = ledger.records
         result.planned = plan(prepared.config, 2).resident
     controller.close()
+# A process reward model (seeded) in REINFORCE++: each step's score a reward at its last token
+os.environ.pop("ITERATIONS")
+prepared = prepare(parse_args(["--config", "examples/tiny/grpo.yaml", "--output-dir", os.path.join(OUT_DIR, "prm"),
+                               "--iterations", "1", "reward.type=model", "reward.function=null",
+                               "reward.step_separator=a", "reward.step_aggregation=token", "reward.free_memory=true",
+                               "algorithm.advantage_estimator=reinforce_plus_plus", "ppo.rollout_batch_size=4",
+                               "parallel.tensor_model_parallel_size=1", "trainer.tensorboard=false"]), 2)
+setup(tp=1, seed=prepared.config.seed)
+metrics, _, rollout = one_iteration(prepared)
+result.process_reward = {"metrics": computed_metrics(metrics), "tokens": rollout.tokens.cpu(),
+                         "prompt_lengths": rollout.prompt_lengths.cpu(), "response_lengths": rollout.response_lengths.cpu(),
+                         "scores": rollout.scores.cpu(), "step_rewards": rollout.step_rewards.cpu()}
 save(result)

@@ -7,19 +7,17 @@ rejected, margin)], "cases": {name: settings}})."""
 import dataclasses
 
 import torch
-from common import ARGS, save, setup
+from common import ARGS, hf_grads, save, setup
 from tests.workers.findings import PreferenceLosses
 
 from megatron_rlhf import preference
 from megatron_rlhf.checkpoint import load_model_shard
-from megatron_rlhf.checkpoint.hf_decoder import hf_tensors
 from megatron_rlhf.checkpoint.model_files import read_model_meta
 from megatron_rlhf.config.schema import DPOConfig, RMConfig, RoleConfig
 from megatron_rlhf.data.exchanges import Encoded
 from megatron_rlhf.data.preferences import Pair
-from megatron_rlhf.models.decoder import build_model, load_local_state_dict, unwrap
+from megatron_rlhf.models.decoder import build_model, load_local_state_dict
 from megatron_rlhf.models.pipeline import model_forward
-from megatron_rlhf.models.sharding import to_local_layer_names
 from megatron_rlhf.models.vocab_parallel import next_token_log_probs
 from megatron_rlhf.stages.batches import pair_micro_batches, row_micro_batches
 from megatron_rlhf.stages.losses import MEANS, dpo_loss_fn, reward_loss_fn, sft_loss_fn
@@ -38,16 +36,6 @@ def loaded(root):
 
 def sequence(prompt, response):
     return Encoded(prompt + response, [0] * len(prompt) + [1] * len(response), len(prompt))
-
-
-def hf_grads(model, arch, head):
-    grads = to_local_layer_names({n: p.grad for n, p in unwrap(model).named_parameters()})
-    out = {}
-    for key, grad in grads.items():
-        if key == "embedding.word_embeddings.weight" or (key == "output_layer.weight" and head == "lm"):
-            grad = grad[: arch.vocab_size]  # the rows padded for TP
-        out.update(dict(hf_tensors(key, grad, arch, head)))
-    return out
 
 
 def run(model, arch, head, mb, loss_fn, name):

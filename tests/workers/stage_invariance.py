@@ -1,5 +1,5 @@
-"""The reward model and DPO (examples/tiny_pipeline's rm.yaml and dpo.yaml, on the pipeline demo's
-pairs; validated on 32 held-out pairs) cut many ways in one launch of 2 processes: DP=2 with 1 and
+"""The reward model, the process reward model and DPO (examples/tiny_pipeline's rm.yaml, prm.yaml and
+dpo.yaml, on the pipeline demo's pairs and stepwise rows; validated on 32 held-out ones) cut many ways in one launch of 2 processes: DP=2 with 1 and
 token-packed pairs per micro-batch, TP=2 and PP=2 (each DP=1, 2 pairs per micro-batch), EMS off, and
 a run stopped after two of its three steps and resumed from its checkpoint by newly built roles (EMS
 off and the resumed run at the uncut run's 1 pair per micro-batch); DPO also with its reference's
@@ -33,15 +33,16 @@ CUTS = {  # name -> (TP, PP, environment)
     "ems_off": (1, 1, {"MICRO_BATCH_SIZE": "1", "FREE_MEMORY": "False"}),
 }
 EXTRA_CUTS = {"dpo": {"precompute": (1, 1, {"MICRO_BATCH_SIZE": "1", "REFERENCE_LOGPS": "precompute"})}}
-LOAD = {"rm": "REWARD_LOAD", "dpo": "POLICY_LOAD"}
+LOAD = {"rm": "REWARD_LOAD", "prm": "REWARD_LOAD", "dpo": "POLICY_LOAD"}
+VALIDATION = {"rm": "pairs_val.jsonl", "prm": "steps_val.jsonl", "dpo": "pairs_val.jsonl"}
 CUT_SETTINGS = ("MICRO_BATCH_SIZE", "MAX_TOKENS_PER_MICRO_BATCH", "FREE_MEMORY", "REFERENCE_LOGPS")
 
 
-def validation_file() -> str:
-    """The first 32 held-out pairs: every cut validates on them."""
-    path = os.path.join(OUT_DIR, "pairs_val.jsonl")
+def validation_file(stage_name) -> str:
+    """The stage's first 32 held-out rows: every cut validates on them."""
+    path = os.path.join(OUT_DIR, VALIDATION[stage_name])
     if not os.path.exists(path) and rank() == 0:
-        with open(os.path.join(PIPELINE, "pairs_val.jsonl")) as f, open(path + ".tmp", "w") as out:
+        with open(os.path.join(PIPELINE, VALIDATION[stage_name])) as f, open(path + ".tmp", "w") as out:
             out.writelines(f.readlines()[:32])
         os.replace(path + ".tmp", path)
     return path
@@ -52,7 +53,7 @@ def built(stage_name, tp, pp, environment):
     for name in CUT_SETTINGS:  # the last cut's
         os.environ.pop(name, None)
     os.environ.update({"TP": str(tp), "PP": str(pp), "GLOBAL_BATCH_SIZE": "16", "TENSORBOARD": "False",
-                       "VAL_FILE": validation_file(), **environment})
+                       "VAL_FILE": validation_file(stage_name), **environment})
     setup(tp, pp)
     config = load_config(os.path.join(PIPELINE, f"{stage_name}.yaml"), world_size=2)
     tokenizer = build_tokenizer(config.data.tokenizer)
@@ -98,9 +99,10 @@ def run(stage_name, name, tp, pp, environment, stop_at=None):
 
 result = StageInvariance(runs={})
 setup(1, 1)
-validation_file()
+for stage_name in LOAD:
+    validation_file(stage_name)
 torch.distributed.barrier()
-for stage_name in ("rm", "dpo"):
+for stage_name in LOAD:
     roles, stage = built(stage_name, 1, 1, {"MICRO_BATCH_SIZE": "1"})
     with roles.resident(stage.trained, "inference"):
         os.environ[LOAD[stage_name]] = seed_checkpoint(stage.role, os.path.join(OUT_DIR, stage_name, "start"))
