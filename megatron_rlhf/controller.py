@@ -95,7 +95,7 @@ class PPOController(Steps):
                    ledger, overlap_budget, prepared.val_dataset, progress_dir, turns)
 
     def close(self) -> None:
-        for started in filter(None, (self.reward_pool, self.turns)):
+        for started in filter(None, (self.reward_pool, self.turns, self.collector.scorer.judge)):
             started.close()
 
     def _mark(self, phase: str) -> None:

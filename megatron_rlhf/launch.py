@@ -61,7 +61,7 @@ LAUNCH_PRESETS: Dict[str, Tuple[str, Dict[str, object]]] = {
     "mixtral-8x7b": ("mixtral-8x7b", dict(_DEFAULTS, TP=1, PP=2, EP=8, NNODES=2)),
     "qwen3-235b-a22b": ("qwen3-235b-a22b", dict(_QWEN, TP=1, PP=2, EP=32, NNODES=16)),  # planned, never run
 }
-PATH_VARIABLES = ("POLICY_LOAD", "REWARD_LOAD", "VALUE_LOAD", "LOAD_LORA", "TOKENIZER", "PROMPT_FILE", "VAL_FILE",
+PATH_VARIABLES = ("POLICY_LOAD", "REWARD_LOAD", "VALUE_LOAD", "JUDGE_LOAD", "LOAD_LORA", "TOKENIZER", "PROMPT_FILE", "VAL_FILE",
                   "TRAIN_FILE", "OUTPUT_DIR")
 # STAGE -> the recipe run_ppo.sh launches (beside it) when CONFIG is not given: RL, or a stage before it.
 STAGE_RECIPES = registry(STAGES, "STAGE", {"rl": "rlhf.yaml", "sft": "sft.yaml", "rm": "rm.yaml", "prm": "prm.yaml",

@@ -105,7 +105,7 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
         _claim(output_dir, config, args.overwrite and writes, writes)
         return Prepared(config, output_dir, tokenizer, dataset, val_dataset, None, resume_from, run)
     if config.judge.enabled:
-        _check_judge_template(config, tokenizer)
+        _check_judge(config, tokenizer)
     tools = _tool_specs(config)  # loaded, and their sandbox tried, once for both files
     dataset = _dataset(config, "data.prompt_file", tokenizer, tools)
     if resume_from is not None:
@@ -124,11 +124,20 @@ def prepare(args: argparse.Namespace, world_size: int) -> Prepared:
     return Prepared(config, output_dir, tokenizer, dataset, val_dataset, functions, resume_from, run, environment)
 
 
-def _check_judge_template(config: RLHFConfig, tokenizer) -> None:
-    """The judge's template (its file read) shows the response and encodes with the run's tokenizer."""
+def _check_judge(config: RLHFConfig, tokenizer) -> None:
+    """The judge's template (its file read) shows the response and encodes with the run's tokenizer;
+    its parser function imports."""
     from megatron_rlhf.config.validation import judge_template_problem
+    from megatron_rlhf.rewards.contract import absolute_spec, load_reward_function
     from megatron_rlhf.rewards.verdicts import fill_template
     from megatron_rlhf.rollout.judging import read_template
+
+    if config.judge.parser == "function":
+        base = os.path.dirname(config.source_of("judge.parser_function"))
+        try:
+            load_reward_function(absolute_spec(config.judge.parser_function, base), base, "parser function")
+        except ValueError as e:
+            raise ConfigError(f"{config.at('judge.parser_function')}: {e}") from None
 
     key = "judge.template" if config.judge.template is not None else "judge.template_file"
     try:

@@ -77,7 +77,7 @@ def test_explain_prints_one_key_and_names_the_closest_for_a_typo():
     assert shown.returncode == 0 and shown.stdout.startswith("ppo.clip_ratio_c: Dual-clip PPO")
     assert "  type: float or null\n  default: null\n  allowed: > 1\n  read by: rl" in shown.stdout
     role = run("reward.lr")
-    assert role.returncode == 0 and "read by: rm, where reward is trained (refused where it is not)" in role.stdout
+    assert role.returncode == 0 and "read by: rm, prm, where reward is trained (refused where it is not)" in role.stdout
     typo = run("ppo.clip_ratio_cc")
     assert typo.returncode == 2 and typo.stderr.count("error:") == 1 and "did you mean ppo.clip_ratio_c" in typo.stderr
 

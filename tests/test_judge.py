@@ -63,6 +63,8 @@ def test_the_template_fills_its_fields_once_and_keeps_other_braces():
     (["judge.choices={A: 1.0}"], "judge.choices: set, but judge.parser is number"),
     (["judge.combine=max"], "judge.combine: set, but judge.samples is 1"),
     (["judge.score_range=[9, 0]"], "must be [low, high] with low < high"),
+    (["judge.parser=function"], "judge.parser is function: name it as 'module:callable'"),
+    (["judge.parser_function=x:y"], "judge.parser_function: set, but judge.parser is number"),
 ])
 def test_judge_settings_that_cannot_work_are_refused_by_name(monkeypatch, overrides, problem):
     monkeypatch.setenv("JUDGE_LOAD", str(REPO / "examples"))
@@ -73,8 +75,8 @@ def test_judge_settings_that_cannot_work_are_refused_by_name(monkeypatch, overri
 
 def test_no_reward_and_no_judge_is_refused(tmp_path):
     config = tmp_path / "grpo.yaml"
-    config.write_text(f"includes: {REPO}/examples/tiny/grpo.yaml\nreward:\n  type: none\n  function: null\n")
-    with pytest.raises(ConfigError, match="reward.type: none, and nothing else scores the responses"):
+    config.write_text(f"includes: {REPO}/examples/tiny/grpo.yaml\nreward:\n  type: judge\n  function: null\n")
+    with pytest.raises(ConfigError, match="reward.type: judge, but judge.enabled is false: nothing scores"):
         load_config(str(config), world_size=2, check_inputs=False)
 
 
@@ -125,8 +127,9 @@ def test_grpo_scored_by_a_judge_does_not_depend_on_ems_or_the_judge_layout(tmp_p
     numbers): every metric and score equal bit for bit with EMS on and off, and to 1e-5 with the judge
     at TP=2 (the run at TP=1, DP=2); in the judge's phase only the judge is on the device, and every
     phase's state and KV cache are what the planner plans (so the run's peak is its largest phase's,
-    the judge's included); a judge prompt over judge.max_prompt_length is counted and not judged. In
-    the same launch, a process reward model's token rewards (_check_process_reward)."""
+    the judge's included); a judge prompt over judge.max_prompt_length is counted and not judged; a
+    parser function in the reward pool's workers scores as the number parser it mirrors. In the same
+    launch, a process reward model's token rewards (_check_process_reward)."""
     from megatron_rlhf.checkpoint.convert import hf_to_megatron
     from tests.helpers.hf_families import make_hf_model
 
@@ -138,6 +141,10 @@ def test_grpo_scored_by_a_judge_does_not_depend_on_ems_or_the_judge_layout(tmp_p
     assert on[1]["loss/policy"] != 0
     assert found.metrics["ems_off"] == on and torch.equal(found.scores["ems_off"], found.scores["ems_on"])
     assert torch.equal(found.scores["judge_tp2"], found.scores["ems_on"])
+    by_function, by_parser = found.metrics["parser_function"][0], found.metrics["parser_number"][0]
+    assert by_function.pop("judge/failures") == 0 and by_function.pop("judge/timeouts") == 0
+    assert by_function == by_parser and by_parser["judge/unparsed"] < 32 and by_parser["reward/std"] > 0
+    assert torch.equal(found.scores["parser_function"], found.scores["parser_number"])
     short = found.metrics["short_prompts"][-1]  # judge prompts over 20 tokens are not judged: scored 0, counted
     assert short["judge/too_long"] > 0
     assert int((found.scores["short_prompts"] == 0).sum()) >= short["judge/too_long"]
@@ -166,14 +173,14 @@ def test_grpo_scored_by_a_judge_does_not_depend_on_ems_or_the_judge_layout(tmp_p
 ])
 def test_a_template_file_is_checked_at_start_up(tmp_path, monkeypatch, template, problem):
     from megatron_rlhf.data import CharTokenizer
-    from megatron_rlhf.startup import _check_judge_template
+    from megatron_rlhf.startup import _check_judge
 
     (tmp_path / "template.txt").write_text(template)
     monkeypatch.setenv("JUDGE_LOAD", str(tmp_path))
     config = load_config(str(GRPO), world_size=2, check_inputs=False,
                          overrides=[f"judge.template_file={tmp_path / 'template.txt'}"])
     with pytest.raises(ConfigError, match=problem.replace("(", r"\(")):
-        _check_judge_template(config, CharTokenizer(config.data.tokenizer.alphabet))
+        _check_judge(config, CharTokenizer(config.data.tokenizer.alphabet))
 
 
 # -- a process reward model in RL ------------------------------------------------------------------

@@ -27,7 +27,7 @@ STAGES = ("rl", "sft", "rm", "prm", "dpo")
 # dpo.loss_type (preference/losses.py DPO_LOSSES)
 DPO_LOSSES = ("sigmoid", "ipo")
 # judge.parser (rewards/verdicts.py PARSERS): how a judge's verdict becomes a score
-JUDGE_PARSERS = ("number", "boxed", "choice")
+JUDGE_PARSERS = ("number", "boxed", "choice", "function")
 # judge.combine (rewards/verdicts.py COMBINES): how a response's judge.samples verdicts make its score
 JUDGE_COMBINES = ("mean", "majority", "min", "max")
 # judge.template: the fields it fills in, each written {name} (other braces are text)

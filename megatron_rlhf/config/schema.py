@@ -336,9 +336,9 @@ class RewardRoleConfig(RoleConfig):
     weighted sum is the score. Each is called per response as ``fn(prompts, responses, **fields)``
     with one-element lists (rewards/contract.py) in a pool of worker processes (rewards/pool.py)."""
 
-    # model: a scalar-head reward model; function: rule functions in worker processes; none: no
-    # reward of its own (the judge's verdicts, judge.enabled, or an environment's rewards alone)
-    type: Literal["model", "function", "none"] = "model"
+    # model: a scalar-head reward model; function: rule functions in worker processes; judge: no
+    # reward of its own, the judge's verdicts alone (judge.enabled; an environment's rewards added)
+    type: Literal["model", "function", "judge"] = "model"
     function: Optional[str] = None  # type function: module:callable or path/to/file.py:callable
     functions: Optional[Dict[str, float]] = None  # type function: {spec: weight, ...}; the score is their weighted sum
     # A score beyond +-max_abs_score stops the run (naming the prompt): a reward that large breaks
@@ -378,10 +378,16 @@ class JudgeRoleConfig(RoleConfig):
     template_file: Optional[str] = None  # a file holding the template (instead of ``template``)
     reference_key: str = "ground_truth"  # the data column {reference} reads (a reference answer or response)
     # number: the verdict's first number; boxed: the number in its last \boxed{}; choice: the first of
-    # ``choices``' words it says (A/B against a reference response), scored as ``choices`` says
+    # ``choices``' words it says (A/B against a reference response), scored as ``choices`` says;
+    # function: parser_function's score
     parser: Literal[JUDGE_PARSERS] = "number"
     score_range: List[float] = dataclasses.field(default_factory=lambda: [0.0, 10.0])  # number, boxed: [low, high]; outside: unparsed
     choices: Dict[str, float] = dataclasses.field(default_factory=dict)  # choice: word -> score
+    # parser function: module:callable or file.py:callable, a reward function (rewards/contract.py) in the
+    # reward pool's workers (reward.num_workers, reward.timeout_s), called with the verdicts as its
+    # responses and the judged response as the field judged_response; NaN for a verdict it cannot read
+    # (unparsed); a call that raises or times out scores unparsed_score, counted (judge/failures).
+    parser_function: Optional[str] = None
     # Verdicts per response: 1 is greedy; more are sampled at ``temperature`` and combined by ``combine``.
     samples: int = bounded(1, ge=1)
     combine: Literal[JUDGE_COMBINES] = "mean"  # samples > 1: mean, majority (ties: the lower), min or max

@@ -441,9 +441,9 @@ def _reward_problems(config: RLHFConfig) -> List[str]:
                 problems.append(f"{config.at('reward.' + key)}: set, but reward.type is {reward.type!r}; set "
                                 "reward.type: function to use it, or remove it")
     problems += _process_reward_problems(config)
-    if reward.type == "none" and config.stage == "rl" and not (config.judge.enabled or config.rollout.multi_turn):
-        problems.append(f"{config.at('reward.type')}: none, and nothing else scores the responses; enable the judge "
-                        "(judge.enabled), give an environment, or choose a reward (model or function)")
+    if reward.type == "judge" and config.stage == "rl" and not config.judge.enabled:
+        problems.append(f"{config.at('reward.type')}: judge, but judge.enabled is false: nothing scores the "
+                        "responses; enable the judge, or choose a reward (model or function)")
     return problems + _judge_problems(config)
 
 
@@ -500,13 +500,20 @@ def _judge_problems(config: RLHFConfig) -> List[str]:
     if judge.parser == "choice" and not judge.choices:
         problems.append(f"{config.at('judge.choices')}: judge.parser is choice: give the verdict words and their "
                         "scores, e.g. {A: 1.0, B: 0.0}")
+    if (judge.parser == "function") != (judge.parser_function is not None):
+        problems.append(f"{config.at('judge.parser_function')}: " + (
+            "judge.parser is function: name it as 'module:callable' or 'file.py:callable'" if judge.parser == "function"
+            else f"set, but judge.parser is {judge.parser}; it is read by parser: function"))
+    elif judge.parser_function is not None and ":" not in judge.parser_function:
+        problems.append(f"{config.at('judge.parser_function')}: name it as 'module:callable' or 'file.py:callable', "
+                        f"got {judge.parser_function!r}")
     if judge.parser != "choice" and "judge.choices" in config.origin:
         problems.append(f"{config.at('judge.choices')}: set, but judge.parser is {judge.parser}; choices are read by "
                         "parser: choice")
     low_high = judge.score_range
-    if judge.parser == "choice" and "judge.score_range" in config.origin:
-        problems.append(f"{config.at('judge.score_range')}: set, but judge.parser is choice: the choices' scores are "
-                        "the range")
+    if judge.parser in ("choice", "function") and "judge.score_range" in config.origin:
+        problems.append(f"{config.at('judge.score_range')}: set, but judge.parser is {judge.parser}: the range is "
+                        "read by number and boxed")
     elif len(low_high) != 2 or not low_high[0] < low_high[1]:
         problems.append(f"{config.at('judge.score_range')}: must be [low, high] with low < high, got {low_high}")
     if judge.samples == 1:

@@ -8,6 +8,8 @@ Parsers (``judge.parser``), each ``verdict -> score or None`` (None: unparsed, s
 - ``boxed``: the number inside its last ``\\boxed{}``, within ``score_range`` (a reasoning judge).
 - ``choice``: the first of ``choices``' words the verdict says as a word of its own (``A`` in
   "A is better" but not in "Alice"), scored as ``choices`` maps it (pairwise A/B against a reference).
+- ``function``: the user's ``parser_function``, a reward function run in the reward pool's workers
+  (time-outs, failures named), NaN for a verdict it cannot read (rollout/judging.py calls it).
 
 Combinations (``judge.combine``) of a response's verdicts' scores (unparsed ones at their default):
 ``mean``, ``majority`` (the most frequent score; a tie goes to the lower), ``min``, ``max``.
@@ -71,11 +73,13 @@ PARSERS = registry(JUDGE_PARSERS, "judge.parser", {
     "number": lambda judge: number_parser(*judge.score_range),
     "boxed": lambda judge: boxed_parser(*judge.score_range),
     "choice": lambda judge: choice_parser(judge.choices),
+    "function": lambda judge: None,  # the user's, run in the reward pool's workers (rollout/judging.py)
 })
 
 
-def parser_of(judge) -> Parser:
-    """The parser a judge section (config.schema.JudgeRoleConfig) names, with its range or choices."""
+def parser_of(judge) -> Optional[Parser]:
+    """The parser a judge section (config.schema.JudgeRoleConfig) names, with its range or choices
+    (None for a parser function: the reward pool calls it)."""
     return PARSERS[judge.parser](judge)
 
 

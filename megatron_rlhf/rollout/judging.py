@@ -8,13 +8,16 @@ judge.unparsed_score and is counted; a judge prompt over judge.max_prompt_length
 
     judge/score         the mean combined score          judge/unparsed    verdicts not read (count)
     judge/too_long      responses not judged (count)     judge/verdict_tokens  tokens per verdict
-    time/judge_s        the phase's seconds (onload, generation, offload)
+    judge/failures      parser function calls that raised or timed out (count; judge/timeouts of them)
+    time/judge_s        the phase's seconds (onload, generation, offload, parsing)
 """
 
 from __future__ import annotations
 
+import math
+import os
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -22,9 +25,12 @@ from megatron_rlhf.config.schema import RLHFConfig
 from megatron_rlhf.data.tokenizer import Tokenizer
 from megatron_rlhf.generation import SamplingParams, generate, stream_seeds
 from megatron_rlhf.memory import KV_CACHE
+from megatron_rlhf.rewards.contract import absolute_spec
+from megatron_rlhf.rewards.pool import RewardPool
 from megatron_rlhf.rewards.verdicts import combined, fill_template, parser_of
 from megatron_rlhf.roles.role_set import RoleSet
 from megatron_rlhf.roles.rows import SampleRows
+from megatron_rlhf.rollout.scoring import pool_scores, scores_here
 from megatron_rlhf.runtime.platform import get_platform
 
 JUDGE_STREAMS = 0x4A554447  # keys the judge's sampling streams apart from the policy's ("JUDG")
@@ -55,6 +61,15 @@ class Judge:
                                        temperature=judge.temperature, eos_ids=tuple(tokenizer.eos_ids),
                                        pad_id=tokenizer.pad_id)
         self.calls = (0, 0)  # (iteration, judge calls in it): a round's verdicts draw from streams of their own
+        self.pool = None  # a parser function's workers, on the ranks that score (scoring.scores_here)
+        if judge.parser == "function" and scores_here():
+            spec = absolute_spec(judge.parser_function, os.path.dirname(config.source_of("judge.parser_function")))
+            self.pool = RewardPool({spec: 1.0}, num_workers=config.reward.num_workers,
+                                   timeout_s=config.reward.timeout_s, failure_score=judge.unparsed_score, wait=False)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
 
     def prompts(self, prompts: List[str], responses: List[str], fields: List[Dict]) -> List[List[int]]:
         """Each response's judge prompt, encoded."""
@@ -71,16 +86,30 @@ class Judge:
         judged = [len(ids) <= judge.max_prompt_length for ids in encoded]
         verdicts, lengths = self._verdicts(encoded, judged, iteration)
         counted = [i for i in range(len(verdicts)) if judged[i // judge.samples]]  # a response too long is not judged
-        parsed = [None] * len(verdicts)
-        for i in counted:
-            parsed[i] = self.parse(verdicts[i])
+        parsed, metrics = self._parsed(verdicts, counted, prompts, responses, fields)
         scores = combined(parsed, judge.samples, judge.combine, judge.unparsed_score)
-        metrics = {"judge/score": sum(scores) / max(len(scores), 1),
+        metrics.update({"judge/score": sum(scores) / max(len(scores), 1),
                    "judge/unparsed": float(sum(parsed[i] is None for i in counted)),
                    "judge/too_long": float(judged.count(False)),
                    "judge/verdict_tokens": sum(lengths[i] for i in counted) / max(len(counted), 1),
-                   "time/judge_s": time.perf_counter() - started}
+                   "time/judge_s": time.perf_counter() - started})
         return torch.tensor(scores, dtype=torch.float32), metrics
+
+    def _parsed(self, verdicts: List[str], counted: List[int], prompts: List[str], responses: List[str],
+                fields: List[Dict]) -> Tuple[List[Optional[float]], Dict[str, float]]:
+        """Each verdict's score (None: unparsed, or not judged) by the parser, or by the parser
+        function in the reward pool (its failures counted: judge/failures, judge/timeouts)."""
+        parsed: List[Optional[float]] = [None] * len(verdicts)
+        if self.config.judge.parser != "function":
+            for i in counted:
+                parsed[i] = self.parse(verdicts[i])
+            return parsed, {}
+        k = self.config.judge.samples
+        rows = [dict(fields[i // k], judged_response=responses[i // k]) for i in counted]
+        scores, pooled = pool_scores(self.pool, [prompts[i // k] for i in counted], [verdicts[i] for i in counted], rows)
+        for i, score in zip(counted, scores.tolist()):
+            parsed[i] = None if math.isnan(score) else score
+        return parsed, {"judge/failures": pooled["reward/failures"], "judge/timeouts": pooled["reward/timeouts"]}
 
     def _verdicts(self, encoded: List[List[int]], judged: List[bool], iteration: int) -> Tuple[List[str], List[int]]:
         """judge.samples verdicts per response (adjacent) and their tokens, generated by the judge role at its own

@@ -89,7 +89,8 @@ class Rollout:
 COUNTED_METRICS = ("reward/failures", "reward/timeouts", "rollout/env_calls", "rollout/env_failures",
                    "rollout/env_timeouts", "rollout/truncated_observations", "rollout/prefix_recomputed",
                    "rollout/context_truncated", "rollout/partial_dropped", "rollout/partial_resumed",
-                   "rollout/env_replayed_calls", "judge/unparsed", "judge/too_long")
+                   "rollout/env_replayed_calls", "judge/unparsed", "judge/too_long",
+                   "judge/failures", "judge/timeouts")
 
 
 # How the work was scheduled, not what it computed: they follow the layout, the decode slots and

@@ -154,20 +154,25 @@ class Scorer:
                                                                                         / steps.sum().clamp(min=1))}
 
     def _rule_scores(self, prompts: List[str], responses: List[str], fields: List[Dict]):
-        """The rule reward's (scores, metrics), computed on the first rank of the model-parallel
-        group and sent to the others: every rank of a replica holds the same rows, and a time-out
-        on one of them must not give its TP or PP peers other scores."""
-        from megatron.core import parallel_state as ps
+        """The rule reward's (scores, metrics), computed on the first rank of the model-parallel group."""
+        return pool_scores(self.reward_pool, prompts, responses, fields)
 
-        group = ps.get_model_parallel_group()
-        result = [None]
-        if scores_here():
-            try:
-                result = [self.reward_pool.score(prompts, responses, fields)]
-            except RewardFunctionError as e:  # the peers learn it too, so none waits for scores
-                result = [e]
-        if group.size() > 1:
-            dist.broadcast_object_list(result, src=dist.get_global_rank(group, 0), group=host_group(group))
-        if isinstance(result[0], RewardFunctionError):
-            raise RewardFunctionError(str(result[0]))
-        return result[0]
+
+def pool_scores(pool: Optional[RewardPool], prompts: List[str], responses: List[str], fields: List[Dict]):
+    """``pool.score``'s (scores, metrics), computed on the first rank of the model-parallel group (the
+    one that holds the pool: scores_here) and sent to the others: every rank of a replica holds the
+    same rows, and a time-out on one of them must not give its TP or PP peers other scores."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_model_parallel_group()
+    result = [None]
+    if scores_here():
+        try:
+            result = [pool.score(prompts, responses, fields)]
+        except RewardFunctionError as e:  # the peers learn it too, so none waits for scores
+            result = [e]
+    if group.size() > 1:
+        dist.broadcast_object_list(result, src=dist.get_global_rank(group, 0), group=host_group(group))
+    if isinstance(result[0], RewardFunctionError):
+        raise RewardFunctionError(str(result[0]))
+    return result[0]

@@ -6,7 +6,7 @@ Args: JUDGE_LOAD (a converted judge checkpoint)."""
 import os
 
 import torch
-from common import ARGS, OUT_DIR, computed_metrics, one_iteration, save, setup
+from common import ARGS, OUT_DIR, REWARDS_FOR_TESTS, computed_metrics, one_iteration, save, setup
 from tests.workers.findings import JudgeRuns
 
 from megatron_rlhf.controller import PPOController
@@ -45,8 +45,24 @@ for name, overrides in RUNS.items():
         result.records = ledger.records
         result.planned = plan(prepared.config, 2).resident
     controller.close()
-# A process reward model (seeded) in REINFORCE++: each step's score a reward at its last token
+# The parser as a function in the reward pool's workers against the number parser: the same scores
+JUDGED = ["reward.type=judge", "reward.function=null",
+          "judge.enabled=true", f"judge.load={ARGS[0]}", "judge.model.preset=auto", "judge.template=r {response} s",
+          "judge.max_new_tokens=3", "judge.max_prompt_length=64", "ppo.rollout_batch_size=4",
+          "parallel.tensor_model_parallel_size=1", "trainer.tensorboard=false",
+          "data.tokenizer.alphabet=abcdefghijklmnopqrstuvwxyz 0123456789"]
+PARSERS = {"parser_number": ["judge.parser=number", "judge.score_range=[0, 9]"],
+           "parser_function": ["judge.parser=function", f"judge.parser_function={REWARDS_FOR_TESTS}:first_number"]}
 os.environ.pop("ITERATIONS")
+for name, parser in PARSERS.items():
+    prepared = prepare(parse_args(["--config", "examples/tiny/grpo.yaml", "--iterations", "1", "--output-dir",
+                                   os.path.join(OUT_DIR, name), *JUDGED, *parser]), 2)
+    setup(tp=1, seed=prepared.config.seed)
+    metrics, controller, rollout = one_iteration(prepared)
+    controller.close()
+    result.metrics[name], result.scores[name] = [computed_metrics(metrics)], rollout.scores.cpu()
+
+# A process reward model (seeded) in REINFORCE++: each step's score a reward at its last token
 prepared = prepare(parse_args(["--config", "examples/tiny/grpo.yaml", "--output-dir", os.path.join(OUT_DIR, "prm"),
                                "--iterations", "1", "reward.type=model", "reward.function=null",
                                "reward.step_separator=a", "reward.step_aggregation=token", "reward.free_memory=true",
