@@ -274,6 +274,11 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
         shown = ", ".join(spec if len(named) == 1 else f"{weight:g} x {spec}" for spec, weight in named.items())
         lines.append(f"{'reward':<11}rule function {shown} (no network; {config.reward.num_workers} worker processes "
                      f"per model-parallel group, {config.reward.timeout_s:g}s per call)")
+    if config.reward.step_separator is not None and config.stage == "rl":
+        how = ("each step's score a reward at its last token" if config.reward.step_aggregation == "token"
+               else f"the {config.reward.step_aggregation} of the step scores")
+        lines.append(f"{'reward':<11}process reward model: steps end at {config.reward.step_separator!r} and at the "
+                     f"response's end, each scored sigmoid(its last token's score); {how}")
     if "judge" in config.roles:
         judge = config.judge
         read = (f"choices {judge.choices}" if judge.parser == "choice" else f"in [{judge.score_range[0]:g}, "

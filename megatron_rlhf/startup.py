@@ -129,8 +129,7 @@ def _check_judge(config: RLHFConfig, tokenizer) -> None:
     its parser function imports."""
     from megatron_rlhf.config.validation import judge_template_problem
     from megatron_rlhf.rewards.contract import absolute_spec, load_reward_function
-    from megatron_rlhf.rewards.verdicts import fill_template
-    from megatron_rlhf.rollout.judging import read_template
+    from megatron_rlhf.rollout.judging import judge_prompt, read_template
 
     if config.judge.parser == "function":
         base = os.path.dirname(config.source_of("judge.parser_function"))
@@ -139,15 +138,15 @@ def _check_judge(config: RLHFConfig, tokenizer) -> None:
         except ValueError as e:
             raise ConfigError(f"{config.at('judge.parser_function')}: {e}") from None
 
-    key = "judge.template" if config.judge.template is not None else "judge.template_file"
+    key = next(f"judge.{k}" for k in ("template", "template_file", "messages") if getattr(config.judge, k) is not None)
     try:
         template = read_template(config)
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{config.at(key)}: cannot be read ({e})") from None
-    problem = judge_template_problem(template)
+    problem = judge_template_problem(template) if isinstance(template, str) else None
     if problem is None:
         try:
-            tokenizer.encode_prompt(fill_template(template, "", "", ""), chat=config.data.apply_chat_template)
+            tokenizer.encode_prompt(judge_prompt(template, "", "", ""), chat=config.data.apply_chat_template)
         except ValueError as e:
             problem = f"the run's tokenizer cannot encode it: {e}"
     if problem:

@@ -47,6 +47,19 @@ def test_verdicts_combine_by_each_rule_with_the_unparsed_at_their_default():
     assert combined([3.0, 1.0, 3.0, None], 4, "majority", 0.0) == [3.0]
 
 
+def test_chat_messages_are_filled_each_and_go_through_the_chat_template(tmp_path):
+    from megatron_rlhf.data.tokenizer import HFTokenizer
+    from megatron_rlhf.rollout.judging import judge_prompt
+    from tests.helpers.hf_tokenizer import make_tokenizer_dir
+
+    messages = [{"role": "system", "content": "rate 1-2"}, {"role": "user", "content": "{prompt} {response}"}]
+    filled = judge_prompt(messages, "2+2", "4", "")
+    assert filled == [messages[0], {"role": "user", "content": "2+2 4"}] and messages[1]["content"].endswith("}")
+    tokenizer = HFTokenizer(str(make_tokenizer_dir(tmp_path / "tokenizer")))
+    rendered = tokenizer.decode(tokenizer.encode_prompt(filled, chat=True))
+    assert rendered.startswith("system\nrate 1-2") and "user\n2+2 4" in rendered, rendered
+
+
 def test_the_template_fills_its_fields_once_and_keeps_other_braces():
     text = fill_template("Q: {prompt} A: {response} ref {reference} {x} {{prompt}}", "p {response}", "r {prompt}", "t")
     assert text == "Q: p {response} A: r {prompt} ref t {x} {p {response}}"
@@ -64,6 +77,9 @@ def test_the_template_fills_its_fields_once_and_keeps_other_braces():
     (["judge.combine=max"], "judge.combine: set, but judge.samples is 1"),
     (["judge.score_range=[9, 0]"], "must be [low, high] with low < high"),
     (["judge.parser=function"], "judge.parser is function: name it as 'module:callable'"),
+    (["judge.messages=[{role: user, content: '{response}'}]"], "given: template_file, messages"),
+    (["judge.template_file=null", "judge.messages=[{role: user, content: '{response}'}]"],
+     "chat messages go through the tokenizer's chat template"),
     (["judge.parser_function=x:y"], "judge.parser_function: set, but judge.parser is number"),
 ])
 def test_judge_settings_that_cannot_work_are_refused_by_name(monkeypatch, overrides, problem):

@@ -376,6 +376,9 @@ class JudgeRoleConfig(RoleConfig):
     # (relative to the config file). Other braces are kept as written.
     template: Optional[str] = None
     template_file: Optional[str] = None  # a file holding the template (instead of ``template``)
+    # Or the judge's prompt as chat messages ({role, content}), each content a template as above,
+    # through the tokenizer's chat template (data.apply_chat_template), generation prompt added.
+    messages: Optional[List[Dict[str, str]]] = None
     reference_key: str = "ground_truth"  # the data column {reference} reads (a reference answer or response)
     # number: the verdict's first number; boxed: the number in its last \boxed{}; choice: the first of
     # ``choices``' words it says (A/B against a reference response), scored as ``choices`` says;

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Tuple
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
 from megatron_rlhf.config.presets import CHECKPOINT_META_FILE
-from megatron_rlhf.config.names import (GROUP_ESTIMATORS, JUDGE_FIELDS, LORA_TARGETS, LOSS_AGG_MODE_OF, PLAIN_TEXT_PARSERS,
+from megatron_rlhf.config.names import (CHAT_ROLES, GROUP_ESTIMATORS, JUDGE_FIELDS, LORA_TARGETS, LOSS_AGG_MODE_OF, PLAIN_TEXT_PARSERS,
                                         SANDBOX_KIND_KEYS, TOKEN_REWARD_ESTIMATORS)
 from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, TRAINED_ROLE_KEYS,
                                          ROLE_HEADS, ROLE_NAMES, SERVED_WEIGHTS, SERVING_ROLES,
@@ -483,6 +483,20 @@ def judge_template_problem(template: str) -> Optional[str]:
     return None
 
 
+def _judge_messages_problems(config: RLHFConfig) -> List[str]:
+    """judge.messages: chat messages of known roles, through the chat template, the response shown."""
+    at, messages = config.at("judge.messages"), config.judge.messages
+    if not config.data.apply_chat_template:
+        return [f"{at}: chat messages go through the tokenizer's chat template: set data.apply_chat_template: true, "
+                "or give the prompt as judge.template"]
+    bad = [f"{at}: message {i}: role {m.get('role')!r} is not one of {', '.join(CHAT_ROLES)}, or it has no content"
+           for i, m in enumerate(messages) if m.get("role") not in CHAT_ROLES or "content" not in m]
+    if not messages or bad:
+        return bad or [f"{at}: empty; give at least one message"]
+    problem = judge_template_problem("".join(m["content"] for m in messages))
+    return [f"{at}: {problem}"] if problem else []
+
+
 def _judge_problems(config: RLHFConfig) -> List[str]:
     """The judge's template, parser and sampling (rewards/verdicts.py reads them)."""
     judge = config.judge
@@ -490,13 +504,17 @@ def _judge_problems(config: RLHFConfig) -> List[str]:
         return _set_while_off(config, "judge", "judge.enabled", "false", "set judge.enabled: true to judge the "
                               "responses, or remove it") if config.stage == "rl" else []
     problems = []
-    if (judge.template is None) == (judge.template_file is None):
+    given = [k for k in ("template", "template_file", "messages") if getattr(judge, k) is not None]
+    if len(given) != 1:
         problems.append(f"{config.at('judge.template')}: give the judge's prompt as judge.template (text with "
-                        "{prompt}, {response}, {reference}) or judge.template_file, one of them")
+                        "{prompt}, {response}, {reference}), judge.template_file or judge.messages, one of them"
+                        + (f"; given: {', '.join(given)}" if given else ""))
     elif judge.template is not None:
         problem = judge_template_problem(judge.template)
         if problem:
             problems.append(f"{config.at('judge.template')}: {problem}")
+    elif judge.messages is not None:
+        problems += _judge_messages_problems(config)
     if judge.parser == "choice" and not judge.choices:
         problems.append(f"{config.at('judge.choices')}: judge.parser is choice: give the verdict words and their "
                         "scores, e.g. {A: 1.0, B: 0.0}")
