@@ -396,18 +396,18 @@ def test_ctrl_c_under_the_launcher_is_one_line_and_status_130(tmp_path):
 
 
 def test_run_ppo_launches_the_stages_before_rl_by_stage(tmp_path):
-    """STAGE picks the recipe (examples/llama2/{sft,rm,dpo}.yaml), its inputs checked like RL's and
+    """STAGE picks the recipe (examples/llama2/{sft,rm,prm,dpo}.yaml), its inputs checked like RL's and
     planned by the dry run; a wrong STAGE, or one its CONFIG does not run, is refused by name (the
     stages themselves run in tests/test_preference_stages.py)."""
     pipeline = REPO / "examples" / "tiny_pipeline"
     checked = _run_ppo(tmp_path, STAGE="dpo", MODEL_SIZE="tiny", TRAIN_FILE=str(pipeline / "pairs.jsonl"),
                        CHECK_ONLY="1")
     assert checked.returncode == 0 and "inputs checked for 2 processes: 384 pairs" in checked.stdout, checked.stderr
-    planned = _run_ppo(tmp_path, STAGE="rm", MODEL_SIZE="7b", DRY_RUN="1")
+    planned = _run_ppo(tmp_path, STAGE="prm", MODEL_SIZE="7b", DRY_RUN="1")
     assert planned.returncode == 0, planned.stderr
-    assert "stage: rm, roles: reward (reward trained)" in planned.stdout and "REWARD_LOAD is not set" in planned.stderr
+    assert "stage: prm, roles: reward (reward trained)" in planned.stdout and "REWARD_LOAD is not set" in planned.stderr
     unknown = _run_ppo(tmp_path, STAGE="ppo", MODEL_SIZE="tiny")
-    assert unknown.returncode == 2 and "STAGE=ppo: expected one of rl, sft, rm, dpo" in unknown.stderr
+    assert unknown.returncode == 2 and "STAGE=ppo: expected one of rl, sft, rm, prm, dpo" in unknown.stderr
     mismatch = _run_ppo(tmp_path, STAGE="dpo", MODEL_SIZE="tiny", CONFIG=str(REPO / "examples" / "llama2" / "rm.yaml"),
                         TRAIN_FILE=str(pipeline / "pairs.jsonl"), CHECK_ONLY="1")
     assert mismatch.returncode == 2 and "runs stage: rm; set CONFIG to a recipe of stage dpo" in mismatch.stderr
