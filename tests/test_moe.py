@@ -246,7 +246,7 @@ def moe_demo(tmp_path_factory):
     from tests.test_train import FREE_MEMORY_VARS, train
 
     base = tmp_path_factory.mktemp("moe_demo")
-    for ems, iterations in (("True", 40), ("False", 10)):  # the first 10 iterations compared
+    for ems, iterations in (("True", 25), ("False", 10)):  # 25 of its 40 show it learns; the first 10 compared
         train(base / ems, "--iterations", str(iterations), config="examples/tiny/moe.yaml",
               env={**MOE_DEMO_ENV, **{v: ems for v in FREE_MEMORY_VARS}})
     return base
@@ -260,7 +260,7 @@ def test_the_moe_demo_learns_with_experts_split_and_reports_its_router_losses(mo
 
     rows = metrics(moe_demo / "True")
     first, last = (sum(r["reward/mean"] for r in part) / 5 for part in (rows[:5], rows[-5:]))
-    assert len(rows) == 40 and last > first + 0.2, (first, last)
+    assert len(rows) == 25 and last > first + 0.2, (first, last)
     assert all(r["policy/moe/load_balancing_loss"] > 0 and r["policy/moe/z_loss"] > 0 for r in rows)
     # The first step of each iteration replays the routing the same weights chose: nothing moves yet.
     assert all(0 <= r["policy/moe/replay_moved"] < 1 for r in rows) and any(r["policy/moe/replay_moved"] > 0 for r in rows)

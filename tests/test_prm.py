@@ -59,14 +59,15 @@ def _tokenizer(tmp_path) -> str:
     return byte_level_tokenizer_dir(tmp_path / "tokenizer", ["<|pad|>", "<|end|>"], "<|end|>", "", corpus)
 
 
-def _trl(tmp_path, case: str, tokenizer: str) -> dict:
-    settings = {"output_dir": str(tmp_path / f"trl_{case}"), **CASES[case]}
-    for name, value in (("rows.json", ROWS), (f"{case}.json", settings)):
+def _trl(tmp_path, tokenizer: str) -> dict:
+    """TRL's figures of every case, in one process with TRL 0.29.1 first on the path."""
+    cases = {case: {"output_dir": str(tmp_path / f"trl_{case}"), **settings} for case, settings in CASES.items()}
+    for name, value in (("rows.json", ROWS), ("cases.json", cases)):
         (tmp_path / name).write_text(json.dumps(value))
-    out = tmp_path / f"trl_{case}.pt"
+    out = tmp_path / "trl.pt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TRL_PRM), str(REPO)]), "TRL_EXPERIMENTAL_SILENCE": "1"}
     subprocess.run([sys.executable, str(REPO / "tests/helpers/trl_prm.py"), str(tmp_path / "classifier_hf"), tokenizer,
-                    str(tmp_path / "rows.json"), str(tmp_path / f"{case}.json"), str(out)], env=env, check=True,
+                    str(tmp_path / "rows.json"), str(tmp_path / "cases.json"), str(out)], env=env, check=True,
                    capture_output=True, timeout=300)
     return torch.load(out)
 
@@ -85,8 +86,9 @@ def test_loss_accuracy_and_gradients_equal_trl_prm_trainer(tmp_path, workers):
         f.writelines(json.dumps(r) + "\n" for r in ROWS)
     found = workers(1, "prm_losses", str(tmp_path / "reward"), tokenizer, str(tmp_path / "rows.jsonl"),
                     json.dumps(CASES))[0].cases
+    trl = _trl(tmp_path, tokenizer)
     for case in CASES:
-        theirs, ours = _trl(tmp_path, case, tokenizer), found[case]
+        theirs, ours = trl[case], found[case]
         assert ours["ids"] == theirs["input_ids"], case
         assert ours["loss"] == pytest.approx(theirs["loss"], abs=1e-5), case
         assert ours["val_loss"] == pytest.approx(theirs["eval_loss"], abs=1e-5), case

