@@ -1,6 +1,7 @@
 """Batch-invariant mode (trainer.batch_invariant, models/batch_invariant.py): a row's numbers do not
 depend on the rows beside it, and the engine's behaviour log-probs are the training forward's."""
 
+import pytest
 import torch
 
 from megatron_rlhf.models import batch_invariant
@@ -42,9 +43,13 @@ def test_the_mode_is_refused_by_name_where_its_arithmetic_is_not_shown(tmp_path)
     assert "trainer.batch_invariant: true does not cover LoRA's adapter products (ppo_policy has adapters)" in text
 
 
-def test_row_blocks_and_key_blocks_give_a_row_its_own_arithmetic():
+@pytest.mark.parametrize("one_call", [True, False])
+def test_row_blocks_and_key_blocks_give_a_row_its_own_arithmetic(monkeypatch, one_call):
     """The two kernels alone, against plain torch: a row of a linear computed alone and beside 1..63
-    others, and the attention of a query over one key block and over several, alone and in company."""
+    others (the rows in one call of at least ROW_BLOCK, as the probe finds this machine's GEMM; and
+    block by block, where a machine's is not), and the attention of a query over one key block and
+    over several, alone and in company."""
+    monkeypatch.setattr(batch_invariant, "_rows_alike", lambda k, n, dtype: one_call)
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         weight, rows = torch.randn(300, 128, dtype=dtype), torch.randn(64, 128, dtype=dtype)

@@ -6,11 +6,12 @@ log-prob the trainer computes for it at the same weights.
 Where a plain forward's numbers depend on the company (measured: bench/batch_invariance.py), and
 what takes its place while the mode is on:
 
-- Linear layers: a GEMM library picks its blocking by the number of rows (MKL's fp32 kernel for one
-  row is not its kernel for several; oneDNN's bf16 kernels change with the count). Here every
-  column- and row-parallel linear (and the scalar head) multiplies blocks of exactly ``ROW_BLOCK``
-  rows (the last one padded with zeros), each block the same product (oneDNN's GEMM on the packed
-  weight on CPU, for the engine and the trainer alike): each row meets the same kernel.
+- Linear layers: a GEMM library picks its kernel by the number of rows (MKL's fp32 kernel for one
+  row is not its kernel for several; oneDNN's takes another for one row at k=4096). Here every
+  column- and row-parallel linear (and the scalar head) multiplies at least ``ROW_BLOCK`` rows (fewer
+  padded with zeros) with oneDNN's GEMM on the packed weight on CPU, for the engine and the trainer
+  alike, in one call where that GEMM computes a row alike at every such count (probed once per
+  shape, :func:`_rows_alike`), else in blocks of exactly ``ROW_BLOCK`` rows, each the same product.
 - Attention: the engine reads a slot's cache over a bucketed extent, the trainer a causal [s, s]
   pass; their reductions run over different lengths and kernels. Here every query reads one
   fixed-length block of keys (the run's sequence length rounded up to 64; past its position,
@@ -36,7 +37,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-ROW_BLOCK = 16  # rows per product: the cost at one row and at many is measured in bench/batch_invariance.py
+ROW_BLOCK = 16  # the fewest rows per product (a block's rows where products go block by block)
 KEY_ALIGN = 64  # a key block is a multiple of this many keys
 MAX_KEY_BLOCK = 1024  # longer runs read their keys in several blocks
 
@@ -78,12 +79,12 @@ def batch_invariant(sequence_length: int) -> Iterator[None]:
 
 
 def row_blocked_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """input [..., k] x weight [n, k]^T (+ bias [n]) -> [..., n], in blocks of ROW_BLOCK rows (the
-    last padded with zeros), every block the same product: a row's result never depends on the
-    rows beside it. On CPU with oneDNN, its GEMM on the weight packed into its blocked layout (the
-    engine's fast kernel, runtime/cpu_linears.py), once per engine call (fixed_weights) or per
-    call in training; elsewhere one batched product of identical blocks. Differentiable: the
-    backward is plain matmuls (only the forward needs to be invariant)."""
+    """input [..., k] x weight [n, k]^T (+ bias [n]) -> [..., n], a row's result never depending on
+    the rows beside it. On CPU with oneDNN, its GEMM on the weight packed into its blocked layout (the
+    engine's fast kernel, runtime/cpu_linears.py; packed once per engine call, fixed_weights, or per
+    call in training) over at least ROW_BLOCK rows (_packed_products); elsewhere one batched product
+    of identical blocks of ROW_BLOCK rows (the last padded with zeros). Differentiable: the backward
+    is plain matmuls (only the forward needs to be invariant)."""
     if _onednn_for(input, weight):
         if torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad):
             return _PackedRowBlocks.apply(input, weight, bias)
@@ -137,13 +138,41 @@ def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def _packed_products(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     packed = _packed_weight(weight)
-    return _blocked_products(input, lambda blocks: torch.stack([
-        torch.ops.mkldnn._linear_pointwise(block, packed, None, "none", [], "") for block in blocks]),
-        weight.shape[0], bias)
+    product = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")  # noqa: E731
+    if not _rows_alike(weight.shape[1], weight.shape[0], weight.dtype):
+        return _blocked_products(input, lambda blocks: torch.stack([product(b) for b in blocks]), weight.shape[0], bias)
+    rows = input.reshape(-1, input.shape[-1])
+    count = rows.shape[0]
+    if count < ROW_BLOCK:  # a single row (and a few) may take another kernel: never fewer than a block
+        rows = torch.cat([rows, rows.new_zeros(ROW_BLOCK - count, rows.shape[1])])
+    out = product(rows)[:count].reshape(*input.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
+_alike: Dict[Tuple[int, int, torch.dtype], bool] = {}  # (k, n, dtype) -> whether every row count of ROW_BLOCK or more computes a row alike
+PROBED_ROWS = (ROW_BLOCK, ROW_BLOCK + 1, 4 * ROW_BLOCK, 16 * ROW_BLOCK + 1)
+
+
+def _rows_alike(k: int, n: int, dtype: torch.dtype) -> bool:
+    """Whether oneDNN's GEMM on a packed [n, k] weight of ``dtype`` gives each row the same result in
+    calls of every row count from ROW_BLOCK up (probed once per shape on random values at
+    PROBED_ROWS; measured so on the CI's VM for every shape tried, up to 4,096 rows: one call then
+    serves any number of rows; where it does not hold, the rows go in blocks of ROW_BLOCK, each the
+    same product by construction)."""
+    key = (k, n, dtype)
+    if key not in _alike:
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(n, k, generator=generator).to(dtype)
+        rows = torch.randn(PROBED_ROWS[-1], k, generator=generator).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        whole = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+        _alike[key] = all(torch.equal(torch.ops.mkldnn._linear_pointwise(rows[:m], packed, None, "none", [], ""),
+                                      whole[:m]) for m in PROBED_ROWS[:-1])
+    return _alike[key]
 
 
 class _PackedRowBlocks(torch.autograd.Function):
-    """oneDNN's GEMM per block of ROW_BLOCK rows on the packed weight; a plain backward."""
+    """oneDNN's GEMM on the packed weight (_packed_products); a plain backward."""
 
     @staticmethod
     def forward(ctx, input, weight, bias):
