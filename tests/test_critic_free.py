@@ -16,8 +16,8 @@ GRPO = "examples/tiny/grpo.yaml"
 def grpo_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("grpo")
     runs = {}
-    for name, ems in (("on", "True"), ("off", "False")):
-        runs[name] = train(base / name, config=GRPO, env={"ITERATIONS": "12", **{v: ems for v in FREE_MEMORY_VARS}})
+    for name, ems, iterations in (("on", "True", "12"), ("off", "False", "6")):  # EMS compared over the first 6
+        runs[name] = train(base / name, config=GRPO, env={"ITERATIONS": iterations, **{v: ems for v in FREE_MEMORY_VARS}})
     return base, runs
 
 
@@ -37,7 +37,7 @@ def test_grpo_demo_learns_without_a_critic(grpo_runs):
 
 def test_grpo_ems_changes_no_number(grpo_runs):
     base, _ = grpo_runs
-    assert without_times(metrics(base / "on")) == without_times(metrics(base / "off"))
+    assert without_times(metrics(base / "on"))[:6] == without_times(metrics(base / "off"))
 
 
 def test_dynamic_sampling_drops_groups_without_signal_and_refills(tmp_path):

@@ -45,10 +45,10 @@ def without_times(rows):
 @pytest.fixture(scope="module")
 def demo_runs(tmp_path_factory):
     """The demo (as `make demo` runs it) for 25 of its 40 iterations with free_memory on for every
-    role (enough to show it learns: +0.52 by 25 on the CI's VM), and its first 12 with it off."""
+    role (enough to show it learns: +0.52 by 25 on the CI's VM), and its first 6 with it off."""
     base = tmp_path_factory.mktemp("demo")
     on = train(base / "on", env={**{v: "True" for v in FREE_MEMORY_VARS}, "ITERATIONS": "25"})
-    off = train(base / "off", env={**{v: "False" for v in FREE_MEMORY_VARS}, "ITERATIONS": "12"})
+    off = train(base / "off", env={**{v: "False" for v in FREE_MEMORY_VARS}, "ITERATIONS": "6"})
     return base, on, off
 
 
@@ -123,7 +123,7 @@ def test_host_arenas_are_as_planned_and_frozen_weights_are_copied_once(demo_runs
 
 def test_free_memory_changes_no_number(demo_runs):
     base, _, _ = demo_runs
-    assert without_times(metrics(base / "on"))[:12] == without_times(metrics(base / "off"))
+    assert without_times(metrics(base / "on"))[:6] == without_times(metrics(base / "off"))
 
 
 def test_free_memory_auto_chooses_at_start_up_says_why_and_changes_no_number(demo_runs):
