@@ -74,7 +74,9 @@ REPO="$(cd "$HERE/../.." && pwd)"
 if [[ -z ${PYTHON:-} ]]; then
   if [[ -x $REPO/.venv/bin/python ]]; then PYTHON=$REPO/.venv/bin/python; else PYTHON=python3; fi
 fi
-if ! "$PYTHON" -c 'import megatron_rlhf, torch' >/dev/null 2>&1; then
+# torch found, not imported: the checks and plans below need it only once a run starts (a second saved).
+if ! "$PYTHON" -c 'import importlib.util, sys, megatron_rlhf; sys.exit(importlib.util.find_spec("torch") is None)' \
+    >/dev/null 2>&1; then
   echo "error: PYTHON=$PYTHON cannot import megatron_rlhf and torch; run 'make install' in $REPO," \
     "or set PYTHON to the interpreter where megatron-rlhf is installed" >&2
   echo "run_ppo.sh: nothing was launched" >&2
