@@ -384,7 +384,8 @@ class JudgeRoleConfig(RoleConfig):
     # ``choices``' words it says (A/B against a reference response), scored as ``choices`` says;
     # function: parser_function's score
     parser: Literal[JUDGE_PARSERS] = "number"
-    score_range: List[float] = dataclasses.field(default_factory=lambda: [0.0, 10.0])  # number, boxed: [low, high]; outside: unparsed
+    # number, boxed: [low, high]; a number outside is unparsed
+    score_range: List[float] = dataclasses.field(default_factory=lambda: [0.0, 10.0])
     choices: Dict[str, float] = dataclasses.field(default_factory=dict)  # choice: word -> score
     # parser function: module:callable or file.py:callable, a reward function (rewards/contract.py) in the
     # reward pool's workers (reward.num_workers, reward.timeout_s), called with the verdicts as its

@@ -10,8 +10,8 @@ from typing import Dict, List, Optional, Tuple
 from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
 from megatron_rlhf.config.presets import CHECKPOINT_META_FILE
-from megatron_rlhf.config.names import (CHAT_ROLES, GROUP_ESTIMATORS, JUDGE_FIELDS, LORA_TARGETS, LOSS_AGG_MODE_OF, PLAIN_TEXT_PARSERS,
-                                        SANDBOX_KIND_KEYS, TOKEN_REWARD_ESTIMATORS)
+from megatron_rlhf.config.names import (CHAT_ROLES, GROUP_ESTIMATORS, JUDGE_FIELDS, LORA_TARGETS, LOSS_AGG_MODE_OF,
+                                        PLAIN_TEXT_PARSERS, SANDBOX_KIND_KEYS, TOKEN_REWARD_ESTIMATORS)
 from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, TRAINED_ROLE_KEYS,
                                          ROLE_HEADS, ROLE_NAMES, SERVED_WEIGHTS, SERVING_ROLES,
                                          RLHFConfig)
@@ -452,8 +452,10 @@ def _process_reward_problems(config: RLHFConfig) -> List[str]:
     estimator reads per-token rewards."""
     reward, at = config.reward, config.at
     if reward.step_separator is None:
+        if "reward.step_aggregation" not in config.origin:
+            return []
         return [f"{at('reward.step_aggregation')}: set, but reward.step_separator is not: the reward model is an "
-                "outcome model; give the separator its steps end with"] if "reward.step_aggregation" in config.origin else []
+                "outcome model; give the separator its steps end with"]
     problems = []
     if config.stage != "rl":
         return problems
