@@ -22,7 +22,7 @@ import dataclasses
 import re
 from typing import Any, Dict, List, Tuple
 
-from megatron_rlhf.data.exchanges import read_encoded, shown
+from megatron_rlhf.data.exchanges import read_encoded, shown, within_length
 from megatron_rlhf.data.rows import check_prompt
 from megatron_rlhf.data.tokenizer import Tokenizer
 
@@ -120,6 +120,8 @@ class StepRows:
         def encode(row: Dict[str, Any], where: str) -> Steps:
             prompt, steps, labels = (shepherd_steps if "input" in row and "completions" not in row else trl_steps)(
                 row, where)
+            # a step far past the limit is cut before it is encoded (what is cut lies beyond it anyway)
+            steps = [within_length(tokenizer, step, max_length) for step in steps]
             encoded = encode_steps(tokenizer, prompt, steps, labels, separator)
             if encoded.prompt_length >= max_length:
                 raise ValueError(f"{where}: the prompt alone is {encoded.prompt_length} tokens, and max_length="
