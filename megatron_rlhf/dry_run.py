@@ -281,8 +281,8 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
                      f"response's end, each scored sigmoid(its last token's score); {how}")
     if "judge" in config.roles:
         judge = config.judge
-        read = (f"choices {judge.choices}" if judge.parser == "choice" else f"in [{judge.score_range[0]:g}, "
-                f"{judge.score_range[1]:g}]")
+        read = {"choice": f"choices {judge.choices}", "function": f"{judge.parser_function}, in the reward pool's "
+                f"workers"}.get(judge.parser, f"in [{judge.score_range[0]:g}, {judge.score_range[1]:g}]")
         how = "1 greedy verdict" if judge.samples == 1 else \
             f"{judge.samples} verdicts sampled at temperature {judge.temperature:g}, their {judge.combine}"
         lines.append(f"{'judge':<11}{how} per response, up to {judge.max_new_tokens} tokens after a prompt of up to "
