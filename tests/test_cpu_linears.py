@@ -37,7 +37,7 @@ def test_a_row_s_product_does_not_depend_on_the_rows_beside_it():
 def test_each_weight_is_packed_once_and_small_ones_run_f_linear(every_weight_packed, monkeypatch):
     reorders = []
     reorder = torch.ops.mkldnn._reorder_linear_weight
-    monkeypatch.setattr(cpu_linears, "_reorder", lambda w: reorders.append(w) or reorder(w))
+    monkeypatch.setattr(cpu_linears, "pack", lambda w: reorders.append(w) or reorder(w))
     packed, x = cpu_linears.PackedWeights(), torch.randn(2, 8)
     weight = torch.randn(4, 8)
     for _ in range(3):

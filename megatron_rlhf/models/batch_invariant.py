@@ -112,40 +112,35 @@ def _onednn_for(input: torch.Tensor, weight: torch.Tensor) -> bool:
             and input.dtype == weight.dtype and onednn_available())
 
 
-_packed: Optional[Dict[int, Tuple[torch.Tensor, torch.Tensor]]] = None  # id -> (weight, packed) within fixed_weights
+_packed = None  # cpu_linears.PackedWeights within fixed_weights: each weight packed once
 
 
 @contextlib.contextmanager
 def fixed_weights() -> Iterator[None]:
     """Within the block no weight changes (an engine call): each is packed for oneDNN once."""
+    from megatron_rlhf.runtime.cpu_linears import PackedWeights
+
     global _packed
     outer = _packed
-    _packed = {} if outer is None else outer
+    _packed = PackedWeights() if outer is None else outer
     try:
         yield
     finally:
         _packed = outer
 
 
-def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    if _packed is None:  # training: the weights change between calls
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    entry = _packed.get(id(weight))
-    if entry is None or entry[0] is not weight:
-        entry = _packed[id(weight)] = (weight, torch.ops.mkldnn._reorder_linear_weight(weight.detach()))
-    return entry[1]
-
-
 def _packed_products(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    packed = _packed_weight(weight)
-    product = lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")  # noqa: E731
+    from megatron_rlhf.runtime.cpu_linears import pack, packed_product
+
+    packed = pack(weight) if _packed is None else _packed.packed(weight)  # training: the weights change between calls
     if not _rows_alike(weight.shape[1], weight.shape[0], weight.dtype):
-        return _blocked_products(input, lambda blocks: torch.stack([product(b) for b in blocks]), weight.shape[0], bias)
+        return _blocked_products(input, lambda blocks: torch.stack([packed_product(b, packed) for b in blocks]),
+                                 weight.shape[0], bias)
     rows = input.reshape(-1, input.shape[-1])
     count = rows.shape[0]
     if count < ROW_BLOCK:  # a single row (and a few) may take another kernel: never fewer than a block
         rows = torch.cat([rows, rows.new_zeros(ROW_BLOCK - count, rows.shape[1])])
-    out = product(rows)[:count].reshape(*input.shape[:-1], weight.shape[0])
+    out = packed_product(rows, packed)[:count].reshape(*input.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 
@@ -159,15 +154,15 @@ def _rows_alike(k: int, n: int, dtype: torch.dtype) -> bool:
     PROBED_ROWS; measured so on the CI's VM for every shape tried, up to 4,096 rows: one call then
     serves any number of rows; where it does not hold, the rows go in blocks of ROW_BLOCK, each the
     same product by construction)."""
+    from megatron_rlhf.runtime.cpu_linears import pack, packed_product
+
     key = (k, n, dtype)
     if key not in _alike:
         generator = torch.Generator().manual_seed(0)
-        weight = torch.randn(n, k, generator=generator).to(dtype)
+        packed = pack(torch.randn(n, k, generator=generator).to(dtype))
         rows = torch.randn(PROBED_ROWS[-1], k, generator=generator).to(dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        whole = torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
-        _alike[key] = all(torch.equal(torch.ops.mkldnn._linear_pointwise(rows[:m], packed, None, "none", [], ""),
-                                      whole[:m]) for m in PROBED_ROWS[:-1])
+        whole = packed_product(rows, packed)
+        _alike[key] = all(torch.equal(packed_product(rows[:m], packed), whole[:m]) for m in PROBED_ROWS[:-1])
     return _alike[key]
 
 

@@ -147,11 +147,12 @@ class Scorer:
         probabilities = torch.sigmoid(self.roles.at_layout("reward", run, columns, width)["step_scores"][:, :width])
         ends = step_ends(rows["tokens"], rows["prompt_lengths"], rows["response_lengths"], self.separator)
         scores = ppo.STEP_AGGREGATIONS[reward.step_aggregation](probabilities, ends)
+        at_ends = probabilities * ends
         if reward.step_aggregation == "token":
-            rows[STEP_REWARDS] = (probabilities * ends)[:, 1:]  # token t is written by action t-1
+            rows[STEP_REWARDS] = at_ends[:, 1:]  # token t is written by action t-1
         steps = ends.sum(dim=1).float()
-        return scores, {"reward/steps": float(steps.mean()), "reward/step_score": float((probabilities * ends).sum()
-                                                                                        / steps.sum().clamp(min=1))}
+        return scores, {"reward/steps": float(steps.mean()),
+                        "reward/step_score": float(at_ends.sum() / steps.sum().clamp(min=1))}
 
     def _rule_scores(self, prompts: List[str], responses: List[str], fields: List[Dict]):
         """The rule reward's (scores, metrics), computed on the first rank of the model-parallel group."""

@@ -58,8 +58,14 @@ def chosen_kernel() -> str:
     return value
 
 
-def _reorder(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight)
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [n, k] reordered into oneDNN's blocked layout (a copy, outside autograd)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def packed_product(input: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """input [..., k] x the packed weight^T (+ bias [n]) -> [..., n]: oneDNN's GEMM."""
+    return torch.ops.mkldnn._linear_pointwise(input, packed, bias, "none", [], "")
 
 
 class PackedWeights:
@@ -69,14 +75,18 @@ class PackedWeights:
         # id -> (weight, packed): holding the weight keeps its id from being reused by another tensor
         self._packed: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def packed(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` packed, once for the life of this object."""
+        entry = self._packed.get(id(weight))
+        if entry is None:
+            entry = self._packed[id(weight)] = (weight, pack(weight))
+        return entry[1]
+
     def matmul(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """input [..., k] x weight [n, k]^T (+ bias [n]) -> [..., n]."""
         if weight.dtype not in _PACKED_DTYPES or input.dtype != weight.dtype or weight.numel() < SMALLEST_PACKED_WEIGHT:
             return F.linear(input, weight, bias)
-        entry = self._packed.get(id(weight))
-        if entry is None:
-            entry = self._packed[id(weight)] = (weight, _reorder(weight.detach()))
-        return torch.ops.mkldnn._linear_pointwise(input, entry[1], bias, "none", [], "")
+        return packed_product(input, self.packed(weight), bias)
 
 
 @contextlib.contextmanager

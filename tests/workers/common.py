@@ -52,7 +52,6 @@ def reward_pool(functions):
 
     if not functions:
         return None
-
     return RewardPool(functions if isinstance(functions, dict) else {functions: 1.0}, num_workers=1)
 
 
