@@ -4,6 +4,8 @@ alone: the same numbers with EMS on and off and with the judge at a layout of it
 on the device in its phase, that phase's memory as the planner plans it. A process reward model in
 RL (reward.step_separator): its steps found, aggregated by each rule, and as token rewards."""
 
+import re
+
 import pytest
 import torch
 
@@ -222,12 +224,36 @@ def test_step_scores_aggregate_by_each_rule():
     assert rewards[0].tolist() == pytest.approx([0.85, -0.05, 0.15, 0.65])  # each step's score where it ends, no outcome
 
 
+def test_the_dry_run_plans_the_judge_and_says_how_each_model_reward_reads(monkeypatch, capsys):
+    """The judge's phase with its KV cache in the plan, its verdicts and parser said; a process reward
+    model's steps and aggregation said."""
+    from megatron_rlhf.dry_run import dry_run
+
+    monkeypatch.setenv("JUDGE_LOAD", str(REPO / "examples"))
+    assert dry_run(str(GRPO), world_size=2, overrides=["judge.model.preset=tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "judge      1 greedy verdict per response, up to 2 tokens after a prompt of up to 48; parser number " \
+           "(in [0, 9]), unparsed 0; 0.111111 x its score added to the reward" in out
+    header = next(line for line in out.splitlines() if line.startswith("role ") and "kv_cache" in line).split()
+    row = next(line for line in out.splitlines() if line.startswith("judge ") and line.endswith(" B"))
+    figures = dict(zip(header[1:], re.findall(r"\d[\d.]* [KMG]?i?B", row)))
+    assert figures["kv_cache"] != "0 B" and figures["decode_step"] != "0 B", row
+    phases = [line.split()[0] for line in out.split("phase          resident on the device")[1].splitlines()[1:5]]
+    assert phases == ["generate", "judge", "reference", "train_policy"]
+    assert dry_run(str(REPO / "examples/tiny/grpo.yaml"), world_size=2, overrides=[
+        "reward.type=model", "reward.function=null", "reward.step_separator=a", "reward.step_aggregation=last"]) == 0
+    assert "reward     process reward model: steps end at 'a' and at the response's end, each scored sigmoid(its " \
+           "last token's score); the last of the step scores" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("overrides, problem", [
+    (["reward.step_aggregation=min"], "reward.step_aggregation: set, but reward.step_separator is not"),
     (["reward.step_aggregation=token"], "grpo reads one outcome per response"),
     (["reward.type=function"], "reward.step_separator: a process reward model's steps, but reward.type is function"),
     (["reward.normalize=true"], "step scores are probabilities"),
 ])
 def test_process_reward_settings_that_cannot_work_are_refused(overrides, problem):
-    base = ["reward.type=model", "reward.function=null", "reward.step_separator=a"]
+    base = ["reward.type=model", "reward.function=null"] + ([] if "separator is not" in problem else
+                                                             ["reward.step_separator=a"])
     with pytest.raises(ConfigError, match=problem):
         load_config(str(REPO / "examples/tiny/grpo.yaml"), world_size=2, check_inputs=False, overrides=base + overrides)

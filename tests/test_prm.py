@@ -142,3 +142,15 @@ def test_math_shepherd_rows_read_as_trl_converts_them(tmp_path):
     assert (ours.ids, ours.labels) == (theirs.ids, theirs.labels) and ours.steps == 2
     cut = _rows(tmp_path, [trl], max_length=30).rows[0]  # the second step's end falls beyond: its label is gone
     assert cut.cut and cut.steps == 1 and len(cut.ids) == 30 and not cut.last_step_kept
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["data.apply_chat_template=true"], "stage prm reads text rows"),
+    (["reward.type=function", "reward.function=x.py:f"], "stage prm trains a reward model: type: model"),
+    (["prm.step_separator="], "prm.step_separator: "),
+])
+def test_a_prm_stage_that_cannot_work_is_refused_by_name(overrides, problem):
+    from megatron_rlhf.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        load_config(str(REPO / "examples/tiny_pipeline/prm.yaml"), world_size=2, check_inputs=False, overrides=overrides)
