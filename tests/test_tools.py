@@ -11,7 +11,7 @@ import torch
 from megatron_rlhf.data.tokenizer import HFTokenizer
 from megatron_rlhf.agents.protocol import Turn
 from megatron_rlhf.agents.function import argument_problem, function_tool, load_tools
-from megatron_rlhf.agents.parsers import ToolCall, make_parser
+from megatron_rlhf.agents.parsers import CallProblem, ToolCall, make_parser
 from tests.helpers.hf_tokenizer import byte_level_tokenizer_dir
 from tests.test_multiturn import _ScriptedCollector
 
@@ -150,7 +150,7 @@ LLAMA_CASES = [
 def test_parsers_read_the_calls_models_write_and_name_what_they_cannot(parser, text, calls, problems):
     parsed = make_parser(parser, []).parse(text)
     assert parsed.calls == [ToolCall(n, a) for n, a in calls]
-    assert len(parsed.problems) == len(problems) and all(p in got for p, got in zip(problems, parsed.problems))
+    assert len(parsed.problems) == len(problems) and all(p in got.message for p, got in zip(problems, parsed.problems))
 
 
 def test_the_tags_parser_calls_a_tool_with_its_one_string_argument_and_stops_at_the_closing_tag(tools_file):
@@ -159,7 +159,7 @@ def test_the_tags_parser_calls_a_tool_with_its_one_string_argument_and_stops_at_
     assert parser.stop == ("</python>",)
     parsed = parser.parse("Let me compute.\n<python>\nprint(2 + 3)\n</python>")
     assert parsed.calls == [ToolCall("python", {"code": "print(2 + 3)"})]
-    assert parser.parse("<python>print(1)").problems == ["<python> was not closed with </python>"]
+    assert parser.parse("<python>print(1)").problems == [CallProblem("unclosed", "<python> was not closed with </python>")]
     assert not parser.parse("five").wants_tools
     with pytest.raises(ValueError, match="tags calls a tool with its one required string argument; add requires"):
         make_parser("tags", load_tools([f"{tools_file}:add"], "/"))
@@ -260,6 +260,38 @@ def test_a_tool_using_trajectory_is_the_template_applied_once_with_the_model_s_t
     assert rows["action_mask"][0].tolist() == [float(m) for m in model[1:]]
     assert metrics["rollout/tool_calls"] == 1 and metrics["rollout/tool_calls/add"] == 1 and metrics["rollout/tool_errors"] == 0
     assert metrics["rollout/turns_mean"] == 2 and metrics["rollout/env_failures"] == 0 and "time/tool_s" in metrics
+
+
+def test_a_policy_that_writes_a_call_nested_1200_deep_is_answered_and_its_trajectory_goes_on(tmp_path, tools_file):
+    """The hostile call of a policy through the environment workers: answered with the problem (its
+    depth named), counted by kind, and the model's next turn is read as any other."""
+    from megatron_rlhf.config.schema import RLHFConfig
+    from megatron_rlhf.generation import SamplingParams
+    from megatron_rlhf.rollout.multiturn import MultiTurn
+
+    tok = HFTokenizer(byte_tokenizer_dir(tmp_path / "qwen", "qwen"))
+    config = RLHFConfig()
+    config.rollout.tools, config.rollout.tool_parser = [f"{tools_file}:add"], "hermes"
+    config.origin["rollout.tools"] = str(tmp_path / "run.yaml")
+    config.data.max_prompt_length = config.rollout.max_trajectory_tokens = config.generation.max_new_tokens = 20000
+    deep = '<tool_call>{"name": "add", "arguments": {"a": %s}}</tool_call>' % ("[" * 1200 + "]" * 1200)
+    turns_text = [deep, "the answer is five"]
+    prompt = tok.encode_prompt([{"role": "user", "content": "what is two plus three"}], True,
+                               [t.spec for t in load_tools([f"{tools_file}:add"], "/")])
+    turns = MultiTurn(config, tok, "megatron_rlhf.agents.tool_environment:ToolEnvironment", chat=True)
+    mine = {"tokens": torch.tensor([prompt]), "prompt_lengths": torch.tensor([len(prompt)]), "seeds": torch.tensor([1]),
+            "prompt_index": torch.tensor([0])}
+    try:
+        rows, metrics = turns.run(_ScriptedCollector([tok.encode_text(t) + [tok.eos_ids[0]] for t in turns_text], slots=1),
+                                  mine, ["q"], [{}], SamplingParams(max_new_tokens=20000, eos_ids=tok.eos_ids,
+                                                                    pad_id=tok.pad_id))
+    finally:
+        turns.close()
+    assert metrics["rollout/tool_errors"] == 1 and metrics["rollout/tool_errors/depth"] == 1
+    assert metrics["rollout/tool_calls"] == 0 and metrics["rollout/env_failures"] == 0 and metrics["rollout/turns_mean"] == 2
+    shown = tok.show(rows["tokens"][0].tolist())
+    assert "error: the tool call is nested 1202 levels deep; at most 100 are read" in shown
+    assert shown.endswith("the answer is five<|im_end|>")
 
 
 # -- MCP servers ------------------------------------------------------------------------------------

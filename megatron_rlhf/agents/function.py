@@ -14,6 +14,8 @@ import dataclasses
 import json
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from megatron_rlhf.agents.parsers import LONE_SURROGATE
+
 
 class ToolError(Exception):
     """Raised by a tool for a failure the model should read (its message is the tool's reply,
@@ -101,10 +103,15 @@ def argument_problem(tool: FunctionTool, arguments: Any) -> Optional[str]:
 
 
 def result_text(value: Any) -> str:
-    """A tool's return value as the text the model reads (JSON for anything but a string)."""
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return repr(value)
+    """A tool's return value as the text the model reads (JSON for anything but a string), whatever
+    it returned: a value JSON cannot write is shown by its repr, one nothing can show is named by its
+    type, and lone surrogates (no encoding writes them, no tokenizer reads them) become U+FFFD."""
+    if not isinstance(value, str):
+        try:
+            value = json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError):
+            try:
+                value = repr(value)
+            except Exception:  # an over-long int, a __repr__ that raises: the type is all that can be said
+                value = f"<a {type(value).__name__} that cannot be shown as text>"
+    return LONE_SURROGATE.sub("\ufffd", value)

@@ -7,8 +7,9 @@ arguments, raises, or runs out of time is answered with the error as the tool's 
 never a failed trajectory.
 
 It runs in the environment workers (rollout/env_pool.py) like any environment; its step reports
-``counts`` in its info: ``tool_calls`` (and ``tool_calls/<name>``), ``tool_errors``,
-``tool_timeouts``, ``tool_s`` (the calls' wall time), and with ``rollout.sandbox.kind:
+``counts`` in its info: ``tool_calls`` (and ``tool_calls/<name>``), ``tool_errors`` (and
+``tool_errors/<kind>`` for a call that could not be read, agents/parsers.py's PROBLEM_KINDS: a call
+nested too deep, an over-long integer, a lone surrogate, ...), ``tool_timeouts``, ``tool_s`` (the calls' wall time), and with ``rollout.sandbox.kind:
 unsafe_process`` ``tool_unsafe_calls`` (sandboxed calls run without isolation).
 """
 
@@ -105,18 +106,15 @@ class ToolEnvironment:
         return None
 
     def step(self, turn: Turn) -> StepResult:
-        try:
-            parsed: ParsedTurn = self.parser.parse(turn.text)
-        except RecursionError:
-            parsed = ParsedTurn(problems=["the tool call is nested too deeply to read"])
-        except Exception as e:  # any malformed call is an answer the model reads, never a failed trajectory
-            parsed = ParsedTurn(problems=[f"the tool call could not be read ({type(e).__name__}: {e})"])
+        parsed: ParsedTurn = self.parser.parse(turn.text)  # a call it cannot read is a problem, never a raise
         counts: Dict[str, float] = {"tool_calls": 0.0, "tool_errors": float(len(parsed.problems)),
                                     "tool_timeouts": 0.0, "tool_s": 0.0}
+        for problem in parsed.problems:
+            counts[f"tool_errors/{problem.kind}"] = counts.get(f"tool_errors/{problem.kind}", 0.0) + 1
         if not parsed.wants_tools:
             return StepResult(None, True, None, {"counts": counts})
         started = time.perf_counter()
-        replies = [f"error: {problem}" for problem in parsed.problems]
+        replies = [f"error: {problem.message}" for problem in parsed.problems]
         replies += self._call_all(parsed.calls, counts)
         counts["tool_s"] = time.perf_counter() - started
         if self.unsafe:
@@ -128,12 +126,9 @@ class ToolEnvironment:
         replies: List[Any] = []
         for call in calls:
             tool = self.tools.get(call.name) if call.name in self.callable else None
-            try:
-                tools = f"the tools are {', '.join(self.callable)}" if self.callable else "this row has no tools"
-                problem = (f"there is no tool {call.name!r}; {tools}" if tool is None
-                           else argument_problem(tool, call.arguments))
-            except RecursionError:
-                problem = f"the arguments of {call.name} are nested too deeply to read"
+            tools = f"the tools are {', '.join(self.callable)}" if self.callable else "this row has no tools"
+            problem = (f"there is no tool {call.name!r}; {tools}" if tool is None
+                       else argument_problem(tool, call.arguments))
             if problem:
                 counts["tool_errors"] += 1
                 replies.append(f"error: {problem}")

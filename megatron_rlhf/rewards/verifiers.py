@@ -15,21 +15,24 @@ A ``ground_truth`` that is a list (or tuple) means any of its answers is right.
 from __future__ import annotations
 
 import re
+from decimal import Decimal, InvalidOperation
 from typing import List, Optional, Sequence
 
 _GSM8K_ANSWER = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
 
 
-def _normalise_number(text: str) -> Optional[str]:
+def _normalise_number(text: str) -> Optional[Decimal]:
+    """The number ``text`` writes, exactly (a decimal, so that two long numbers that differ are never
+    the same float), or None for text that is no finite number."""
     text = text.strip().replace(",", "").replace("$", "").rstrip(".")
     try:
-        value = float(text)
-    except ValueError:
+        value = Decimal(text)
+    except InvalidOperation:
         return None
-    return repr(int(value)) if value == int(value) else repr(value)
+    return value if value.is_finite() else None
 
 
-def gsm8k_answer(response: str) -> Optional[str]:
+def gsm8k_answer(response: str) -> Optional[Decimal]:
     """The number after the last ``####`` of a response, normalised, or None."""
     found = _GSM8K_ANSWER.findall(response)
     return _normalise_number(found[-1]) if found else None
