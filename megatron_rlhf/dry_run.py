@@ -94,7 +94,7 @@ def memory_report(config, world_size: int, gpu_memory: Optional[int] = None,
 def slots_text(config, world_size: int, gpu_memory: Optional[int]) -> str:
     """The rows the engine decodes at once per DP rank: as configured, or (batch_size: auto) what
     ``gpu_memory`` would hold with the configured switches (memory/auto.decode_slots)."""
-    from megatron_rlhf.memory.auto import decode_slots
+    from megatron_rlhf.memory.auto import decode_slots, no_row_fits
 
     if config.stage != "rl":
         return "generation: none (stage " + config.stage + ")"
@@ -106,7 +106,7 @@ def slots_text(config, world_size: int, gpu_memory: Optional[int]) -> str:
                 "row of the rollout; give --gpu-memory to see the choice)")
     slots, rows, fitted = decode_slots(config, world_size, gpu_memory)
     if not slots:
-        return f"generation.batch_size: auto: not one row's KV cache fits in {human(gpu_memory)} (a run would stop)"
+        return f"generation.batch_size: auto: {no_row_fits(fitted, gpu_memory)} (a run would stop)"
     return (f"generation.batch_size: auto: in {human(gpu_memory)}, {slots} of {rows} rows decoded at once per DP rank "
             f"(KV cache {human(fitted.transient['policy']['kv_cache'])}, peak {human(fitted.peak_bytes)} in "
             f"{fitted.peak_phase})")

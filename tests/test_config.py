@@ -719,6 +719,18 @@ def test_a_trained_roles_key_on_a_role_the_stage_does_not_train_is_refused_with_
     assert "read by: sft, dpo, where policy is trained" in explain("policy.lr")
 
 
+@pytest.mark.parametrize("config, key, said", [
+    ("examples/tiny/rlhf.yaml", "value.logprob_chunk_tokens", "value has a scalar head"),
+    ("examples/tiny/rlhf.yaml", "ppo_value.logprob_chunk_tokens", "ppo_value has a scalar head"),
+])
+def test_a_log_prob_chunk_on_a_role_without_log_probs_is_refused(config, key, said):
+    with pytest.raises(ConfigError, match=rf"the command line: {key}: {said}, so no log-probs are computed from its "
+                                          "logits; remove it"):
+        load_config(str(REPO / config), world_size=2, overrides=[f"{key}=64"])
+    assert load_config(str(REPO / config), world_size=2, overrides=["ppo_policy.logprob_chunk_tokens=64"]) \
+        .logprob_chunk_tokens("ppo_policy") == 64
+
+
 @pytest.mark.parametrize("key, value", [("ppo_policy.lr", "inf"), ("ppo.kl_coef", "nan"), ("ppo.clip_ratio", "-inf")])
 def test_a_number_that_is_not_finite_is_refused_before_start_up(key, value):
     """An infinite learning rate, a NaN coefficient: refused with the key, not at the first step."""

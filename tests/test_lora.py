@@ -175,3 +175,16 @@ def test_adapter_names():
     assert not is_adapter("decoder.layers.0.self_attention.linear_qkv.weight")
     # The Hugging Face projections of every target, in one table (hf_decoder), for every target.
     assert tuple(LINEARS) == LORA_TARGETS and all(module.endswith(target) for target, (module, _) in LINEARS.items())
+
+
+def test_adapters_learn_under_activation_recompute_as_without(workers):
+    """megatron's recompute over a frozen base: the adapters' gradients equal those without (once
+    all zero: the checkpointed blocks' inputs needed no gradient, so nothing in them got one)."""
+    import torch
+
+    found = workers(1, "lora_recompute")[0]
+    assert found.grad_norms["off"] > 0 and found.grad_norms["on"] == pytest.approx(found.grad_norms["off"], rel=1e-6)
+    assert len(found.grads["on"]) == len(found.grads["off"]) > 0
+    for name, grad in found.grads["off"].items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(found.grads["on"][name], grad, rtol=1e-6, atol=1e-7, msg=name)

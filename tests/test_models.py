@@ -180,3 +180,34 @@ def test_megatrons_local_attention_is_refused_where_transformer_engine_brings_it
     monkeypatch.setattr(decoder, "get_platform", lambda: WithTransformerEngine())
     with pytest.raises(ValueError, match="attention: local: transformer-engine is installed"):
         decoder.layer_spec(ModelArchConfig(**PRESETS["tiny"]), None, attention="local")
+
+
+def test_log_probs_entropy_and_their_backward_in_chunks_equal_whole_logits(workers):
+    """GRPO's policy loss and an inference pass from whole logits and 3 tokens at a time (chunks
+    that cut rows), at TP=1, TP=2 (vocabulary shards: the chunk's softmax over both) and PP=2 (the
+    head on the last stage), a tied LM head too: the log-probs within 2e-7 relative (the head's product
+    over fewer rows may round the last bit otherwise), every gradient within 1e-6 (a chunk's weight
+    gradient is summed chunk by chunk), and the second step's loss, statistics and gradient norm, from
+    the first step's update, within 1e-5."""
+    import torch
+
+    one = workers(1, "chunked_log_probs", "tp1", "tp1+tied")[0].runs
+    two = workers(2, "chunked_log_probs", "tp2", "pp2", "tp2+tied")
+    for layout, ranks in [("tp1", [one]), ("tp1+tied", [one]), *[(l, [r.runs for r in two]) for l in ("tp2", "pp2", "tp2+tied")]]:
+        for rank, runs in enumerate(ranks):
+            whole, chunked = runs[(layout, 0)], runs[(layout, 3)]
+            where = f"{layout}, rank {rank}"
+            assert whole.chunked in (0, None) and chunked.chunked in (3, None), where
+            for a, b in zip(whole.inference, chunked.inference):
+                torch.testing.assert_close(b, a, rtol=2e-7, atol=0, msg=f"{where}: inference log-probs")
+            for name, grad in whole.grads.items():
+                torch.testing.assert_close(chunked.grads[name], grad, rtol=1e-6, atol=1e-7, msg=f"{where}: {name}")
+            for i, (a, b) in enumerate(zip(whole.metrics, chunked.metrics)):
+                bound = 1e-6 if i < 2 else 1e-5  # the second step's: after Adam's update, which scales each gradient to ~1
+                for name in a:
+                    assert b[name] == pytest.approx(a[name], rel=bound, abs=1e-7), f"{where}: {name}"
+            assert chunked.grad_norms[0] == pytest.approx(whole.grad_norms[0], rel=1e-6), where
+            assert chunked.grad_norms[1] == pytest.approx(whole.grad_norms[1], rel=1e-5), where
+    last_stage = two[1].runs[("pp2", 3)]
+    assert last_stage.chunked == 3 and last_stage.inference and not two[0].runs[("pp2", 3)].inference
+    assert one[("tp1", 3)].metrics[0]["entropy"] > 0 and one[("tp1", 3)].grad_norms[0] > 0

@@ -98,10 +98,10 @@ def test_pipeline_training_keeps_up_to_pp_micro_batches_of_activations(monkeypat
     p = planner.plan(config, 2)
     rc = config.ppo_policy
     one = planner.activation_bytes(rc.model, "lm", rc.micro_batch_size, p.layout["seq"], 1, 2, rc.precision,
-                                   rc.recompute_activations, True)
+                                   rc.recompute_activations, True, logprob_chunk_tokens=rc.logprob_chunk_tokens)
     assert p.transient["ppo_policy"]["activations"] == 2 * one  # 4 micro-batches per step, PP=2 in flight
     inference = planner.activation_bytes(config.reference.model, "lm", config.reference.micro_batch_size,
-                                         p.layout["seq"], 1, 2, "fp32", False, False)
+                                         p.layout["seq"], 1, 2, "fp32", False, False, logprob_chunk_tokens=1024)
     assert p.transient["reference"]["activations"] == inference
 
 
@@ -158,6 +158,26 @@ def test_generation_batch_size_auto_takes_the_most_rows_whose_plan_fits(monkeypa
         out.stdout[-2000:] + out.stderr[-2000:]
 
 
+def test_when_no_row_can_be_decoded_the_phase_that_does_not_fit_is_named(monkeypatch):
+    """Not the KV cache is blamed where another phase (here the reference's log-probs) does not fit
+    whatever the engine decodes; where generation itself is what does not fit, the cache is."""
+    from megatron_rlhf.memory.auto import decode_slots, no_row_fits
+
+    for key in ("TP", "PP", "SAMPLES_PER_PROMPT", "ROLLOUT_BATCH_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    config = load_config(os.path.join("examples", "tiny", "grpo.yaml"), world_size=2,
+                         overrides=["generation.batch_size=auto", "reference.logprob_chunk_tokens=0"])
+    config.generation.batch_size = 1
+    one_row = planner.plan(config, 2)
+    config.generation.batch_size = "auto"
+    assert one_row.peak_phase == "reference" and one_row.phases["generate"] < one_row.peak_bytes
+    slots, _, fitted = decode_slots(config, 2, one_row.phases["generate"])
+    said = no_row_fits(fitted, one_row.phases["generate"])
+    assert slots == 0 and said.startswith("the reference phase peaks at ") and "and the generation phase fits" in said
+    slots, _, fitted = decode_slots(config, 2, one_row.phases["generate"] - 1)
+    assert slots == 0 and no_row_fits(fitted, one_row.phases["generate"] - 1).startswith("not one row's KV cache fits")
+
+
 @pytest.mark.parametrize("size", ["7b", "13b", "70b"])
 def test_free_memory_auto_chooses_what_the_plan_command_recommends(size, monkeypatch):
     """The start-up choice (memory/auto.py, every role on auto) against the recommendation of the
@@ -198,11 +218,11 @@ def test_the_plan_command_takes_the_launchers_model_size(capsys, launch_environm
     assert plan_command.main(["--config", "examples/llama2/rlhf.yaml", "--model-size", "70b", "--gpu-memory", "80GiB"]) == 0
     out = capsys.readouterr().out
     assert "TP=8 PP=2 DP=2" in out  # Llama-2-70B on 4 x 8 GPUs, as launched
-    assert "fits in 80.00 GiB with peak 76.23 GiB (train_policy) when these leave the device while idle: reference: " \
+    assert "fits in 80.00 GiB with peak 76.17 GiB (train_policy) when these leave the device while idle: reference: " \
            "weights; reward: weights; ppo_policy: main_params, optimizer_state; ppo_value: main_params, optimizer_state" in out
     for role in ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value"):
         monkeypatch.setenv(f"free_memory_{role}", "True")  # every switch on
     assert plan_command.main(["--config", "examples/llama2/rlhf.yaml", "--model-size", "70b"]) == 0
-    assert "52.13 GiB  <- peak" in capsys.readouterr().out
+    assert "52.07 GiB  <- peak" in capsys.readouterr().out
     assert plan_command.main(["--config", "examples/llama2/rlhf.yaml", "--model-size", "65b"]) == 2
     assert "MODEL_SIZE=65b: expected one of tiny, 7b" in capsys.readouterr().err

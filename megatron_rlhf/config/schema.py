@@ -297,6 +297,10 @@ class RoleConfig:
     adam_eps: float = bounded(1e-8, gt=0)  # Adam's epsilon
     clip_grad: float = bounded(1.0, ge=0)  # the gradients' global norm is clipped to this (0: off)
     recompute_activations: bool = False  # megatron's full activation recompute: less memory, one more forward
+    # An LM head's log-probs and entropy (and their backward) computed this many tokens at a time, so
+    # that no more than one chunk's fp32 [tokens, vocabulary/TP] logits is held (0: whole logits, as
+    # the batch-invariant mode always computes them). The numbers are the same (fp32: within 1e-7).
+    logprob_chunk_tokens: int = bounded(1024, ge=0)
     # The core attention where transformer-engine is absent (models/attention.py): fused (torch's
     # scaled_dot_product_attention: causal without a mask, flash or memory-efficient kernels, no
     # s x s scores kept) or local (megatron's own: an explicit mask and the s x s scores in memory).
@@ -842,6 +846,11 @@ class RLHFConfig:
         while key and key not in self.origin:
             key = key.rpartition(".")[0]
         return self.origin.get(key, self.origin.get("", "<config>"))
+
+    def logprob_chunk_tokens(self, role: str) -> int:
+        """The tokens per chunk of ``role``'s log-probs as its passes compute them (0: whole logits,
+        as the batch-invariant mode always does)."""
+        return 0 if self.trainer.batch_invariant else self.role(role).logprob_chunk_tokens
 
     def at(self, key: str) -> str:
         """``file: key`` for messages, naming the environment variable that set it when one did."""

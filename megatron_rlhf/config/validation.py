@@ -141,7 +141,7 @@ def _checks_across_keys(config: RLHFConfig, world_size: Optional[int]) -> List[s
     world, layout = _world_problems(config, world_size)
     if layout is None:  # a size below one: nothing can be checked across keys
         return problems
-    problems += world + _unread_keys(config) + _untrained_role_keys(config)
+    problems += world + _unread_keys(config) + _untrained_role_keys(config) + _log_prob_keys(config)
     if config.stage != "rl":  # a stage's batches are of its rows (RL's, of the rollout: _run_problems)
         problems += _stage_problems(config, layout.dp)
     problems += _reward_problems(config) + _algorithm_problems(config)
@@ -880,6 +880,18 @@ def _untrained_role_keys(config: RLHFConfig) -> List[str]:
                         else f"remove it ({role} is frozen; trained: {', '.join(config.trainable_roles)})")
                 problems.append(f"{config.at(role + '.' + key)}: stage {config.stage} does not train {role}, so "
                                 f"{role}.{key} would do nothing; {hint}")
+    return problems
+
+
+def _log_prob_keys(config: RLHFConfig) -> List[str]:
+    """logprob_chunk_tokens set on a role that computes no log-probs (a scalar head; the judge,
+    which only generates), refused by name."""
+    problems = []
+    for role in config.roles:
+        if f"{role}.logprob_chunk_tokens" in config.origin and (ROLE_HEADS[role] == "scalar" or role == "judge"):
+            what = "has a scalar head" if ROLE_HEADS[role] == "scalar" else "only generates"
+            problems.append(f"{config.at(role + '.logprob_chunk_tokens')}: {role} {what}, so no log-probs are computed "
+                            "from its logits; remove it")
     return problems
 
 

@@ -80,9 +80,24 @@ def decode_slots(config: RLHFConfig, world_size: int, device_memory: int) -> Tup
         config.generation.batch_size = original
 
 
+def no_row_fits(fitted: Plan, device_memory: int) -> str:
+    """Why not one row can be decoded (``fitted``: the plan at one row), naming what does not fit:
+    the generation phase with one row's KV cache, or another phase, which no batch size changes."""
+    from megatron_rlhf.units import human
+
+    free, peak, kv = human(device_memory), human(fitted.peak_bytes), human(fitted.transient["policy"]["kv_cache"])
+    if fitted.phases["generate"] <= device_memory:
+        return (f"the {fitted.peak_phase} phase peaks at {peak} against {free} free whatever the rows decoded at once "
+                f"(one row's KV cache is {kv}, and the generation phase fits); free memory there (free_memory, "
+                "logprob_chunk_tokens, micro-batches, TP/PP) or shorten the sequences")
+    return (f"not one row's KV cache fits: with a single row ({kv} of cache) the generation phase peaks at "
+            f"{human(fitted.phases['generate'])} against {free} free; free more memory (free_memory, TP/PP) or "
+            "shorten the sequences")
+
+
 def resolve_decode_slots(config: RLHFConfig, world_size: int, output_dir: str, device_memory: int) -> Optional[dict]:
     """``generation.batch_size: auto`` chosen for ``device_memory`` (device_budget()), set in the
-    config, printed and recorded (rank 0). Raises RunError when not one row's cache fits."""
+    config, printed and recorded (rank 0). Raises RunError when not one row fits (no_row_fits says why)."""
     from megatron_rlhf.errors import RunError
     from megatron_rlhf.units import human
 
@@ -90,9 +105,7 @@ def resolve_decode_slots(config: RLHFConfig, world_size: int, output_dir: str, d
         return None
     slots, rows, fitted = decode_slots(config, world_size, device_memory)
     if slots == 0:
-        raise RunError(f"generation.batch_size: auto: not one row's KV cache fits: with a single row the peak is "
-                       f"{human(fitted.peak_bytes)} ({fitted.peak_phase}) against {human(device_memory)} free on the "
-                       "device; free more memory (free_memory, TP/PP) or shorten the sequences", collective=True)
+        raise RunError(f"generation.batch_size: auto: {no_row_fits(fitted, device_memory)}", collective=True)
     config.generation.batch_size = slots
     reason = (f"{slots} of {rows} rows decoded at once per DP rank (the KV cache {human(fitted.transient['policy']['kv_cache'])}"
               f", the peak {human(fitted.peak_bytes)} in {fitted.peak_phase}, against {human(device_memory)} free on the "

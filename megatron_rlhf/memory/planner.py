@@ -169,7 +169,7 @@ def _owned_elements(numels: List[int], buffer: int, dp: int, dp_rank: int = 0) -
 
 def activation_bytes(arch: ModelArchConfig, head: str, micro_batch: int, seq: int, tp: int, pp: int,
                      precision: str, recompute: bool, training: bool, padded_vocab: Optional[int] = None,
-                     attention: str = "fused") -> int:
+                     attention: str = "fused", logprob_chunk_tokens: int = 0) -> int:
     """Estimate of the activations one micro-batch keeps on a stage, counted as autograd keeps them
     per token of a layer (after Korthikanti et al. 2022, for a SwiGLU MLP and grouped-query heads,
     no sequence parallelism, no dropout): the two norms' inputs and outputs 4h; the query, key and
@@ -178,8 +178,10 @@ def activation_bytes(arch: ModelArchConfig, head: str, micro_batch: int, seq: in
     activation and product 4f; the attention's own (fused: the kernel's contiguous q, k, v and its
     fp32 log-sum-exp per head, a sliding window's s x s booleans; local: the scores and
     probabilities a s per token (the softmax keeps its output) and, with groups, the keys and values repeated per head);
-    all but the norms split over TP. Then the fp32 logits. With full recomputation only each
-    layer's input is kept. A forward-only pass keeps about one layer's worth at a time."""
+    all but the norms split over TP. Then the fp32 logits (LOGIT_COPIES of them): of every token,
+    or of ``logprob_chunk_tokens`` tokens where an LM head's log-probs are computed in chunks. With
+    full recomputation only each layer's input is kept. A forward-only pass keeps about one layer's
+    worth at a time."""
     width = BYTES[precision]
     s, b, h, a = seq, micro_batch, arch.hidden_size, arch.num_attention_heads
     q, kv, f = a * arch.kv_channels, arch.kv_groups * arch.kv_channels, arch.ffn_hidden_size
@@ -192,11 +194,21 @@ def activation_bytes(arch: ModelArchConfig, head: str, micro_batch: int, seq: in
     if arch.num_experts:  # the most loaded stage: its layers with experts
         moe_layers = max(sum(_stage_layers(arch, pp, r)) for r in range(pp))
         per_layer += moe_layers / layers * _expert_activations_extra(arch, s * b, tp, width)
-    logits = s * b * ((padded_vocab or arch.padded_vocab_size(tp)) // tp if head == "lm" else 1) * 4
-    if not training:
-        return int(per_layer + logits)
-    kept = s * b * h * width * layers if recompute else per_layer * layers
-    return int(kept + 2 * logits)  # logits and their fp32 softmax for the loss
+    kept = (s * b * h * width * layers if recompute else per_layer * layers) if training else per_layer
+    if head != "lm":
+        return int(kept + s * b * 4 * (2 if training else 1))  # a scalar head's fp32 values (and their gradient)
+    chunked = bool(logprob_chunk_tokens)
+    rows = min(logprob_chunk_tokens, s * b) if chunked else s * b
+    vocab = (padded_vocab or arch.padded_vocab_size(tp)) // tp
+    return int(kept + rows * vocab * 4 * LOGIT_COPIES[chunked, training])
+
+
+# The fp32 [rows, vocabulary/TP] tensors a log-prob pass holds at once (bench/chunked_log_probs.py
+# measured them): whole logits, their copy divided by the temperature (megatron's cross entropy
+# then works in place), and in training the entropy's shifted copy and exponentials, the softmax
+# kept for backward and its gradient; a chunk's in place where it can (models/vocab_parallel.py).
+LOGIT_COPIES = {(False, False): 2, (False, True): 5, (True, False): 2, (True, True): 4}
+
 
 
 def _expert_activations_extra(arch: ModelArchConfig, tokens: int, tp: int, width: int) -> float:
@@ -214,13 +226,13 @@ def decode_step_bytes(arch: ModelArchConfig, rows: int, seq: int, tp: int, pp: i
                       padded_vocab: Optional[int] = None) -> int:
     """The working memory of one decode step of ``rows`` slots: a forward of one token per row (one
     layer's activations at a time, attention scores over up to ``seq`` cached positions per head),
-    then sampling over the fp32 logits (the logits, their probabilities, the sorted probabilities
-    with their int64 indices, the log-probs). On CUDA the step is captured, and this is what the
+    then sampling over the fp32 logits (the forward's logits and their copy divided by the
+    temperature, their probabilities, the sorted probabilities with their int64 indices, the log-probs). On CUDA the step is captured, and this is what the
     graphs' memory pool holds for the whole engine call (generation/decode.py)."""
     forward = activation_bytes(arch, "lm", rows, 1, tp, pp, precision, False, False, padded_vocab)
     scores = rows * seq * (arch.num_attention_heads // tp) * 4
     vocab = (padded_vocab or arch.padded_vocab_size(tp)) // tp
-    return int(forward + scores + rows * vocab * (4 + 4 + 12 + 4))
+    return int(forward + scores + rows * vocab * (4 + 12 + 4))
 
 
 def kv_cache_bytes(arch: ModelArchConfig, batch: int, seq: int, tp: int, pp: int, precision: str) -> int:
@@ -324,7 +336,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
         transient[name] = {
             "activations": in_flight * activation_bytes(rc.model, ROLE_HEADS[name], micro_batch_rows(config, name), seq, rtp, rpp,
                                                         rc.precision, rc.recompute_activations, trainable, vocab,
-                                                        rc.attention),
+                                                        rc.attention, config.logprob_chunk_tokens(name)),
             # The engine's slots and its scratch slot (generation/generate.slot_cache); only RL generates.
             "kv_cache": kv_cache_bytes(rc.model, config.generation.slots(rows) + 1, seq_of_role, rtp, rpp,
                                        rc.precision) if generates else 0,

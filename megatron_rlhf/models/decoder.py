@@ -207,12 +207,15 @@ def build_model(
     pg_collection=None,
     padded_vocab: Optional[int] = None,
     attention: str = "fused",
+    logprob_chunk_tokens: int = 0,
 ) -> torch.nn.Module:
     """This rank's piece of the model (its pipeline stage, its TP shard), on the platform device.
     ``pg_collection``: the process groups of ``parallel`` when it is not the run's layout
     (runtime/layouts.py); ``padded_vocab``: the vocabulary rows (default: padded for ``parallel``'s TP;
     models that exchange weights across layouts need one size); ``attention``: the core attention
-    where transformer-engine is absent (models/attention.py)."""
+    where transformer-engine is absent (models/attention.py); ``logprob_chunk_tokens``: an LM head's
+    log-probs and entropy computed that many tokens at a time (0: from whole logits;
+    models/vocab_parallel.py)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
@@ -250,6 +253,8 @@ def build_model(
         model.output_layer = ScalarHead(config, arch.hidden_size)
     elif head not in ("lm", "scalar"):
         raise ValueError(f"head must be 'lm' or 'scalar', got {head!r}")
+    elif post_process:
+        model.logprob_chunk_tokens = logprob_chunk_tokens
     if batch_invariant.enabled():
         batch_invariant.install(model)
     model = get_platform().place_module(model)

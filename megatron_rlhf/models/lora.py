@@ -166,7 +166,17 @@ def add_adapters(model: torch.nn.Module, rank: int, alpha: float, targets, seed:
         adapted.append(name)
     if not adapted:
         raise ValueError(f"LoRA target_modules {list(targets)} match no linear of the model")
+    if inner.config.recompute_granularity is not None and getattr(inner, "pre_process", False):
+        # megatron's recompute runs a layer block under a checkpoint whose output needs a gradient only
+        # if an input does; with the base frozen the embeddings' output does not, and no adapter
+        # would learn (what PEFT's enable_input_require_grads answers for gradient checkpointing).
+        inner.embedding.register_forward_hook(_output_requires_grad)
     return adapted
+
+
+def _output_requires_grad(module, inputs, output):
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
 
 
 def adapted_linears(model: torch.nn.Module) -> Iterator[torch.nn.Module]:

@@ -18,7 +18,9 @@ import torch
 from megatron_rlhf.models import routing
 from megatron_rlhf.models.batches import MicroBatch
 from megatron_rlhf.models.decoder import global_rank, groups_of, unwrap
-# loss_fn(output, micro_batch) -> (loss sum, count, metrics dict); output: [b, s, vocab/TP] or [b, s, 1].
+from megatron_rlhf.models.vocab_parallel import ChunkedLogits, chunked_lm_head
+# loss_fn(output, micro_batch) -> (loss sum, count, metrics dict); output: [b, s, vocab/TP] or [b, s, 1]
+# (ChunkedLogits for a function marked vocab_parallel.reads_chunked, on a model that chunks).
 # Megatron's per-token loss path (calculate_per_token_loss, set on every model): the gradient is that
 # of sum(loss sums) / sum(counts) over every micro-batch of the step on every DP rank (the count is
 # all-reduced over DP and broadcast from the last pipeline stage before the grads are scaled by it).
@@ -68,26 +70,29 @@ def forward_backward(
     seq = max(mb["tokens"].shape[1] for mb in micro_batches)
     recording = routing.recording(model) if routes_out is not None else contextlib.nullcontext()
 
-    def collect_output(output: torch.Tensor, mb: MicroBatch):  # a loss's shape; nothing is trained
+    def collect_output(output, mb: MicroBatch):  # a loss's shape; nothing is trained
         kept = output.detach() if reduce is None else reduce(output, mb)
-        return output.sum() * 0.0, torch.ones((), dtype=torch.int), {"output": kept}
+        zero = (output.hidden if isinstance(output, ChunkedLogits) else output).sum() * 0.0
+        return zero, torch.ones((), dtype=torch.int), {"output": kept}
 
-    def call_loss(fn: LossFn, mb: MicroBatch, output: torch.Tensor):
+    reader = loss_fn or reduce
+
+    def call_loss(fn: LossFn, mb: MicroBatch, chunked, output: torch.Tensor):
         # megatron calls loss_func(output); the micro-batch is bound first. Hand it a copy of the
         # loss, so metrics that share its storage (loss.detach()) keep the value whatever megatron
         # does to it in place.
-        loss, count, metrics = fn(output, mb)
+        loss, count, metrics = fn(output if chunked is None else chunked(output), mb)
         return loss.clone(), count.to(torch.int), metrics
 
     def forward_step_func(data_iterator, model_chunk):
         mb = next(data_iterator)
-        with routing.replaying(model_chunk, mb.get(routing.ROUTES)):
+        with routing.replaying(model_chunk, mb.get(routing.ROUTES)), chunked_lm_head(model_chunk, reader) as chunked:
             output = model_forward(model_chunk, mb)
         if routes_out is not None:
             flat = routing.recorded(model_chunk, mb["tokens"].numel())
             dtype = routing.routes_dtype(unwrap(model_chunk).config.num_moe_experts)
             routes_out.append(routing.as_rows(flat, *mb["tokens"].shape, dtype))
-        return output, partial(call_loss, loss_fn or collect_output, mb)
+        return output, partial(call_loss, loss_fn or collect_output, mb, chunked)
 
     with recording:
         return get_forward_backward_func(pp_size=groups.pp.size())(

@@ -17,7 +17,7 @@ from megatron_rlhf.models.batches import micro_batches_of, state_values, ungroup
 from megatron_rlhf.models.decoder import groups_of
 from megatron_rlhf.models.pipeline import Reduce, broadcast_from_last_stage
 from megatron_rlhf.models.routing import ROUTES
-from megatron_rlhf.models.vocab_parallel import next_token_log_probs
+from megatron_rlhf.models.vocab_parallel import next_token_log_probs, reads_chunked
 from megatron_rlhf.roles.base import Role
 
 
@@ -44,6 +44,7 @@ def log_probs(role: Role, tokens: torch.Tensor, lengths: torch.Tensor, vocab_siz
 
     tp_group = groups_of(role.model).tp
 
+    @reads_chunked
     def reduce(output, mb):
         return next_token_log_probs(output, mb["tokens"], vocab_size, temperature, tp_group)
 

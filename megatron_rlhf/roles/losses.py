@@ -21,9 +21,9 @@ import torch
 
 from megatron_rlhf import ppo
 from megatron_rlhf.config.schema import PPOConfig
-from megatron_rlhf.models.batches import at_actions, state_values
+from megatron_rlhf.models.batches import state_values
 from megatron_rlhf.models.pipeline import LossFn, broadcast_from_last_stage, sum_over
-from megatron_rlhf.models.vocab_parallel import next_token_log_probs, token_entropy
+from megatron_rlhf.models.vocab_parallel import log_probs_and_entropy, reads_chunked
 
 
 def policy_stats(ppo_config: PPOConfig) -> Tuple[str, ...]:
@@ -41,14 +41,15 @@ def policy_loss_fn(vocab_size: int, temperature: float, ppo_config: PPOConfig, k
     mode, kl_in_loss, estimator = ppo_config.loss_agg_mode, ppo_config.kl_in_loss, ppo_config.kl_estimator
     terms_of, dual = ppo.POLICY_LOSSES[ppo_config.policy_loss], ppo_config.clip_ratio_c
 
+    @reads_chunked
     def loss_fn(output, mb):
-        logp = next_token_log_probs(output, mb["tokens"], vocab_size, temperature)
+        logp, entropy = log_probs_and_entropy(output, mb["tokens"], vocab_size, temperature)
         mask = mb["action_mask"]
         per_token, terms = terms_of(logp, mb["old_log_probs"], mb["advantages"], low, high, mask, dual)
         if "is_weights" in mb:  # rollout correction's importance weights (ppo/correction.py)
             per_token = per_token * mb["is_weights"]
         stats = {"clipfrac": terms["clipped"], "approx_kl": terms["approx_kl"], "ratio_dev": terms["ratio_dev"],
-                 "entropy": at_actions(token_entropy(output.detach(), vocab_size, temperature))}
+                 "entropy": entropy}
         if kl_in_loss:
             kl = ppo.kl_penalty(logp, mb["ref_log_probs"], estimator)
             per_token = per_token + kl_coef * kl

@@ -17,7 +17,7 @@ from megatron_rlhf import preference
 from megatron_rlhf.config.schema import DPOConfig, RMConfig
 from megatron_rlhf.data.steps import NO_LABEL
 from megatron_rlhf.models.pipeline import LossFn, broadcast_from_last_stage, sum_over
-from megatron_rlhf.models.vocab_parallel import next_token_log_probs
+from megatron_rlhf.models.vocab_parallel import next_token_log_probs, reads_chunked
 from megatron_rlhf.stages.batches import chosen_and_rejected
 from megatron_rlhf.runtime.host_groups import host_group
 
@@ -34,6 +34,7 @@ MEANS = {
 def sft_loss_fn(vocab_size: int) -> LossFn:
     """The next-token NLL of the response tokens (``action_mask``), a mean over the step's tokens."""
 
+    @reads_chunked
     def loss_fn(output, mb):
         mask = mb["action_mask"]
         loss_sum = preference.masked_nll_sum(next_token_log_probs(output, mb["tokens"], vocab_size), mask)
@@ -98,6 +99,7 @@ def dpo_loss_fn(vocab_size: int, dpo: DPOConfig, nll_scale: float = 0.0) -> Loss
     loss = preference.DPO_LOSSES[dpo.loss_type]
     normalized = loss.normalized(dpo.length_normalize)
 
+    @reads_chunked
     def loss_fn(output, mb):
         mask = mb["action_mask"]
         token_logps = next_token_log_probs(output, mb["tokens"], vocab_size)

@@ -54,6 +54,20 @@ def findings_of(worker: str):
 
 # -- Models, checkpoints and generation ------------------------------------------------------------
 
+@part
+class ChunkedRun:
+    inference: list  # per micro-batch, the log-probs of a forward-only pass [2, 10] (last stage; [] elsewhere)
+    metrics: list[Metrics]  # the policy loss's sums, per micro-batch of both steps (last stage)
+    grad_norms: list[float]  # of the two steps
+    grads: StateDict  # every parameter's main_grad after the first step
+    chunked: Optional[int]  # the model's logprob_chunk_tokens (None: a stage without the LM head)
+
+
+@findings_of("chunked_log_probs")
+class ChunkedLogProbs(Findings):
+    runs: dict[tuple, ChunkedRun]  # (layout, logprob_chunk_tokens) -> its run
+
+
 @findings_of("checkpoint_forward")
 class CheckpointForward(Findings):
     tokens: Tensor  # the fixed [2, 10] tokens fed
@@ -445,6 +459,12 @@ class RoleLayouts(Findings):
     resume_whole: Metrics
     resume_resumed: Metrics
     lora: dict[str, LoRAServed]  # "same" / "mixed"
+
+
+@findings_of("lora_recompute")
+class LoRARecompute(Findings):
+    grads: dict[str, StateDict]  # "on" / "off" (recompute) -> each adapter's gradient
+    grad_norms: dict[str, float]
 
 
 @findings_of("lora_run")

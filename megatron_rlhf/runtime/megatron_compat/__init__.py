@@ -12,7 +12,7 @@ megatron-core that moved one, naming each and the module to re-verify.
     ddp.py              DDP's buffers, grad-buffer free and restore, grad-sync hooks, per-token loss
     optimizer.py        optimizer shards, Adam's state, each DP rank's owned state, the unclipped grad norm
     engine.py           attention layers replaced for an engine's steps, RoPE angles and frequencies
-    tensor_parallel.py  a parallel linear's local product, cross entropy over another TP group
+    tensor_parallel.py  a parallel linear's local product (or its input kept), cross entropy over another TP group
     resharding.py       the cached plan (receives; a part run alone), SequentialMLP experts' names
     imports.py          importing megatron without torch's compiler, the MoE router's GEMM
     rope.py             megatron's unfused RoPE with its cosines computed once per angle tensor
@@ -38,8 +38,8 @@ from megatron_rlhf.runtime.megatron_compat.resharding import (reshard_part, resh
 from megatron_rlhf.runtime.megatron_compat.rope import bind_rope
 from megatron_rlhf.runtime.megatron_compat.sites import (CHECKED_MEGATRON_CORE_VERSIONS, MegatronInternalsChanged,
                                                          Site, raise_if_changed, site_problems)
-from megatron_rlhf.runtime.megatron_compat.tensor_parallel import (linear_matmuls_replaced, replace_linear_matmuls,
-                                                                   vocab_parallel_cross_entropy)
+from megatron_rlhf.runtime.megatron_compat.tensor_parallel import (column_input_kept, linear_matmuls_replaced,
+                                                                   replace_linear_matmuls, vocab_parallel_cross_entropy)
 
 _AREAS = (ddp, optimizer, engine, tensor_parallel, resharding, imports, rope)
 # Every area's anchors by name (the check reads this table, so that a test can move one).
@@ -58,7 +58,7 @@ def check() -> None:
 __all__ = [
     "ANCHORS", "CHECKED_MEGATRON_CORE_VERSIONS", "MegatronInternalsChanged", "Site", "adam_state", "attention_layers",
     "attention_replaced", "bind_rope", "bind_router_gemm", "buffer_grad_storage", "buffer_param_storage", "buffer_params", "check",
-    "ddp_buffers", "fixed_address_settings", "free_grad_buffers", "import_megatron", "inner_optimizers",
+    "column_input_kept", "ddp_buffers", "fixed_address_settings", "free_grad_buffers", "import_megatron", "inner_optimizers",
     "linear_matmuls_replaced", "replace_linear_matmuls", "main_param_tensors", "param_groups", "raise_if_changed", "reload_main_params",
     "reshard_part", "reshard_receives", "restore_grad_buffers", "rotary_angles", "owned_optimizer_state",
     "sequential_experts_resharded", "set_rope_inv_freq", "site_problems", "unclipped_grad_norm",

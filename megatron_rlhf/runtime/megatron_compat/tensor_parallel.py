@@ -15,6 +15,10 @@ ANCHORS: Dict[str, Tuple[Site, ...]] = {
         Site("tensor_parallel/layers.py", "def _forward_impl(self, input, weight, *args, **kwargs):"),
         Site("tensor_parallel/layers.py", "output_parallel = self._forward_impl(\n            input=input_parallel,"),
     ),
+    "column_input_kept": (  # the column-parallel product's TP handling of its input, done here instead
+        Site("tensor_parallel/layers.py", "allreduce_dgrad=allreduce_dgrad,\n            sequence_parallel=False if self.explicit_expert_comm else self.sequence_parallel,"),
+        Site("tensor_parallel/layers.py", "            tp_group=self.tp_group,\n        )\n\n        gather_output = self.gather_output"),
+    ),
     "cross_entropy_tp_group": (  # reads the global TP group; a model of its own layout passes its own
         Site("tensor_parallel/cross_entropy.py", "group=get_tensor_model_parallel_group()"),
         Site("tensor_parallel/cross_entropy.py", "rank = get_tensor_model_parallel_rank()"),
@@ -69,3 +73,40 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_
                                 get_tensor_model_parallel_rank=lambda *a, **k: tp_group.rank(),
                                 get_tensor_model_parallel_world_size=lambda *a, **k: tp_group.size()):
         return cross_entropy.vocab_parallel_cross_entropy(logits, target)
+
+
+def column_input_kept(linear: torch.nn.Module, weights: list):
+    """Within the block, the column-parallel ``linear`` returns its input as its product would
+    see it (gathered over the sequence under sequence parallel; its gradient all-reduced over TP,
+    as megatron's product does with ``allreduce_dgrad``) instead of the product, and appends the
+    weight each call used to ``weights`` (a tied LM head is handed the embedding's): the caller
+    computes the product itself, a piece at a time (models/vocab_parallel.py)."""
+    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                        gather_from_sequence_parallel_region)
+
+    def forward_impl(input, weight, bias, allreduce_dgrad=False, sequence_parallel=False, tp_group=None, **rest):
+        if bias is not None:
+            raise ValueError("an LM head with a bias is not modelled by the chunked log-probs")
+        group = tp_group if tp_group is not None else linear.tp_group
+        if sequence_parallel:
+            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=group)
+        elif allreduce_dgrad:
+            input = copy_to_tensor_model_parallel_region(input, group=group)
+        weights.append(weight)
+        return _ContiguousGrad.apply(input)
+
+    return methods_replaced([linear], "_forward_impl", lambda _, __: forward_impl)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose gradient leaves contiguous: the gradient of a kept head input arrives as the
+    transpose GPTModel made of the head's output, and megatron's TP all-reduce of a gradient
+    reduces ``grad.contiguous()``, a copy it then drops, where the gradient is not contiguous."""
+
+    @staticmethod
+    def forward(ctx, input):
+        return input.view_as(input)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
