@@ -20,6 +20,10 @@ class NonFiniteError(RunError):
     """A loss, gradient, reward or weight that is NaN or infinite (or beyond its bound)."""
 
 
+class NoGradientError(RunError):
+    """A training pass whose output needs no gradient: the trained parameters before it would never learn."""
+
+
 class RewardFunctionError(RunError):
     """A reward function that failed or broke its contract (one finite number per response)."""
 

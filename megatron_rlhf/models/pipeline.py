@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_rlhf.errors import NoGradientError
 from megatron_rlhf.models import routing
 from megatron_rlhf.models.batches import MicroBatch
 from megatron_rlhf.models.decoder import global_rank, groups_of, unwrap
@@ -76,6 +77,7 @@ def forward_backward(
         return zero, torch.ones((), dtype=torch.int), {"output": kept}
 
     reader = loss_fn or reduce
+    trains = not forward_only and any(p.requires_grad for p in model.parameters())
 
     def call_loss(fn: LossFn, mb: MicroBatch, chunked, output: torch.Tensor):
         # megatron calls loss_func(output); the micro-batch is bound first. Hand it a copy of the
@@ -88,6 +90,10 @@ def forward_backward(
         mb = next(data_iterator)
         with routing.replaying(model_chunk, mb.get(routing.ROUTES)), chunked_lm_head(model_chunk, reader) as chunked:
             output = model_forward(model_chunk, mb)
+        if trains and not output.requires_grad:  # megatron's backward would then skip it, and train nothing
+            raise NoGradientError(f"pipeline stage {groups.pp.rank()}: the training pass's output needs no gradient, so "
+                                  "none of the trained parameters before it would learn (a frozen block whose inputs "
+                                  "need no gradient either, as under activation recompute?)")
         if routes_out is not None:
             flat = routing.recorded(model_chunk, mb["tokens"].numel())
             dtype = routing.routes_dtype(unwrap(model_chunk).config.num_moe_experts)

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from megatron_rlhf.config.schema import REPLAYING_ROLES, ROLE_HEADS, RLHFConfig, RoleConfig
+from megatron_rlhf.errors import NoGradientError
 from megatron_rlhf.memory.kinds import WEIGHTS, EMSSwitches
 from megatron_rlhf.memory.manager import RoleMemory
 from megatron_rlhf.models import routing
@@ -68,7 +69,10 @@ class Role:
             raise RuntimeError(f"role {self.name} is not trainable")
         self._require_weights()
         self.model.train()
-        result = train_step(self.model, self.optimizer, micro_batches, loss_fn)
+        try:
+            result = train_step(self.model, self.optimizer, micro_batches, loss_fn)
+        except NoGradientError as e:
+            raise NoGradientError(f"{self.name}: {e}") from None
         self.memory.optimizer_stepped()
         return result
 

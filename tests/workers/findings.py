@@ -465,6 +465,7 @@ class RoleLayouts(Findings):
 class LoRARecompute(Findings):
     grads: dict[str, StateDict]  # "on" / "off" (recompute) -> each adapter's gradient
     grad_norms: dict[str, float]
+    unfixed: str  # the training pass's error with recompute before its fix ("trained": none)
 
 
 @findings_of("lora_run")

@@ -1,5 +1,7 @@
 """One training step of LoRA adapters on the tiny model with megatron's full activation recompute
-on and off (the base frozen, the same adapters), fp32: every adapter's gradient and the step's norm."""
+on and off (the base frozen, the same adapters), fp32: every adapter's gradient and the step's norm;
+and the step with recompute as it was before its fix (the embeddings' output needing no gradient):
+what the training pass says."""
 
 import torch
 from common import save, setup, tiny_arch
@@ -8,6 +10,8 @@ from tests.workers.findings import LoRARecompute
 from megatron_rlhf.config.names import LORA_TARGETS
 from megatron_rlhf.config.schema import RoleConfig
 from megatron_rlhf.models.decoder import build_model, unwrap
+from megatron_rlhf.errors import NoGradientError
+from megatron_rlhf.models import lora
 from megatron_rlhf.models.lora import add_adapters, is_adapter
 from megatron_rlhf.models.training import next_token_loss, train_step, wrap_for_training
 
@@ -30,4 +34,13 @@ def step(recompute: bool):
 
 
 runs = {"off": step(False), "on": step(True)}
-save(LoRARecompute(grads={k: g for k, (g, _) in runs.items()}, grad_norms={k: n for k, (_, n) in runs.items()}))
+fixed, lora._output_requires_grad = lora._output_requires_grad, lambda module, inputs, output: None
+try:
+    step(True)
+    unfixed = "trained"
+except NoGradientError as e:
+    unfixed = str(e)
+finally:
+    lora._output_requires_grad = fixed
+save(LoRARecompute(grads={k: g for k, (g, _) in runs.items()}, grad_norms={k: n for k, (_, n) in runs.items()},
+                   unfixed=unfixed))
