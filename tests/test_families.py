@@ -67,8 +67,11 @@ REFUSED = [  # (model_type, field, value, what the error says)
     ("llama", "partial_rotary_factor", 0.5, r"partial_rotary_factor: not a field of the llama family that we model"),
     ("llama", "sliding_window", 8, r"sliding_window: not a field of the llama family"),
     ("llama", "rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
-     r"rope type 'dynamic' is not supported \(supported: default, linear, llama3\): dynamic NTK"),
-    ("llama", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}, r"rope type 'yarn' is not supported"),
+     r"rope type 'dynamic' is not supported \(supported: default, linear, llama3, yarn\): dynamic NTK"),
+    ("llama", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "attention_factor": 1.2,
+                                  "original_max_position_embeddings": 64},
+     r"rope parameters attention_factor are not supported for rope type 'yarn' \(supported: rope_theta, factor, "
+     r"original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim, truncate\)"),
     ("llama", "rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4, "attention_factor": 1.0},
      r"rope parameters attention_factor are not supported for rope type 'linear'"),
     ("qwen2", "use_sliding_window", True, r"use_sliding_window: True is not supported"),
@@ -124,19 +127,33 @@ def test_a_tied_checkpoint_may_store_its_head_only_as_the_embedding(tmp_path):
 
 
 def test_rope_scaling_equals_transformers_frequencies():
-    """Our llama3 / linear frequencies against transformers' own rope initialisation."""
+    """Our llama3 / linear / yarn frequencies and YaRN's attention factor against transformers' own
+    rope initialisation (Qwen3's 128K setting, DeepSeek's mscale pair, an untruncated ramp, a factor
+    read from the windows' ratio)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from megatron_rlhf.config.families import arch_from_hf_config
-    from megatron_rlhf.models.decoder import rope_inv_freq
+    from megatron_rlhf.models.decoder import make_transformer_config, rope_inv_freq
+    from megatron_rlhf.config.schema import ParallelConfig
+    from megatron_rlhf.runtime.megatron_compat import rope_attention_factor
 
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32768}
     for params in ({"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                   {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}):
-        config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_parameters=params)
-        expected, _ = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+                   {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}, yarn,
+                   {**yarn, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 16, "beta_slow": 2},
+                   {**yarn, "truncate": False}, {**yarn, "factor": None}):
+        config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_parameters=params,
+                                          max_position_embeddings=131072)
+        expected, attention_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
         arch = arch_from_hf_config({**config.to_dict(), "intermediate_size": 1, "num_hidden_layers": 1, "vocab_size": 8}, "x")
-        assert torch.allclose(rope_inv_freq(arch), expected.float(), rtol=1e-6, atol=0), params["rope_type"]
+        assert torch.allclose(rope_inv_freq(arch), expected.float(), rtol=1e-6, atol=0), params
+        if params["rope_type"] == "yarn":
+            megatron_config = make_transformer_config(arch, ParallelConfig())
+            assert rope_attention_factor(megatron_config) == pytest.approx(attention_factor, rel=1e-12), params
+    assert rope_attention_factor(make_transformer_config(arch_from_hf_config(
+        {**transformers.LlamaConfig(hidden_size=64, num_attention_heads=4).to_dict(), "intermediate_size": 1,
+         "num_hidden_layers": 1, "vocab_size": 8}, "x"), ParallelConfig())) == 1.0
 
 
 def test_a_family_fixes_its_features_in_the_config(tmp_path):

@@ -94,16 +94,18 @@ GENERIC = (
     "begin_suppress_tokens", "_attn_implementation_autoset", "attn_implementation",
 )
 ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_parameters")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _ROPE_KEYS = {
     "default": ("rope_type", "type", "rope_theta"),
     "linear": ("rope_type", "type", "rope_theta", "factor"),
     "llama3": ("rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"),
+    # not attention_factor: megatron derives the attention's factor from factor, mscale and mscale_all_dim
+    "yarn": ("rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim", "truncate"),
 }
 _ROPE_NOT_MODELLED = {
     "dynamic": "dynamic NTK scaling changes the frequencies with each sequence's length",
-    "yarn": "YaRN also rescales the attention logits",
     "longrope": "LongRoPE's per-dimension factors depend on the sequence length",
 }
 
@@ -257,6 +259,15 @@ def _rope(cfg: dict) -> Tuple[Dict[str, Any], List[str]]:
         return {}, [f"rope parameters {', '.join(extra)} are not supported for rope type {kind!r} "
                     f"(supported: {', '.join(_ROPE_KEYS[kind][2:])})"]
     out: Dict[str, Any] = {"rotary_base": float(theta), "rope_scaling": "none" if kind == "default" else kind}
+    if kind == "yarn":  # as transformers reads it (modeling_rope_utils._compute_yarn_parameters)
+        original = int(params.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
+        out.update(rope_scaling_factor=float(params.get("factor") or cfg["max_position_embeddings"] / original),
+                   rope_original_max_position_embeddings=original,
+                   rope_beta_fast=float(params.get("beta_fast") or 32), rope_beta_slow=float(params.get("beta_slow") or 1),
+                   rope_truncate=bool(params.get("truncate", True)))
+        if params.get("mscale") and params.get("mscale_all_dim"):
+            out.update(rope_mscale=float(params["mscale"]), rope_mscale_all_dim=float(params["mscale_all_dim"]))
+        return out, []
     if kind != "default":
         out["rope_scaling_factor"] = float(params.get("factor", 1.0))
     if kind == "llama3":
@@ -276,6 +287,11 @@ def _rope_parameters(arch: ModelArchConfig) -> dict:
     if arch.rope_scaling == "llama3":
         out.update(low_freq_factor=arch.rope_low_freq_factor, high_freq_factor=arch.rope_high_freq_factor,
                    original_max_position_embeddings=arch.rope_original_max_position_embeddings)
+    if arch.rope_scaling == "yarn":
+        out.update(original_max_position_embeddings=arch.rope_original_max_position_embeddings,
+                   beta_fast=arch.rope_beta_fast, beta_slow=arch.rope_beta_slow, truncate=arch.rope_truncate)
+        if arch.rope_mscale is not None:
+            out.update(mscale=arch.rope_mscale, mscale_all_dim=arch.rope_mscale_all_dim)
     return out
 
 

@@ -136,13 +136,22 @@ class ModelArchConfig:
     rotary_base: float = bounded(10000.0, gt=0)  # RoPE's theta
     # RoPE frequency scaling: "linear" divides every frequency by the factor; "llama3" (Llama 3.1)
     # divides the low frequencies, keeps the high ones and interpolates between, from the wavelength
-    # bounds original_max_position_embeddings / {low,high}_freq_factor.
-    rope_scaling: Literal["none", "linear", "llama3"] = "none"
-    rope_scaling_factor: float = bounded(1.0, gt=0)  # linear and llama3 scaling: the factor
+    # bounds original_max_position_embeddings / {low,high}_freq_factor; "yarn" (Qwen2.5, Qwen3 past
+    # their original window) divides the frequencies that turn fewer than beta_slow times in the
+    # original window, keeps those that turn more than beta_fast times, ramps between, and scales the
+    # attention's cosines and sines by 0.1 ln(factor) + 1 (or mscale's ratio).
+    rope_scaling: Literal["none", "linear", "llama3", "yarn"] = "none"
+    rope_scaling_factor: float = bounded(1.0, gt=0)  # linear, llama3 and yarn scaling: the factor
     rope_low_freq_factor: float = bounded(1.0, gt=0)  # llama3 scaling: the low-frequency wavelength bound's factor
     rope_high_freq_factor: float = bounded(4.0, gt=0)  # llama3 scaling: the high-frequency wavelength bound's factor
-    # llama3 scaling: the context the model was trained at
+    # llama3 and yarn scaling: the context the model was trained at
     rope_original_max_position_embeddings: Optional[int] = bounded(None, ge=1)
+    rope_beta_fast: float = bounded(32.0, gt=0)  # yarn: rotations in the original window above which a frequency is kept
+    rope_beta_slow: float = bounded(1.0, gt=0)  # yarn: rotations below which it is divided by the factor
+    # yarn: the attention factor is mscale's over mscale_all_dim's when both are set (DeepSeek's), else of the factor alone
+    rope_mscale: Optional[float] = bounded(None, gt=0)
+    rope_mscale_all_dim: Optional[float] = bounded(None, gt=0)
+    rope_truncate: bool = True  # yarn: the ramp's bounds rounded to whole dimensions
     norm_epsilon: float = bounded(1e-5, gt=0)  # RMSNorm's epsilon
     # Mixture of experts: num_experts SwiGLU experts of width moe_ffn_hidden_size, each token sent
     # to moe_router_topk of them by a softmax router (None: the dense MLP in every layer). Layer i

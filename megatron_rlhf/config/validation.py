@@ -59,12 +59,11 @@ def _feature_problems(m) -> List[Problem]:
     problems: List[Problem] = []
     if m.head_dim is not None and m.head_dim % 2:
         problems.append((("head_dim",), f"RoPE rotates pairs of channels; {m.head_dim} is odd"))
-    if m.rope_scaling == "llama3":
-        if m.rope_original_max_position_embeddings is None:
-            problems.append((("rope_original_max_position_embeddings",), "rope_scaling 'llama3' needs it"))
-        if m.rope_low_freq_factor >= m.rope_high_freq_factor:
-            problems.append((("rope_low_freq_factor", "rope_high_freq_factor"), f"need low < high, got "
-                             f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}"))
+    if m.rope_scaling in ("llama3", "yarn") and m.rope_original_max_position_embeddings is None:
+        problems.append((("rope_original_max_position_embeddings",), f"rope_scaling {m.rope_scaling!r} needs it"))
+    if m.rope_scaling == "llama3" and m.rope_low_freq_factor >= m.rope_high_freq_factor:
+        problems.append((("rope_low_freq_factor", "rope_high_freq_factor"), f"need low < high, got "
+                         f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}"))
     return problems + _expert_problems(m)
 
 

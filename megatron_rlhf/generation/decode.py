@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_rlhf.generation.packing import StepLayout, visible
+from megatron_rlhf.generation.packing import StepLayout, rope_factors, visible
 from megatron_rlhf.generation.schedule import ScheduledStep
 from megatron_rlhf.runtime.platform import get_platform
 
@@ -63,16 +63,15 @@ class DecodeInputs:
 
 
 def decode_layout(positions: torch.Tensor, decoding: torch.Tensor, scratch_slot: int, rotary: torch.Tensor,
-                  window, extent: int, dtype: torch.dtype) -> StepLayout:
+                  window, extent: int, dtype: torch.dtype, rope_factor: float = 1.0) -> StepLayout:
     """The layout of a decode step over slots 0..R-1 (``positions`` [R], ``decoding`` [R] bool):
     each slot's token at its position (a slot not decoding writes into ``scratch_slot``), attending
     to its positions so far within the first ``extent``. Device work only."""
     rows = positions.shape[0]
     slots = torch.where(decoding, torch.arange(rows, device=positions.device), scratch_slot)
-    angles = rotary.index_select(0, positions)
     allowed = visible(positions, extent, window)
     bias = torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill_(~allowed, float("-inf"))
-    return StepLayout(positions, slots, torch.cos(angles).to(dtype), torch.sin(angles).to(dtype), [], window, 0,
+    return StepLayout(positions, slots, *rope_factors(rotary.index_select(0, positions), rope_factor, dtype), [], window, 0,
                       (0, rows), None, bias[:, None, None, :])
 
 

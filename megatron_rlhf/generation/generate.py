@@ -321,7 +321,7 @@ class EngineStep:
         """A decode step after its inputs' copy: device work of the bucket's shapes only."""
         packer, rows = self.packer, inputs.shape[1]
         layout = decode_layout(inputs[POSITION], inputs[DECODING].bool(), packer.scratch_slot, packer.rotary,
-                               packer.window, extent, packer.dtype)
+                               packer.window, extent, packer.dtype, packer.rope_factor)
         logits = self.stage.forward(self.responses.last_token[:rows].unsqueeze(0), layout, None)
         sampled, chosen = self._sample(logits, inputs[ROW], inputs[COUNTER])
         self.responses.record_decode(inputs, sampled, chosen)

@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from megatron_rlhf.generation.schedule import ScheduledStep
+from megatron_rlhf.runtime import megatron_compat as compat
 
 @dataclasses.dataclass
 class PrefillGroup:
@@ -89,6 +90,11 @@ def _group(starts: Sequence[int], n: int, offset: int, members: List[int], slots
     return PrefillGroup(first + steps, None, mask, offset, cached_in)
 
 
+def rope_factors(angles: torch.Tensor, rope_factor: float, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cosines and sines of ``angles``, as megatron's attention makes them (times YaRN's factor)."""
+    return (torch.cos(angles) * rope_factor).to(dtype), (torch.sin(angles) * rope_factor).to(dtype)
+
+
 def visible(query_positions: torch.Tensor, extent: int, window: Optional[int]) -> torch.Tensor:
     """[len(query_positions), extent]: the cache positions each query position attends to (causal,
     within ``window`` positions before it when a sliding window is set)."""
@@ -98,11 +104,11 @@ def visible(query_positions: torch.Tensor, extent: int, window: Optional[int]) -
 
 def pack_step(prompt_lengths: Sequence[int], prompt_slots: Sequence[int], decode_slots: Sequence[int],
               decode_positions: Sequence[int], rotary: torch.Tensor, window: Optional[int], dtype: torch.dtype,
-              device: torch.device, prompt_offsets: Optional[Sequence[int]] = None) -> StepLayout:
+              device: torch.device, prompt_offsets: Optional[Sequence[int]] = None, rope_factor: float = 1.0) -> StepLayout:
     """The layout of a step feeding prompts of ``prompt_lengths`` into ``prompt_slots`` (at
     positions ``prompt_offsets`` on, after what the slot's cache holds; default 0), then one token
     for each of ``decode_slots`` at ``decode_positions``. ``rotary`` [L, 1, 1, dim]: the model's
-    angles by position."""
+    angles by position; ``rope_factor``: YaRN's on their cosines and sines."""
     offsets = list(prompt_offsets) if prompt_offsets is not None else [0] * len(prompt_lengths)
     starts, total = [], 0
     for n in prompt_lengths:
@@ -124,8 +130,7 @@ def pack_step(prompt_lengths: Sequence[int], prompt_slots: Sequence[int], decode
         first = torch.tensor([a - o for a, o in zip(starts, offsets)], device=device, dtype=torch.long)
         positions = torch.cat([torch.arange(total, device=device) - first[segment], positions])
         slots = torch.cat([torch.tensor(list(prompt_slots), device=device, dtype=torch.long)[segment], slots])
-    angles = rotary.index_select(0, positions)
-    layout = StepLayout(positions, slots, torch.cos(angles).to(dtype), torch.sin(angles).to(dtype),
+    layout = StepLayout(positions, slots, *rope_factors(rotary.index_select(0, positions), rope_factor, dtype),
                         [_group(starts, prompt_lengths[g[0]], offsets[g[0]], g, prompt_slots, window, device)
                          for g in prefill_groups(prompt_lengths, offsets)],
                         window, total)
@@ -144,6 +149,7 @@ class StepPacker:
     def __init__(self, prompts: torch.Tensor, lengths: list, pad_id: int, rotary: torch.Tensor, config, pad_to: int,
                  scratch_slot: int):
         self.prompts, self.lengths, self.pad_id, self.rotary = prompts, lengths, pad_id, rotary
+        self.rope_factor = compat.rope_attention_factor(config)  # YaRN's, on the cosines and sines (else 1)
         self.pad_to, self.scratch_slot = pad_to, scratch_slot
         self.window = config.window_size[0] if config.window_size else None
         self.dtype, self.device = config.params_dtype, prompts.device
@@ -151,7 +157,8 @@ class StepPacker:
     def idle(self):
         """A step of padding into ``scratch_slot`` whose logits nobody reads: what a drained
         replica runs while its expert-parallel peers still generate (their all-to-alls need it)."""
-        layout = pack_step([self.pad_to], [self.scratch_slot], [], [], self.rotary, self.window, self.dtype, self.device)
+        layout = pack_step([self.pad_to], [self.scratch_slot], [], [], self.rotary, self.window, self.dtype, self.device,
+                           rope_factor=self.rope_factor)
         tokens = torch.full((1, self.pad_to), self.pad_id, dtype=torch.long, device=self.device)
         return tokens, layout, torch.zeros(1, dtype=torch.long, device=self.device)
 
@@ -173,7 +180,7 @@ class StepPacker:
             offsets.append(0)
             end += padding
         layout = pack_step(prompt_lengths, prompt_slots, step.decoding, step.fed, self.rotary, self.window, self.dtype,
-                           self.device, offsets)
+                           self.device, offsets, self.rope_factor)
         if step.decoding:  # each decoding slot's last token, at the slots the layout already holds
             parts.append(last_token.index_select(0, layout.slots[layout.decode_start :]))
             keep.extend(range(end, end + len(step.decoding)))

@@ -36,7 +36,7 @@ def make_transformer_config(
     extra = experts_config(arch, parallel)
     if recompute_activations:
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_attention_heads,
@@ -73,6 +73,9 @@ def make_transformer_config(
         cuda_graph_impl=cuda_graph_impl,
         **extra,
     )
+    if arch.rope_scaling == "yarn":
+        compat.set_rope_attention_factor(config, arch.rope_scaling_factor, arch.rope_mscale, arch.rope_mscale_all_dim)
+    return config
 
 
 def experts_config(arch: ModelArchConfig, parallel: ParallelConfig) -> dict:
@@ -179,6 +182,8 @@ def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
     linear: every frequency divided by the factor. llama3: wavelengths 2*pi/f longer than
     original / low_freq_factor are divided by the factor, those shorter than original /
     high_freq_factor kept, and the band between interpolated linearly in original / wavelength.
+    yarn: megatron's YarnRotaryEmbedding's (transformers' alike); its attention factor is set on the
+    config (make_transformer_config), which megatron's attention and the engine read.
     """
     dim = arch.kv_channels
     inv_freq = 1.0 / (arch.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
@@ -192,6 +197,14 @@ def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
         interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
         return torch.where(wavelength > original / low, inv_freq / factor,
                            torch.where(wavelength < original / high, inv_freq, interpolated))
+    if arch.rope_scaling == "yarn":  # megatron's YarnRotaryEmbedding's frequencies, by its own functions
+        from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as yarn
+
+        interpolated = 1.0 / (arch.rope_scaling_factor * arch.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        low, high = yarn._yarn_find_correction_range(arch.rope_beta_fast, arch.rope_beta_slow, dim, arch.rotary_base,
+                                                     arch.rope_original_max_position_embeddings, arch.rope_truncate)
+        kept = 1.0 - yarn._yarn_linear_ramp_mask(low, high, dim // 2, device=inv_freq.device).to(dtype=torch.float32)
+        return interpolated * (1 - kept) + inv_freq * kept
     return inv_freq
 
 

@@ -15,8 +15,13 @@ FAMILY_MODELS = {
         tie_word_embeddings=True,
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
-    "qwen2.5": ("Qwen2Config", "Qwen2", dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
-    "qwen3": ("Qwen3Config", "Qwen3", dict(head_dim=24)),
+    # Qwen2.5's and Qwen3's long-context setting, YaRN, past an original window of 8 positions (the
+    # cases run 12 to 24): its frequencies and the factor on the attention's cosines and sines.
+    "qwen2.5": ("Qwen2Config", "Qwen2", dict(tie_word_embeddings=True, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 8})),
+    "qwen3": ("Qwen3Config", "Qwen3", dict(head_dim=24, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "beta_fast": 16.0, "beta_slow": 2.0})),
     "mistral": ("MistralConfig", "Mistral", dict(sliding_window=6)),
 }
 # Mixtures of experts: 4 experts, 2 per token (3 of 4 without renormalising); one dense layer of two

@@ -156,9 +156,9 @@ def watching_decode_steps():
         finally:
             inside[0] = False
 
-    def layout(positions, decoding, scratch, rotary, window, extent, dtype):
+    def layout(positions, decoding, scratch, rotary, window, extent, dtype, *rope_factor):
         seen["shapes"].add((positions.shape[0], extent))
-        return decode_layout(positions, decoding, scratch, rotary, window, extent, dtype)
+        return decode_layout(positions, decoding, scratch, rotary, window, extent, dtype, *rope_factor)
 
     def reading(name):
         original = getattr(torch.Tensor, name)

@@ -27,8 +27,8 @@ from megatron_rlhf.runtime.megatron_compat import ddp, engine, imports, optimize
 from megatron_rlhf.runtime.megatron_compat.ddp import (buffer_grad_storage, buffer_param_storage, buffer_params,
                                                        ddp_buffers, fixed_address_settings, free_grad_buffers,
                                                        restore_grad_buffers, wire_grad_sync)
-from megatron_rlhf.runtime.megatron_compat.engine import (attention_layers, attention_replaced, rotary_angles,
-                                                          set_rope_inv_freq)
+from megatron_rlhf.runtime.megatron_compat.engine import (attention_layers, attention_replaced, rope_attention_factor,
+                                                          rotary_angles, set_rope_attention_factor, set_rope_inv_freq)
 from megatron_rlhf.runtime.megatron_compat.imports import bind_router_gemm, import_megatron
 from megatron_rlhf.runtime.megatron_compat.optimizer import (adam_state, inner_optimizers, main_param_tensors,
                                                              owned_optimizer_state, param_groups, reload_main_params,
@@ -60,7 +60,7 @@ __all__ = [
     "attention_replaced", "bind_rope", "bind_router_gemm", "buffer_grad_storage", "buffer_param_storage", "buffer_params", "check",
     "column_input_kept", "ddp_buffers", "fixed_address_settings", "free_grad_buffers", "import_megatron", "inner_optimizers",
     "linear_matmuls_replaced", "replace_linear_matmuls", "main_param_tensors", "param_groups", "raise_if_changed", "reload_main_params",
-    "reshard_part", "reshard_receives", "restore_grad_buffers", "rotary_angles", "owned_optimizer_state",
-    "sequential_experts_resharded", "set_rope_inv_freq", "site_problems", "unclipped_grad_norm",
+    "reshard_part", "reshard_receives", "restore_grad_buffers", "rope_attention_factor", "rotary_angles", "owned_optimizer_state",
+    "sequential_experts_resharded", "set_rope_attention_factor", "set_rope_inv_freq", "site_problems", "unclipped_grad_norm",
     "vocab_parallel_cross_entropy", "wire_grad_sync",
 ]

@@ -1,5 +1,5 @@
 """The generation engine's seam: megatron's attention layers, replaced for the steps of an engine,
-and the RoPE angles and frequencies it reads."""
+and the RoPE angles, frequencies and attention factor it reads."""
 
 from __future__ import annotations
 
@@ -24,7 +24,27 @@ ANCHORS: Dict[str, Tuple[Site, ...]] = {
         Site("models/common/embeddings/rotary_pos_embedding.py", "freqs = torch.outer(seq, self.inv_freq)"),
         Site("models/common/embeddings/rotary_pos_embedding.py", "@lru_cache(maxsize=32)"),
     ),
+    "rope_attention_factor": (  # YaRN's factor on the cosines and sines, read from the config by the attention
+        Site("models/common/embeddings/yarn_rotary_pos_embedding.py", 'if hasattr(config, "yarn_rotary_scaling_factor"):'),
+        Site("models/common/embeddings/yarn_rotary_pos_embedding.py", 'getattr(config, "yarn_mscale", None),'),
+        Site("transformer/attention.py", "mscale=_yarn_get_concentration_factor_from_config(self.config),"),
+    ),
 }
+
+
+def set_rope_attention_factor(config, factor: float, mscale, mscale_all_dim) -> None:
+    """YaRN's attention factor on a plain TransformerConfig: megatron's attention multiplies the
+    cosines and sines by the factor its YaRN embedding derives from these (a config of its
+    multi-latent attention has them as fields)."""
+    config.yarn_rotary_scaling_factor, config.yarn_mscale, config.yarn_mscale_all_dim = factor, mscale, mscale_all_dim
+
+
+def rope_attention_factor(config) -> float:
+    """The factor megatron's attention multiplies RoPE's cosines and sines by (1.0 without YaRN)."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor_from_config)
+
+    return _yarn_get_concentration_factor_from_config(config)
 
 
 def attention_layers(gpt_model: torch.nn.Module) -> List[torch.nn.Module]:
