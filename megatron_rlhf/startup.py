@@ -132,7 +132,7 @@ def _check_judge(config: RLHFConfig, tokenizer) -> None:
     from megatron_rlhf.rollout.judging import judge_prompt, read_template
 
     if config.judge.parser == "function":
-        base = os.path.dirname(config.source_of("judge.parser_function"))
+        base = config.base_dir_of("judge.parser_function")
         try:
             load_reward_function(absolute_spec(config.judge.parser_function, base), base, "parser function")
         except ValueError as e:

@@ -691,7 +691,8 @@ def test_command_line_overrides_are_checked_as_the_files_keys_are(tmp_path, monk
                                                         "trainer.output_dir=runs/mine"])
     assert (config.ppo.kl_coef, config.ppo_policy.lr, config.policy.model.init_method_std) == (0.05, 2e-5, 0.05)
     assert config.policy.model.hidden_size == load_config(top, world_size=2).policy.model.hidden_size  # merged
-    assert config.at("ppo.kl_coef").startswith("the command line") and config.path_of("trainer.output_dir") == "runs/mine"
+    assert config.at("ppo.kl_coef").startswith("the command line")
+    assert config.path_of("trainer.output_dir") == os.path.join(os.getcwd(), "runs/mine")  # the working directory's
     assert run_identity(config)["fingerprint"] != run_identity(load_config(top, world_size=2))["fingerprint"]
     with pytest.raises(ConfigError) as refused:
         load_config(top, world_size=2, overrides=["ppo.kl_cof=1", "ppo_policy.lr=fast", "ppo.clip_ratio=-1"])
@@ -701,6 +702,25 @@ def test_command_line_overrides_are_checked_as_the_files_keys_are(tmp_path, monk
     assert "the command line: ppo.clip_ratio" in said
     with pytest.raises(ConfigError, match=r"the command line: 'ppo.kl_coef': expected KEY=VALUE"):
         load_config(top, world_size=2, overrides=["ppo.kl_coef"])
+
+
+def test_command_line_overrides_merge_key_by_key_and_their_paths_are_the_working_directory_s(tmp_path, monkeypatch):
+    """A later mapping updates a section a dotted key set (once it replaced it, dropping the key),
+    a key given two values is refused by name, and a relative path given on the command line, alone
+    or inside a mapping, is the working directory's (once the root's)."""
+    from megatron_rlhf.rewards.contract import reward_functions
+
+    top = str(REPO / "examples" / "tiny" / "grpo.yaml")
+    config = load_config(top, world_size=2, overrides=["ppo.kl_coef=0.2", "ppo={clip_ratio: 0.3}"])
+    assert (config.ppo.kl_coef, config.ppo.clip_ratio) == (0.2, 0.3)
+    with pytest.raises(ConfigError, match=r"the command line: ppo.kl_coef is given two values \(0.2, then 0.3\); give it once"):
+        load_config(top, world_size=2, overrides=["ppo.kl_coef=0.2", "ppo={kl_coef: 0.3}"])
+    (tmp_path / "rw.py").write_text("def f(prompts, completions, **kwargs):\n    return [1.0 for _ in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    alone = load_config(top, world_size=2, overrides=["reward.function=rw.py:f"])
+    assert reward_functions(alone) == {f"{tmp_path / 'rw.py'}:f": 1.0}
+    mapped = load_config(top, world_size=2, overrides=["reward.function=null", "reward.functions={rw.py:f: 0.5}"])
+    assert reward_functions(mapped) == {f"{tmp_path / 'rw.py'}:f": 0.5}
 
 
 @pytest.mark.parametrize("config, key, said", [

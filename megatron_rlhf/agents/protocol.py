@@ -104,11 +104,9 @@ def checked_step(value: Any) -> StepResult:
 def environment_spec(config) -> str:
     """``rollout.environment`` with a file path made absolute against the config file that names
     it; the class is imported here once, so a missing or broken one stops the run before start-up."""
-    import os
-
     from megatron_rlhf.rewards.contract import absolute_spec, load_reward_function
 
-    base = os.path.dirname(config.source_of("rollout.environment"))
+    base = config.base_dir_of("rollout.environment")
     spec = absolute_spec(config.rollout.environment, base)
     cls = load_reward_function(spec, base, what="environment")
     missing = [m for m in ("start", "step") if not callable(getattr(cls, m, None))]

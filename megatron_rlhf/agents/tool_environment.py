@@ -37,8 +37,8 @@ def tool_options(config) -> Dict[str, Any]:
     from megatron_rlhf.rewards.contract import absolute_spec
 
     r = config.rollout
-    base = os.path.dirname(config.source_of("rollout.tools")) if r.tools else ""
-    servers_dir = os.path.dirname(config.source_of("rollout.mcp_servers")) if r.mcp_servers else ""
+    base = config.base_dir_of("rollout.tools") if r.tools else ""
+    servers_dir = config.base_dir_of("rollout.mcp_servers") if r.mcp_servers else ""
     return {"tools": [absolute_spec(spec, base) for spec in r.tools], "parser": r.tool_parser,
             "max_parallel_calls": r.max_parallel_calls, "tool_timeout_s": r.tool_timeout_s,
             "mcp_servers": list(r.mcp_servers), "mcp_dir": servers_dir, "sandbox": dataclasses.asdict(r.sandbox)}

@@ -22,7 +22,7 @@ import yaml
 from megatron_rlhf.config.errors import ConfigError, located
 from megatron_rlhf.config.families import FAMILIES, feature_conflicts
 from megatron_rlhf.config.presets import AUTO, CHECKPOINT_META_FILE, PRESETS
-from megatron_rlhf.config.schema import (REQUIRED_ARCH_FIELDS, ROLE_NAMES, SERVED_WEIGHTS, ModelArchConfig, RewardRoleConfig,
+from megatron_rlhf.config.schema import (COMMAND_LINE, REQUIRED_ARCH_FIELDS, ROLE_NAMES, SERVED_WEIGHTS, ModelArchConfig, RewardRoleConfig,
                                          RLHFConfig)
 from megatron_rlhf.config.validation import layout_problems, validate
 
@@ -456,9 +456,6 @@ def _models_from_checkpoints(config: RLHFConfig) -> List[str]:
     return problems
 
 
-# Where a key=value of the command line comes from, for messages; a relative path it gives is the
-# working directory's (path_of joins it to this name's empty directory).
-COMMAND_LINE = "the command line"
 
 
 def override_tree(overrides: Sequence[str]) -> Tuple[Dict, Sources]:
@@ -480,9 +477,23 @@ def override_tree(overrides: Sequence[str]) -> Tuple[Dict, Sources]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{COMMAND_LINE}: {key}: {'.'.join(path[:-1])} is given a value of its own too")
-        node[path[-1]] = parsed
+        _put_override(node, path, parsed)
     sources: Sources = {}
     return _interpolate_tree(tree, COMMAND_LINE, (), sources), sources
+
+
+def _put_override(node: Dict, path: KeyPath, value) -> None:
+    """``value`` at ``path``'s last key of ``node``: a mapping where a mapping was given updates it key
+    by key (``ppo.kl_coef=0.2 ppo={clip_ratio: 0.3}`` keeps both); a key given two values is refused."""
+    last = path[-1]
+    if isinstance(value, dict) and isinstance(node.get(last), dict):
+        for key, item in value.items():
+            _put_override(node[last], path + (key,), item)
+    elif last in node and node[last] != value:
+        raise ConfigError(f"{COMMAND_LINE}: {'.'.join(path)} is given two values ({node[last]!r}, then {value!r}); "
+                          "give it once")
+    else:
+        node[last] = value
 
 
 def read_config(file: str, overrides: Sequence[str] = ()) -> Tuple[RLHFConfig, List[str]]:

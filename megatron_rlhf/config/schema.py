@@ -50,6 +50,8 @@ TRAINABLE_ROLES = ("ppo_policy", "ppo_value")
 # The phases of one iteration in the order they run, each with its active role (a role the run does
 # not build is skipped): the controller runs them so, the planner plans them so, and overlapped
 # onloads follow from it (RLHFConfig.successions).
+# The source of a key=value of the command line, in messages; a relative path it gives is the working directory's.
+COMMAND_LINE = "the command line"
 PHASE_ORDER = (("generate", "policy"), ("reward", "reward"), ("judge", "judge"), ("reference", "reference"),
                ("value", "value"), ("train_policy", "ppo_policy"), ("train_value", "ppo_value"))
 # The critic: the roles that only an estimator with a learned value baseline (GAE) builds.
@@ -865,14 +867,20 @@ class RLHFConfig:
         """``file: key`` for messages, naming the environment variable that set it when one did."""
         return located(self.origin.get(key) or self.source_of(key), key)
 
+    def base_dir_of(self, key: str) -> str:
+        """The directory a relative path under ``key`` is resolved against: the directory of the
+        file that set it, or the working directory where the command line did."""
+        source = self.source_of(key)
+        return os.getcwd() if source == COMMAND_LINE else os.path.dirname(source)
+
     def path_of(self, key: str) -> Optional[str]:
-        """A path-valued key resolved against the directory of the file that set it."""
+        """A path-valued key resolved against base_dir_of(key)."""
         value = self
         for part in key.split("."):
             value = getattr(value, part)
         if value is None or os.path.isabs(value):
             return value
-        return os.path.join(os.path.dirname(self.source_of(key)), value)
+        return os.path.join(self.base_dir_of(key), value)
 
     @property
     def critic_free(self) -> bool:

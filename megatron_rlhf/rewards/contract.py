@@ -157,9 +157,9 @@ def reward_functions(config) -> Dict[str, float]:
     reward = config.reward
     key = "reward.function" if reward.functions is None else "reward.functions"
     specs = {reward.function: 1.0} if reward.functions is None else dict(reward.functions)
-    base = os.path.dirname(config.source_of(key))
     resolved = {}
     for spec, weight in specs.items():
+        base = config.base_dir_of(key if reward.functions is None else f"{key}.{spec}")  # each entry where it was set
         spec = absolute_spec(spec, base)
         load_reward_function(spec, base)
         resolved[spec] = weight

@@ -15,7 +15,6 @@ judge.unparsed_score and is counted; a judge prompt over judge.max_prompt_length
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -72,7 +71,7 @@ class Judge:
         self.calls = (0, 0)  # (iteration, judge calls in it): a round's verdicts draw from streams of their own
         self.pool = None  # a parser function's workers, on the ranks that score (scoring.scores_here)
         if judge.parser == "function" and scores_here():
-            spec = absolute_spec(judge.parser_function, os.path.dirname(config.source_of("judge.parser_function")))
+            spec = absolute_spec(judge.parser_function, config.base_dir_of("judge.parser_function"))
             self.pool = RewardPool({spec: 1.0}, num_workers=config.reward.num_workers,
                                    timeout_s=config.reward.timeout_s, failure_score=judge.unparsed_score, wait=False)
 
