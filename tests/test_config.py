@@ -706,14 +706,16 @@ def test_command_line_overrides_are_checked_as_the_files_keys_are(tmp_path, monk
 
 def test_command_line_overrides_merge_key_by_key_and_their_paths_are_the_working_directory_s(tmp_path, monkeypatch):
     """A later mapping updates a section a dotted key set (once it replaced it, dropping the key),
-    a key given two values is refused by name, and a relative path given on the command line, alone
+    a key a dotted key and a mapping give two values is refused by name (of two dotted keys the
+    later wins), and a relative path given on the command line, alone
     or inside a mapping, is the working directory's (once the root's)."""
     from megatron_rlhf.rewards.contract import reward_functions
 
     top = str(REPO / "examples" / "tiny" / "grpo.yaml")
     config = load_config(top, world_size=2, overrides=["ppo.kl_coef=0.2", "ppo={clip_ratio: 0.3}"])
     assert (config.ppo.kl_coef, config.ppo.clip_ratio) == (0.2, 0.3)
-    with pytest.raises(ConfigError, match=r"the command line: ppo.kl_coef is given two values \(0.2, then 0.3\); give it once"):
+    with pytest.raises(ConfigError, match=r"the command line: ppo.kl_coef is given two values \(0.2, then 0.3\), one of "
+                                          r"them inside a mapping; give it once"):
         load_config(top, world_size=2, overrides=["ppo.kl_coef=0.2", "ppo={kl_coef: 0.3}"])
     (tmp_path / "rw.py").write_text("def f(prompts, completions, **kwargs):\n    return [1.0 for _ in completions]\n")
     monkeypatch.chdir(tmp_path)

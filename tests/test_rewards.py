@@ -58,6 +58,22 @@ def trl_prompts(prompts, completions):
 
 def trl_needs_ids(completions, completion_ids):
     return [0.0 for c in completions]
+
+def only_digits(completions, **kwargs):  # TRL: None where the function does not apply
+    return [float(c == "7") if c.isdigit() else None for c in completions]
+
+def as_tensors(completions, **kwargs):  # numbers as 0-d tensors and numpy scalars
+    import numpy, torch
+    return [torch.tensor(0.5) if c == "7" else numpy.float32(0.25) for c in completions]
+
+async def awaited(completions, **kwargs):  # TRL awaits async reward functions
+    import asyncio
+    await asyncio.sleep(0)
+    return [1.0 for c in completions]
+
+def one_tensor(completions, **kwargs):
+    import torch
+    return torch.tensor(0.5)
 '''
 
 
@@ -121,6 +137,24 @@ def test_a_trl_style_function_is_called_by_keyword_as_trl_calls_it(rules, tmp_pa
                                           r"trainer here passes; it is given prompts and completions and the row's "
                                           r"columns by keyword"):
         prepare(parse_args(["--config", str(config), "--output-dir", str(tmp_path / "out"), "--check-only"]), 2)
+
+
+def test_trl_s_contract_none_where_a_function_does_not_apply_tensors_and_async_functions(rules):
+    """As TRL takes them: None adds nothing to the reward (a response no function applies to scores
+    0, TRL's nansum; counted), 0-d tensors and numpy scalars are numbers, an async function is awaited.
+    A whole 0-d tensor is one number for a list of them, said so (once a TypeError of ours)."""
+    rows = [{}, {}, {}]
+    with closing(RewardPool({rules("only_digits"): 1.0, rules("as_tensors"): 2.0, rules("awaited"): 0.5},
+                            num_workers=1)) as pool:
+        scores, metrics = pool.score(["p"] * 3, ["7", "x", "8"], rows)
+    assert scores.tolist() == [1.0 + 2 * 0.5 + 0.5, 2 * 0.25 + 0.5, 0.0 + 2 * 0.25 + 0.5]
+    assert metrics["reward/not_applicable"] == 1 and metrics["reward/only_digits"] == 0.5  # over the two it applies to
+    with closing(RewardPool({rules("only_digits"): 1.0}, num_workers=1)) as pool:
+        assert pool.score(["p"], ["x"], [{}])[0].tolist() == [0.0]
+    with closing(RewardPool({rules("one_tensor"): 1.0}, num_workers=1)) as pool:
+        with pytest.raises(RewardFunctionError, match=r"rules.py:one_tensor returned Tensor tensor\(0.5000\); expected a "
+                                                      r"list of 1 numbers"):
+            pool.score(["p"], ["x"], [{}])
 
 
 def test_a_call_that_raises_or_hangs_scores_the_failure_score_and_is_counted(rules):

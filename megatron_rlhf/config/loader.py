@@ -463,6 +463,7 @@ def override_tree(overrides: Sequence[str]) -> Tuple[Dict, Sources]:
     list or mapping: ``ppo.kl_coef=0.05``, ``rollout.stop=[a, b]``) as a tree to merge over the
     files', each leaf's source the command line."""
     tree: Dict = {}
+    mapped: set = set()
     for text in overrides:
         key, sep, value = text.partition("=")
         path = tuple(key.strip().split("."))
@@ -477,23 +478,33 @@ def override_tree(overrides: Sequence[str]) -> Tuple[Dict, Sources]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{COMMAND_LINE}: {key}: {'.'.join(path[:-1])} is given a value of its own too")
-        _put_override(node, path, parsed)
+        _put_override(node, path, parsed, mapped)
     sources: Sources = {}
     return _interpolate_tree(tree, COMMAND_LINE, (), sources), sources
 
 
-def _put_override(node: Dict, path: KeyPath, value) -> None:
+def _put_override(node: Dict, path: KeyPath, value, mapped: set, in_mapping: bool = False) -> None:
     """``value`` at ``path``'s last key of ``node``: a mapping where a mapping was given updates it key
-    by key (``ppo.kl_coef=0.2 ppo={clip_ratio: 0.3}`` keeps both); a key given two values is refused."""
+    by key (``ppo.kl_coef=0.2 ppo={clip_ratio: 0.3}`` keeps both); a key that a dotted key and a
+    mapping give two values is refused (two dotted keys: the later wins); ``mapped``: the paths a
+    mapping set."""
     last = path[-1]
     if isinstance(value, dict) and isinstance(node.get(last), dict):
         for key, item in value.items():
-            _put_override(node[last], path + (key,), item)
-    elif last in node and node[last] != value:
-        raise ConfigError(f"{COMMAND_LINE}: {'.'.join(path)} is given two values ({node[last]!r}, then {value!r}); "
-                          "give it once")
-    else:
-        node[last] = value
+            _put_override(node[last], path + (key,), item, mapped, True)
+        return
+    if last in node and node[last] != value and (in_mapping or path in mapped):
+        raise ConfigError(f"{COMMAND_LINE}: {'.'.join(path)} is given two values ({node[last]!r}, then {value!r}), "
+                          "one of them inside a mapping; give it once")
+    node[last] = value
+    if in_mapping or isinstance(value, dict):
+        mapped.update(_leaf_paths(value, path))
+
+
+def _leaf_paths(value, path: KeyPath) -> List[KeyPath]:
+    if not isinstance(value, dict):
+        return [path]
+    return [leaf for key, item in value.items() for leaf in _leaf_paths(item, path + (key,))]
 
 
 def read_config(file: str, overrides: Sequence[str] = ()) -> Tuple[RLHFConfig, List[str]]:

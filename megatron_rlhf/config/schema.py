@@ -152,7 +152,7 @@ class ModelArchConfig:
     rope_beta_slow: float = bounded(1.0, gt=0)  # yarn: rotations below which it is divided by the factor
     # yarn: the attention factor is mscale's over mscale_all_dim's when both are set (DeepSeek's), else of the factor alone
     rope_mscale: Optional[float] = bounded(None, gt=0)
-    rope_mscale_all_dim: Optional[float] = bounded(None, gt=0)
+    rope_mscale_all_dim: Optional[float] = bounded(None, gt=0)  # yarn: the denominator's mscale (with rope_mscale)
     rope_truncate: bool = True  # yarn: the ramp's bounds rounded to whole dimensions
     norm_epsilon: float = bounded(1e-5, gt=0)  # RMSNorm's epsilon
     # Mixture of experts: num_experts SwiGLU experts of width moe_ffn_hidden_size, each token sent

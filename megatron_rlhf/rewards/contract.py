@@ -8,18 +8,21 @@ columns (``ground_truth``, ``data_source``, ...), of which it receives those its
 TRL calls its reward functions, every argument by keyword: ``fn(prompts=..., completions=...,
 **fields)`` (``prompts`` where it takes it). It returns one real number per response, or a mapping
 of named sub-scores, each a list of one number per response, with the reward under ``"score"``;
-the others are logged.
+the others are logged. As TRL allows: None for a response the function does not apply to (it then
+adds nothing to the reward, and is counted: reward/not_applicable), numbers as 0-d tensors or
+numpy scalars, and an ``async def`` function (awaited).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 import inspect
 import numbers
 import os
 import traceback
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 RewardFunction = Callable[..., Any]
 
@@ -125,6 +128,8 @@ def call(fn: RewardFunction, prompts: List[str], responses: List[str], fields: L
                  **{k: v for k, v in keywords.items() if k not in TRL_ARGUMENTS})
     else:
         out = fn(prompts, responses, **keywords)
+    if inspect.isawaitable(out):  # an async def reward function, as TRL awaits them
+        out = asyncio.run(_awaited(out))
     n = len(responses)
     if isinstance(out, dict):
         if "score" not in out:
@@ -136,18 +141,28 @@ def call(fn: RewardFunction, prompts: List[str], responses: List[str], fields: L
     return [{"score": x} for x in _numbers(out, n, "")]
 
 
-def _numbers(out: Any, n: int, what: str) -> List[float]:
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def _numbers(out: Any, n: int, what: str) -> List[Optional[float]]:
+    """The ``n`` numbers of a result (None where the function does not apply, TRL's convention)."""
     expected = f"expected a list of {n} numbers, one per response"
-    if out is None or isinstance(out, (str, bytes, int, float)) or not hasattr(out, "__len__"):
+    if out is None or isinstance(out, (str, bytes, int, float)) or not hasattr(out, "__len__") \
+            or getattr(out, "ndim", 1) == 0:
         raise ContractError(f"returned{what} {type(out).__name__} {out!r:.80}; {expected}")
     values = list(out.tolist() if hasattr(out, "tolist") else out)
     if len(values) != n:
         raise ContractError(f"returned{what} {len(values)} values for {n} responses; {expected}")
+    numbers_ = []
     for x in values:
-        if isinstance(x, bool) or not isinstance(x, numbers.Real):
-            raise ContractError(f"returned{what} {type(x).__name__} {x!r:.40}; {expected} (convert strings with "
-                                "float() in the function if you mean them)")
-    return [float(x) for x in values]
+        if getattr(x, "ndim", None) == 0 and hasattr(x, "item"):  # a 0-d tensor or numpy scalar
+            x = x.item()
+        if x is not None and (isinstance(x, bool) or not isinstance(x, numbers.Real)):
+            raise ContractError(f"returned{what} {type(x).__name__} {x!r:.40}; {expected} (or None where it does "
+                                "not apply; convert strings with float() in the function if you mean them)")
+        numbers_.append(None if x is None else float(x))
+    return numbers_
 
 
 def reward_functions(config) -> Dict[str, float]:

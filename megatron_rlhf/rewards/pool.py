@@ -63,11 +63,13 @@ class RewardPool:
     weighted sum of each function's ``score``."""
 
     def __init__(self, functions: Dict[str, float], num_workers: int = 2, timeout_s: float = 30.0,
-                 failure_score: float = 0.0, wait: bool = True):
+                 failure_score: float = 0.0, wait: bool = True, not_applicable_score: float = 0.0):
         """``wait``: return once every worker has loaded the functions (False: the first score()
         waits, so that the workers load them while the caller builds its models)."""
         self.specs, self.weights = list(functions), list(functions.values())
         self.timeout_s, self.failure_score = timeout_s, failure_score
+        # A response no function applies to (each returned None): TRL's nansum over none, 0.
+        self.not_applicable_score = not_applicable_score
         self.workers = [_Worker(self.specs) for _ in range(num_workers)]  # they load the functions at once
         self._ready = False
         if wait:
@@ -182,11 +184,10 @@ class RewardPool:
     def _combine(self, results, rows: int) -> torch.Tensor:
         scores = []
         for row in range(rows):
-            total = 0.0
-            for f, weight in enumerate(self.weights):
-                value = results[row, f]
-                total += weight * (self.failure_score if value is FAILED else value["score"])
-            scores.append(total)
+            applied = [(weight, self.failure_score if results[row, f] is FAILED else results[row, f]["score"])
+                       for f, weight in enumerate(self.weights)]
+            applied = [(weight, score) for weight, score in applied if score is not None]  # None: adds nothing
+            scores.append(sum(w * s for w, s in applied) if applied else self.not_applicable_score)
         return torch.tensor(scores, dtype=torch.float32)
 
     def _metrics(self, results, counts: Dict[str, int], rows: int) -> Dict[str, float]:
@@ -194,18 +195,23 @@ class RewardPool:
         function's mean score as it went into the reward (failure_score for its failed calls:
         reported whether or not any call of it succeeded) and its own failures."""
         metrics = {f"reward/{k}": float(v) for k, v in counts.items()}
+        not_applicable = sum(r is not FAILED and r["score"] is None for r in results.values())
+        if not_applicable:
+            metrics["reward/not_applicable"] = float(not_applicable)
         for f, spec in enumerate(self.specs):
             named: Dict[str, List[float]] = {}
             failed = sum(results[row, f] is FAILED for row in range(rows))
             for row in range(rows):
                 for key, value in (results[row, f] or {}).items():
-                    named.setdefault(key, []).append(value)
+                    if value is not None:
+                        named.setdefault(key, []).append(value)
             if len(self.specs) == 1 and set(named) <= {"score"}:
                 continue  # reward/mean says it already
             prefix = f"reward/{spec.rpartition(':')[2]}"
             named["score"] = named.get("score", []) + [self.failure_score] * failed
             for key, values in named.items():
-                metrics[prefix if key == "score" else f"{prefix}/{key}"] = sum(values) / len(values)
+                if values:
+                    metrics[prefix if key == "score" else f"{prefix}/{key}"] = sum(values) / len(values)
             metrics[f"{prefix}/failures"] = float(failed)
         return metrics
 

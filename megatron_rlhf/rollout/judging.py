@@ -73,7 +73,8 @@ class Judge:
         if judge.parser == "function" and scores_here():
             spec = absolute_spec(judge.parser_function, config.base_dir_of("judge.parser_function"))
             self.pool = RewardPool({spec: 1.0}, num_workers=config.reward.num_workers,
-                                   timeout_s=config.reward.timeout_s, failure_score=judge.unparsed_score, wait=False)
+                                   timeout_s=config.reward.timeout_s, failure_score=judge.unparsed_score, wait=False,
+                                   not_applicable_score=float("nan"))  # a verdict it returns None for is unparsed
 
     def close(self) -> None:
         if self.pool is not None:
