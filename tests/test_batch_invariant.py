@@ -34,6 +34,8 @@ def test_the_mode_is_refused_by_name_where_its_arithmetic_is_not_shown(tmp_path)
 
     ok = load_config(str(tiny_setup(tmp_path, "trainer: {batch_invariant: true}\n")), world_size=1)
     assert ok.trainer.batch_invariant
+    # Its LM heads compute whole logits (their own product), whatever logprob_chunk_tokens says.
+    assert ok.ppo_policy.logprob_chunk_tokens == 1024 and ok.logprob_chunk_tokens("ppo_policy") == 0
     top = "trainer: {batch_invariant: true}\nparallel: {tensor_model_parallel_size: 2}\n"
     with pytest.raises(ConfigError) as err:
         load_config(str(tiny_setup(tmp_path, top, "attention: local\nlora: {rank: 4}\n")), world_size=2)

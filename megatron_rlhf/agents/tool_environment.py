@@ -9,8 +9,9 @@ never a failed trajectory.
 It runs in the environment workers (rollout/env_pool.py) like any environment; its step reports
 ``counts`` in its info: ``tool_calls`` (and ``tool_calls/<name>``), ``tool_errors`` (and
 ``tool_errors/<kind>`` for a call that could not be read, agents/parsers.py's PROBLEM_KINDS: a call
-nested too deep, an over-long integer, a lone surrogate, ...), ``tool_timeouts``, ``tool_s`` (the calls' wall time), and with ``rollout.sandbox.kind:
-unsafe_process`` ``tool_unsafe_calls`` (sandboxed calls run without isolation).
+nested too deep, an over-long integer, a lone surrogate, ...), ``tool_timeouts``, ``tool_s`` (the
+calls' wall time), and with ``rollout.sandbox.kind: unsafe_process`` ``tool_unsafe_calls``
+(sandboxed calls run without isolation).
 """
 
 from __future__ import annotations

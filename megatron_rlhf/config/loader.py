@@ -456,8 +456,6 @@ def _models_from_checkpoints(config: RLHFConfig) -> List[str]:
     return problems
 
 
-
-
 def override_tree(overrides: Sequence[str]) -> Tuple[Dict, Sources]:
     """``key=value`` arguments (dotted keys; a value typed as an environment variable's, or a YAML
     list or mapping: ``ppo.kl_coef=0.05``, ``rollout.stop=[a, b]``) as a tree to merge over the

@@ -47,11 +47,11 @@ def bounded(default, **domain) -> dataclasses.Field:
 PPO_ROLES = ("policy", "reference", "reward", "value", "ppo_policy", "ppo_value")
 ROLE_NAMES = PPO_ROLES + ("judge",)
 TRAINABLE_ROLES = ("ppo_policy", "ppo_value")
+# The source of a key=value of the command line, in messages; a relative path it gives is the working directory's.
+COMMAND_LINE = "the command line"
 # The phases of one iteration in the order they run, each with its active role (a role the run does
 # not build is skipped): the controller runs them so, the planner plans them so, and overlapped
 # onloads follow from it (RLHFConfig.successions).
-# The source of a key=value of the command line, in messages; a relative path it gives is the working directory's.
-COMMAND_LINE = "the command line"
 PHASE_ORDER = (("generate", "policy"), ("reward", "reward"), ("judge", "judge"), ("reference", "reference"),
                ("value", "value"), ("train_policy", "ppo_policy"), ("train_value", "ppo_value"))
 # The critic: the roles that only an estimator with a learned value baseline (GAE) builds.

@@ -210,7 +210,6 @@ def activation_bytes(arch: ModelArchConfig, head: str, micro_batch: int, seq: in
 LOGIT_COPIES = {(False, False): 2, (False, True): 5, (True, False): 2, (True, True): 4}
 
 
-
 def _expert_activations_extra(arch: ModelArchConfig, tokens: int, tp: int, width: int) -> float:
     """What a layer with experts keeps beyond the dense estimate's MLP part (16 sbh/TP for an MLP of
     4h): each token's top-k copies dispatched to experts of moe_ffn_hidden_size, in and out of them,
@@ -227,8 +226,9 @@ def decode_step_bytes(arch: ModelArchConfig, rows: int, seq: int, tp: int, pp: i
     """The working memory of one decode step of ``rows`` slots: a forward of one token per row (one
     layer's activations at a time, attention scores over up to ``seq`` cached positions per head),
     then sampling over the fp32 logits (the forward's logits and their copy divided by the
-    temperature, their probabilities, the sorted probabilities with their int64 indices, the log-probs). On CUDA the step is captured, and this is what the
-    graphs' memory pool holds for the whole engine call (generation/decode.py)."""
+    temperature, their probabilities, the sorted probabilities with their int64 indices, the
+    log-probs). On CUDA the step is captured, and this is what the graphs' memory pool holds for
+    the whole engine call (generation/decode.py)."""
     forward = activation_bytes(arch, "lm", rows, 1, tp, pp, precision, False, False, padded_vocab)
     scores = rows * seq * (arch.num_attention_heads // tp) * 4
     vocab = (padded_vocab or arch.padded_vocab_size(tp)) // tp

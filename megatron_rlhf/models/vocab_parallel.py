@@ -134,14 +134,14 @@ def chunked_lm_head(model: torch.nn.Module, reader: Optional[Callable]):
     """Within the block, ``model``'s pass (a GPTModel with an LM head on this pipeline stage,
     built with ``logprob_chunk_tokens``) returns the head's input; yields a function that makes the
     pass's output ChunkedLogits. Yields None where the logits stay whole: no LM head here, chunking
-    off, a ``reader`` not marked reads_chunked, or the batch-invariant mode (its head has its own
-    product)."""
+    off (always in the batch-invariant mode, whose head has its own product:
+    RLHFConfig.logprob_chunk_tokens), or a ``reader`` not marked reads_chunked."""
     from megatron_rlhf.models.decoder import unwrap
     from megatron_rlhf.runtime.megatron_compat import column_input_kept
 
     gpt = unwrap(model)
     chunk = getattr(gpt, "logprob_chunk_tokens", 0)
-    if not chunk or not getattr(reader, "reads_chunked", False) or batch_invariant.enabled():
+    if not chunk or not getattr(reader, "reads_chunked", False):
         yield None
         return
     weights: list = []
