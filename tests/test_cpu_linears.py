@@ -55,6 +55,21 @@ def test_dtypes_onednn_does_not_pack_run_f_linear():
     assert torch.equal(cpu_linears.PackedWeights().matmul(x, weight, None), F.linear(x, weight))
 
 
+def test_a_dtype_this_cpu_cannot_pack_runs_f_linear(every_weight_packed, monkeypatch):
+    """oneDNN's bf16 reorder raises on CPUs without AVX-512 or AVX-NE-CONVERT (the project's AMD VMs):
+    the probe finds it once, and the engine's and the batch-invariant mode's products run F.linear."""
+    def no_bf16(weight):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setattr(cpu_linears, "_packs", {})
+    monkeypatch.setattr(cpu_linears, "pack", no_bf16)
+    x, weight = torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(5, 8, dtype=torch.bfloat16)
+    assert torch.equal(cpu_linears.PackedWeights().matmul(x, weight, None), F.linear(x, weight))
+    assert cpu_linears._packs == {torch.bfloat16: False}
+    from megatron_rlhf.models import batch_invariant
+    assert not batch_invariant._onednn_for(x, weight)
+
+
 def test_the_kernel_is_chosen_by_the_environment_and_a_bad_choice_is_refused_by_name(monkeypatch):
     monkeypatch.delenv(cpu_linears.KERNEL_VARIABLE, raising=False)
     assert cpu_linears.chosen_kernel() == "onednn"

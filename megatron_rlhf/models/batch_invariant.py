@@ -106,10 +106,9 @@ def _blocked_products(input: torch.Tensor, product, width: int, bias: Optional[t
 
 
 def _onednn_for(input: torch.Tensor, weight: torch.Tensor) -> bool:
-    from megatron_rlhf.runtime.cpu_linears import onednn_available
+    from megatron_rlhf.runtime.cpu_linears import packs
 
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and input.dtype == weight.dtype and onednn_available())
+    return weight.device.type == "cpu" and input.dtype == weight.dtype and packs(weight.dtype)
 
 
 _packed = None  # cpu_linears.PackedWeights within fixed_weights: each weight packed once

@@ -29,7 +29,8 @@ from megatron_rlhf.runtime import megatron_compat as compat
 
 KERNEL_VARIABLE = "MEGATRON_RLHF_CPU_LINEARS"
 KERNEL_CHOICES = ("onednn", "torch")
-# oneDNN packs these on CPU; another dtype (fp16) runs torch's F.linear.
+# oneDNN packs these on CPU where the CPU has the instructions (packs); another dtype (fp16) runs
+# torch's F.linear.
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # Smaller weights run torch's F.linear: oneDNN's ~8 us a call and ~80 us a reorder cost more than
 # they save below about 48K elements at 16 rows (one thread; docs/megatron_on_cpu.md).
@@ -58,6 +59,24 @@ def chosen_kernel() -> str:
     return value
 
 
+_packs: Dict[torch.dtype, bool] = {}
+
+
+def packs(dtype: torch.dtype) -> bool:
+    """Whether this machine's oneDNN packs weights of ``dtype``: probed once. Its bf16 GEMM needs
+    AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, which the project's AMD VMs lack: there the reorder raises
+    and bf16 runs torch's F.linear (oneDNN's own bf16 path already, unpacked)."""
+    if dtype not in _packs:
+        supported = dtype in _PACKED_DTYPES and onednn_available()
+        if supported:
+            try:
+                pack(torch.zeros(1, 1, dtype=dtype))
+            except RuntimeError:
+                supported = False
+        _packs[dtype] = supported
+    return _packs[dtype]
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [n, k] reordered into oneDNN's blocked layout (a copy, outside autograd)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
@@ -84,7 +103,7 @@ class PackedWeights:
 
     def matmul(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """input [..., k] x weight [n, k]^T (+ bias [n]) -> [..., n]."""
-        if weight.dtype not in _PACKED_DTYPES or input.dtype != weight.dtype or weight.numel() < SMALLEST_PACKED_WEIGHT:
+        if input.dtype != weight.dtype or weight.numel() < SMALLEST_PACKED_WEIGHT or not packs(weight.dtype):
             return F.linear(input, weight, bias)
         return packed_product(input, self.packed(weight), bias)
 
