@@ -55,7 +55,7 @@ def child(kind: str, tokens: int, chunk: int, repeats: int) -> dict:
 
     @reads_chunked
     def reduce(output, batch):
-        return next_token_log_probs(output, batch["tokens"], VOCAB)
+        return next_token_log_probs(output, batch, VOCAB)
 
     loss_fn = policy_loss_fn(VOCAB, 1.0, PPOConfig())
 

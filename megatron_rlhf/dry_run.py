@@ -40,7 +40,8 @@ def checkpoint_text(c: CheckpointPlan) -> str:
 def format_plan(p: Plan) -> str:
     cols = KINDS[:-1] + TRANSIENT
     experts = f" EP={p.layout['ep']}" if p.layout["ep"] > 1 else ""
-    lines = [f"layout: TP={p.layout['tp']} PP={p.layout['pp']} DP={p.layout['dp']}{experts}, sequence {p.layout['seq']} tokens; "
+    context = f" CP={p.layout['cp']}" if p.layout["cp"] > 1 else ""
+    lines = [f"layout: TP={p.layout['tp']} PP={p.layout['pp']}{context} DP={p.layout['dp']}{experts}, sequence {p.layout['seq']} tokens; "
              "per GPU, most loaded pipeline stage"]
     lines.append(f"{'role':<11}" + "".join(f"{c:>17}" for c in cols))
     for role, kinds in p.roles.items():
@@ -56,11 +57,11 @@ def format_plan(p: Plan) -> str:
 
 def load_for_planning(config_file: str, world_size: Optional[int] = None,
                       overrides: Sequence[str] = ()) -> Tuple[RLHFConfig, int]:
-    """The config (``overrides``: key=value over it) validated for ``world_size`` (default: TP*PP),
+    """The config (``overrides``: key=value over it) validated for ``world_size`` (default: TP*PP*CP),
     and that world size. The files it names are not checked: planning needs none of them."""
     config = load_config(config_file, check_inputs=False, overrides=overrides)
     par = config.parallel
-    world_size = world_size or par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+    world_size = world_size or par.replica_ranks()
     validate(config, world_size, check_inputs=False)
     return config, world_size
 
@@ -112,16 +113,17 @@ def slots_text(config, world_size: int, gpu_memory: Optional[int]) -> str:
             f"{fitted.peak_phase})")
 
 
-def rank_groups(tp: int, pp: int, dp: int, ep: int = 1) -> Dict[str, List[List[int]]]:
-    """Global ranks of each TP, DP and PP group and, with experts split (``ep`` > 1), each expert-
+def rank_groups(tp: int, pp: int, dp: int, ep: int = 1, cp: int = 1) -> Dict[str, List[List[int]]]:
+    """Global ranks of each TP, CP, DP and PP group and, with experts split (``ep`` > 1), each expert-
     parallel ("ep") and expert-data-parallel ("edp") group, as megatron-core numbers them (its
     RankGenerator, orders tp-cp-ep-dp-pp and, for experts with ETP = TP, tp-ep-dp-pp): rank = tp_rank
-    + TP * (dp_rank + DP * pp_rank), and dp_rank = ep_rank + EP * edp_rank. Computed here, without
+    + TP * (cp_rank + CP * (dp_rank + DP * pp_rank)), and dp_rank = ep_rank + EP * edp_rank. Computed here, without
     importing megatron (torch: 2.6 s of a dry run); tests/test_docs.py checks it against
     RankGenerator for several layouts."""
-    groups = {kind: _orthogonal_groups([tp, dp, pp], i) for i, kind in enumerate(("tp", "dp", "pp"))}
+    groups = {kind: _orthogonal_groups([tp, cp, dp, pp], i) for i, kind in enumerate(("tp", "cp", "dp", "pp"))}
     if ep > 1:
-        groups.update(ep=_orthogonal_groups([tp, ep, dp // ep, pp], 1), edp=_orthogonal_groups([tp, ep, dp // ep, pp], 2))
+        sizes = [tp, cp, ep, dp // ep, pp]
+        groups.update(ep=_orthogonal_groups(sizes, 2), edp=_orthogonal_groups(sizes, 3))
     return groups
 
 
@@ -185,8 +187,8 @@ def _own_layout_text(config: RLHFConfig, role: str, world_size: int) -> str:
     own = config.layout_of(role)
     tp, pp, ep = own.tensor_model_parallel_size, own.pipeline_model_parallel_size, own.expert_model_parallel_size
     ep = ep if config.role(role).model.num_experts else 1
-    dp = world_size // (tp * pp)
-    groups = rank_groups(tp, pp, dp, ep)
+    dp = world_size // own.replica_ranks()
+    groups = rank_groups(tp, pp, dp, ep, own.context_parallel_size)
     experts = (f"; EP={ep}, expert-parallel groups first {_span(groups['ep'][0])}, expert-data-parallel first "
                f"{_span(groups['edp'][0])}" if ep > 1 else "")
     served = config.served_weights.get(role)
@@ -210,29 +212,39 @@ def attention_text(config: RLHFConfig) -> str:
     return f"attention: {kinds} (transformer-engine's own where it is installed)"
 
 
-def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str:
-    par = config.parallel
-    tp, pp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    dp = world_size // (tp * pp)
-    nodes = -(-world_size // nproc_per_node)
-    ep = par.expert_model_parallel_size
-    groups = rank_groups(tp, pp, dp, ep)
-    # torchrun numbers ranks node by node.
-    tp_in_node = all(len({r // nproc_per_node for r in g}) == 1 for g in groups["tp"])
-    lines = [
-        f"{world_size} processes = {nodes} node(s) x {nproc_per_node}; TP={tp} PP={pp} DP={dp}"
-        f"{f' EP={ep}' if ep > 1 else ''} for "
-        f"{'the roles without a layout of their own' if any(config.has_own_layout(r) for r in config.model_roles) else 'every role'} "
-        f"(sequence parallel {'on' if par.sequence_parallel else 'off'})",
-        _work_line(config),
+def _group_lines(groups: Dict[str, List[List[int]]], tp_in_node: bool) -> List[str]:
+    """The layout's process groups (rank_groups), one line per kind."""
+    tp, dp, pp = len(groups["tp"][0]), len(groups["dp"][0]), len(groups["pp"][0])
+    cp, ep = len(groups["cp"][0]), len(groups["ep"][0]) if "ep" in groups else 1
+    return [
         f"  tensor-parallel groups: {len(groups['tp'])} of {tp} ranks ({'each within one node' if tp_in_node else 'SPANNING NODES: TP all-reduces cross the network; keep TP <= GPUs per node'}), "
         f"first {_span(groups['tp'][0])}",
+        *([f"  context-parallel groups (each row's positions divided over them): {len(groups['cp'])} of {cp} ranks, "
+           f"first {_span(groups['cp'][0])}"] if cp > 1 else []),
         f"  data-parallel groups: {len(groups['dp'])} of {dp} ranks, first {_span(groups['dp'][0])}",
         *([f"  expert-parallel groups: {len(groups['ep'])} of {ep} ranks (each layer's experts split over them), "
            f"first {_span(groups['ep'][0])}; expert-data-parallel groups (the experts' gradients and distributed "
            f"optimizer): {len(groups['edp'])} of {dp // ep} ranks, first {_span(groups['edp'][0])}"] if ep > 1 else []),
-        "  pipeline stages: " + "; ".join(
-            f"{s}: ranks {_span(sorted(g[s] for g in groups['pp']))}" for s in range(pp)),
+        "  pipeline stages: " + "; ".join(f"{s}: ranks {_span(sorted(g[s] for g in groups['pp']))}" for s in range(pp)),
+    ]
+
+
+def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str:
+    par = config.parallel
+    tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
+    dp = world_size // par.replica_ranks()
+    nodes = -(-world_size // nproc_per_node)
+    ep = par.expert_model_parallel_size
+    groups = rank_groups(tp, pp, dp, ep, cp)
+    # torchrun numbers ranks node by node.
+    tp_in_node = all(len({r // nproc_per_node for r in g}) == 1 for g in groups["tp"])
+    lines = [
+        f"{world_size} processes = {nodes} node(s) x {nproc_per_node}; TP={tp} PP={pp}{f' CP={cp}' if cp > 1 else ''} DP={dp}"
+        f"{f' EP={ep}' if ep > 1 else ''} for "
+        f"{'the roles without a layout of their own' if any(config.has_own_layout(r) for r in config.model_roles) else 'every role'} "
+        f"(sequence parallel {'on' if par.sequence_parallel else 'off'})",
+        _work_line(config),
+        *_group_lines(groups, tp_in_node),
         "",
         f"{'role':<11}{'network':<14}{'params':>9}  {'head':<8}{'dtype':<6}{'layers/stage':>13}{'micro':>7}"
         f"{'global':>8}{'accum':>7}  {'optimizer':<11}{'leaves the device when idle'}",
@@ -295,7 +307,7 @@ def layout_text(config: RLHFConfig, world_size: int, nproc_per_node: int) -> str
 def dry_run(config_file: str, world_size: Optional[int] = None, nproc_per_node: Optional[int] = None,
             gpu_memory: Optional[int] = None, seq_length: Optional[int] = None, memory_only: bool = False,
             overrides: Sequence[str] = ()) -> int:
-    """Print the plan of a launch on ``world_size`` processes (default: TP*PP): the resolved config,
+    """Print the plan of a launch on ``world_size`` processes (default: TP*PP*CP): the resolved config,
     the layout and the memory per role (``memory_only``: the memory alone). Returns 0, or 1 when
     ``gpu_memory`` is given and the run cannot fit. Raises ConfigError for a config or layout the
     run would refuse."""

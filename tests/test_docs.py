@@ -120,18 +120,20 @@ def test_explain_and_the_dry_run_read_the_config_alone_without_importing_torch(c
 
 def test_the_dry_runs_process_groups_are_megatrons():
     """dry_run.rank_groups (computed without megatron, so that a dry run imports no torch) against
-    megatron-core's RankGenerator: dense TP/DP/PP groups and expert EP/EDP groups, several layouts."""
+    megatron-core's RankGenerator: dense TP/CP/DP/PP groups and expert EP/EDP groups, several layouts."""
     from megatron.core.parallel_state import RankGenerator
 
     from megatron_rlhf.dry_run import rank_groups
 
-    for tp, pp, dp, ep in [(1, 1, 1, 1), (2, 1, 2, 1), (2, 2, 2, 1), (1, 2, 4, 2), (2, 3, 4, 4), (4, 2, 6, 3), (1, 1, 8, 8)]:
-        dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
-        expected = {kind: dense.get_ranks(kind) for kind in ("tp", "dp", "pp")}
+    for tp, pp, dp, ep, cp in [(1, 1, 1, 1, 1), (2, 1, 2, 1, 1), (2, 2, 2, 1, 1), (1, 2, 4, 2, 1), (2, 3, 4, 4, 1),
+                               (4, 2, 6, 3, 1), (1, 1, 8, 8, 1), (1, 1, 1, 1, 2), (2, 1, 2, 1, 2), (2, 2, 1, 1, 4),
+                               (1, 2, 3, 1, 2)]:
+        dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+        expected = {kind: dense.get_ranks(kind) for kind in ("tp", "cp", "dp", "pp")}
         if ep > 1:
             experts = RankGenerator(tp=tp, ep=ep, dp=dp // ep, pp=pp, cp=1, order="tp-ep-dp-pp")
             expected.update(ep=experts.get_ranks("ep"), edp=experts.get_ranks("dp"))
-        assert rank_groups(tp, pp, dp, ep) == expected, (tp, pp, dp, ep)
+        assert rank_groups(tp, pp, dp, ep, cp) == expected, (tp, pp, dp, ep, cp)
 
 
 # -- The commands the docs show ------------------------------------------------------------------

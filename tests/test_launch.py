@@ -315,7 +315,7 @@ def test_rank_groups_are_megatrons_numbering():
 
     groups = rank_groups(2, 2, 2)
     assert groups == {"tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-                      "pp": [[0, 4], [1, 5], [2, 6], [3, 7]]}
+                      "pp": [[0, 4], [1, 5], [2, 6], [3, 7]], "cp": [[r] for r in range(8)]}
     groups = rank_groups(1, 2, 4, ep=2)
     assert groups["dp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert groups["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]] and groups["edp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]

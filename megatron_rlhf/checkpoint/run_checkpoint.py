@@ -80,12 +80,16 @@ def latest_checkpoint(output_dir: str) -> Optional[str]:
 
 
 def _layout():
+    """This rank's place. ``dp``: the ranks that hold the same weights and shard their optimizer's
+    state (megatron's data-parallel group with the context-parallel ranks: CP ranks hold the same
+    weights as DP ranks do), so a checkpoint resumes at another CP as at another DP."""
     from megatron.core import parallel_state as ps
 
     return {
         "tp": ps.get_tensor_model_parallel_world_size(), "tp_rank": ps.get_tensor_model_parallel_rank(),
         "pp": ps.get_pipeline_model_parallel_world_size(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
-        "dp": ps.get_data_parallel_world_size(), "dp_rank": ps.get_data_parallel_rank(),
+        "dp": ps.get_data_parallel_world_size(with_context_parallel=True),
+        "dp_rank": ps.get_data_parallel_rank(with_context_parallel=True),
         "ep": ps.get_expert_model_parallel_world_size(), "ep_rank": ps.get_expert_model_parallel_rank(),
         "edp_rank": ps.get_expert_data_parallel_rank(),
     }

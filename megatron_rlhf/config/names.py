@@ -15,6 +15,8 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # baseline:
 KL_ESTIMATORS = ("k1", "k3", "low_var_kl")
 # ppo.loss_agg_mode (ppo/core.py LOSS_AGGREGATIONS)
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# those whose loss is a sum over tokens, which context parallelism cuts over its ranks
+TOKEN_SUM_AGG_MODES = ("token-mean",)
 # ppo.policy_loss (ppo/core.py POLICY_LOSSES), and the ppo.loss_agg_mode a loss's objective needs
 POLICY_LOSSES = ("vanilla", "gspo")
 LOSS_AGG_MODE_OF = {"gspo": ("seq-mean-token-mean", "GSPO's objective is a mean over sequences of the sequence's "

@@ -215,6 +215,13 @@ class ParallelConfig:
     # Experts split over EP ranks taken from the data-parallel ranks (megatron's rule: EP divides
     # DP); each expert is split over the TP ranks as a dense MLP is.
     expert_model_parallel_size: int = bounded(1, ge=1)
+    # CP: each sequence divided over this many ranks (2 x CP chunks, chunk r and 2CP-1-r on rank r;
+    # models/context_parallel.py); the rows are cut over DP = world / (TP x PP x CP).
+    context_parallel_size: int = bounded(1, ge=1)
+
+    def replica_ranks(self) -> int:
+        """The ranks one copy of a micro-batch's rows runs on: TP x PP x CP."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
 
 
 @dataclasses.dataclass

@@ -11,7 +11,7 @@ from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
 from megatron_rlhf.config.presets import CHECKPOINT_META_FILE
 from megatron_rlhf.config.names import (CHAT_ROLES, GROUP_ESTIMATORS, JUDGE_FIELDS, LORA_TARGETS, LOSS_AGG_MODE_OF,
-                                        PLAIN_TEXT_PARSERS, SANDBOX_KIND_KEYS, TOKEN_REWARD_ESTIMATORS)
+                                        PLAIN_TEXT_PARSERS, SANDBOX_KIND_KEYS, TOKEN_REWARD_ESTIMATORS, TOKEN_SUM_AGG_MODES)
 from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, TRAINED_ROLE_KEYS,
                                          ROLE_HEADS, ROLE_NAMES, SERVED_WEIGHTS, SERVING_ROLES,
                                          RLHFConfig)
@@ -170,20 +170,22 @@ def _world_problems(config: RLHFConfig, world_size: Optional[int]) -> Tuple[List
             "untried); set it to false"
         )
     dp = None
+    cp = par.context_parallel_size
     if world_size is not None:
-        if world_size % (tp * pp) != 0:
+        if world_size % (tp * pp * cp) != 0:
+            key = "parallel.context_parallel_size" if cp > 1 and world_size % (tp * pp) == 0 else "parallel.tensor_model_parallel_size"
+            sizes, product = ("TP*PP*CP", f"{tp}*{pp}*{cp}") if cp > 1 else ("TP*PP", f"{tp}*{pp}")
             problems.append(
-                f"{config.at('parallel.tensor_model_parallel_size')}: world size {world_size} is not divisible by "
-                f"TP*PP = {tp}*{pp} = {tp * pp}; valid TP*PP for this world size: "
-                f"{_divisors(world_size)}"
+                f"{config.at(key)}: world size {world_size} is not divisible by "
+                f"{sizes} = {product} = {tp * pp * cp}; valid {sizes} for this world size: {_divisors(world_size)}"
             )
         else:
-            dp = world_size // (tp * pp)
+            dp = world_size // (tp * pp * cp)
             if dp % ep != 0:
                 problems.append(
                     f"{config.at('parallel.expert_model_parallel_size')}: {ep} does not divide the data-parallel size "
-                    f"{dp} (world size {world_size} / TP*PP {tp * pp}): megatron takes the expert-parallel ranks from "
-                    f"the data-parallel ones; valid EP: {_divisors(dp)}")
+                    f"{dp} (world size {world_size} / {'TP*PP*CP' if cp > 1 else 'TP*PP'} {tp * pp * cp}): megatron takes "
+                    f"the expert-parallel ranks from the data-parallel ones; valid EP: {_divisors(dp)}")
     return problems, Layout(world_size, dp)
 
 
@@ -396,6 +398,34 @@ def _fixed_address_problems(config: RLHFConfig) -> List[str]:
         if rc.min_lr != 0:
             problems.append(f"{config.at(role + '.min_lr')}: {rc.min_lr:g}, but there is no learning-rate schedule: "
                             f"{role}.lr holds for the whole run; remove min_lr")
+    return problems
+
+
+def _context_parallel_problems(config: RLHFConfig) -> List[str]:
+    """parallel.context_parallel_size > 1 where its numbers are shown equal to CP=1's (token sums
+    over dense models' rows: SFT, PRM and RL with a loss summed over tokens); what it does not cover yet is
+    refused by name."""
+    cp = config.parallel.context_parallel_size
+    if cp == 1:
+        return []
+    at, problems = config.at("parallel.context_parallel_size"), []
+    if config.stage in ("rm", "dpo"):
+        problems.append(f"{at}: {cp}: stage {config.stage}'s loss reads whole sequences (a score at the last token, "
+                        "a sequence's log-prob sum), which are not yet summed over CP ranks; CP covers sft, prm and rl")
+    if config.stage == "rl":
+        if config.ppo.loss_agg_mode not in TOKEN_SUM_AGG_MODES:  # GSPO's among them
+            problems.append(f"{at}: {cp} covers ppo.loss_agg_mode: {', '.join(TOKEN_SUM_AGG_MODES)} (a sequence's mean "
+                            f"or sum over its tokens is not yet summed over CP ranks), not {config.ppo.loss_agg_mode!r}")
+    if config.trainer.batch_invariant:
+        problems.append(f"{at}: {cp}: trainer.batch_invariant covers whole rows on one rank; set CP to 1")
+    for role in config.model_roles:
+        rc = config.role(role)
+        if config.has_own_layout(role):
+            problems.append(f"{at}: {cp}: {role}.parallel: a role's own layout beside CP is not modelled yet; remove it")
+        if rc.attention != "fused":
+            problems.append(f"{at}: {cp} needs {role}.attention: fused (megatron's local attention refuses CP)")
+        if rc.model.num_experts:
+            problems.append(f"{at}: {cp}: {role}'s model has experts, not yet run beside CP (dense models only)")
     return problems
 
 
@@ -922,6 +952,7 @@ CHECKS = (
     ("LoRA", lambda config, layout: _lora_problems(config)),
     ("fixed device addresses", lambda config, layout: _fixed_address_problems(config)),
     ("batch-invariant arithmetic", lambda config, layout: _batch_invariant_problems(config)),
+    ("context parallelism", lambda config, layout: _context_parallel_problems(config)),
     ("served weights", _served_weight_problems),
 )
 

@@ -169,7 +169,7 @@ def _owned_elements(numels: List[int], buffer: int, dp: int, dp_rank: int = 0) -
 
 def activation_bytes(arch: ModelArchConfig, head: str, micro_batch: int, seq: int, tp: int, pp: int,
                      precision: str, recompute: bool, training: bool, padded_vocab: Optional[int] = None,
-                     attention: str = "fused", logprob_chunk_tokens: int = 0) -> int:
+                     attention: str = "fused", logprob_chunk_tokens: int = 0, cp: int = 1) -> int:
     """Estimate of the activations one micro-batch keeps on a stage, counted as autograd keeps them
     per token of a layer (after Korthikanti et al. 2022, for a SwiGLU MLP and grouped-query heads,
     no sequence parallelism, no dropout): the two norms' inputs and outputs 4h; the query, key and
@@ -181,15 +181,18 @@ def activation_bytes(arch: ModelArchConfig, head: str, micro_batch: int, seq: in
     all but the norms split over TP. Then the fp32 logits (LOGIT_COPIES of them): of every token,
     or of ``logprob_chunk_tokens`` tokens where an LM head's log-probs are computed in chunks. With
     full recomputation only each layer's input is kept. A forward-only pass keeps about one layer's
-    worth at a time."""
+    worth at a time. Under context parallelism (``cp``) a rank holds seq / cp of each row's tokens
+    and, per layer, the keys and values of the whole sequence gathered for its attention."""
     width = BYTES[precision]
-    s, b, h, a = seq, micro_batch, arch.hidden_size, arch.num_attention_heads
+    s, b, h, a = -(-seq // cp), micro_batch, arch.hidden_size, arch.num_attention_heads
     q, kv, f = a * arch.kv_channels, arch.kv_groups * arch.kv_channels, arch.ffn_hidden_size
     if attention == "local":
         own = a * s * width + (2 * q * width if kv != q else 0)
     else:
         own = (q + 2 * kv) * width + a * 4 + (s if arch.sliding_window else 0)
     per_layer = s * b * (4 * h * width + ((4 * q + 3 * kv + 4 * f) * width + own) / tp)
+    if cp > 1:  # the CP group's keys and values, gathered (models/context_parallel.py)
+        per_layer += seq * b * 2 * kv * width / tp
     layers = len(stage_layers(arch.num_layers, pp, 0))
     if arch.num_experts:  # the most loaded stage: its layers with experts
         moe_layers = max(sum(_stage_layers(arch, pp, r)) for r in range(pp))
@@ -302,7 +305,7 @@ class Plan:
 def rollout_rows(config: RLHFConfig, role: str, world_size: int) -> int:
     """The rows of the rollout each of ``role``'s DP ranks holds, at the role's own layout."""
     own = config.layout_of(role)
-    return config.rollout_samples // (world_size // (own.tensor_model_parallel_size * own.pipeline_model_parallel_size))
+    return config.rollout_samples // (world_size // own.replica_ranks())
 
 
 def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSwitches]] = None,
@@ -310,7 +313,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
     """The memory of one PPO iteration on the most loaded rank (the stage with most state)."""
     par = config.parallel
     tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
-    dp = world_size // (tp * pp)
+    dp = world_size // par.replica_ranks()
     seq = seq_length or config.sequence_tokens
     # Roles still on free_memory: auto are planned with nothing offloaded (recommend() chooses).
     switches = switches or {r: EMSSwitches.from_role_config(config.role(r), auto=False) for r in config.model_roles}
@@ -321,9 +324,10 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
         trainable = name in config.trainable_roles
         # Each role at its own layout (RLHFConfig.layout_of), the run's padded vocabulary.
         own = config.layout_of(name)
-        rtp, rpp = own.tensor_model_parallel_size, own.pipeline_model_parallel_size
-        rdp, vocab = world_size // (rtp * rpp), config.padded_vocab(rc.model)
-        stages = [state_bytes(rc, ROLE_HEADS[name], trainable, rtp, rpp, rdp, r, ep=own.expert_model_parallel_size,
+        rtp, rpp, rcp = own.tensor_model_parallel_size, own.pipeline_model_parallel_size, own.context_parallel_size
+        rdp, vocab = world_size // own.replica_ranks(), config.padded_vocab(rc.model)
+        # the distributed optimizer's state is cut over DP x CP (CP ranks hold the same weights)
+        stages = [state_bytes(rc, ROLE_HEADS[name], trainable, rtp, rpp, rdp * rcp, r, ep=own.expert_model_parallel_size,
                               lora=config.lora_of(name),
                               padded_vocab=vocab) for r in range(rpp)]
         roles[name] = max(stages, key=lambda s: sum(s.values()))
@@ -336,7 +340,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
         transient[name] = {
             "activations": in_flight * activation_bytes(rc.model, ROLE_HEADS[name], micro_batch_rows(config, name), seq, rtp, rpp,
                                                         rc.precision, rc.recompute_activations, trainable, vocab,
-                                                        rc.attention, config.logprob_chunk_tokens(name)),
+                                                        rc.attention, config.logprob_chunk_tokens(name), rcp),
             # The engine's slots and its scratch slot (generation/generate.slot_cache); only RL generates.
             "kv_cache": kv_cache_bytes(rc.model, config.generation.slots(rows) + 1, seq_of_role, rtp, rpp,
                                        rc.precision) if generates else 0,
@@ -376,7 +380,7 @@ def plan(config: RLHFConfig, world_size: int, switches: Optional[Dict[str, EMSSw
             resident[f"sync_{serving}"] = table
             phases[f"sync_{serving}"] = sum(sum(t.values()) for t in table.values())
     peak = max(phases, key=phases.get)
-    return Plan(roles, transient, phases, resident, peak, {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "seq": seq}, host)
+    return Plan(roles, transient, phases, resident, peak, {"tp": tp, "pp": pp, "cp": par.context_parallel_size, "dp": dp, "ep": ep, "seq": seq}, host)
 
 
 def overlap_fits(config: RLHFConfig, p: Plan, current: str, following: str, budget: int) -> bool:

@@ -9,17 +9,23 @@ layer, and a sliding window as one [s, s] boolean band for every row and head. R
 right-padded (models/batches.py), so causal attention keeps padding from ever reaching a real
 token: no per-row mask is needed.
 
+Under context parallelism (config.context_parallel_size > 1, which megatron's local attention
+refuses) each rank holds two chunks of every row and attends over the CP group's gathered keys and
+values (models/context_parallel.py).
+
 The role key ``attention`` chooses it (``fused``, the default) or megatron's own (``local``).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from megatron_rlhf.models import batch_invariant
+from megatron_rlhf.models import batch_invariant, context_parallel
 
 
 class FusedCoreAttention(DotProductAttention):
@@ -27,8 +33,17 @@ class FusedCoreAttention(DotProductAttention):
     on ``scaled_dot_product_attention``. query [sq, b, heads, dim], key/value [sk, b, groups, dim]
     -> context [sq, b, heads x dim]."""
 
-    def __init__(self, config, layer_number, *args, **kwargs):
-        super().__init__(config, layer_number, *args, **kwargs)
+    def __init__(self, config, layer_number, *args, pg_collection=None, **kwargs):
+        # megatron's own asserts CP = 1 (only transformer-engine's divides a sequence); this one does.
+        alone = copy.copy(config)
+        alone.context_parallel_size = 1
+        super().__init__(alone, layer_number, *args, pg_collection=pg_collection, **kwargs)
+        self.config = config
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            from megatron.core import parallel_state
+
+            self.cp_group = pg_collection.cp if pg_collection is not None else parallel_state.get_context_parallel_group()
         if self.softmax_offset is not None:  # megatron's off-by-one and learnable softmax types
             raise ValueError(f"attention: fused computes the plain softmax, not softmax_type {config.softmax_type!r}")
         windowed = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
@@ -41,6 +56,12 @@ class FusedCoreAttention(DotProductAttention):
                              "attention bias (megatron's local attention refuses them too)")
         if batch_invariant.enabled():
             return self._batch_invariant(query, key, value, attention_mask)
+        if self.cp_group is not None and self.cp_group.size() > 1:
+            if attention_mask is not None:
+                raise ValueError("context parallelism: causal attention over right-padded rows only, not an attention mask")
+            band = None if self.window is None else (lambda sq, sk: window_band(sq, sk, self.window, query.device))
+            context = context_parallel.attention(query, key, value, self.cp_group, self.softmax_scale, band)
+            return context.reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
         if attention_mask is not None:  # megatron's convention: True = masked out
             mask, causal = ~attention_mask, False

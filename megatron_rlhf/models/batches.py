@@ -12,23 +12,28 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from megatron_rlhf.models.context_parallel import LABELS
+
 MicroBatch = Dict[str, torch.Tensor]
 
 
-def next_tokens(tokens: torch.Tensor) -> torch.Tensor:
-    """The token each position chose: [b, s] -> [b, s] (the last position's entry has no meaning;
-    ``at_actions`` drops it)."""
-    return torch.roll(tokens, -1, dims=1)
+def next_tokens(mb: MicroBatch) -> torch.Tensor:
+    """The token each position of ``mb`` chose: [b, s] (the last position's entry has no meaning;
+    ``at_actions`` drops it). A context-parallel rank's view holds its own (models/context_parallel.py)."""
+    labels = mb.get(LABELS)
+    return torch.roll(mb["tokens"], -1, dims=1) if labels is None else labels
 
 
-def at_actions(per_position: torch.Tensor) -> torch.Tensor:
-    """A per-position tensor [b, s, ...] restricted to the action positions: [b, s-1, ...]."""
-    return per_position[:, :-1]
+def at_actions(per_position: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """A per-position tensor [b, s, ...] of ``mb`` restricted to the action positions: [b, s-1, ...].
+    In a context-parallel rank's view the per-action columns are cut to the rank's positions as the
+    per-position ones are (the last, padding, has a zero mask): nothing is dropped."""
+    return per_position if LABELS in mb else per_position[:, :-1]
 
 
-def state_values(output: torch.Tensor) -> torch.Tensor:
+def state_values(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     """A scalar head's output [b, s, 1] as the value of each state before an action: [b, s-1] (fp32)."""
-    return at_actions(output.float().squeeze(-1))
+    return at_actions(output.float().squeeze(-1), mb)
 
 
 def action_mask(width: int, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor) -> torch.Tensor:

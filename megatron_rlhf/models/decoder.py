@@ -57,6 +57,8 @@ def make_transformer_config(
         init_method_std=arch.init_method_std,
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        # megatron's rotary embedding then keeps each CP rank's angles (models/context_parallel.py)
+        context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
         bf16=precision == "bf16",

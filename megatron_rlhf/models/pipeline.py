@@ -5,6 +5,10 @@ A micro-batch is a dict with ``tokens`` [b, s] (int64), optional ``position_ids`
 else the loss function reads. All micro-batches of one call have the same b; s may differ from
 one to the next (under PP the stages exchange each activation's shape first: megatron's
 ``variable_seq_lengths``, set on every model with PP > 1).
+
+Under context parallelism each CP rank runs its share of every row's positions
+(models/context_parallel.py): the model and the loss function read the rank's view of the
+micro-batch; a forward-only result comes back whole, in sequence order, on every CP rank.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from megatron_rlhf.errors import NoGradientError
-from megatron_rlhf.models import routing
+from megatron_rlhf.models import context_parallel, routing
 from megatron_rlhf.models.batches import MicroBatch
 from megatron_rlhf.models.decoder import global_rank, groups_of, unwrap
 from megatron_rlhf.models.vocab_parallel import ChunkedLogits, chunked_lm_head
@@ -56,40 +60,39 @@ def forward_backward(
 
     A micro-batch with ``routes`` (models/routing.py) replays that routing in its forward; with
     ``routes_out`` (a list), each micro-batch's routing on this stage is appended to it, [b, s, L, K].
+
+    Under context parallelism ``reduce`` sees this CP rank's view or the whole sequence (_kept).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    if not micro_batches:
-        raise ValueError("forward_backward needs at least one micro-batch")
-    if loss_fn is None and not forward_only:
-        raise ValueError("training (forward_only=False) needs a loss function")
-    batch = micro_batches[0]["tokens"].shape[0]
     groups = groups_of(model)
-    if groups.pp.size() > 1 and any(mb["tokens"].shape[0] != batch for mb in micro_batches):
-        raise ValueError(f"under pipeline parallelism all micro-batches of one call need the same number of rows: "
-                         f"{[mb['tokens'].shape[0] for mb in micro_batches]}")
-    seq = max(mb["tokens"].shape[1] for mb in micro_batches)
+    cp = _cp_size(groups)
+    _check_call(micro_batches, loss_fn, forward_only, routes_out, groups)
+    batch, seq = micro_batches[0]["tokens"].shape[0], max(mb["tokens"].shape[1] for mb in micro_batches)
     recording = routing.recording(model) if routes_out is not None else contextlib.nullcontext()
 
-    def collect_output(output, mb: MicroBatch):  # a loss's shape; nothing is trained
-        kept = output.detach() if reduce is None else reduce(output, mb)
+    def collect_output(output, mb: MicroBatch, view: MicroBatch):  # a loss's shape; nothing is trained
         zero = (output.hidden if isinstance(output, ChunkedLogits) else output).sum() * 0.0
-        return zero, torch.ones((), dtype=torch.int), {"output": kept}
+        return zero, torch.ones((), dtype=torch.int), {"output": _kept(output, mb, view, reduce, groups)}
 
     reader = loss_fn or reduce
     trains = not forward_only and any(p.requires_grad for p in model.parameters())
 
-    def call_loss(fn: LossFn, mb: MicroBatch, chunked, output: torch.Tensor):
+    def call_loss(mb: MicroBatch, view: MicroBatch, chunked, output: torch.Tensor):
         # megatron calls loss_func(output); the micro-batch is bound first. Hand it a copy of the
         # loss, so metrics that share its storage (loss.detach()) keep the value whatever megatron
         # does to it in place.
-        loss, count, metrics = fn(output if chunked is None else chunked(output), mb)
+        output = output if chunked is None else chunked(output)
+        if loss_fn is None:
+            return collect_output(output, mb, view)
+        loss, count, metrics = loss_fn(output, view)
         return loss.clone(), count.to(torch.int), metrics
 
     def forward_step_func(data_iterator, model_chunk):
         mb = next(data_iterator)
-        with routing.replaying(model_chunk, mb.get(routing.ROUTES)), chunked_lm_head(model_chunk, reader) as chunked:
-            output = model_forward(model_chunk, mb)
+        view = mb if cp == 1 else context_parallel.on_this_rank(mb, cp, groups.cp.rank())
+        with routing.replaying(model_chunk, view.get(routing.ROUTES)), chunked_lm_head(model_chunk, reader) as chunked:
+            output = model_forward(model_chunk, view)
         if trains and not output.requires_grad:  # megatron's backward would then skip it, and train nothing
             raise NoGradientError(f"pipeline stage {groups.pp.rank()}: the training pass's output needs no gradient, so "
                                   "none of the trained parameters before it would learn (a frozen block whose inputs "
@@ -98,7 +101,7 @@ def forward_backward(
             flat = routing.recorded(model_chunk, mb["tokens"].numel())
             dtype = routing.routes_dtype(unwrap(model_chunk).config.num_moe_experts)
             routes_out.append(routing.as_rows(flat, *mb["tokens"].shape, dtype))
-        return output, partial(call_loss, loss_fn or collect_output, mb, chunked)
+        return output, partial(call_loss, mb, view, chunked)
 
     with recording:
         return get_forward_backward_func(pp_size=groups.pp.size())(
@@ -111,6 +114,37 @@ def forward_backward(
             forward_only=forward_only,
             **_communicators(model, groups),
         )
+
+
+def _check_call(micro_batches: List[MicroBatch], loss_fn, forward_only: bool, routes_out, groups) -> None:
+    if not micro_batches:
+        raise ValueError("forward_backward needs at least one micro-batch")
+    if loss_fn is None and not forward_only:
+        raise ValueError("training (forward_only=False) needs a loss function")
+    rows = [mb["tokens"].shape[0] for mb in micro_batches]
+    if groups.pp.size() > 1 and len(set(rows)) > 1:
+        raise ValueError(f"under pipeline parallelism all micro-batches of one call need the same number of rows: {rows}")
+    if _cp_size(groups) > 1 and routes_out is not None:
+        raise ValueError("context parallelism: recording the experts' routing (routing replay) is not modelled over CP "
+                         "ranks yet; set context_parallel_size 1 or turn routing replay off")
+
+
+def _cp_size(groups) -> int:
+    return groups.cp.size() if getattr(groups, "cp", None) is not None else 1
+
+
+def _kept(output, mb: MicroBatch, view: MicroBatch, reduce: Optional[Reduce], groups):
+    """What a forward-only pass keeps of a micro-batch's output: ``reduce(output, mb)``, or the output.
+    Under context parallelism, on every CP rank: a reduce that reads an LM head's output
+    (vocab_parallel.reads_chunked: a per-action result, [b, s-1, ...]) runs on the rank's view and
+    its results are gathered; another runs on the whole output gathered first (a scalar head's
+    [b, s, 1]; whole logits only where no reduce is given)."""
+    if _cp_size(groups) == 1:
+        return output.detach() if reduce is None else reduce(output, mb)
+    if reduce is not None and getattr(reduce, "reads_chunked", False):
+        return context_parallel.whole_sequence(reduce(output, view), groups.cp, mb["tokens"].shape[1] - 1)
+    whole = context_parallel.whole_sequence(output.detach(), groups.cp, mb["tokens"].shape[1])
+    return whole if reduce is None else reduce(whole, mb)
 
 
 def _communicators(model: torch.nn.Module, groups) -> Dict[str, Any]:

@@ -134,7 +134,7 @@ def next_token_loss(output: torch.Tensor, mb: MicroBatch) -> Tuple[torch.Tensor,
     {"loss": mean}) for the per-token loss path (models/pipeline.py)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    per_token = at_actions(vocab_parallel_cross_entropy(output.float(), next_tokens(mb["tokens"])))
+    per_token = at_actions(vocab_parallel_cross_entropy(output.float(), next_tokens(mb)), mb)
     return _sum_count_mean(per_token)
 
 

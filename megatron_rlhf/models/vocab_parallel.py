@@ -60,12 +60,13 @@ def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
     return -vocab_parallel_cross_entropy(real, labels, tp_group)
 
 
-def next_token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int, temperature: float = 1.0,
+def next_token_log_probs(logits: torch.Tensor, mb, vocab_size: int, temperature: float = 1.0,
                          tp_group=None) -> torch.Tensor:
-    """log p(token t+1 | tokens <= t): logits [b, s, V/TP] (or ChunkedLogits), tokens [b, s] -> [b, s-1]."""
+    """log p(token t+1 | tokens <= t): logits [b, s, V/TP] (or ChunkedLogits) of micro-batch ``mb``
+    (its tokens [b, s]) -> [b, s-1] (models/batches.py's convention)."""
     if isinstance(logits, ChunkedLogits):
-        return at_actions(logits.statistics(next_tokens(tokens), vocab_size, temperature, tp_group, entropy=False)[0])
-    return at_actions(token_log_probs(logits, next_tokens(tokens), vocab_size, temperature, tp_group))
+        return at_actions(logits.statistics(next_tokens(mb), vocab_size, temperature, tp_group, entropy=False)[0], mb)
+    return at_actions(token_log_probs(logits, next_tokens(mb), vocab_size, temperature, tp_group), mb)
 
 
 @torch.no_grad()
@@ -89,15 +90,15 @@ def _entropy_of_real(logits: torch.Tensor, group) -> torch.Tensor:
     return sums[0].log() - sums[1] / sums[0]
 
 
-def log_probs_and_entropy(output, tokens: torch.Tensor, vocab_size: int, temperature: float = 1.0,
+def log_probs_and_entropy(output, mb, vocab_size: int, temperature: float = 1.0,
                           tp_group=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """next_token_log_probs (with its gradient) and the entropy at each action position (without),
     [b, s-1] each, in one pass over the chunks of ``ChunkedLogits``."""
     if isinstance(output, ChunkedLogits):
-        log_probs, entropy = output.statistics(next_tokens(tokens), vocab_size, temperature, tp_group, entropy=True)
-        return at_actions(log_probs), at_actions(entropy)
-    return (next_token_log_probs(output, tokens, vocab_size, temperature, tp_group),
-            at_actions(token_entropy(output.detach(), vocab_size, temperature, tp_group)))
+        log_probs, entropy = output.statistics(next_tokens(mb), vocab_size, temperature, tp_group, entropy=True)
+        return at_actions(log_probs, mb), at_actions(entropy, mb)
+    return (next_token_log_probs(output, mb, vocab_size, temperature, tp_group),
+            at_actions(token_entropy(output.detach(), vocab_size, temperature, tp_group), mb))
 
 
 # -- chunked ----------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ def log_probs(role: Role, tokens: torch.Tensor, lengths: torch.Tensor, vocab_siz
 
     @reads_chunked
     def reduce(output, mb):
-        return next_token_log_probs(output, mb["tokens"], vocab_size, temperature, tp_group)
+        return next_token_log_probs(output, mb, vocab_size, temperature, tp_group)
 
     columns = {} if routes is None else {ROUTES: routes}
     return _rows(role, tokens, lengths, reduce, (tokens.shape[1] - 1,), routes_out, **columns)
@@ -56,7 +56,7 @@ def values(role: Role, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Ten
     """Value of each state t (before token t+1) from a scalar-head role: [B, S] -> [B, S-1]."""
 
     def reduce(output, mb):
-        return state_values(output)
+        return state_values(output, mb)
 
     return _rows(role, tokens, lengths, reduce, (tokens.shape[1] - 1,))
 

@@ -43,7 +43,7 @@ def policy_loss_fn(vocab_size: int, temperature: float, ppo_config: PPOConfig, k
 
     @reads_chunked
     def loss_fn(output, mb):
-        logp, entropy = log_probs_and_entropy(output, mb["tokens"], vocab_size, temperature)
+        logp, entropy = log_probs_and_entropy(output, mb, vocab_size, temperature)
         mask = mb["action_mask"]
         per_token, terms = terms_of(logp, mb["old_log_probs"], mb["advantages"], low, high, mask, dual)
         if "is_weights" in mb:  # rollout correction's importance weights (ppo/correction.py)
@@ -65,7 +65,7 @@ def policy_loss_fn(vocab_size: int, temperature: float, ppo_config: PPOConfig, k
 def value_loss_fn(clip_range: Optional[float], loss_agg_mode: str, loss_norm: Optional[float] = None) -> LossFn:
     def loss_fn(output, mb):
         mask = mb["action_mask"]
-        per_token, stats = ppo.value_loss_terms(state_values(output), mb["old_values"], mb["returns"], clip_range)
+        per_token, stats = ppo.value_loss_terms(state_values(output, mb), mb["old_values"], mb["returns"], clip_range)
         loss_sum, count = ppo.aggregate_loss(per_token, mask, loss_agg_mode, loss_norm)
         metrics = {"loss": loss_sum.detach(), "loss_count": count, "tokens": mask.sum(),
                    "clipfrac": ppo.masked_sum(stats["clipped"], mask)}

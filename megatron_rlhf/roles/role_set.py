@@ -54,6 +54,8 @@ class RoleSet:
         self.pad_id = pad_id
         self.progress = progress or Progress()
         self.cut = RowCut.of(ps.get_data_parallel_group())
+        # A training step's metric sums are over DP x CP: a CP rank's are of its own positions.
+        self.figures_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.roles: Dict[str, Role] = {}
         for name in config.model_roles:
             self.roles[name] = build_role(name, config)

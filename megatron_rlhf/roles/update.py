@@ -83,7 +83,8 @@ class PPOUpdate:
                     steps.append(result["metrics"])
                     grad_norms.append(float(result["grad_norm"]))
                     router_losses.append(result["moe"])
-        metrics = reported_metrics(steps, prefix, stats, lengths.device, cut.group, groups_of(role.model).pp) \
+        metrics = reported_metrics(steps, prefix, stats, lengths.device, self.roles.figures_group,
+                                   groups_of(role.model).pp) \
             if steps else {f"loss/{prefix}": float("nan")}
         grad_norm = sum(grad_norms) / len(grad_norms) if grad_norms else 0.0
         # Each step's router losses are already the same on every rank: the mean over the steps.

@@ -34,11 +34,11 @@ def init_distributed(layout: ParallelConfig, seed: int = 1234, timeout_s: float 
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
-    model_parallel = layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
+    model_parallel = layout.replica_ranks()
     if world_size % model_parallel != 0:  # fail before any collective starts
         raise ValueError(
-            f"world size {world_size} is not divisible by TP*PP = {layout.tensor_model_parallel_size}"
-            f"*{layout.pipeline_model_parallel_size} = {model_parallel}"
+            f"world size {world_size} is not divisible by TP*PP*CP = {layout.tensor_model_parallel_size}"
+            f"*{layout.pipeline_model_parallel_size}*{layout.context_parallel_size} = {model_parallel}"
         )
     if layout.sequence_parallel and layout.tensor_model_parallel_size == 1:
         raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
@@ -70,11 +70,13 @@ def init_distributed(layout: ParallelConfig, seed: int = 1234, timeout_s: float 
             tensor_model_parallel_size=layout.tensor_model_parallel_size,
             pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
             expert_model_parallel_size=layout.expert_model_parallel_size,
+            context_parallel_size=layout.context_parallel_size,
             distributed_timeout_minutes=timeout_s / 60,  # typed int, used as timedelta(minutes=...)
         )
     make_host_twins([None, parallel_state.get_data_parallel_group(), parallel_state.get_tensor_model_parallel_group(),
                      parallel_state.get_pipeline_model_parallel_group(), parallel_state.get_model_parallel_group(),
-                     parallel_state.get_expert_model_parallel_group()], timeout_s)
+                     parallel_state.get_expert_model_parallel_group(), parallel_state.get_context_parallel_group(),
+                     parallel_state.get_data_parallel_group(with_context_parallel=True)], timeout_s)
     set_seed(seed)
 
 

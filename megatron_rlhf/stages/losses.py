@@ -37,7 +37,7 @@ def sft_loss_fn(vocab_size: int) -> LossFn:
     @reads_chunked
     def loss_fn(output, mb):
         mask = mb["action_mask"]
-        loss_sum = preference.masked_nll_sum(next_token_log_probs(output, mb["tokens"], vocab_size), mask)
+        loss_sum = preference.masked_nll_sum(next_token_log_probs(output, mb, vocab_size), mask)
         count = mask.sum()
         return loss_sum, count, {"loss": loss_sum.detach(), "loss_count": count, "tokens": count}
 
@@ -102,7 +102,7 @@ def dpo_loss_fn(vocab_size: int, dpo: DPOConfig, nll_scale: float = 0.0) -> Loss
     @reads_chunked
     def loss_fn(output, mb):
         mask = mb["action_mask"]
-        token_logps = next_token_log_probs(output, mb["tokens"], vocab_size)
+        token_logps = next_token_log_probs(output, mb, vocab_size)
         logps = preference.sequence_log_probs(token_logps, mask)
         (policy_c, policy_r), (ref_c, ref_r) = chosen_and_rejected(logps), chosen_and_rejected(mb["ref_logps"])
         tokens_c, tokens_r = chosen_and_rejected(mask.sum(dim=1)) if normalized else (None, None)

@@ -82,7 +82,7 @@ class Stage(Steps):
 
     def figures(self, per_micro_batch: list, prefix: str = "") -> Dict[str, float]:
         """The loss function's metric sums as means over the whole step (every rank's micro-batches)."""
-        figures = step_metrics(per_micro_batch, self.device, groups_of(self.role.model).pp, self.roles.cut.group)
+        figures = step_metrics(per_micro_batch, self.device, groups_of(self.role.model).pp, self.roles.figures_group)
         return {f"{prefix}{k}": v for k, v in figures.items()}
 
     def state_dict(self) -> Dict:

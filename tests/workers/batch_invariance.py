@@ -59,7 +59,7 @@ def training_log_probs(model, g):
     width = int(g.total_lengths.max())
     tokens = g.tokens[:, :width]
     logits = forward_backward(model, [{"tokens": tokens}])[0]["output"]
-    logp = next_token_log_probs(logits, tokens, VOCAB, SAMPLED.temperature)  # [B, S-1]
+    logp = next_token_log_probs(logits, {"tokens": tokens}, VOCAB, SAMPLED.temperature)  # [B, S-1]
     return [logp[r, int(n) - 1 : int(n) - 1 + int(m)] for r, (n, m) in enumerate(zip(g.prompt_lengths, g.response_lengths))]
 
 

@@ -35,7 +35,7 @@ def run(layout: str, chunk: int) -> ChunkedRun:
 
     @reads_chunked
     def reduce(output, mb):
-        return next_token_log_probs(output, mb["tokens"], arch.vocab_size, TEMPERATURE)
+        return next_token_log_probs(output, mb, arch.vocab_size, TEMPERATURE)
 
     inference = [o["output"] for o in forward_backward(model, mbs, reduce=reduce)]
     ddp, optimizer = wrap_for_training(model, RoleConfig(precision="fp32", lr=1e-4, clip_grad=0.0))

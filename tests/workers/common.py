@@ -22,13 +22,13 @@ def tiny_arch(**overrides) -> ModelArchConfig:
     return ModelArchConfig(**{**PRESETS["tiny"], **overrides})
 
 
-def setup(tp: int = 1, pp: int = 1, sp: bool = False, seed: int = 1234, ep: int = 1) -> ParallelConfig:
+def setup(tp: int = 1, pp: int = 1, sp: bool = False, seed: int = 1234, ep: int = 1, cp: int = 1) -> ParallelConfig:
     """Start (or switch) megatron's parallel layout within the same torch.distributed world."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel = ParallelConfig(tp, pp, sp, ep)
+    parallel = ParallelConfig(tp, pp, sp, ep, cp)
     init_distributed(parallel, seed=seed)
     return parallel
 

@@ -68,6 +68,21 @@ class ChunkedLogProbs(Findings):
     runs: dict[tuple, ChunkedRun]  # (layout, logprob_chunk_tokens) -> its run
 
 
+@part
+class ContextParallelRun:
+    log_probs: list  # per micro-batch, a forward-only pass's log-probs [2, 12] (last stage; [] elsewhere)
+    values: list  # per micro-batch, a value head's forward-only values [2, 12]
+    figures: dict[str, list[Metrics]]  # loss -> each optimizer step's metric sums over the step's rows (every rank's)
+    grad_norms: dict[str, list[float]]  # loss -> the grad norm of each of its steps
+    grads: dict[str, StateDict]  # loss -> every parameter's gradient after its first step
+    weights: dict[str, StateDict]  # loss -> every parameter after its last step
+
+
+@findings_of("context_parallel")
+class ContextParallel(Findings):
+    runs: dict[str, ContextParallelRun]  # layout -> its run
+
+
 @findings_of("checkpoint_forward")
 class CheckpointForward(Findings):
     tokens: Tensor  # the fixed [2, 10] tokens fed

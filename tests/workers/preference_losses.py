@@ -62,7 +62,7 @@ run(policy, arch, head, mb, sft_loss_fn(vocab), "sft")
 mb = pair_micro_batches(whole, pairs, False, 0, "cpu")[0]
 with torch.no_grad():
     mb["ref_logps"] = preference.sequence_log_probs(
-        next_token_log_probs(model_forward(reference, mb), mb["tokens"], vocab), mb["action_mask"])
+        next_token_log_probs(model_forward(reference, mb), mb, vocab), mb["action_mask"])
 chosen_tokens = sum(p.chosen.response_tokens for p in pairs)
 for name, settings in batch["cases"].items():
     if name.startswith("dpo"):

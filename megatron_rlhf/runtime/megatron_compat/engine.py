@@ -23,6 +23,7 @@ ANCHORS: Dict[str, Tuple[Site, ...]] = {
         Site("models/common/embeddings/rotary_pos_embedding.py", "self.inv_freq = 1.0 / ("),
         Site("models/common/embeddings/rotary_pos_embedding.py", "freqs = torch.outer(seq, self.inv_freq)"),
         Site("models/common/embeddings/rotary_pos_embedding.py", "@lru_cache(maxsize=32)"),
+        Site("models/common/embeddings/rotary_pos_embedding.py", "def get_emb(self, max_seq_len: int, offset: int = 0) -> Tensor:"),
     ),
     "rope_attention_factor": (  # YaRN's factor on the cosines and sines, read from the config by the attention
         Site("models/common/embeddings/yarn_rotary_pos_embedding.py", 'if hasattr(config, "yarn_rotary_scaling_factor"):'),
@@ -59,8 +60,9 @@ def attention_replaced(gpt_model: torch.nn.Module, make_forward: Callable[[int, 
 
 
 def rotary_angles(gpt_model: torch.nn.Module, length: int) -> torch.Tensor:
-    """The model's RoPE angles for positions 0..length-1: [length, 1, 1, rotary dim]."""
-    return gpt_model.rotary_pos_emb(length)
+    """The model's RoPE angles for positions 0..length-1: [length, 1, 1, rotary dim] (every
+    position, whatever the model's context parallelism: the engine holds whole rows)."""
+    return gpt_model.rotary_pos_emb.get_emb(length)
 
 
 def set_rope_inv_freq(gpt_model: torch.nn.Module, inv_freq: torch.Tensor) -> None:

@@ -4,7 +4,11 @@ for the queries and the keys of every layer; its rotary embedding hands every la
 angles, cached by length), and no copy of the rotated tensor onto an empty unrotated part. The
 results are bitwise megatron's (tests/test_models.py); interleaved and multi-latent RoPE go to
 megatron's own. The latest angles' cosines and sines stay until other angles come: [s, 1, 1, rot]
-each, beside megatron's own cache of the angles by length."""
+each, beside megatron's own cache of the angles by length.
+
+Under context parallelism megatron's rotary embedding keeps the angles of the CP rank's two chunks
+(rope_utils.get_pos_emb_on_this_cp_rank), building their index with ``.cuda()``: the same selection
+is made here on the angles' own device, so that CP runs on CPU too."""
 
 from __future__ import annotations
 
@@ -23,6 +27,11 @@ ANCHORS: Dict[str, Tuple[Site, ...]] = {
         Site("models/common/embeddings/rope_utils.py", "t = (t * cos_) + (_rotate_half(t, rotary_interleaved) * sin_)"),
         Site("models/common/embeddings/rope_utils.py", "return torch.cat((t, t_pass), dim=-1)"),
         Site("models/common/embeddings/rope_utils.py", "return _apply_rotary_pos_emb_bshd("),
+    ),
+    "cp_rank_angles": (
+        Site("models/common/embeddings/rotary_pos_embedding.py", "    get_pos_emb_on_this_cp_rank,"),
+        Site("models/common/embeddings/rotary_pos_embedding.py", "emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)"),
+        Site("models/common/embeddings/rope_utils.py", "[cp_rank, (2 * cp_size - cp_rank - 1)], device=\"cpu\", pin_memory=True"),
     ),
 }
 
@@ -51,10 +60,22 @@ def apply_rope_bshd(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bo
     return out if rot_dim == t.shape[-1] else torch.cat((out, t[..., rot_dim:]), dim=-1)
 
 
+def angles_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """megatron's get_pos_emb_on_this_cp_rank with its index on the angles' own device: the angles
+    of chunks r and 2CP-1-r of 2 x CP for CP rank r."""
+    cp, rank = cp_group.size(), cp_group.rank()
+    chunks = torch.tensor([rank, 2 * cp - rank - 1], device=pos_emb.device)
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp, -1, *pos_emb.shape[seq_dim + 1 :])
+    pos_emb = pos_emb.index_select(seq_dim, chunks)
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
+
+
 def bind_rope() -> None:
     """megatron's RoPE callers look the function up in their module at call time: point it here."""
     global _megatrons
-    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = angles_on_this_cp_rank
 
     if rope_utils._apply_rotary_pos_emb_bshd is not apply_rope_bshd:
         _megatrons = rope_utils._apply_rotary_pos_emb_bshd
