@@ -70,13 +70,16 @@ def memory_report(config, world_size: int, gpu_memory: Optional[int] = None,
                   seq_length: Optional[int] = None, nproc_per_node: Optional[int] = None) -> Tuple[str, bool]:
     """The per-role table and the phases with the configured EMS switches, the host memory, and
     with ``gpu_memory`` the least offloading that fits. Returns (text, whether it fits: True
-    without a budget)."""
+    without a budget). generation.batch_size: auto is planned at what ``gpu_memory`` holds, as
+    start-up would choose it (slots_text)."""
+    choice = slots_text(config, world_size, gpu_memory)
+    config = _decode_slots_chosen(config, world_size, gpu_memory)
     configured = plan(config, world_size, seq_length=seq_length)
     lines = ["with the configured EMS switches:", format_plan(configured),
              host_text(configured, nproc_per_node or world_size)]
     if config.trainer.save_interval or config.trainer.save_at_end:
         lines.append(checkpoint_text(checkpoint_plan(config, world_size, nproc_per_node)))
-    lines.append(slots_text(config, world_size, gpu_memory))
+    lines.append(choice)
     if not gpu_memory:
         return "\n".join(lines), True
     switches, fitted = recommend(config, world_size, gpu_memory, seq_length)
@@ -90,6 +93,24 @@ def memory_report(config, world_size: int, gpu_memory: Optional[int] = None,
     lines.append(f"fits in {human(gpu_memory)} with peak {human(fitted.peak_bytes)} ({fitted.peak_phase}) "
                  f"when these leave the device while idle: {'; '.join(on) if on else 'nothing'}")
     return "\n".join(lines), True
+
+
+def _decode_slots_chosen(config, world_size: int, gpu_memory: Optional[int]):
+    """``config`` with generation.batch_size: auto replaced by the rows ``gpu_memory`` holds (a copy;
+    as configured where it is not auto, no budget is given or not one row fits)."""
+    import copy
+    import dataclasses
+
+    from megatron_rlhf.memory.auto import decode_slots
+
+    if config.stage != "rl" or config.generation.batch_size != "auto" or not gpu_memory:
+        return config
+    slots = decode_slots(config, world_size, gpu_memory)[0]
+    if not slots:
+        return config
+    chosen = copy.copy(config)
+    chosen.generation = dataclasses.replace(config.generation, batch_size=slots)
+    return chosen
 
 
 def slots_text(config, world_size: int, gpu_memory: Optional[int]) -> str:

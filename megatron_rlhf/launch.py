@@ -162,7 +162,7 @@ def check(env: Dict[str, str], config_file: str, overrides: List[str] = ()) -> T
         return errors, missing, None
     par = config.parallel
     tp, pp, ep = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.expert_model_parallel_size
-    return errors, missing, (world, per_node, tp, pp, world // (tp * pp), ep)
+    return errors, missing, (world, per_node, tp, pp, world // par.replica_ranks(), ep, par.context_parallel_size)
 
 
 def torchrun_command(env: Dict[str, str], config_file: str, train_args: List[str]) -> List[str]:
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
             print(f"error: {p}", file=sys.stderr)
         print(f"{args.name}: nothing was launched", file=sys.stderr)
         return 2
-    world, per_node, tp, pp, dp, ep = layout
+    world, per_node, tp, pp, dp, ep, cp = layout
     if tp > per_node:
         print(f"warning: TP={tp} > GPUS_PER_NODE={per_node}: tensor-parallel traffic crosses nodes", file=sys.stderr)
     # EMS frees large storages and grows them back at every phase: expandable segments let the CUDA
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
         from megatron_rlhf.units import parse_bytes
 
         return dry_run(config_file, world, per_node, parse_bytes(env.get("GPU_MEMORY", "80GiB")))
-    what = (f"{env['MODEL_SIZE']}, {world} GPUs (TP={tp} PP={pp} DP={dp}{f' EP={ep}' if ep > 1 else ''}), output {env['OUTPUT_DIR']}, "
+    what = (f"{env['MODEL_SIZE']}, {world} GPUs (TP={tp} PP={pp}{f' CP={cp}' if cp > 1 else ''} DP={dp}{f' EP={ep}' if ep > 1 else ''}), output {env['OUTPUT_DIR']}, "
             f"PYTORCH_CUDA_ALLOC_CONF={env['PYTORCH_CUDA_ALLOC_CONF']}")
     if env.get("CHECK_ONLY") == "1":  # the inputs too, as a launch reads them (tokenizer, data, rewards)
         import subprocess

@@ -227,7 +227,7 @@ def launch_environment():
     """os.environ without the launch variables, restored afterwards whatever the test wrote into it
     (the launcher and the plan command resolve their environment into os.environ)."""
     saved = dict(os.environ)
-    for name in ("TP", "PP", "EP", "NNODES", "GPUS_PER_NODE", "MASTER_ADDR", "MODEL_SIZE", "POLICY_PRESET", "REWARD_PRESET",
+    for name in ("TP", "PP", "CP", "EP", "NNODES", "GPUS_PER_NODE", "MASTER_ADDR", "MODEL_SIZE", "POLICY_PRESET", "REWARD_PRESET",
                  "OUTPUT_DIR", "PROMPT_FILE"):
         os.environ.pop(name, None)
     yield os.environ

@@ -4,6 +4,7 @@ import pytest
 
 from megatron_rlhf.config import load_config
 from megatron_rlhf.memory import planner
+from megatron_rlhf.units import human
 from tests.conftest import REPO
 
 
@@ -156,6 +157,8 @@ def test_generation_batch_size_auto_takes_the_most_rows_whose_plan_fits(monkeypa
                          text=True, cwd=REPO, env={k: v for k, v in os.environ.items() if k not in ("TP", "PP")})
     assert "generation.batch_size: auto: in " in out.stdout and ", 100 of 128 rows decoded at once per DP rank" in out.stdout, \
         out.stdout[-2000:] + out.stderr[-2000:]
+    # The phases and the verdict are those of the 100 rows chosen (they were of all 128: "does not fit").
+    assert f"fits in {human(peaks[100])} with peak {human(peaks[100])} (generate)" in out.stdout, out.stdout[-2000:]
 
 
 def test_when_no_row_can_be_decoded_the_phase_that_does_not_fit_is_named(monkeypatch):

@@ -160,6 +160,17 @@ def test_value_loss_is_the_clipped_squared_error():
     assert clipfrac.item() > 0
 
 
+def test_a_value_inside_the_clip_band_is_never_counted_clipped():
+    """fp32 values within clip_range of the old ones: old + (V - old) rounds away from V for some of
+    them, which counted a rounding as a clip (the clip fraction then moved with the layout's last bits)."""
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(4096, generator=g) * 0.01
+    values = (old.double() + (torch.rand(4096, generator=g, dtype=torch.float64) - 0.5) * 0.3).float()  # within 0.15
+    assert not torch.equal(old + (values - old), values)  # the rounding the old form counted
+    _, stats = ppo.value_loss_terms(values, old, torch.randn(4096, generator=g), 0.2)
+    assert stats["clipped"].sum() == 0
+
+
 def test_adaptive_kl_controller_moves_toward_the_target_with_a_bounded_step():
     ctl = ppo.AdaptiveKLController(value=0.2, target=6.0, horizon=10000)
     ctl.update(current_kl=12.0, n_steps=256)  # error clipped to +0.2

@@ -477,6 +477,9 @@ class GenerationConfig:
     batch_size: Union[int, Literal["auto"], None] = bounded(None, ge=1)
     # Responses per prompt (a group): kept together on one DP rank, each sampled independently.
     samples_per_prompt: int = bounded(1, ge=1)
+    # Every response max_new_tokens long: an end token is sampled as any other and ends nothing (vLLM's
+    # and verl's ignore_eos; for benchmarks and long-sequence checks, single-turn rollouts only).
+    ignore_eos: bool = False
 
     def slots(self, rows: int) -> int:
         """Rows decoded at once out of ``rows``: batch_size, or every row (None; auto until start-up

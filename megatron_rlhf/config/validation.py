@@ -11,7 +11,7 @@ from megatron_rlhf.config.errors import ConfigError
 from megatron_rlhf.config.families import FAMILIES
 from megatron_rlhf.config.presets import CHECKPOINT_META_FILE
 from megatron_rlhf.config.names import (CHAT_ROLES, GROUP_ESTIMATORS, JUDGE_FIELDS, LORA_TARGETS, LOSS_AGG_MODE_OF,
-                                        PLAIN_TEXT_PARSERS, SANDBOX_KIND_KEYS, TOKEN_REWARD_ESTIMATORS, TOKEN_SUM_AGG_MODES)
+                                        PLAIN_TEXT_PARSERS, SANDBOX_KIND_KEYS, TOKEN_REWARD_ESTIMATORS)
 from megatron_rlhf.config.schema import (CRITIC_ROLES, EMS_SWITCHES, REQUIRED_ARCH_FIELDS, TRAINED_ROLE_KEYS,
                                          ROLE_HEADS, ROLE_NAMES, SERVED_WEIGHTS, SERVING_ROLES,
                                          RLHFConfig)
@@ -402,20 +402,12 @@ def _fixed_address_problems(config: RLHFConfig) -> List[str]:
 
 
 def _context_parallel_problems(config: RLHFConfig) -> List[str]:
-    """parallel.context_parallel_size > 1 where its numbers are shown equal to CP=1's (token sums
-    over dense models' rows: SFT, PRM and RL with a loss summed over tokens); what it does not cover yet is
-    refused by name."""
+    """parallel.context_parallel_size > 1 where its numbers are shown equal to CP=1's (every stage's
+    loss over dense models); what it does not cover yet is refused by name."""
     cp = config.parallel.context_parallel_size
     if cp == 1:
         return []
     at, problems = config.at("parallel.context_parallel_size"), []
-    if config.stage in ("rm", "dpo"):
-        problems.append(f"{at}: {cp}: stage {config.stage}'s loss reads whole sequences (a score at the last token, "
-                        "a sequence's log-prob sum), which are not yet summed over CP ranks; CP covers sft, prm and rl")
-    if config.stage == "rl":
-        if config.ppo.loss_agg_mode not in TOKEN_SUM_AGG_MODES:  # GSPO's among them
-            problems.append(f"{at}: {cp} covers ppo.loss_agg_mode: {', '.join(TOKEN_SUM_AGG_MODES)} (a sequence's mean "
-                            f"or sum over its tokens is not yet summed over CP ranks), not {config.ppo.loss_agg_mode!r}")
     if config.trainer.batch_invariant:
         problems.append(f"{at}: {cp}: trainer.batch_invariant covers whole rows on one rank; set CP to 1")
     for role in config.model_roles:
@@ -718,6 +710,9 @@ def _rollout_problems(config: RLHFConfig) -> List[str]:
         return [f"{config.at(k)}: set, but neither rollout.environment nor rollout.tools is: multi-turn settings need "
                 "an environment (module:Class or file.py:Class) or tools; remove it or name one" for k in unused]
     problems = []
+    if config.generation.ignore_eos:
+        problems.append(f"{config.at('generation.ignore_eos')}: a multi-turn rollout's turns end at their end tokens; "
+                        "ignore_eos is for single-turn rollouts")
     tools_key = "rollout.tools" if r.tools else "rollout.mcp_servers"
     if r.uses_tools and r.environment:
         problems.append(f"{config.at(tools_key)}: the tools run in the built-in tool environment; a custom "

@@ -33,7 +33,7 @@ class SamplingParams:
             temperature=generation.temperature,
             top_k=generation.top_k,
             top_p=generation.top_p,
-            eos_ids=tuple(eos_ids),
+            eos_ids=() if generation.ignore_eos else tuple(eos_ids),
             pad_id=pad_id,
         )
 

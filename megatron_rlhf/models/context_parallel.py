@@ -13,8 +13,11 @@ Losses read the local view of a micro-batch (:func:`on_this_rank`): every per-po
 per-action column cut to the rank's positions, with the next token each position chose in
 ``LABELS`` (the chunks are not contiguous, so it cannot be read off the local tokens). A loss that
 is a sum over tokens is then the rank's part of the row's; megatron sums the gradients and the
-token counts over DP x CP, so a step's gradient is the one of CP=1. Forward-only results are put
-back in sequence order on every CP rank (:func:`whole_sequence`).
+token counts over DP x CP, so a step's gradient is the one of CP=1. A loss of a row's whole sum (a
+sequence's log-prob, a score at its last token) takes it by :func:`row_sums` (summed over the CP
+group, each rank's gradient through its own positions) and counts itself on one rank of the group
+(:func:`counted_once`). Forward-only results are put back in sequence order on every CP rank
+(:func:`whole_sequence`).
 
 Every rank of a CP group holds the same rows (the data is cut over DP only); a rank's keys and
 values of the whole sequence live for the layer's backward (all-gather, as transformer-engine's
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 
 # The next token each local position chose: [b, local positions] (present only in a CP view).
 LABELS = "labels"
+CP_GROUP = "cp_group"  # a CP view's process group (not a tensor)
 
 
 def padded_length(length: int, cp: int) -> int:
@@ -55,17 +59,18 @@ def sequence_order(cp: int, chunk: int, device=None) -> torch.Tensor:
     return torch.argsort(held).to(device)
 
 
-def on_this_rank(mb: Dict[str, torch.Tensor], cp: int, rank: int) -> Dict[str, torch.Tensor]:
-    """The micro-batch as CP rank ``rank`` reads it: ``tokens`` [b, s] and every column of width s
-    (per position) or s - 1 (per action, models/batches.py) padded to whole chunks and cut to the
-    rank's positions, ``LABELS`` the next token at each; other columns (per row) whole."""
+def on_this_rank(mb: Dict[str, torch.Tensor], group) -> Dict[str, torch.Tensor]:
+    """The micro-batch as this rank of CP group ``group`` reads it: ``tokens`` [b, s] and every
+    column of width s (per position) or s - 1 (per action, models/batches.py) padded to whole chunks
+    and cut to the rank's positions, ``LABELS`` the next token at each, ``position_ids`` the true
+    positions; other columns (per row) whole."""
     if mb.get("attention_mask") is not None:
         raise ValueError("context parallelism: an explicit attention mask is not divided over the CP ranks; "
                          "causal attention over right-padded rows only")
     tokens = mb["tokens"]
-    length = tokens.shape[1]
+    length, cp = tokens.shape[1], group.size()
     width = padded_length(length, cp)
-    mine = local_positions(length, cp, rank, tokens.device)
+    mine = local_positions(length, cp, group.rank(), tokens.device)
 
     def cut(column: torch.Tensor) -> torch.Tensor:
         pad = [0, 0] * (column.dim() - 2) + [0, width - column.shape[1]]
@@ -78,7 +83,36 @@ def on_this_rank(mb: Dict[str, torch.Tensor], cp: int, rank: int) -> Dict[str, t
     padded = F.pad(tokens, (0, width - length))
     local[LABELS] = torch.roll(padded, -1, dims=1).index_select(1, mine)
     local["position_ids"] = mine.unsqueeze(0).expand(tokens.shape[0], -1)
+    local[CP_GROUP] = group
     return local
+
+
+def row_sums(partial: torch.Tensor, mb: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-row sums over a row's positions (``partial`` [b, ...], this view's part of each): the whole
+    row's, summed over a CP view's group (its backward the identity, so each rank's gradient flows
+    through its own positions); outside a CP view ``partial`` itself."""
+    group = mb.get(CP_GROUP)
+    if group is None:
+        return partial
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(partial, group)
+
+
+def at_positions(per_position: torch.Tensor, positions: torch.Tensor, mb: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """per_position [b, s] at each row's ``positions`` [b] (true positions: a row's last token): [b],
+    from whichever CP rank holds it (row_sums of this rank's, zero where it does not)."""
+    if CP_GROUP not in mb:
+        return per_position.gather(1, positions.unsqueeze(1)).squeeze(1)
+    held = mb["position_ids"] == positions.unsqueeze(1)  # [b, local positions]
+    return row_sums((per_position * held).sum(dim=1), mb)
+
+
+def counted_once(mb: Dict[str, torch.Tensor]) -> float:
+    """1.0, or 0.0 on all but the first rank of a CP view's group: a loss or figure every CP rank
+    computes whole (of row_sums) is counted by one of them, so that sums over DP x CP count it once."""
+    group = mb.get(CP_GROUP)
+    return 1.0 if group is None or group.rank() == 0 else 0.0
 
 
 def whole_sequence(local: torch.Tensor, group, length: int) -> torch.Tensor:

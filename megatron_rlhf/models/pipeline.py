@@ -90,7 +90,7 @@ def forward_backward(
 
     def forward_step_func(data_iterator, model_chunk):
         mb = next(data_iterator)
-        view = mb if cp == 1 else context_parallel.on_this_rank(mb, cp, groups.cp.rank())
+        view = mb if cp == 1 else context_parallel.on_this_rank(mb, groups.cp)
         with routing.replaying(model_chunk, view.get(routing.ROUTES)), chunked_lm_head(model_chunk, reader) as chunked:
             output = model_forward(model_chunk, view)
         if trains and not output.requires_grad:  # megatron's backward would then skip it, and train nothing

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -57,43 +57,53 @@ def whiten_with_moments(x: torch.Tensor, mask: torch.Tensor, moments: torch.Tens
 # --------------------------------------------------------------------------------------------------
 # Loss aggregation
 
+RowSums = Callable[[torch.Tensor], torch.Tensor]  # [B] sums of this rank's tokens -> [B] of each whole row's
+
+
 def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
-                   norm: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                   norm: Optional[float] = None, rows: Optional[RowSums] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """A per-token loss [B, T] as (sum, count) whose ratio is the loss under ``mode`` (one of
     LOSS_AGGREGATIONS); the sums and counts of any split of the rows add up to those of the whole
     batch, so the loss of a global batch does not depend on how it is cut into micro-batches or
     data-parallel ranks. Sequences without a counted token are not counted. ``count`` is an int64
-    scalar."""
+    scalar. ``rows``: where a row's tokens are divided over ranks (context parallelism), each
+    sequence's sums over its tokens made whole (the per-sequence modes' sum and count are then
+    every such rank's, to be counted once)."""
     mask = mask.to(per_token.dtype)
-    return chosen(LOSS_AGGREGATIONS, mode, "loss_agg_mode")(per_token * mask, mask, norm)
+    return chosen(LOSS_AGGREGATIONS, mode, "loss_agg_mode")(per_token * mask, mask, norm, rows or _own_rows)
 
 
-def _token_mean(masked, mask, norm):
+def _own_rows(per_row: torch.Tensor) -> torch.Tensor:
+    return per_row
+
+
+def _token_mean(masked, mask, norm, rows):
     """Every counted token weighs the same (sum over tokens / tokens)."""
     return masked.sum(), mask.sum().to(torch.int64)
 
 
-def _over_sequences(per_sequence: torch.Tensor, mask: torch.Tensor):
-    has_tokens = mask.sum(dim=-1) > 0
+def _over_sequences(per_sequence: torch.Tensor, tokens: torch.Tensor):
+    has_tokens = tokens > 0
     return (per_sequence * has_tokens).sum(), has_tokens.sum().to(torch.int64)
 
 
-def _seq_mean_token_sum(masked, mask, norm):
+def _seq_mean_token_sum(masked, mask, norm, rows):
     """Each sequence's token sum, averaged over sequences."""
-    return _over_sequences(masked.sum(dim=-1), mask)
+    return _over_sequences(rows(masked.sum(dim=-1)), rows(mask.sum(dim=-1)))
 
 
-def _seq_mean_token_mean(masked, mask, norm):
+def _seq_mean_token_mean(masked, mask, norm, rows):
     """Each sequence's token mean, averaged over sequences."""
-    return _over_sequences(masked.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1), mask)
+    tokens = rows(mask.sum(dim=-1))
+    return _over_sequences(rows(masked.sum(dim=-1)) / tokens.clamp(min=1), tokens)
 
 
-def _seq_mean_token_sum_norm(masked, mask, norm):
+def _seq_mean_token_sum_norm(masked, mask, norm, rows):
     """Dr. GRPO: each sequence's token sum over the constant ``norm`` (the response budget, not the
     sequence's length), averaged over sequences."""
     if not norm or norm <= 0:
         raise ValueError(f"seq-mean-token-sum-norm needs a positive constant norm, got {norm!r}")
-    return _over_sequences(masked.sum(dim=-1) / norm, mask)
+    return _over_sequences(rows(masked.sum(dim=-1)) / norm, rows(mask.sum(dim=-1)))
 
 
 # masked per-token loss [B, T], mask [B, T], norm -> (sum, count)
@@ -286,7 +296,7 @@ def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, clip: Poli
 
 def policy_loss_terms(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float,
-    mask: Optional[torch.Tensor] = None, dual_clip: Optional[float] = None,
+    mask: Optional[torch.Tensor] = None, dual_clip: Optional[float] = None, rows: Optional[RowSums] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """PPO's per-token clipped surrogate (a loss to minimise), the ratio exp(log-ratio) clipped to
     [1 - clip_low, 1 + clip_high] (``dual_clip``: see PolicyClip): inputs [B, T] -> ([B, T],
@@ -302,18 +312,21 @@ def policy_loss_terms(
 
 def gspo_loss_terms(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float,
-    mask: Optional[torch.Tensor] = None, dual_clip: Optional[float] = None,
+    mask: Optional[torch.Tensor] = None, dual_clip: Optional[float] = None, rows: Optional[RowSums] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025, the token form): every token of a sequence has the sequence's
     ratio s = exp(mean over its counted tokens of the log-ratio) as its value, and as its gradient
     s times its own log-prob's: the per-token ratio sg[s] * pi / sg[pi]. Clipped as PPO's (the
     paper's ranges are small: 3e-4 / 4e-4). Averaged per sequence (seq-mean-token-mean) it is the
     paper's sequence objective. Inputs [B, T], ``mask`` [B, T] required -> ([B, T], stats as
-    policy_loss_terms, with the sequence's log-ratio for approx_kl and ratio_dev)."""
+    policy_loss_terms, with the sequence's log-ratio for approx_kl and ratio_dev). ``rows``: as
+    aggregate_loss's, for the sequence's mean."""
     if mask is None:
         raise ValueError("GSPO needs the mask: a sequence's ratio is the mean over its counted tokens")
     log_ratio = logprobs - old_logprobs
-    sequence = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1)  # [B, 1]
+    rows = rows or _own_rows
+    with torch.no_grad():  # only its value is used
+        sequence = (rows(masked_sum(log_ratio, mask, dim=-1)) / rows(mask.sum(dim=-1)).clamp(min=1)).unsqueeze(-1)
     token_log_ratio = logprobs - logprobs.detach() + sequence.detach()  # value: the sequence's; gradient: the token's
     ratio = torch.exp(bounded_log_ratio(token_log_ratio))
     loss, taken = _clipped_surrogate(ratio, advantages, PolicyClip(clip_low, clip_high, dual_clip), logprobs.dtype)
@@ -336,7 +349,9 @@ def value_loss_terms(
     unclipped = (values - returns) ** 2
     if clip_range is None:
         return 0.5 * unclipped, {"clipped": torch.zeros_like(values).detach()}
-    clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    # V clamped to the band itself (verl's clip_by_value): inside it V_clipped is V bit for bit, so a
+    # token counts as clipped only where the clip acts, never by a rounding of old + (V - old).
+    clipped_values = torch.clamp(values, old_values - clip_range, old_values + clip_range)
     clipped = (clipped_values - returns) ** 2
     with torch.no_grad():
         stats = {"clipped": (clipped > unclipped).to(values.dtype)}

@@ -20,7 +20,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_rlhf import ppo
+from megatron_rlhf.config.names import TOKEN_SUM_AGG_MODES
 from megatron_rlhf.config.schema import PPOConfig
+from megatron_rlhf.models import context_parallel
 from megatron_rlhf.models.batches import state_values
 from megatron_rlhf.models.pipeline import LossFn, broadcast_from_last_stage, sum_over
 from megatron_rlhf.models.vocab_parallel import log_probs_and_entropy, reads_chunked
@@ -44,8 +46,8 @@ def policy_loss_fn(vocab_size: int, temperature: float, ppo_config: PPOConfig, k
     @reads_chunked
     def loss_fn(output, mb):
         logp, entropy = log_probs_and_entropy(output, mb, vocab_size, temperature)
-        mask = mb["action_mask"]
-        per_token, terms = terms_of(logp, mb["old_log_probs"], mb["advantages"], low, high, mask, dual)
+        mask, rows = mb["action_mask"], _row_sums(mb)
+        per_token, terms = terms_of(logp, mb["old_log_probs"], mb["advantages"], low, high, mask, dual, rows)
         if "is_weights" in mb:  # rollout correction's importance weights (ppo/correction.py)
             per_token = per_token * mb["is_weights"]
         stats = {"clipfrac": terms["clipped"], "approx_kl": terms["approx_kl"], "ratio_dev": terms["ratio_dev"],
@@ -54,20 +56,36 @@ def policy_loss_fn(vocab_size: int, temperature: float, ppo_config: PPOConfig, k
             kl = ppo.kl_penalty(logp, mb["ref_log_probs"], estimator)
             per_token = per_token + kl_coef * kl
             stats["kl"] = kl.detach()
-        loss_sum, count = ppo.aggregate_loss(per_token, mask, mode, loss_norm)
-        metrics = {"loss": loss_sum.detach(), "loss_count": count, "tokens": mask.sum(),
+        loss_sum, count = _aggregated(per_token, mask, mode, loss_norm, mb)
+        metrics = {"loss": loss_sum.detach() * _once(mode, mb), "loss_count": count, "tokens": mask.sum(),
                    **{k: ppo.masked_sum(v, mask) for k, v in stats.items()}}
         return loss_sum, count, metrics
 
     return loss_fn
 
 
+def _row_sums(mb):
+    """Each row's sums over its tokens, whole over the CP ranks (context_parallel.row_sums)."""
+    return lambda partial: context_parallel.row_sums(partial, mb)
+
+
+def _once(mode: str, mb) -> float:
+    """A per-sequence mode's loss is every CP rank's whole: counted by one (context_parallel.counted_once)."""
+    return 1.0 if mode in TOKEN_SUM_AGG_MODES else context_parallel.counted_once(mb)
+
+
+def _aggregated(per_token, mask, mode: str, norm, mb):
+    """ppo.aggregate_loss of a micro-batch (or of a CP rank's view of it): its sum, its count counted once."""
+    loss_sum, count = ppo.aggregate_loss(per_token, mask, mode, norm, _row_sums(mb))
+    return loss_sum, count if _once(mode, mb) == 1.0 else count * 0
+
+
 def value_loss_fn(clip_range: Optional[float], loss_agg_mode: str, loss_norm: Optional[float] = None) -> LossFn:
     def loss_fn(output, mb):
         mask = mb["action_mask"]
         per_token, stats = ppo.value_loss_terms(state_values(output, mb), mb["old_values"], mb["returns"], clip_range)
-        loss_sum, count = ppo.aggregate_loss(per_token, mask, loss_agg_mode, loss_norm)
-        metrics = {"loss": loss_sum.detach(), "loss_count": count, "tokens": mask.sum(),
+        loss_sum, count = _aggregated(per_token, mask, loss_agg_mode, loss_norm, mb)
+        metrics = {"loss": loss_sum.detach() * _once(loss_agg_mode, mb), "loss_count": count, "tokens": mask.sum(),
                    "clipfrac": ppo.masked_sum(stats["clipped"], mask)}
         return loss_sum, count, metrics
 

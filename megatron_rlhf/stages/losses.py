@@ -16,6 +16,7 @@ import torch
 from megatron_rlhf import preference
 from megatron_rlhf.config.schema import DPOConfig, RMConfig
 from megatron_rlhf.data.steps import NO_LABEL
+from megatron_rlhf.models import context_parallel
 from megatron_rlhf.models.pipeline import LossFn, broadcast_from_last_stage, sum_over
 from megatron_rlhf.models.vocab_parallel import next_token_log_probs, reads_chunked
 from megatron_rlhf.stages.batches import chosen_and_rejected
@@ -44,9 +45,10 @@ def sft_loss_fn(vocab_size: int) -> LossFn:
     return loss_fn
 
 
-def scores_at_last_token(output: torch.Tensor, last_index: torch.Tensor) -> torch.Tensor:
-    """A scalar head's output [b, s, 1] at each row's last token (fp32): [b]."""
-    return output.float().squeeze(-1).gather(1, last_index.unsqueeze(1)).squeeze(1)
+def scores_at_last_token(output: torch.Tensor, mb) -> torch.Tensor:
+    """A scalar head's output [b, s, 1] at each row's last token ``mb["last_index"]`` (fp32): [b]
+    (under context parallelism from the CP rank that holds it: models/context_parallel.at_positions)."""
+    return context_parallel.at_positions(output.float().squeeze(-1), mb["last_index"], mb)
 
 
 def _pair_figures(chosen: torch.Tensor, rejected: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -54,20 +56,27 @@ def _pair_figures(chosen: torch.Tensor, rejected: torch.Tensor) -> Dict[str, tor
             "accuracy": (chosen > rejected).float().sum(), "margin": (chosen - rejected).sum()}
 
 
+def _once(figures: Dict[str, torch.Tensor], mb) -> Dict[str, torch.Tensor]:
+    """Figures of whole rows, which every CP rank computes, counted by one (context_parallel.counted_once)."""
+    once = context_parallel.counted_once(mb)
+    return figures if once == 1.0 else {k: v * once for k, v in figures.items()}
+
+
 def reward_loss_fn(rm: RMConfig) -> LossFn:
     """Bradley-Terry on the scores of each pair's sides (their last tokens), a mean over the step's pairs."""
 
     def loss_fn(output, mb):
-        scores = scores_at_last_token(output, mb["last_index"])
+        scores = scores_at_last_token(output, mb)
         chosen, rejected = chosen_and_rejected(scores)
         loss_sum = preference.bradley_terry_loss(chosen, rejected, mb["margin"], rm.center_rewards_coefficient).sum()
         detached = scores.detach()
-        metrics = {"loss": loss_sum.detach(), "loss_count": torch.tensor(chosen.shape[0]),
-                   **_pair_figures(chosen.detach(), rejected.detach()),
-                   "rewards/chosen": chosen.detach().sum(), "rewards/rejected": rejected.detach().sum(),
-                   "sequences": torch.tensor(float(scores.shape[0])), "reward/mean": detached.sum(),
-                   "reward/square_mean": detached.double().pow(2).sum()}
-        return loss_sum, torch.tensor(chosen.shape[0]), metrics
+        pairs = torch.tensor(chosen.shape[0])
+        metrics = _once({"loss": loss_sum.detach(), "loss_count": pairs,
+                         **_pair_figures(chosen.detach(), rejected.detach()),
+                         "rewards/chosen": chosen.detach().sum(), "rewards/rejected": rejected.detach().sum(),
+                         "sequences": torch.tensor(float(scores.shape[0])), "reward/mean": detached.sum(),
+                         "reward/square_mean": detached.double().pow(2).sum()}, mb)
+        return loss_sum, metrics["loss_count"], metrics
 
     return loss_fn
 
@@ -103,23 +112,25 @@ def dpo_loss_fn(vocab_size: int, dpo: DPOConfig, nll_scale: float = 0.0) -> Loss
     def loss_fn(output, mb):
         mask = mb["action_mask"]
         token_logps = next_token_log_probs(output, mb, vocab_size)
-        logps = preference.sequence_log_probs(token_logps, mask)
+        # a sequence's sums over its tokens: every CP rank's part (context_parallel.row_sums)
+        logps = context_parallel.row_sums(preference.sequence_log_probs(token_logps, mask), mb)
         (policy_c, policy_r), (ref_c, ref_r) = chosen_and_rejected(logps), chosen_and_rejected(mb["ref_logps"])
-        tokens_c, tokens_r = chosen_and_rejected(mask.sum(dim=1)) if normalized else (None, None)
+        tokens_c, tokens_r = chosen_and_rejected(context_parallel.row_sums(mask.sum(dim=1), mb)) if normalized \
+            else (None, None)
         h = preference.dpo_log_ratio_margin(policy_c, policy_r, ref_c, ref_r, tokens_c, tokens_r)
-        loss_sum = loss.per_pair(h, dpo.beta, dpo.label_smoothing).sum()
+        pair_loss = loss.per_pair(h, dpo.beta, dpo.label_smoothing).sum()
         chosen_mask = chosen_and_rejected(mask)[0]
-        nll_sum = preference.masked_nll_sum(chosen_and_rejected(token_logps)[0], chosen_mask)
-        if dpo.nll_coef:
-            loss_sum = loss_sum + dpo.nll_coef * nll_scale * nll_sum
+        nll_sum = preference.masked_nll_sum(chosen_and_rejected(token_logps)[0], chosen_mask)  # this rank's tokens'
+        nll = dpo.nll_coef * nll_scale * nll_sum if dpo.nll_coef else torch.zeros_like(pair_loss)
         reward_c, reward_r = dpo.beta * (policy_c - ref_c).detach(), dpo.beta * (policy_r - ref_r).detach()
-        metrics = {"loss": loss_sum.detach(), "loss_count": torch.tensor(policy_c.shape[0]),
-                   **_pair_figures(reward_c, reward_r),
-                   "rewards/chosen": reward_c.sum(), "rewards/rejected": reward_r.sum(),
-                   "logps/chosen": policy_c.detach().sum(), "logps/rejected": policy_r.detach().sum(),
-                   "nll": nll_sum.detach(), "chosen_tokens": chosen_mask.sum()}
+        pairs = _once({"loss": pair_loss.detach(), "loss_count": torch.tensor(policy_c.shape[0]),
+                       **_pair_figures(reward_c, reward_r),
+                       "rewards/chosen": reward_c.sum(), "rewards/rejected": reward_r.sum(),
+                       "logps/chosen": policy_c.detach().sum(), "logps/rejected": policy_r.detach().sum()}, mb)
+        metrics = {**pairs, "loss": pairs["loss"] + nll.detach(), "nll": nll_sum.detach(),
+                   "chosen_tokens": chosen_mask.sum()}
         metrics["rewards/accuracies"], metrics["rewards/margins"] = metrics.pop("accuracy"), metrics.pop("margin")
-        return loss_sum, torch.tensor(policy_c.shape[0]), metrics
+        return pair_loss + nll, pairs["loss_count"], metrics
 
     return loss_fn
 
