@@ -71,9 +71,8 @@ def memory_report(config, world_size: int, gpu_memory: Optional[int] = None,
     """The per-role table and the phases with the configured EMS switches, the host memory, and
     with ``gpu_memory`` the least offloading that fits. Returns (text, whether it fits: True
     without a budget). generation.batch_size: auto is planned at what ``gpu_memory`` holds, as
-    start-up would choose it (slots_text)."""
-    choice = slots_text(config, world_size, gpu_memory)
-    config = _decode_slots_chosen(config, world_size, gpu_memory)
+    start-up would choose it (decode_slots_planned)."""
+    choice, config = decode_slots_planned(config, world_size, gpu_memory)
     configured = plan(config, world_size, seq_length=seq_length)
     lines = ["with the configured EMS switches:", format_plan(configured),
              host_text(configured, nproc_per_node or world_size)]
@@ -95,43 +94,32 @@ def memory_report(config, world_size: int, gpu_memory: Optional[int] = None,
     return "\n".join(lines), True
 
 
-def _decode_slots_chosen(config, world_size: int, gpu_memory: Optional[int]):
-    """``config`` with generation.batch_size: auto replaced by the rows ``gpu_memory`` holds (a copy;
-    as configured where it is not auto, no budget is given or not one row fits)."""
+def decode_slots_planned(config, world_size: int, gpu_memory: Optional[int]) -> Tuple[str, RLHFConfig]:
+    """The rows the engine decodes at once per DP rank, said, and the config to plan with: as
+    configured, or (batch_size: auto) the rows ``gpu_memory`` holds with the configured switches
+    (memory/auto.decode_slots, as start-up chooses them) in a copy of ``config``."""
     import copy
     import dataclasses
 
-    from megatron_rlhf.memory.auto import decode_slots
-
-    if config.stage != "rl" or config.generation.batch_size != "auto" or not gpu_memory:
-        return config
-    slots = decode_slots(config, world_size, gpu_memory)[0]
-    if not slots:
-        return config
-    chosen = copy.copy(config)
-    chosen.generation = dataclasses.replace(config.generation, batch_size=slots)
-    return chosen
-
-
-def slots_text(config, world_size: int, gpu_memory: Optional[int]) -> str:
-    """The rows the engine decodes at once per DP rank: as configured, or (batch_size: auto) what
-    ``gpu_memory`` would hold with the configured switches (memory/auto.decode_slots)."""
     from megatron_rlhf.memory.auto import decode_slots, no_row_fits
 
     if config.stage != "rl":
-        return "generation: none (stage " + config.stage + ")"
+        return "generation: none (stage " + config.stage + ")", config
     batch = config.generation.batch_size
     if batch != "auto":
-        return f"generation: {'every row of the rollout' if batch is None else f'{batch} rows'} decoded at once per DP rank"
+        return (f"generation: {'every row of the rollout' if batch is None else f'{batch} rows'} decoded at once per DP "
+                "rank"), config
     if not gpu_memory:
         return ("generation.batch_size: auto: chosen at start-up from the free device memory (planned here at every "
-                "row of the rollout; give --gpu-memory to see the choice)")
+                "row of the rollout; give --gpu-memory to see the choice)"), config
     slots, rows, fitted = decode_slots(config, world_size, gpu_memory)
     if not slots:
-        return f"generation.batch_size: auto: {no_row_fits(fitted, gpu_memory)} (a run would stop)"
+        return f"generation.batch_size: auto: {no_row_fits(fitted, gpu_memory)} (a run would stop)", config
+    chosen = copy.copy(config)
+    chosen.generation = dataclasses.replace(config.generation, batch_size=slots)
     return (f"generation.batch_size: auto: in {human(gpu_memory)}, {slots} of {rows} rows decoded at once per DP rank "
             f"(KV cache {human(fitted.transient['policy']['kv_cache'])}, peak {human(fitted.peak_bytes)} in "
-            f"{fitted.peak_phase})")
+            f"{fitted.peak_phase})"), chosen
 
 
 def rank_groups(tp: int, pp: int, dp: int, ep: int = 1, cp: int = 1) -> Dict[str, List[List[int]]]:

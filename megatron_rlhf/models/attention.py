@@ -56,7 +56,7 @@ class FusedCoreAttention(DotProductAttention):
                              "attention bias (megatron's local attention refuses them too)")
         if batch_invariant.enabled():
             return self._batch_invariant(query, key, value, attention_mask)
-        if self.cp_group is not None and self.cp_group.size() > 1:
+        if self.cp_group is not None:
             if attention_mask is not None:
                 raise ValueError("context parallelism: causal attention over right-padded rows only, not an attention mask")
             band = None if self.window is None else (lambda sq, sk: window_band(sq, sk, self.window, query.device))

@@ -12,9 +12,10 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from megatron_rlhf.models.context_parallel import LABELS
-
 MicroBatch = Dict[str, torch.Tensor]
+# The next token each position chose, where a micro-batch holds it: a context-parallel rank's view,
+# whose positions are not contiguous (models/context_parallel.py).
+LABELS = "labels"
 
 
 def next_tokens(mb: MicroBatch) -> torch.Tensor:

@@ -31,8 +31,8 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-# The next token each local position chose: [b, local positions] (present only in a CP view).
-LABELS = "labels"
+from megatron_rlhf.models.batches import LABELS, next_tokens
+
 CP_GROUP = "cp_group"  # a CP view's process group (not a tensor)
 
 
@@ -81,7 +81,7 @@ def on_this_rank(mb: Dict[str, torch.Tensor], group) -> Dict[str, torch.Tensor]:
         sequence_wide = column is not None and column.dim() >= 2 and column.shape[1] in (length, length - 1)
         local[key] = cut(column) if sequence_wide and key != "position_ids" else column
     padded = F.pad(tokens, (0, width - length))
-    local[LABELS] = torch.roll(padded, -1, dims=1).index_select(1, mine)
+    local[LABELS] = next_tokens({"tokens": padded}).index_select(1, mine)
     local["position_ids"] = mine.unsqueeze(0).expand(tokens.shape[0], -1)
     local[CP_GROUP] = group
     return local
