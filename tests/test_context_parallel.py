@@ -1,5 +1,5 @@
 """Context parallelism without transformer-engine (models/context_parallel.py): each row's positions
-divided over CP ranks give CP=1's numbers."""
+divided over CP ranks give CP=1's numbers; and packed rows (models/packed_rows.py) give padded rows' numbers."""
 
 import pytest
 import torch
@@ -56,10 +56,17 @@ def test_a_rank_s_view_cuts_per_position_and_per_action_columns_and_keeps_per_ro
         context_parallel.on_this_rank({**mb, "attention_mask": torch.ones(2, 1, 7, 7, dtype=torch.bool)}, Group(2, 0))
 
 
-def _assert_runs_equal(got, want, where):
-    for a, b in zip(got.log_probs, want.log_probs):
+# The worker's micro-batches: rows of 13 and 9 tokens, then 12 and 6; each row's actions are its
+# positions before its last token (a packed pass has nothing at the others).
+ACTIONS = [torch.arange(12) < torch.tensor([[12], [8]]), torch.arange(12) < torch.tensor([[11], [5]])]
+
+
+def _assert_runs_equal(got, want, where, actions_only=False):
+    for a, b, actions in zip(got.log_probs, want.log_probs, ACTIONS):
+        a, b = (a[actions], b[actions]) if actions_only else (a, b)
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{where}: log-probs")
-    for a, b in zip(got.values, want.values):
+    for a, b, actions in zip(got.values, want.values, ACTIONS):
+        a, b = (a[actions], b[actions]) if actions_only else (a, b)
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{where}: values")
     for loss in want.figures:
         for step, (a, b) in enumerate(zip(got.figures[loss], want.figures[loss])):
@@ -76,19 +83,25 @@ def _assert_runs_equal(got, want, where):
             assert moved <= 1e-5, f"{where}: {loss}: {name} after two steps: {moved:.2e} of its norm apart"
 
 
-def test_cp_gives_cp1_s_log_probs_values_losses_gradients_and_weights(workers):
-    """On 4 ranks, each against CP=1 at the same TP and PP (DP over the rest, on the same rows): CP=2
-    with TP=2, CP=2 with PP=2 (log-probs and values on the last stage), and CP=4 with a sliding
-    window; a policy's chunked log-probs and a value head's values, and the losses of every stage:
+def test_cp_and_packed_rows_give_cp1_s_log_probs_values_losses_gradients_and_weights(workers):
+    """On 4 ranks, each against CP=1's padded rows at the same TP and PP (DP over the rest, on the same
+    rows): CP=2 with TP=2, CP=2 with PP=2 (log-probs and values on the last stage), and CP=4 with a
+    sliding window; packed rows with TP=2, PP=2, a window and experts (GRPO's); a policy's chunked log-probs and a value head's values, and the losses of every stage:
     GRPO (KL in it), GSPO (a mean over sequences), the value loss (each sequence's sum), SFT, a
     reward model's and DPO's (whole sequences' sums over the CP ranks). (The run's entry at CP=2:
     tests/test_train.py.)"""
-    layouts = ("cp1+tp2", "cp2+tp2", "cp1+pp2", "cp2+pp2", "cp1+window", "cp4+window")
+    layouts = ("cp1+tp2", "cp2+tp2", "cp1+pp2", "cp2+pp2", "cp1+window", "cp4+window",
+               "packed+tp2", "packed+pp2", "packed+window", "cp1+experts", "packed+experts")
     ranks = workers(4, "context_parallel", *layouts, timeout=900)
     for rank, found in enumerate(ranks):
         for layout in ("cp2+tp2", "cp2+pp2", "cp4+window"):
             _assert_runs_equal(found.runs[layout], found.runs[layout.replace("cp2", "cp1").replace("cp4", "cp1")],
                                f"{layout}, rank {rank}")
+        # packed rows: the same rows laid end to end, at TP=2, PP=2, in a window, with experts whose
+        # routing the packed pass records and GRPO's packed steps replay
+        for layout in ("packed+tp2", "packed+pp2", "packed+window", "packed+experts"):
+            _assert_runs_equal(found.runs[layout], found.runs[layout.replace("packed", "cp1")], f"{layout}, rank {rank}",
+                               actions_only=True)
         assert found.runs["cp2+tp2"].figures["grpo"][0]["tokens"] == 10 + 6 + 9 + 3  # each action once over CP
         assert found.runs["cp4+window"].figures["rm"][0]["pairs"] == 2  # each pair once over CP
 

@@ -301,8 +301,12 @@ class RoleConfig:
     # Rows per micro-batch, or ``auto``: micro-batches packed by tokens, each at most
     # ``max_tokens_per_micro_batch`` (rows x the longest row's tokens; verl's dynamic batch size).
     micro_batch_size: Union[int, Literal["auto"]] = bounded(1, ge=1)
-    # micro_batch_size auto: the tokens of a micro-batch at most
+    # micro_batch_size auto: the tokens of a micro-batch at most (with pack_rows its rows' real tokens)
     max_tokens_per_micro_batch: Optional[int] = bounded(None, ge=2)
+    # A micro-batch's rows laid end to end without their padding for the model's passes (verl's
+    # use_remove_padding, NeMo-RL's sequence packing): attention within each row, positions
+    # restarting per row; the numbers are the padded rows' (fp32: within 1e-6).
+    pack_rows: bool = False
     global_batch_size: Optional[int] = bounded(None, ge=1)  # trainable roles: samples per optimizer step
     # Trainable roles only.
     use_distributed_optimizer: bool = True

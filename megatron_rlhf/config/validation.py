@@ -421,6 +421,26 @@ def _context_parallel_problems(config: RLHFConfig) -> List[str]:
     return problems
 
 
+def _packed_rows_problems(config: RLHFConfig) -> List[str]:
+    """pack_rows where packed passes are shown equal to padded ones; the judge (it only generates)
+    and what packing does not cover yet are refused by name."""
+    problems = []
+    for role in config.roles:
+        if not config.role(role).pack_rows:
+            continue
+        rc, at = config.role(role), config.at(role + ".pack_rows")
+        if role == "judge":
+            problems.append(f"{at}: the judge only generates (its KV cache holds no padding to drop); remove it")
+        if config.parallel.context_parallel_size > 1:
+            problems.append(f"{at}: packed rows beside context parallelism (CP={config.parallel.context_parallel_size}) "
+                            "are not modelled yet; set one of them off")
+        if config.trainer.batch_invariant:
+            problems.append(f"{at}: trainer.batch_invariant computes right-padded rows; set pack_rows false")
+        if rc.attention != "fused":
+            problems.append(f"{at}: needs {role}.attention: fused (megatron's local attention refuses packed rows)")
+    return problems
+
+
 def _batch_invariant_problems(config: RLHFConfig) -> List[str]:
     """trainer.batch_invariant where its arithmetic is shown (models/batch_invariant.py): what it
     does not cover is refused by name."""
@@ -948,6 +968,7 @@ CHECKS = (
     ("fixed device addresses", lambda config, layout: _fixed_address_problems(config)),
     ("batch-invariant arithmetic", lambda config, layout: _batch_invariant_problems(config)),
     ("context parallelism", lambda config, layout: _context_parallel_problems(config)),
+    ("packed rows", lambda config, layout: _packed_rows_problems(config)),
     ("served weights", _served_weight_problems),
 )
 

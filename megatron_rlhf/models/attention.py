@@ -11,7 +11,8 @@ token: no per-row mask is needed.
 
 Under context parallelism (config.context_parallel_size > 1, which megatron's local attention
 refuses) each rank holds two chunks of every row and attends over the CP group's gathered keys and
-values (models/context_parallel.py).
+values (models/context_parallel.py). Packed rows (megatron's ``thd`` packed-sequence parameters,
+which its local attention refuses too) attend each within its own row (models/packed_rows.py).
 
 The role key ``attention`` chooses it (``fused``, the default) or megatron's own (``local``).
 """
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from megatron_rlhf.models import batch_invariant, context_parallel
+from megatron_rlhf.models import batch_invariant, context_parallel, packed_rows
 
 
 class FusedCoreAttention(DotProductAttention):
@@ -51,9 +52,10 @@ class FusedCoreAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("attention: fused takes right-padded rows: no packed-sequence parameters or "
-                             "attention bias (megatron's local attention refuses them too)")
+        if attention_bias is not None:
+            raise ValueError("attention: fused takes no attention bias (megatron's local attention refuses it too)")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, attention_mask, packed_seq_params)
         if batch_invariant.enabled():
             return self._batch_invariant(query, key, value, attention_mask)
         if self.cp_group is not None:
@@ -72,6 +74,16 @@ class FusedCoreAttention(DotProductAttention):
         context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                  scale=self.softmax_scale, enable_gqa=True)
         return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
+
+    def _packed(self, query, key, value, attention_mask, params):
+        """Packed rows ([T, heads, dim]: megatron squeezed the batch of one) each over its own keys."""
+        if params.qkv_format != "thd" or attention_mask is not None or self.cp_group is not None \
+                or batch_invariant.enabled():
+            raise ValueError("attention: packed rows are causal rows laid end to end (thd) without an attention mask, "
+                             "context parallelism or the batch-invariant mode")
+        band = None if self.window is None else (lambda sq, sk: window_band(sq, sk, self.window, query.device))
+        context = packed_rows.attention(query, key, value, params, self.softmax_scale, band)
+        return context.reshape(query.shape[0], self.hidden_size_per_partition)
 
     def _batch_invariant(self, query, key, value, attention_mask):
         """Each query over the mode's key blocks (models/batch_invariant.py), as the engine's."""

@@ -14,8 +14,12 @@ import torch
 
 MicroBatch = Dict[str, torch.Tensor]
 # The next token each position chose, where a micro-batch holds it: a context-parallel rank's view,
-# whose positions are not contiguous (models/context_parallel.py).
+# whose positions are not contiguous (models/context_parallel.py), or a packed one's (models/packed_rows.py).
 LABELS = "labels"
+# Each row's real tokens [b]: a micro-batch's rows may be packed for the model's pass by them.
+ROW_LENGTHS = "row_lengths"
+# A packed view's PackedRows (models/packed_rows.py): the pass's input, and the way back to rows.
+PACKED = "packed_rows"
 
 
 def next_tokens(mb: MicroBatch) -> torch.Tensor:
@@ -28,7 +32,11 @@ def next_tokens(mb: MicroBatch) -> torch.Tensor:
 def at_actions(per_position: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     """A per-position tensor [b, s, ...] of ``mb`` restricted to the action positions: [b, s-1, ...].
     In a context-parallel rank's view the per-action columns are cut to the rank's positions as the
-    per-position ones are (the last, padding, has a zero mask): nothing is dropped."""
+    per-position ones are (the last, padding, has a zero mask): nothing is dropped. In a packed view
+    ``per_position`` is the packed row's [1, T, ...], put back in rows first."""
+    packed = mb.get(PACKED)
+    if packed is not None:
+        return packed.as_rows(per_position)[:, :-1]
     return per_position if LABELS in mb else per_position[:, :-1]
 
 
@@ -66,44 +74,55 @@ def length_grouped(size: int, lengths: torch.Tensor, **columns: torch.Tensor) ->
     return _cut(order, [size] * (rows // size), lengths, columns), order
 
 
-def token_packed(budget: int, lengths: torch.Tensor, equal_rows: bool = False,
+def token_packed(budget: int, lengths: torch.Tensor, equal_rows: bool = False, real_tokens: bool = False,
                  **columns: torch.Tensor) -> Tuple[List[MicroBatch], torch.Tensor]:
-    """As :func:`length_grouped`, but each micro-batch takes rows (longest first) while its rows x
-    its longest row stay within ``budget`` tokens: as few micro-batches as fit, of any number of
-    rows. ``equal_rows`` (pipeline parallelism: the stages exchange one shape of rows): every
+    """As :func:`length_grouped`, but each micro-batch takes rows (longest first) while its tokens
+    stay within ``budget``: rows x its longest row, or with ``real_tokens`` (packed rows) the sum of
+    its rows' real tokens; as few micro-batches as fit, of any number of rows. ``equal_rows``
+    (pipeline parallelism with padded rows: the stages exchange one shape of rows): every
     micro-batch has the same number of rows, the most that divides the rows and keeps the longest
     within the budget. A row longer than the budget is refused (ValueError)."""
     order = torch.sort(lengths, descending=True, stable=True).indices
-    return _cut(order, packed_sizes([int(n) for n in lengths[order].tolist()], budget, equal_rows), lengths, columns), order
+    sizes = packed_sizes([int(n) for n in lengths[order].tolist()], budget, equal_rows, real_tokens)
+    return _cut(order, sizes, lengths, columns), order
 
 
-def packed_sizes(longest_first: List[int], budget: int, equal_rows: bool = False) -> List[int]:
+def packed_sizes(longest_first: List[int], budget: int, equal_rows: bool = False,
+                 real_tokens: bool = False) -> List[int]:
     """The rows of each micro-batch of :func:`token_packed`, for row lengths sorted longest first:
-    as many rows as keep rows x the micro-batch's longest within ``budget`` (``equal_rows``: one
-    count for all, dividing the rows). A row longer than the budget is refused (ValueError)."""
+    as many rows as keep rows x the micro-batch's longest (``real_tokens``: the rows' sum) within
+    ``budget`` (``equal_rows``: one count for all, dividing the rows). A row longer than the budget
+    is refused (ValueError)."""
     longest = [max(n, 2) for n in longest_first]
-    if longest and longest[0] > budget:
-        raise ValueError(f"a row of {longest[0]} tokens does not fit in max_tokens_per_micro_batch={budget}")
+    if longest and max(longest) > budget:
+        raise ValueError(f"a row of {max(longest)} tokens does not fit in max_tokens_per_micro_batch={budget}")
     if equal_rows:
         rows = max(r for r in range(1, len(longest) + 1) if len(longest) % r == 0 and r * longest[0] <= budget)
         return [rows] * (len(longest) // rows)
     sizes, first = [], 0
     while first < len(longest):
-        rows = max(1, budget // longest[first])  # the first row is the micro-batch's longest
-        sizes.append(min(rows, len(longest) - first))
-        first += sizes[-1]
+        if real_tokens:
+            rows, tokens = 0, 0
+            while first + rows < len(longest) and tokens + longest[first + rows] <= budget:
+                tokens += longest[first + rows]
+                rows += 1
+        else:
+            rows = min(max(1, budget // longest[first]), len(longest) - first)  # the first row is the longest
+        sizes.append(rows)
+        first += rows
     return sizes
 
 
 def _cut(order: torch.Tensor, sizes: List[int], lengths: torch.Tensor, columns: Dict[str, torch.Tensor]) -> List[MicroBatch]:
-    """Micro-batches of ``sizes`` rows taken in ``order``, each trimmed to its own longest row."""
+    """Micro-batches of ``sizes`` rows taken in ``order``, each trimmed to its own longest row and
+    holding its rows' real lengths (``ROW_LENGTHS``)."""
     width = columns["tokens"].shape[1]
     batches, first = [], 0
     for size in sizes:
         picked = order[first : first + size]
         first += size
         w = max(int(lengths[picked].max()), 2)  # an action needs two positions
-        mb = {}
+        mb = {ROW_LENGTHS: lengths[picked]}
         for name, column in columns.items():
             column = column[picked]
             if column.dim() > 1 and column.shape[1] == width:
@@ -115,12 +134,25 @@ def _cut(order: torch.Tensor, sizes: List[int], lengths: torch.Tensor, columns: 
     return batches
 
 
+def dealt_by_tokens(lengths: torch.Tensor, parts: int, part: int) -> torch.Tensor:
+    """Part ``part`` of ``parts`` equal shares of rows (``lengths`` [B]: real tokens, B divisible by
+    ``parts``) whose real tokens are near equal: the rows dealt longest first, each round of
+    ``parts`` in turn forward and back (0..P-1, P-1..0, ...). The indices of the part's rows."""
+    order = torch.sort(lengths, descending=True, stable=True).indices
+    rounds = order.view(-1, parts).clone()
+    rounds[1::2] = rounds[1::2].flip(1)
+    return rounds[:, part]
+
+
 def micro_batches_of(role_config, lengths: torch.Tensor, pipelined: bool = False,
                      **columns: torch.Tensor) -> Tuple[List[MicroBatch], torch.Tensor]:
-    """A role's micro-batches of these rows (RoleConfig: rows per micro-batch, or a token budget;
-    ``pipelined``: the role runs at PP > 1, so its micro-batches have equal rows)."""
+    """A role's micro-batches of these rows (RoleConfig: rows per micro-batch, or a token budget of
+    padded or, with ``pack_rows``, real tokens; ``pipelined``: the role runs at PP > 1, so its
+    micro-batches of padded rows have equal rows)."""
     if role_config.token_budget is not None:
-        return token_packed(role_config.token_budget, lengths, equal_rows=pipelined, **columns)
+        packs = role_config.pack_rows
+        return token_packed(role_config.token_budget, lengths, equal_rows=pipelined and not packs, real_tokens=packs,
+                            **columns)
     return length_grouped(role_config.micro_batch_size, lengths, **columns)
 
 

@@ -223,6 +223,7 @@ def build_model(
     padded_vocab: Optional[int] = None,
     attention: str = "fused",
     logprob_chunk_tokens: int = 0,
+    pack_rows: bool = False,
 ) -> torch.nn.Module:
     """This rank's piece of the model (its pipeline stage, its TP shard), on the platform device.
     ``pg_collection``: the process groups of ``parallel`` when it is not the run's layout
@@ -230,7 +231,8 @@ def build_model(
     models that exchange weights across layouts need one size); ``attention``: the core attention
     where transformer-engine is absent (models/attention.py); ``logprob_chunk_tokens``: an LM head's
     log-probs and entropy computed that many tokens at a time (0: from whole logits;
-    models/vocab_parallel.py)."""
+    models/vocab_parallel.py); ``pack_rows``: its passes run a micro-batch's rows laid end to end
+    without padding (models/packed_rows.py)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
@@ -270,6 +272,7 @@ def build_model(
         raise ValueError(f"head must be 'lm' or 'scalar', got {head!r}")
     elif post_process:
         model.logprob_chunk_tokens = logprob_chunk_tokens
+    model.pack_rows = pack_rows
     if batch_invariant.enabled():
         batch_invariant.install(model)
     model = get_platform().place_module(model)

@@ -9,6 +9,11 @@ one to the next (under PP the stages exchange each activation's shape first: meg
 Under context parallelism each CP rank runs its share of every row's positions
 (models/context_parallel.py): the model and the loss function read the rank's view of the
 micro-batch; a forward-only result comes back whole, in sequence order, on every CP rank.
+
+A model built with ``pack_rows`` runs each micro-batch's rows laid end to end without their padding
+(models/packed_rows.py; the micro-batch says its rows' real lengths in ``ROW_LENGTHS``); the loss
+function and ``reduce`` read the output in rows (an LM head read in chunks puts its per-token
+results in rows itself).
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from megatron_rlhf.errors import NoGradientError
-from megatron_rlhf.models import context_parallel, routing
-from megatron_rlhf.models.batches import MicroBatch
+from megatron_rlhf.models import context_parallel, packed_rows, routing
+from megatron_rlhf.models.batches import PACKED, ROW_LENGTHS, MicroBatch
 from megatron_rlhf.models.decoder import global_rank, groups_of, unwrap
 from megatron_rlhf.models.vocab_parallel import ChunkedLogits, chunked_lm_head
 # loss_fn(output, micro_batch) -> (loss sum, count, metrics dict); output: [b, s, vocab/TP] or [b, s, 1]
@@ -35,6 +40,9 @@ Reduce = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
 
 
 def model_forward(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    packed = mb.get(PACKED)
+    if packed is not None:
+        return model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.params)
     tokens = mb["tokens"]
     position_ids = mb.get("position_ids")
     if position_ids is None:
@@ -66,9 +74,11 @@ def forward_backward(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     groups = groups_of(model)
-    cp = _cp_size(groups)
-    _check_call(micro_batches, loss_fn, forward_only, routes_out, groups)
+    cp, packs = _cp_size(groups), packs_rows(model)
+    _check_call(micro_batches, loss_fn, forward_only, routes_out, groups, packs)
     batch, seq = micro_batches[0]["tokens"].shape[0], max(mb["tokens"].shape[1] for mb in micro_batches)
+    if packs:  # the model sees one row: its rows' real tokens
+        batch, seq = 1, max(int(mb[ROW_LENGTHS].sum()) for mb in micro_batches)
     recording = routing.recording(model) if routes_out is not None else contextlib.nullcontext()
 
     def collect_output(output, mb: MicroBatch, view: MicroBatch):  # a loss's shape; nothing is trained
@@ -85,12 +95,13 @@ def forward_backward(
         output = output if chunked is None else chunked(output)
         if loss_fn is None:
             return collect_output(output, mb, view)
-        loss, count, metrics = loss_fn(output, view)
+        loss, count, metrics = loss_fn(*_in_rows(output, mb, view))
         return loss.clone(), count.to(torch.int), metrics
 
     def forward_step_func(data_iterator, model_chunk):
         mb = next(data_iterator)
-        view = mb if cp == 1 else context_parallel.on_this_rank(mb, groups.cp)
+        view = context_parallel.on_this_rank(mb, groups.cp) if cp > 1 else \
+            packed_rows.packed(mb, _sequence_multiple(model_chunk), {routing.ROUTES: -1}) if packs else mb
         with routing.replaying(model_chunk, view.get(routing.ROUTES)), chunked_lm_head(model_chunk, reader) as chunked:
             output = model_forward(model_chunk, view)
         if trains and not output.requires_grad:  # megatron's backward would then skip it, and train nothing
@@ -98,9 +109,13 @@ def forward_backward(
                                   "none of the trained parameters before it would learn (a frozen block whose inputs "
                                   "need no gradient either, as under activation recompute?)")
         if routes_out is not None:
-            flat = routing.recorded(model_chunk, mb["tokens"].numel())
             dtype = routing.routes_dtype(unwrap(model_chunk).config.num_moe_experts)
-            routes_out.append(routing.as_rows(flat, *mb["tokens"].shape, dtype))
+            if packs:
+                flat = routing.recorded(model_chunk, view[PACKED].tokens.numel())
+                routes_out.append(view[PACKED].as_rows(flat.unsqueeze(0), fill=-1).to(dtype))
+            else:
+                flat = routing.recorded(model_chunk, mb["tokens"].numel())
+                routes_out.append(routing.as_rows(flat, *mb["tokens"].shape, dtype))
         return output, partial(call_loss, mb, view, chunked)
 
     with recording:
@@ -116,31 +131,57 @@ def forward_backward(
         )
 
 
-def _check_call(micro_batches: List[MicroBatch], loss_fn, forward_only: bool, routes_out, groups) -> None:
+def _check_call(micro_batches: List[MicroBatch], loss_fn, forward_only: bool, routes_out, groups, packs: bool) -> None:
     if not micro_batches:
         raise ValueError("forward_backward needs at least one micro-batch")
     if loss_fn is None and not forward_only:
         raise ValueError("training (forward_only=False) needs a loss function")
     rows = [mb["tokens"].shape[0] for mb in micro_batches]
-    if groups.pp.size() > 1 and len(set(rows)) > 1:
+    if groups.pp.size() > 1 and len(set(rows)) > 1 and not packs:
         raise ValueError(f"under pipeline parallelism all micro-batches of one call need the same number of rows: {rows}")
     if _cp_size(groups) > 1 and routes_out is not None:
         raise ValueError("context parallelism: recording the experts' routing (routing replay) is not modelled over CP "
                          "ranks yet; set context_parallel_size 1 or turn routing replay off")
+    if packs and _cp_size(groups) > 1:
+        raise ValueError("packed rows beside context parallelism are not modelled yet: set pack_rows false or "
+                         "context_parallel_size 1")
+    if packs and any(ROW_LENGTHS not in mb for mb in micro_batches):
+        raise ValueError(f"packed rows: every micro-batch needs its rows' real lengths ({ROW_LENGTHS!r})")
 
 
 def _cp_size(groups) -> int:
     return groups.cp.size() if getattr(groups, "cp", None) is not None else 1
 
 
+def packs_rows(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (built with pack_rows) runs its micro-batches' rows packed."""
+    return getattr(unwrap(model), "pack_rows", False)
+
+
+def _sequence_multiple(model: torch.nn.Module) -> int:
+    """What a packed row's length must divide by: TP under sequence parallelism (its sequence is cut over TP)."""
+    config = unwrap(model).config
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
+def _in_rows(output, mb: MicroBatch, view: MicroBatch):
+    """(output, micro-batch) as a loss or reduce reads them: a packed pass's output put back in rows
+    with the micro-batch itself, but an LM head's read in chunks with the packed view (at_actions
+    puts its per-token results in rows); otherwise as they are."""
+    if PACKED in view and not isinstance(output, ChunkedLogits):
+        return view[PACKED].as_rows(output), mb
+    return output, view
+
+
 def _kept(output, mb: MicroBatch, view: MicroBatch, reduce: Optional[Reduce], groups):
     """What a forward-only pass keeps of a micro-batch's output: ``reduce(output, mb)``, or the output.
-    Under context parallelism, on every CP rank: a reduce that reads an LM head's output
+    Packed, in rows (_in_rows). Under context parallelism, on every CP rank: a reduce that reads an LM head's output
     (vocab_parallel.reads_chunked: a per-action result, [b, s-1, ...]) runs on the rank's view and
     its results are gathered; another runs on the whole output gathered first (a scalar head's
     [b, s, 1]; whole logits only where no reduce is given)."""
     if _cp_size(groups) == 1:
-        return output.detach() if reduce is None else reduce(output, mb)
+        output, read = _in_rows(output, mb, view)
+        return output.detach() if reduce is None else reduce(output, read)
     if reduce is not None and getattr(reduce, "reads_chunked", False):
         return context_parallel.whole_sequence(reduce(output, view), groups.cp, mb["tokens"].shape[1] - 1)
     whole = context_parallel.whole_sequence(output.detach(), groups.cp, mb["tokens"].shape[1])

@@ -134,6 +134,7 @@ def build_role(name: str, config: RLHFConfig) -> Role:
         cuda_graph_impl=role_config.cuda_graph_impl,
         attention=role_config.attention,
         logprob_chunk_tokens=config.logprob_chunk_tokens(name),
+        pack_rows=role_config.pack_rows,
         pg_collection=(layout_groups(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                                      layout.expert_model_parallel_size) if config.has_own_layout(name) else None),
         padded_vocab=config.padded_vocab(role_config.model),

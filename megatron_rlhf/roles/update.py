@@ -11,7 +11,7 @@ import torch
 
 from megatron_rlhf.config.schema import RLHFConfig
 from megatron_rlhf.errors import NonFiniteError
-from megatron_rlhf.models.batches import micro_batches_of
+from megatron_rlhf.models.batches import dealt_by_tokens, micro_batches_of
 from megatron_rlhf.models.decoder import groups_of
 from megatron_rlhf.models.routing import ROUTES
 from megatron_rlhf.roles.losses import policy_loss_fn, policy_stats, reported_metrics, value_loss_fn
@@ -72,7 +72,10 @@ class PPOUpdate:
                 order = torch.randperm(rows, generator=torch.Generator().manual_seed(
                     cfg.seed + 7_919 * iteration + 104_729 * epoch)).to(lengths.device)
                 for first in range(0, rows, step_rows):
-                    picked = order[first : first + step_rows][cut.rank * share : (cut.rank + 1) * share]
+                    step = order[first : first + step_rows]
+                    # packed rows cost their real tokens: each DP rank takes an equal share of them
+                    picked = step[dealt_by_tokens(lengths[step], cut.size, cut.rank)] if role.config.pack_rows \
+                        else step[cut.rank * share : (cut.rank + 1) * share]
                     mbs, _ = micro_batches_of(role.config, lengths[picked], pipelined,
                                               **{k: v[picked] for k, v in everything.items()})
                     result = role.train_step(mbs, loss_fn)

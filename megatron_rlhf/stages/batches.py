@@ -19,7 +19,7 @@ import torch
 from megatron_rlhf.data.exchanges import Encoded
 from megatron_rlhf.data.preferences import Pair
 from megatron_rlhf.data.steps import NO_LABEL, Steps
-from megatron_rlhf.models.batches import MicroBatch, micro_batches_of, packed_sizes
+from megatron_rlhf.models.batches import ROW_LENGTHS, MicroBatch, micro_batches_of, packed_sizes
 
 
 def padded(sequences: List[Encoded], pad_id: int, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,7 +66,10 @@ def pair_micro_batches(role_config, pairs: List[Pair], pipelined: bool, pad_id: 
     """Micro-batches of whole pairs (see the module's docstring); ``per_side``: name -> [P, 2]."""
     longest = torch.tensor([max(len(p.chosen.ids), len(p.rejected.ids)) for p in pairs])
     order = torch.sort(longest, descending=True, stable=True).indices.tolist()
-    if role_config.token_budget is not None:
+    if role_config.token_budget is not None and role_config.pack_rows:  # a pair's real tokens, both sides
+        sizes = packed_sizes([len(pairs[i].chosen.ids) + len(pairs[i].rejected.ids) for i in order],
+                             role_config.token_budget, real_tokens=True)
+    elif role_config.token_budget is not None:
         sizes = packed_sizes([int(longest[i]) for i in order], role_config.token_budget // 2, equal_rows=pipelined)
     else:
         size, rest = role_config.micro_batch_size, len(pairs) % role_config.micro_batch_size
@@ -79,7 +82,7 @@ def pair_micro_batches(role_config, pairs: List[Pair], pipelined: bool, pad_id: 
         first += size
         sides = [pairs[i].chosen for i in picked] + [pairs[i].rejected for i in picked]
         tokens, mask, lengths = padded(sides, pad_id, device)
-        mb = {"tokens": tokens, "action_mask": mask, "last_index": lengths - 1,
+        mb = {"tokens": tokens, "action_mask": mask, "last_index": lengths - 1, ROW_LENGTHS: lengths,
               "margin": torch.tensor([pairs[i].margin for i in picked], dtype=torch.float32, device=device)}
         for name, column in (per_side or {}).items():
             mb[name] = torch.cat([column[picked, 0], column[picked, 1]]).to(device)

@@ -1,10 +1,12 @@
-"""Context parallelism (models/context_parallel.py) against CP=1, fp32, on the same weights and rows
+"""Context parallelism (models/context_parallel.py) and packed rows (models/packed_rows.py) against
+CP=1's padded rows, fp32, on the same weights and rows
 (rows of 13 tokens, right-padded: 13 is no multiple of 2 x CP, so the chunks are padded too): a policy's
 forward-only log-probs (chunked, 4 tokens at a time) and two optimizer steps of GRPO's loss with the KL
 in it and of GSPO's (a mean over sequences), a value head's values and two steps of the value loss
 (each sequence's token sum), and two steps of SFT's loss, for each
-layout named in the arguments ("cp1", "cp2", "cp4", with "+tp2" or "+pp2"; "+window" for a sliding
-window of 5); and of a reward model's Bradley-Terry loss and DPO's (IPO, length-normalised, with the
+layout named in the arguments ("cp1", "cp2", "cp4" or "packed", with "+tp2" or "+pp2"; "+window" for a
+sliding window of 5; "+experts" for a model with experts, its routing recorded by the forward-only
+pass and replayed by GRPO's); and of a reward model's Bradley-Terry loss and DPO's (IPO, length-normalised, with the
 NLL), each micro-batch's two rows a pair: losses of whole sequences, summed over the CP ranks. The
 run's figures are each step's metric sums over every rank's rows (DP replicas counted once)."""
 
@@ -17,7 +19,8 @@ from megatron_rlhf.models.decoder import build_model, unwrap
 from megatron_rlhf.models.pipeline import broadcast_from_last_stage, forward_backward, sum_over
 from megatron_rlhf.models.training import train_step, wrap_for_training
 from megatron_rlhf.models.vocab_parallel import next_token_log_probs, reads_chunked
-from megatron_rlhf.models.batches import state_values
+from megatron_rlhf.models import routing
+from megatron_rlhf.models.batches import ROW_LENGTHS, state_values
 from megatron_rlhf.roles.losses import policy_loss_fn, value_loss_fn
 from megatron_rlhf.stages.losses import dpo_loss_fn, reward_loss_fn, sft_loss_fn
 
@@ -34,7 +37,7 @@ def micro_batches(vocab_size: int):
                "advantages": torch.randn(ROWS, WIDTH - 1, generator=data),
                "old_values": torch.randn(ROWS, WIDTH - 1, generator=data),
                "returns": torch.randn(ROWS, WIDTH - 1, generator=data),
-               "last_index": lengths - 1, "ref_logps": -torch.rand(ROWS, generator=data) * 20}
+               "last_index": lengths - 1, ROW_LENGTHS: lengths, "ref_logps": -torch.rand(ROWS, generator=data) * 20}
     margins = torch.randn(ROWS // 2, generator=data)
     return [{**{k: v[i : i + 2] for k, v in columns.items()}, "margin": margins[i // 2 : i // 2 + 1]} for i in (0, 2)]
 
@@ -57,9 +60,11 @@ def step_figures(metrics: list, model, names) -> dict:
     return dict(zip(names, total.tolist()))
 
 
-def trained(arch, parallel, head: str, loss_fn, mbs, chunk: int, names):
+def trained(arch, parallel, head: str, loss_fn, mbs, chunk: int, names, packs: bool):
     """Two optimizer steps: each step's figures and grad norm, the first step's grads, the last weights."""
-    model = build_model(arch, parallel, head, precision="fp32", logprob_chunk_tokens=chunk)
+    model = build_model(arch, parallel, head, precision="fp32", logprob_chunk_tokens=chunk, pack_rows=packs)
+    if arch.num_experts:
+        routing.enable(model)
     ddp, optimizer = wrap_for_training(model, RoleConfig(precision="fp32", lr=1e-4, clip_grad=0.0,
                                                          use_distributed_optimizer=False))
     figures, norms, grads = [], [], None
@@ -75,21 +80,30 @@ def trained(arch, parallel, head: str, loss_fn, mbs, chunk: int, names):
 
 def run(layout: str) -> ContextParallelRun:
     parts = layout.split("+")
-    cp = int(parts[0][2:])
+    packs = parts[0] == "packed"
+    cp = 1 if packs else int(parts[0][2:])
     tp, pp = (2 if "tp2" in parts else 1), (2 if "pp2" in parts else 1)
-    arch = tiny_arch(sliding_window=5 if "window" in parts else None)
+    experts = dict(family="qwen3_moe", qk_norm=True, num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
+                   moe_norm_topk_prob=True) if "experts" in parts else {}
+    arch = tiny_arch(sliding_window=5 if "window" in parts else None, **experts)
     mbs = micro_batches(arch.vocab_size)
     figures, norms, grads, weights = {}, {}, {}, {}
     parallel = setup(tp, pp, seed=11, cp=cp)  # the same initial weights at every layout
-    policy = build_model(arch, parallel, "lm", precision="fp32", logprob_chunk_tokens=4)
+    policy = build_model(arch, parallel, "lm", precision="fp32", logprob_chunk_tokens=4, pack_rows=packs)
 
     @reads_chunked
     def log_probs(output, mb):
         return next_token_log_probs(output, mb, arch.vocab_size, 0.7)
 
-    inferred = [o["output"] for o in forward_backward(policy, mbs, reduce=log_probs)]
-    value = build_model(arch, parallel, "scalar", precision="fp32")
+    value = build_model(arch, parallel, "scalar", precision="fp32", pack_rows=packs)
     values = [o["output"] for o in forward_backward(value, mbs, reduce=lambda output, mb: state_values(output, mb))]
+    if experts:  # the routing recorded here is replayed by GRPO's steps
+        routing.enable(policy)
+        routes = []
+        inferred = [o["output"] for o in forward_backward(policy, mbs, reduce=log_probs, routes_out=routes)]
+        mbs = [{**mb, routing.ROUTES: r} for mb, r in zip(mbs, routes)]
+    else:
+        inferred = [o["output"] for o in forward_backward(policy, mbs, reduce=log_probs)]
     losses = {"grpo": ("lm", policy_loss_fn(arch.vocab_size, 0.7, PPOConfig(kl_in_loss=True), kl_coef=0.1), 4),
               "value": ("scalar", value_loss_fn(0.2, "seq-mean-token-sum"), 0),
               "gspo": ("lm", policy_loss_fn(arch.vocab_size, 0.7, PPOConfig(policy_loss="gspo", clip_ratio_low=3e-4,
@@ -98,13 +112,14 @@ def run(layout: str) -> ContextParallelRun:
               "sft": ("lm", sft_loss_fn(arch.vocab_size), 0),
               "rm": ("scalar", reward_loss_fn(RMConfig(center_rewards_coefficient=0.01)), 0),
               "dpo": ("lm", dpo_loss_fn(arch.vocab_size, DPOConfig(loss_type="ipo", nll_coef=0.5), nll_scale=0.2), 4)}
-    # beside TP or PP half of the losses each (the test's time); alone every one
-    chosen = ("grpo", "value", "dpo") if tp > 1 else ("gspo", "sft", "rm") if pp > 1 else tuple(losses)
+    # beside TP or PP half of the losses each (the test's time); alone every one; with experts GRPO's
+    chosen = ("grpo",) if experts else ("grpo", "value", "dpo") if tp > 1 else ("gspo", "sft", "rm") if pp > 1 \
+        else tuple(losses)
     for name in chosen:
         head, loss_fn, chunk = losses[name]
         setup(tp, pp, seed=11, cp=cp)
         figures[name], norms[name], grads[name], weights[name] = trained(arch, parallel, head, loss_fn, mbs, chunk,
-                                                                         FIGURES[name])
+                                                                         FIGURES[name], packs)
     return ContextParallelRun(log_probs=inferred, values=values, figures=figures, grad_norms=norms, grads=grads,
                               weights=weights)
 

@@ -102,21 +102,6 @@ class ProcessState:
         sys.path[:] = self.path
 
 
-def _reset_parallel_state() -> None:
-    """Megatron's groups and every other group a case made destroyed; the world and its host twins
-    stay. (A group a leftover object still holds lives on, with its gloo threads: a role with
-    megatron's DDP is never collected. The host starts a new pool when their count grows.)"""
-    from torch.distributed import distributed_c10d as c10d
-
-    from megatron_rlhf.runtime import host_groups
-
-    common.keep_the_world()
-    kept = {id(twin) for twin in host_groups._TWINS.values() if twin is not None}
-    for group in list(c10d._world.pg_map):
-        if group is not c10d.GroupMember.WORLD and id(group) not in kept:
-            dist.destroy_process_group(group)
-
-
 def _run_case(request: dict, rank: int) -> int:
     """The case's script run as ``python <script> <out> <args...>`` would run it; its exit code."""
     script, out, args = request["script"], request["out"], request["args"]
@@ -165,12 +150,12 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     init_distributed(ParallelConfig(1, 1, False, 1))
     common.runs_in_one_world()  # a case's run keeps the world; the next case makes its groups again
-    _reset_parallel_state()
+    common.destroy_groups()
     pristine = ProcessState()
     for line in sys.stdin:
         request = json.loads(line)
         code = _run_case(request, rank)
-        _reset_parallel_state()
+        common.destroy_groups()  # the host starts a new pool when leftover groups' threads grow
         pristine.restore()
         gc.collect()
         # Whole or not at all: the pool reads the file as soon as it exists (an empty one read as a failure).
