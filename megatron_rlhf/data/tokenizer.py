@@ -38,6 +38,8 @@ class Tokenizer(Protocol):
 
     def encode_chat(self, messages: Messages) -> Tuple[List[int], List[int]]: ...
 
+    def turn_tail(self) -> List[int]: ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def record(self) -> dict:
@@ -85,6 +87,9 @@ class CharTokenizer:
 
     def encode_chat(self, messages: Messages) -> Tuple[List[int], List[int]]:
         raise ValueError("the char tokenizer has no chat template; give string prompts and responses")
+
+    def turn_tail(self) -> List[int]:
+        return []  # no chat template
 
     def show(self, ids: Sequence[int]) -> str:
         """``ids`` as text with the special tokens written out."""
@@ -203,6 +208,18 @@ class HFTokenizer:
                                  "tokens cannot be told from the prompt's")
             mask[len(before) : len(upto)] = [1] * (len(upto) - len(before))
         return full, mask
+
+    def turn_tail(self) -> List[int]:
+        """The ids the chat template writes after an assistant turn's end token (ChatML's newline
+        after <|im_end|>; none after Llama 3's <|eot_id|> or Mistral's </s>): a rendered conversation,
+        as the rm stage scores it, ends with them; a generated response stops at the end token."""
+        if not self.has_chat_template:
+            return []
+        chat = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+        start = len(self._template_ids(chat[:1], generation_prompt=True))
+        ids = self._template_ids(chat, generation_prompt=False)
+        end = next((i for i in range(start, len(ids)) if ids[i] in self.eos_ids), None)
+        return [] if end is None else ids[end + 1 :]
 
     def encode_text(self, text: str) -> List[int]:
         """``text`` as ids, no special tokens added (the special tokens it spells are parsed as such)."""

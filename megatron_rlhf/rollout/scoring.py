@@ -50,6 +50,26 @@ def overlong_penalty(config: RLHFConfig, rows: SampleRows) -> torch.Tensor:
                                 alg.overlong_penalty_factor)
 
 
+def closed_turns(tokens: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, tail: List[int],
+                 end_ids, pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rows as a reward model trained on rendered chats reads them, and where each is scored: a
+    response that stopped at an end token gets ``tail`` (tokenizer.turn_tail: what the chat template
+    writes after the token, e.g. ChatML's newline) and is scored at its last id, the position where
+    the rm stage scored the same conversation; another (cut at the length limit) at its last token.
+    tokens [B, S] -> (tokens [B, S'], the scored positions [B])."""
+    last = (prompt_lengths + response_lengths - 1).clamp(min=0)
+    if not tail:
+        return tokens, last
+    ended = (response_lengths > 0) & torch.isin(tokens.gather(1, last.unsqueeze(1)).squeeze(1),
+                                                torch.tensor(list(end_ids), device=tokens.device))
+    width = max(tokens.shape[1], int(last.max()) + 1 + len(tail))
+    closed = torch.nn.functional.pad(tokens, (0, width - tokens.shape[1]), value=pad_id)
+    rows = ended.nonzero().flatten()
+    for offset, token in enumerate(tail, start=1):
+        closed[rows, last[rows] + offset] = token
+    return closed, last + ended.long() * len(tail)
+
+
 def step_ends(tokens: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor,
               separator: List[int]) -> torch.Tensor:
     """[B, S] True at the last token of each step of each response: where each occurrence of the
@@ -85,6 +105,14 @@ class Scorer:
         self.normalization = None
         if config.reward.step_separator is not None:  # a process reward model's steps end with its ids
             self.separator = tokenizer.encode_text(config.reward.step_separator)
+        # a reward model scores chats where the rm stage did: after the template's close of the turn
+        self.turn_tail = tokenizer.turn_tail() if tokenizer is not None and config.reward.type == "model" \
+            and config.data.apply_chat_template else []
+        self.end_ids, self.pad_id = (tokenizer.eos_ids, tokenizer.pad_id) if tokenizer is not None else ((), 0)
+        # a reward model scores chats where the rm stage did: after the template's close of the turn
+        self.turn_tail = tokenizer.turn_tail() if tokenizer is not None and config.reward.type == "model" \
+            and config.data.apply_chat_template else []
+        self.end_ids, self.pad_id = (tokenizer.eos_ids, tokenizer.pad_id) if tokenizer is not None else ((), 0)
         if config.reward.type == "model" and config.reward.normalize:
             from megatron_rlhf.checkpoint.model_files import recorded_scores
 
@@ -117,15 +145,16 @@ class Scorer:
         return scores, metrics
 
     def _reward_model_scores(self, rows: SampleRows) -> torch.Tensor:
-        """[B] the reward model's score at each row's last token."""
+        """[B] the reward model's score at each row's last token, as the rm stage scored a
+        conversation: after the chat template's close of the turn (closed_turns)."""
+        tokens, last = closed_turns(rows["tokens"], rows["prompt_lengths"], rows["response_lengths"], self.turn_tail,
+                                    self.end_ids, self.pad_id)
 
         def run(mine: SampleRows) -> SampleRows:
-            last = (mine["prompt_lengths"] + mine["response_lengths"] - 1).clamp(min=0)
             with self.roles.resident("reward", "inference"):
-                return {"scores": inference.scores(self.roles["reward"], mine["tokens"], last)}
+                return {"scores": inference.scores(self.roles["reward"], mine["tokens"], mine["last_index"])}
 
-        columns = {k: rows[k] for k in ("tokens", "prompt_lengths", "response_lengths")}
-        scores = self.roles.at_layout("reward", run, columns, rows["tokens"].shape[1])["scores"]
+        scores = self.roles.at_layout("reward", run, {"tokens": tokens, "last_index": last}, tokens.shape[1])["scores"]
         if self.normalization is not None:
             mean, std = self.normalization
             scores = (scores - mean) / std
