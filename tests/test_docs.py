@@ -80,6 +80,21 @@ def test_explain_prints_one_key_and_names_the_closest_for_a_typo():
     assert role.returncode == 0 and "read by: rm, prm, where reward is trained (refused where it is not)" in role.stdout
     typo = run("ppo.clip_ratio_cc")
     assert typo.returncode == 2 and typo.stderr.count("error:") == 1 and "did you mean ppo.clip_ratio_c" in typo.stderr
+    trl = run("num_generations")  # a peer's name: ours, and its entry
+    assert trl.returncode == 0 and trl.stdout.startswith("num_generations is TRL's name; here: "
+                                                         "generation.samples_per_prompt\ngeneration.samples_per_prompt: ")
+    verl = run("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    assert verl.returncode == 0 and "verl's name; here: <role>.max_tokens_per_micro_batch\n" in verl.stdout
+
+
+def test_every_peer_name_explain_knows_points_to_a_key_here():
+    from megatron_rlhf.config.reference import PEERS_NAMES, entries
+    from megatron_rlhf.config.schema import ROLE_NAMES
+
+    keys = {e.key for e in entries()}
+    as_listed = lambda key: f"<role>.{key.partition('.')[2]}" if key.partition(".")[0] in ROLE_NAMES else key  # noqa: E731
+    missing = [ours for _, ours in PEERS_NAMES.values() if as_listed(ours) not in keys]
+    assert not missing, missing
 
 
 def test_every_key_the_trl_and_verl_page_names_here_exists():

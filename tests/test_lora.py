@@ -3,6 +3,7 @@ do not depend on TP or PP; only the adapters train; the reference is the base an
 the adapters export merged into a Hugging Face checkpoint and as a PEFT adapter, both equal to ours."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ import torch
 from megatron_rlhf.checkpoint.model_files import CheckpointError
 from megatron_rlhf.config.schema import LoRAConfig
 from megatron_rlhf.models.lora import is_adapter
+
+REPO = Path(__file__).resolve().parent.parent
 
 TOLERANCE = 1e-4
 
@@ -49,7 +52,7 @@ def test_exported_merged_weights_and_peft_adapter_give_our_logits_in_transformer
         write_peft_adapter(str(tmp / "base"), str(tmp / "not_written"))
     for layout in ("tp2_pp1", "tp1_pp2"):
         trained = str(tmp / f"lora_{layout}")
-        with pytest.raises(CheckpointError, match="holds LoRA adapters .* pass --merge-lora"):
+        with pytest.raises(CheckpointError, match="holds LoRA adapters .* --output needs --merge-lora"):
             megatron_to_hf(trained, str(tmp / "not_written"))
         megatron_to_hf(trained, str(tmp / f"merged_{layout}"), merge_lora=True)
         write_peft_adapter(trained, str(tmp / f"peft_{layout}"))
@@ -67,6 +70,21 @@ def test_exported_merged_weights_and_peft_adapter_give_our_logits_in_transformer
         back = peft_adapters(str(tmp / f"peft_{layout}"), LoRAConfig(**meta["lora"]), arch)
         saved = {k: v for k, v in full_tensors(trained) if is_adapter(k)}
         assert back.keys() == saved.keys() and all(torch.equal(back[k], saved[k]) for k in saved), layout
+
+
+def test_the_converter_refuses_a_lora_output_without_merge_before_it_writes_the_adapter(adapted):
+    """--peft-output A --output B of a LoRA checkpoint without --merge-lora: one error line naming
+    --merge-lora, and A not written (it was written, then the user was told to use --peft-output)."""
+    import subprocess
+    import sys
+
+    tmp, _ = adapted
+    run = subprocess.run([sys.executable, str(REPO / "tools" / "convert_megatron_to_hf.py"), "--megatron-dir",
+                          str(tmp / "lora_tp2_pp1"), "--peft-output", str(tmp / "adapter_a"), "--output",
+                          str(tmp / "merged_b")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.startswith("error: ") and run.stderr.count("\n") == 1, run.stderr
+    assert "--output needs --merge-lora" in run.stderr
+    assert not (tmp / "adapter_a").exists() and not (tmp / "merged_b").exists()
 
 
 def test_an_adapter_made_by_peft_loads_as_peft_computes_it(adapted, tmp_path):

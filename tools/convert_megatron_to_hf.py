@@ -42,12 +42,13 @@ def main(argv=None) -> int:
         print(f"error: --megatron-dir: {not_a_model_checkpoint(args.megatron_dir)}", file=sys.stderr)
         return 2
     try:
-        if args.peft_output:
-            write_peft_adapter(args.megatron_dir, args.peft_output, args.overwrite, args.base_model)
-            print(f"wrote {args.peft_output}")
+        # --output first: its checks (a LoRA checkpoint needs --merge-lora) come before anything is written
         if args.output:
             megatron_to_hf(args.megatron_dir, args.output, args.dtype, args.overwrite, args.tokenizer, args.merge_lora)
             print(f"wrote {args.output}")
+        if args.peft_output:
+            write_peft_adapter(args.megatron_dir, args.peft_output, args.overwrite, args.base_model)
+            print(f"wrote {args.peft_output}")
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -149,9 +149,9 @@ def megatron_to_hf(root: str, output: str, dtype: Optional[str] = None, overwrit
     arch, meta = read_model_meta(root)
     lora, head = meta.get("lora"), meta["head"]
     if lora and not merge_lora:
-        raise CheckpointError(f"{root}: holds LoRA adapters (rank {lora['rank']}) beside its base; pass --merge-lora to "
-                              "write the weights with the adapters merged, or write them as a PEFT adapter "
-                              "(--peft-output)")
+        raise CheckpointError(f"{root}: holds LoRA adapters (rank {lora['rank']}) beside its base; --output needs "
+                              "--merge-lora (the weights with the adapters merged); --peft-output writes the adapters "
+                              "alone as a PEFT adapter")
     if merge_lora and not lora:
         raise CheckpointError(f"{root}: --merge-lora, but the checkpoint holds no LoRA adapters")
 

@@ -179,9 +179,41 @@ def entries() -> List[Entry]:
     return found
 
 
+# A peer's name for a setting -> ours (docs/guide/coming-from-trl-and-verl.md has the whole tables):
+# --explain answers a name a TRL or verl user types with the key it means here.
+PEERS_NAMES = {
+    "num_generations": ("TRL's", "generation.samples_per_prompt"),
+    "max_completion_length": ("TRL's", "generation.max_new_tokens"),
+    "learning_rate": ("TRL's", "ppo_policy.lr"),
+    "beta": ("TRL's (the KL in the loss with kl_in_loss; DPO's: dpo.beta)", "ppo.kl_coef"),
+    "epsilon": ("TRL's", "ppo.clip_ratio_low"),
+    "epsilon_high": ("TRL's", "ppo.clip_ratio_high"),
+    "num_iterations": ("TRL's", "ppo.ppo_epochs"),
+    "scale_rewards": ("TRL's", "algorithm.norm_adv_by_std_in_grpo"),
+    "num_train_epochs": ("TRL's (SFT's; rm.epochs, dpo.epochs likewise)", "sft.epochs"),
+    "rollout.n": ("verl's", "generation.samples_per_prompt"),
+    "max_response_length": ("verl's", "generation.max_new_tokens"),
+    "train_batch_size": ("verl's (prompts per step)", "ppo.rollout_batch_size"),
+    "ppo_mini_batch_size": ("verl's (prompts; here responses)", "<role>.global_batch_size"),
+    "ppo_micro_batch_size_per_gpu": ("verl's", "<role>.micro_batch_size"),
+    "ppo_max_token_len_per_gpu": ("verl's", "<role>.max_tokens_per_micro_batch"),
+    "use_remove_padding": ("verl's", "<role>.pack_rows"),
+    "kl_loss_coef": ("verl's", "ppo.kl_coef"),
+    "adv_estimator": ("verl's", "algorithm.advantage_estimator"),
+    "total_training_steps": ("verl's", "ppo.iterations"),
+    "save_freq": ("verl's", "trainer.save_interval"),
+}
+
+
 def explain(key: str) -> str:
-    """One key's entry as text; ValueError naming the closest keys for one that does not exist."""
+    """One key's entry as text (a peer's name for one: ours, and its entry); ValueError naming the
+    closest keys for one that does not exist."""
     table = {e.key: e for e in entries()}
+    parts = key.split(".")  # a peer's full path too: actor_rollout_ref.rollout.n
+    peer = next((PEERS_NAMES[".".join(parts[i:])] for i in range(len(parts)) if ".".join(parts[i:]) in PEERS_NAMES), None)
+    if peer is not None and key not in table:
+        whose, ours = peer
+        return f"{key} is {whose} name; here: {ours}\n" + explain(ours)
     role, _, rest = key.partition(".")
     wanted = table.get(key) or (table.get(f"<role>.{rest}") if role in ROLE_NAMES else None)
     if wanted is None:
