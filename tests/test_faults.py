@@ -649,3 +649,15 @@ def test_a_torn_ledger_line_is_passed_over_at_resume_and_a_ledger_that_cannot_be
     with pytest.raises(RunError, match=r"writing the memory ledger .*unwritable.jsonl failed: Is a directory; the last "
                                        r"complete checkpoint is kept"):
         ledger.record("phase_end", "iteration")
+
+
+def test_our_warnings_print_as_one_line_of_ours_and_others_as_python_prints_them():
+    """A warning of the project's own (the start-up's end-token notice, say) is one `warning:` line, not
+    Python's file, line, category and source line; a library's keeps Python's form."""
+    from megatron_rlhf import errors, startup
+
+    said = errors._ours_as_one_line("the vocabulary has </s>, which do not end a response", UserWarning,
+                                    startup.__file__, 375, "warnings.warn(...)")
+    assert said == "warning: the vocabulary has </s>, which do not end a response\n"
+    theirs = errors._ours_as_one_line("Apex is not installed", UserWarning, "/usr/lib/python3/site-packages/x.py", 3, "")
+    assert "UserWarning: Apex is not installed" in theirs and theirs.startswith("/usr/lib/python3/site-packages/x.py:3")
