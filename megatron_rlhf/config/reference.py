@@ -209,8 +209,9 @@ def explain(key: str) -> str:
     """One key's entry as text (a peer's name for one: ours, and its entry); ValueError naming the
     closest keys for one that does not exist."""
     table = {e.key: e for e in entries()}
-    parts = key.split(".")  # a peer's full path too: actor_rollout_ref.rollout.n
-    peer = next((PEERS_NAMES[".".join(parts[i:])] for i in range(len(parts)) if ".".join(parts[i:]) in PEERS_NAMES), None)
+    parts = key.split(".")
+    endings = (".".join(parts[i:]) for i in range(len(parts)))  # a peer's full path too: actor_rollout_ref.rollout.n
+    peer = next((PEERS_NAMES[ending] for ending in endings if ending in PEERS_NAMES), None)
     if peer is not None and key not in table:
         whose, ours = peer
         return f"{key} is {whose} name; here: {ours}\n" + explain(ours)

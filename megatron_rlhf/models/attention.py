@@ -61,8 +61,8 @@ class FusedCoreAttention(DotProductAttention):
         if self.cp_group is not None:
             if attention_mask is not None:
                 raise ValueError("context parallelism: causal attention over right-padded rows only, not an attention mask")
-            band = None if self.window is None else (lambda sq, sk: window_band(sq, sk, self.window, query.device))
-            context = context_parallel.attention(query, key, value, self.cp_group, self.softmax_scale, band)
+            context = context_parallel.attention(query, key, value, self.cp_group, self.softmax_scale,
+                                                 self._band(query.device))
             return context.reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
         if attention_mask is not None:  # megatron's convention: True = masked out
@@ -75,14 +75,17 @@ class FusedCoreAttention(DotProductAttention):
                                                  scale=self.softmax_scale, enable_gqa=True)
         return context.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], self.hidden_size_per_partition)
 
+    def _band(self, device):
+        """The sliding window's band for (queries, keys) as context_parallel and packed_rows call it; None: causal."""
+        return None if self.window is None else (lambda sq, sk: window_band(sq, sk, self.window, device))
+
     def _packed(self, query, key, value, attention_mask, params):
         """Packed rows ([T, heads, dim]: megatron squeezed the batch of one) each over its own keys."""
         if params.qkv_format != "thd" or attention_mask is not None or self.cp_group is not None \
                 or batch_invariant.enabled():
             raise ValueError("attention: packed rows are causal rows laid end to end (thd) without an attention mask, "
                              "context parallelism or the batch-invariant mode")
-        band = None if self.window is None else (lambda sq, sk: window_band(sq, sk, self.window, query.device))
-        context = packed_rows.attention(query, key, value, params, self.softmax_scale, band)
+        context = packed_rows.attention(query, key, value, params, self.softmax_scale, self._band(query.device))
         return context.reshape(query.shape[0], self.hidden_size_per_partition)
 
     def _batch_invariant(self, query, key, value, attention_mask):

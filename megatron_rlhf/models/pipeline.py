@@ -174,11 +174,11 @@ def _in_rows(output, mb: MicroBatch, view: MicroBatch):
 
 
 def _kept(output, mb: MicroBatch, view: MicroBatch, reduce: Optional[Reduce], groups):
-    """What a forward-only pass keeps of a micro-batch's output: ``reduce(output, mb)``, or the output.
-    Packed, in rows (_in_rows). Under context parallelism, on every CP rank: a reduce that reads an LM head's output
-    (vocab_parallel.reads_chunked: a per-action result, [b, s-1, ...]) runs on the rank's view and
-    its results are gathered; another runs on the whole output gathered first (a scalar head's
-    [b, s, 1]; whole logits only where no reduce is given)."""
+    """What a forward-only pass keeps of a micro-batch's output: ``reduce(output, mb)``, or the
+    output; a packed pass's in rows (_in_rows). Under context parallelism, on every CP rank: a reduce
+    that reads an LM head's output (vocab_parallel.reads_chunked: a per-action result, [b, s-1, ...])
+    runs on the rank's view and its results are gathered; another runs on the whole output gathered
+    first (a scalar head's [b, s, 1]; whole logits only where no reduce is given)."""
     if _cp_size(groups) == 1:
         output, read = _in_rows(output, mb, view)
         return output.detach() if reduce is None else reduce(output, read)

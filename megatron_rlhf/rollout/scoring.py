@@ -109,10 +109,6 @@ class Scorer:
         self.turn_tail = tokenizer.turn_tail() if tokenizer is not None and config.reward.type == "model" \
             and config.data.apply_chat_template else []
         self.end_ids, self.pad_id = (tokenizer.eos_ids, tokenizer.pad_id) if tokenizer is not None else ((), 0)
-        # a reward model scores chats where the rm stage did: after the template's close of the turn
-        self.turn_tail = tokenizer.turn_tail() if tokenizer is not None and config.reward.type == "model" \
-            and config.data.apply_chat_template else []
-        self.end_ids, self.pad_id = (tokenizer.eos_ids, tokenizer.pad_id) if tokenizer is not None else ((), 0)
         if config.reward.type == "model" and config.reward.normalize:
             from megatron_rlhf.checkpoint.model_files import recorded_scores
 
